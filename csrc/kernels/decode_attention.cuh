@@ -1,0 +1,430 @@
+// Fused decode step: append the new token's K/V to the cache and attend over slots 0..lengths[b].
+// One kernel body serves both variants: num_splits == 1 walks the whole sequence in one block
+// (single pass); num_splits > 1 cuts it into chunks whose partials the last block merges.
+// Torch-free: raw pointers and MmhaParams only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "decode_launch.h"
+#include "mmha_params.h"
+#include "vec.cuh"
+
+namespace mmha {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Lanes that share one key in the Q.K step: as many as keep >= 4 chunks (64 bytes) per lane,
+// so each lane has several 16-byte loads in flight and the dot-product reduction stays short.
+constexpr int pick_threads_per_key(int chunks) {
+  int tpk = 1;
+  while (tpk < 32 && chunks % (tpk * 2) == 0 && chunks / (tpk * 2) >= 4) tpk *= 2;
+  return tpk;
+}
+
+// How one warp walks the cache. A warp step covers KEYS keys:
+//  - Q.K: lane = ti * KPW + kj holds chunks c * TPK + ti of key kj (K layout [D/x, S, x] makes the
+//    KPW keys of one chunk contiguous: 16 * KPW coalesced bytes per lane group);
+//  - P.V: lane = vr * VLPR + vc holds chunk vc (+ n * VLPR) of key row vr (V rows are contiguous).
+template <typename T, int HEAD_DIM, int QB>
+struct WarpTiling {
+  static constexpr int VEC = kVec<T>;
+  static_assert(HEAD_DIM % VEC == 0, "head_dim must be a multiple of 16 bytes");
+  static constexpr int CHUNKS = HEAD_DIM / VEC;
+  static constexpr int TPK = pick_threads_per_key(CHUNKS);
+  static constexpr int CPT = CHUNKS / TPK;
+  static constexpr int KPW = 32 / TPK;
+  // About 4 KB of K per warp step (2 KB with >= 4 query heads, whose accumulators take the
+  // registers): with 4 warps and >= 3 blocks per SM that keeps ~100 KB of K/V loads in flight
+  // per SM, several times the ~30 KB that HBM3 latency x bandwidth needs.
+  static constexpr int TARGET_KEYS =
+      (QB >= 4 ? 2048 : 4096) / (HEAD_DIM * static_cast<int>(sizeof(T)));
+  static constexpr int U = TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1;
+  static constexpr int KEYS = KPW * U;
+  static constexpr int VLPR = CHUNKS < 32 ? CHUNKS : 32;
+  static_assert(CHUNKS % VLPR == 0, "V chunks must split evenly over lanes");
+  static constexpr int VCPL = CHUNKS / VLPR;
+  static constexpr int ROWS = 32 / VLPR;
+  static constexpr int V_STEPS = (KEYS + ROWS - 1) / ROWS;
+};
+
+// Element d of a q or k head after bias and rotary embedding at position pos, in fp32.
+template <typename T>
+__device__ __forceinline__ float load_biased(const T* row, const T* bias, int i) {
+  float v = to_float(row[i]);
+  if (bias != nullptr) v += to_float(bias[i]);
+  return v;
+}
+
+template <typename T>
+__device__ float load_rotated(const T* row, const T* bias, int offset, int d, int pos,
+                              const MmhaParams& p) {
+  const float x = load_biased(row, bias, offset + d);
+  const int rd = p.rotary_dim;
+  if (d >= rd) return x;
+  int i, partner;
+  float sign;
+  if (p.rotary_interleaved) {
+    i = d / 2;
+    partner = d ^ 1;
+    sign = (d & 1) ? 1.f : -1.f;
+  } else {
+    const int half = rd / 2;
+    i = d < half ? d : d - half;
+    partner = d < half ? d + half : d - half;
+    sign = d < half ? -1.f : 1.f;
+  }
+  const float y = load_biased(row, bias, offset + partner);
+  const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+  float s, c;
+  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
+  return x * c + sign * y * s;
+}
+
+template <typename T, int HEAD_DIM, int QB>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
+  using W = WarpTiling<T, HEAD_DIM, QB>;
+  constexpr int VEC = W::VEC;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  const int b = blockIdx.z;
+  const int kvh = blockIdx.y / p.q_groups;
+  const int qg = blockIdx.y % p.q_groups;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int h0 = kvh * group + qg * QB;  // first query head of this block
+  const int nh = min(QB, group - qg * QB);
+  const int split = blockIdx.x;
+  const int num_splits = gridDim.x;
+  const int smax = p.max_seq_len;
+  const int pos = p.lengths[b];
+
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;
+  float* lse = p.lse + static_cast<int64_t>(b) * p.num_heads;
+  if (pos < 0 || pos >= smax) {
+    // Out-of-range length: write nothing to the cache, poison this row's output instead.
+    if (split == 0) {
+      for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+        out[(h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
+        if (idx % HEAD_DIM == 0) lse[h0 + idx / HEAD_DIM] = NAN;
+      }
+    }
+    return;
+  }
+
+  // Keys [start, end) of this block. Chunks are rounded to whole warp steps; splits past the
+  // row's length have nothing to do and do not take part in the merge.
+  const int len = pos + 1;
+  int chunk = (len + num_splits - 1) / num_splits;
+  chunk = (chunk + W::KEYS - 1) / W::KEYS * W::KEYS;
+  const int start = split * chunk;
+  if (start >= len) return;
+  const int end = min(len, start + chunk);
+  const int active_splits = (len + chunk - 1) / chunk;
+
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM];
+  __shared__ __align__(16) T s_new_k[HEAD_DIM];
+  __shared__ __align__(16) T s_new_v[HEAD_DIM];
+  __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
+  __shared__ __align__(16) float s_acc[kWarps * W::ROWS][QB][HEAD_DIM];
+  __shared__ float s_m[kWarps][QB];
+  __shared__ float s_l[kWarps][QB];
+  __shared__ float s_w[QB][kMaxSplits];
+  __shared__ bool s_last;
+
+  const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+  T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
+  T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
+
+  for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
+    const int g = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
+  }
+  const bool owner = pos < end;  // this block's chunk holds the new token's slot
+  if (owner) {
+    const int k_off = (p.num_heads + kvh) * HEAD_DIM;
+    const int v_off = (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
+    for (int d = tid; d < HEAD_DIM; d += kThreads) {
+      const T k = from_float<T>(load_rotated(qkv_row, bias, k_off, d, pos, p));
+      const T v = from_float<T>(load_biased(qkv_row, bias, v_off + d));
+      s_new_k[d] = k;
+      s_new_v[d] = v;
+      if (qg == 0) {  // blocks of other query groups of this kv head read the same slot
+        k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
+        v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
+      }
+    }
+  }
+  __syncthreads();
+
+  const float scale_log2 = p.scale * kLog2e;
+  const int ti = lane / W::KPW;
+  const int kj = lane % W::KPW;
+  const int vr = lane / W::VLPR;
+  const int vc = lane % W::VLPR;
+  const bool v_lane = vr < W::ROWS;
+
+  float m[QB], l[QB];
+  float acc[QB][W::VCPL * VEC];
+#pragma unroll
+  for (int g = 0; g < QB; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
+  }
+
+  for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
+    // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
+    uint4 kraw[W::U][W::CPT];
+#pragma unroll
+    for (int u = 0; u < W::U; ++u) {
+      const int t = it + u * W::KPW + kj;
+#pragma unroll
+      for (int c = 0; c < W::CPT; ++c) {
+        const int ch = c * W::TPK + ti;
+        if (t >= end) {
+          kraw[u][c] = make_uint4(0, 0, 0, 0);
+        } else if (t == pos) {
+          kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
+        } else {
+          kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+        }
+      }
+    }
+    uint4 vraw[W::V_STEPS][W::VCPL];
+#pragma unroll
+    for (int st = 0; st < W::V_STEPS; ++st) {
+      const int kk = st * W::ROWS + vr;
+      const int t = it + kk;
+      const bool valid = v_lane && kk < W::KEYS && t < end;
+#pragma unroll
+      for (int n = 0; n < W::VCPL; ++n) {
+        const int ch = n * W::VLPR + vc;
+        if (!valid) {
+          vraw[st][n] = make_uint4(0, 0, 0, 0);
+        } else if (t == pos) {
+          vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
+        } else {
+          vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+        }
+      }
+    }
+
+    // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
+    float logit[W::U][QB];
+#pragma unroll
+    for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+      for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
+#pragma unroll
+      for (int c = 0; c < W::CPT; ++c) {
+        const int ch = c * W::TPK + ti;
+        float kf[VEC];
+        convert16<T>(kraw[u][c], kf);
+#pragma unroll
+        for (int g = 0; g < QB; ++g) {
+#pragma unroll
+          for (int e = 0; e < VEC; e += 4) {
+            const float4 q4 = *reinterpret_cast<const float4*>(&s_q[g][ch * VEC + e]);
+            logit[u][g] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
+          }
+        }
+      }
+      const int t = it + u * W::KPW + kj;
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+#pragma unroll
+        for (int off = W::KPW; off < 32; off *= 2) {
+          logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
+        }
+        logit[u][g] = t < end ? logit[u][g] * scale_log2 : -INFINITY;
+      }
+    }
+
+    // Online softmax over this warp's keys (log2 domain).
+    float alpha[QB];
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+      float mx = logit[0][g];
+#pragma unroll
+      for (int u = 1; u < W::U; ++u) mx = fmaxf(mx, logit[u][g]);
+#pragma unroll
+      for (int off = 1; off < W::KPW; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+      const float m_new = fmaxf(m[g], mx);
+      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+      alpha[g] = exp2f(m[g] - m_ref);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+        logit[u][g] = exp2f(logit[u][g] - m_ref);
+        sum += logit[u][g];
+      }
+      l[g] = l[g] * alpha[g] + sum;
+      m[g] = m_new;
+    }
+    if (ti == 0) {
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+        for (int g = 0; g < QB; ++g) s_p[warp][u * W::KPW + kj][g] = logit[u][g];
+      }
+    }
+    __syncwarp();
+
+    // P.V
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+#pragma unroll
+      for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] *= alpha[g];
+    }
+#pragma unroll
+    for (int st = 0; st < W::V_STEPS; ++st) {
+      const int kk = st * W::ROWS + vr;
+      float pg[QB];
+#pragma unroll
+      for (int g = 0; g < QB; ++g) pg[g] = (v_lane && kk < W::KEYS) ? s_p[warp][kk][g] : 0.f;
+#pragma unroll
+      for (int n = 0; n < W::VCPL; ++n) {
+        float vf[VEC];
+        convert16<T>(vraw[st][n], vf);
+#pragma unroll
+        for (int g = 0; g < QB; ++g) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[g][n * VEC + e] += pg[g] * vf[e];
+        }
+      }
+    }
+    __syncwarp();  // s_p is rewritten by the next step
+  }
+
+  // Combine the warps of this block: per-lane sums first, then through shared memory.
+#pragma unroll
+  for (int g = 0; g < QB; ++g) {
+#pragma unroll
+    for (int off = 1; off < W::KPW; off *= 2) l[g] += __shfl_xor_sync(kFullMask, l[g], off);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+      s_m[warp][g] = m[g];
+      s_l[warp][g] = l[g];
+    }
+  }
+  if (v_lane) {
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+#pragma unroll
+      for (int n = 0; n < W::VCPL; ++n) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          s_acc[warp * W::ROWS + vr][g][(n * W::VLPR + vc) * VEC + e] = acc[g][n * VEC + e];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
+  for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+    const int g = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, s_m[w][g]);
+    const float m_ref = mb == -INFINITY ? 0.f : mb;
+    float sum = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float sc = exp2f(s_m[w][g] - m_ref);
+      float aw = 0.f;
+#pragma unroll
+      for (int r = 0; r < W::ROWS; ++r) aw += s_acc[w * W::ROWS + r][g][d];
+      sum += s_l[w][g] * sc;
+      a += aw * sc;
+    }
+    const int h = h0 + g;
+    if (num_splits == 1) {
+      out[h * HEAD_DIM + d] = from_float<T>(a / sum);
+      if (d == 0) lse[h] = (mb + log2f(sum)) * kLn2;
+    } else {
+      float* part = p.partials + ((head_row + h) * num_splits + split) * (HEAD_DIM + 2);
+      part[d] = a;
+      if (d == 0) {
+        part[HEAD_DIM] = mb;
+        part[HEAD_DIM + 1] = sum;
+      }
+    }
+  }
+  if (num_splits == 1) return;
+
+  // Split sequence: the last block of this (row, query-head group) to finish merges the partials.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int32_t* counter = p.counters + static_cast<int64_t>(b) * gridDim.y + blockIdx.y;
+    const int arrived = atomicAdd(counter, 1);
+    s_last = arrived == active_splits - 1;
+    if (s_last) *counter = 0;  // every active block has arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+
+  for (int g = warp; g < nh; g += kWarps) {
+    const float* part = p.partials + (head_row + h0 + g) * num_splits * (HEAD_DIM + 2);
+    float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int s = lane + 32 * i;
+      ms[i] = s < active_splits ? __ldcg(part + s * (HEAD_DIM + 2) + HEAD_DIM) : -INFINITY;
+      ls[i] = s < active_splits ? __ldcg(part + s * (HEAD_DIM + 2) + HEAD_DIM + 1) : 0.f;
+      mx = fmaxf(mx, ms[i]);
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    const float m_ref = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      ms[i] = exp2f(ms[i] - m_ref);
+      sum += ls[i] * ms[i];
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int s = lane + 32 * i;
+      if (s < active_splits) s_w[g][s] = ms[i] / sum;
+    }
+    if (lane == 0) lse[h0 + g] = (mx + log2f(sum)) * kLn2;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+    const int g = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    const float* part = p.partials + (head_row + h0 + g) * num_splits * (HEAD_DIM + 2) + d;
+    float a = 0.f;
+    for (int s = 0; s < active_splits; ++s) a += s_w[g][s] * __ldcg(part + s * (HEAD_DIM + 2));
+    out[(h0 + g) * HEAD_DIM + d] = from_float<T>(a);
+  }
+}
+
+template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  const dim3 grid(params.num_splits, params.num_kv_heads * params.q_groups, params.batch);
+  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK><<<grid, kThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace mmha

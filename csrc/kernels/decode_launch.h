@@ -1,0 +1,22 @@
+// Host-side entry points of the decode kernels. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "mmha_params.h"
+
+namespace mmha {
+
+// One instantiation per (element type, head dim, query heads per block); defined in
+// decode_attention.cuh, instantiated in instantiations/*.cu.
+template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream);
+
+// Dispatches on params.dtype, params.head_dim and params.q_group_block, then launches.
+// Returns cudaErrorInvalidValue for an unsupported combination (the op validates before).
+cudaError_t run_decode_attention(const MmhaParams& params, cudaStream_t stream);
+
+// Space-separated list of the SM architectures this library holds device code for, e.g. "80 90".
+const char* compiled_cuda_archs();
+
+}  // namespace mmha

@@ -1,0 +1,228 @@
+#include "mmha_ops.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "kernels/decode_launch.h"
+#include "kernels/mmha_params.h"
+
+// Every message reads "<arg> must <rule>, got <value>" (tests match them).
+#define MMHA_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
+
+namespace mmha {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const c10::Device& device) {
+  MMHA_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
+  MMHA_CHECK(t.device() == device, name, " must be on the same device as qkv (", device, "), got ",
+             t.device());
+}
+
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  MMHA_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+}
+
+void check_contiguous(const at::Tensor& t, const char* name) {
+  MMHA_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(),
+             " for shape ", t.sizes());
+}
+
+std::string supported_head_dims() {
+  std::ostringstream os;
+  for (int i = 0; i < kNumSupportedHeadDims; ++i) os << (i ? ", " : "") << kSupportedHeadDims[i];
+  return os.str();
+}
+
+bool head_dim_supported(int64_t d) {
+  for (int i = 0; i < kNumSupportedHeadDims; ++i) {
+    if (kSupportedHeadDims[i] == d) return true;
+  }
+  return false;
+}
+
+int pick_q_group_block(int64_t group) {
+  for (int i = 0; i < kNumQGroupBlocks; ++i) {
+    if (kQGroupBlocks[i] >= group) return kQGroupBlocks[i];
+  }
+  return kQGroupBlocks[kNumQGroupBlocks - 1];
+}
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: return DType::kFloat32;
+  }
+}
+
+}  // namespace
+
+void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
+                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
+                      const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
+                      double scale, int64_t rotary_dim, double rotary_theta,
+                      bool rotary_interleaved, int64_t num_splits) {
+  // Devices.
+  MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
+  const c10::Device device = qkv.device();
+  check_cuda(k_cache, "k_cache", device);
+  check_cuda(v_cache, "v_cache", device);
+  check_cuda(lengths, "lengths", device);
+  check_cuda(out, "out", device);
+  check_cuda(lse, "lse", device);
+  check_cuda(partials, "partials", device);
+  check_cuda(counters, "counters", device);
+  if (qkv_bias.has_value()) check_cuda(*qkv_bias, "qkv_bias", device);
+
+  // Dtypes.
+  const at::ScalarType dtype = qkv.scalar_type();
+  MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+             "qkv must have dtype float16, bfloat16 or float32, got ", dtype);
+  check_dtype(k_cache, "k_cache", dtype);
+  check_dtype(v_cache, "v_cache", dtype);
+  check_dtype(out, "out", dtype);
+  if (qkv_bias.has_value()) check_dtype(*qkv_bias, "qkv_bias", dtype);
+  check_dtype(lengths, "lengths", at::kInt);
+  check_dtype(lse, "lse", at::kFloat);
+  check_dtype(partials, "partials", at::kFloat);
+  check_dtype(counters, "counters", at::kInt);
+
+  // Heads.
+  MMHA_CHECK(num_heads > 0, "num_heads must be positive, got ", num_heads);
+  MMHA_CHECK(num_kv_heads > 0, "num_kv_heads must be positive, got ", num_kv_heads);
+  MMHA_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+             ") must be divisible by num_kv_heads (", num_kv_heads, ")");
+
+  // Caches: k [B, Hkv, D/x, S_max, x], v [B, Hkv, S_max, D].
+  MMHA_CHECK(v_cache.dim() == 4, "v_cache must have 4 dims [B, Hkv, S_max, D], got shape ",
+             shape_str(v_cache));
+  const int64_t batch = v_cache.size(0);
+  const int64_t head_dim = v_cache.size(3);
+  const int64_t max_seq_len = v_cache.size(2);
+  MMHA_CHECK(head_dim_supported(head_dim), "Unsupported head_dim: ", head_dim,
+             " (supported: ", supported_head_dims(), ")");
+  const int64_t x = 16 / static_cast<int64_t>(qkv.element_size());
+  MMHA_CHECK(k_cache.dim() == 5, "k_cache must have 5 dims [B, Hkv, D/x, S_max, x], got shape ",
+             shape_str(k_cache));
+  MMHA_CHECK(k_cache.size(4) == x, "k_cache must have x = 16 / element_size = ", x,
+             " in its last dim, got shape ", shape_str(k_cache));
+  MMHA_CHECK(k_cache.size(0) == batch && k_cache.size(1) == v_cache.size(1) &&
+                 k_cache.size(2) * x == head_dim && k_cache.size(3) == max_seq_len,
+             "k_cache must have shape [", batch, ", ", v_cache.size(1), ", ", head_dim / x, ", ",
+             max_seq_len, ", ", x, "] to match v_cache ", shape_str(v_cache), ", got shape ",
+             shape_str(k_cache));
+  MMHA_CHECK(v_cache.size(1) == num_kv_heads, "v_cache must have num_kv_heads (", num_kv_heads,
+             ") heads in dim 1, got shape ", shape_str(v_cache));
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  MMHA_CHECK(max_seq_len > 0, "v_cache must have max_seq_len > 0, got shape ", shape_str(v_cache));
+
+  // qkv [B, (Hq + 2 Hkv) D]: inner dim contiguous, any row stride.
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  MMHA_CHECK(qkv.dim() == 2, "qkv must have 2 dims [B, (Hq + 2 * Hkv) * D], got shape ",
+             shape_str(qkv));
+  MMHA_CHECK(qkv.size(0) == batch, "qkv must have batch ", batch,
+             " (the caches' batch), got shape ", shape_str(qkv));
+  MMHA_CHECK(qkv.size(1) == width, "qkv must have width (num_heads + 2 * num_kv_heads) * head_dim = (",
+             num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim, " = ", width, ", got shape ",
+             shape_str(qkv));
+  MMHA_CHECK(qkv.stride(1) == 1 && qkv.stride(0) >= width,
+             "qkv must have unit stride in dim 1 and row stride >= its width, got strides ",
+             qkv.strides());
+  if (qkv_bias.has_value()) {
+    MMHA_CHECK(qkv_bias->dim() == 1 && qkv_bias->size(0) == width, "qkv_bias must have shape [",
+               width, "], got shape ", shape_str(*qkv_bias));
+    check_contiguous(*qkv_bias, "qkv_bias");
+  }
+
+  MMHA_CHECK(lengths.dim() == 1 && lengths.size(0) == batch, "lengths must have shape [", batch,
+             "], got shape ", shape_str(lengths));
+  check_contiguous(lengths, "lengths");
+  MMHA_CHECK(out.dim() == 2 && out.size(0) == batch && out.size(1) == num_heads * head_dim,
+             "out must have shape [", batch, ", ", num_heads * head_dim, "], got shape ",
+             shape_str(out));
+  check_contiguous(out, "out");
+  MMHA_CHECK(lse.dim() == 2 && lse.size(0) == batch && lse.size(1) == num_heads,
+             "lse must have shape [", batch, ", ", num_heads, "], got shape ", shape_str(lse));
+  check_contiguous(lse, "lse");
+
+  // Rotary embedding and scale.
+  MMHA_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
+             "rotary_dim must be even and in [0, head_dim = ", head_dim, "], got ", rotary_dim);
+  MMHA_CHECK(rotary_dim == 0 || rotary_theta > 0, "rotary_theta must be positive, got ",
+             rotary_theta);
+  MMHA_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+
+  // Split-sequence workspace.
+  MMHA_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, ", kMaxSplits,
+             "], got ", num_splits);
+  if (num_splits > 1) {
+    const int64_t need = batch * num_heads * num_splits * (head_dim + 2);
+    MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * Hq * num_splits * (D + 2) = ",
+               need, " floats, got ", partials.numel());
+    check_contiguous(partials, "partials");
+    MMHA_CHECK(counters.numel() >= batch * num_heads,
+               "counters must hold at least B * Hq = ", batch * num_heads, " int32, got ",
+               counters.numel());
+    check_contiguous(counters, "counters");
+  }
+
+  const int64_t group = num_heads / num_kv_heads;
+  const int q_group_block = pick_q_group_block(group);
+  const int64_t q_groups = (group + q_group_block - 1) / q_group_block;
+  MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
+  MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);
+  if (batch == 0) return;
+
+  MmhaParams p{};
+  p.qkv = qkv.data_ptr();
+  p.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr() : nullptr;
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.lengths = lengths.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.partials = num_splits > 1 ? partials.data_ptr<float>() : nullptr;
+  p.counters = num_splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  p.qkv_row_stride = qkv.stride(0);
+  p.batch = static_cast<int32_t>(batch);
+  p.num_heads = static_cast<int32_t>(num_heads);
+  p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  p.head_dim = static_cast<int32_t>(head_dim);
+  p.max_seq_len = static_cast<int32_t>(max_seq_len);
+  p.q_group_block = q_group_block;
+  p.q_groups = static_cast<int32_t>(q_groups);
+  p.num_splits = static_cast<int32_t>(num_splits);
+  p.scale = static_cast<float>(scale);
+  p.rotary_dim = static_cast<int32_t>(rotary_dim);
+  p.rotary_theta = static_cast<float>(rotary_theta);
+  p.rotary_interleaved = rotary_interleaved;
+  p.dtype = to_dtype(dtype);
+
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const cudaError_t err = run_decode_attention(p, stream);
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index());
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device.index());
+    TORCH_CHECK(false, "mmha has no kernel for this GPU (compute capability ", major, ".", minor,
+                "); it was compiled for sm ", compiled_cuda_archs(), ". Rebuild with TORCH_CUDA_ARCH_LIST=\"",
+                major, ".", minor, "\" pip install --no-build-isolation -e .");
+  }
+  MMHA_CHECK(err == cudaSuccess, "mmha decode_attention launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace mmha

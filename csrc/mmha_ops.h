@@ -1,0 +1,21 @@
+// The torch operators of mmha: argument checks, MmhaParams, launch on the current stream.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace mmha {
+
+// One decode step: append the new K/V of every row at slot lengths[b] and attend over
+// slots 0..lengths[b]. Writes out [B, Hq * D] and lse [B, Hq]; caches are updated in place;
+// lengths are read, never changed. partials / counters are the split-sequence workspace
+// (partials [>= B * Hq * num_splits * (D + 2)] fp32, counters [>= B * Hq] int32, all zero).
+void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
+                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
+                      const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
+                      double scale, int64_t rotary_dim, double rotary_theta,
+                      bool rotary_interleaved, int64_t num_splits);
+
+}  // namespace mmha

@@ -1,0 +1,99 @@
+"""Which kernel variant runs, and with how many sequence splits: one pure function.
+
+The C++ side holds the same constants in ``csrc/kernels/mmha_params.h``;
+``tests/test_dispatch.py`` checks that both agree when the extension is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Query heads handled by one block (K/V of a kv head is read once per block).
+Q_GROUP_BLOCKS = (1, 2, 4, 8)
+MAX_SPLITS = 64
+WARPS = 4
+
+# --- Thresholds (the only tuning knobs; docs/design.md shows the measurements behind them) ---
+# Resident blocks per SM to aim for: 128-thread blocks of ~130-180 registers fit 3-4 per SM.
+TARGET_BLOCKS_PER_SM = 4
+# Fewest keys a split should own: below this the partial write and merge cost more than the
+# extra parallelism buys.
+MIN_KEYS_PER_SPLIT = 128
+
+VARIANTS = ("auto", "single_pass", "split")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A dispatch decision: ``variant`` is ``"single_pass"`` or ``"split"``."""
+
+    variant: str
+    num_splits: int
+
+
+def q_group_block(group: int) -> int:
+    """Query heads per block for ``group = num_heads // num_kv_heads`` (mirrors the C++ pick)."""
+    for qb in Q_GROUP_BLOCKS:
+        if qb >= group:
+            return qb
+    return Q_GROUP_BLOCKS[-1]
+
+
+def choose_variant(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    variant: str = "auto",
+) -> Plan:
+    """Pick single pass or split sequence, and the split count, from shapes alone.
+
+    ``seq_len`` is the longest sequence the step may see: the host-side maximum of the lengths
+    (plus the new token) in eager use, or the cache capacity when the step is captured in a CUDA
+    graph, so no device value is ever read. The result depends only on the arguments.
+
+    The base grid has one block per (row, kv head, query-head block). If that alone gives
+    ``TARGET_BLOCKS_PER_SM`` blocks per SM, one pass per block keeps the GPU busy and no merge is
+    needed. Otherwise the sequence is cut into enough splits to reach that many blocks, but never
+    into splits shorter than ``MIN_KEYS_PER_SPLIT`` keys, and never more than ``MAX_SPLITS``.
+
+    Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
+    132-SM H100. Group 1, so one query head per block and a base grid of 1 * 32 * 1 = 32 blocks.
+    The target is 132 * 4 = 528 blocks: ceil(528 / 32) = 17 splits wanted; 4096 // 128 = 32
+    allows up to 32; 17 <= 64. Result: ``Plan("split", 17)``. The kernel then gives each split
+    ceil(4097 / 17) = 242 keys, rounded up to its warp step (16 keys): 256.
+    At batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
+
+    ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {SUPPORTED_HEAD_DIMS})")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+        )
+    if variant == "single_pass":
+        return Plan("single_pass", 1)
+    group = num_heads // num_kv_heads
+    base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
+    target_blocks = max(1, num_sms) * TARGET_BLOCKS_PER_SM
+    wanted = math.ceil(target_blocks / max(1, base_blocks))
+    allowed = max(1, seq_len // MIN_KEYS_PER_SPLIT)
+    splits = min(MAX_SPLITS, wanted, allowed)
+    if variant == "split":
+        return Plan("split", max(2, splits))
+    if splits <= 1:
+        return Plan("single_pass", 1)
+    return Plan("split", splits)

@@ -1,0 +1,138 @@
+"""Typed wrappers around ``torch.ops.mmha.*`` and their fake (meta) registrations.
+
+The operators write into caller-allocated tensors; these wrappers allocate them, choose the
+variant (``mmha.dispatch.choose_variant``) and provide the split-sequence workspace.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import dispatch
+from ._ext import IMPORT_ERROR, _C
+
+if _C is not None:
+
+    @torch.library.register_fake("mmha::decode_attention")
+    def _decode_attention_fake(
+        qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, num_heads,
+        num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
+    ):  # fmt: skip
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass
+class Workspace:
+    """Split-sequence scratch: fp32 partials and int32 counters (zero between launches).
+
+    Counters are reset by the kernel itself, so one workspace serves any number of launches
+    ordered on one stream; launches on concurrent streams need one workspace each.
+    """
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, device, batch: int, num_heads: int, head_dim: int, num_splits: int):
+        partials = torch.empty(
+            batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0,
+            dtype=torch.float32,
+            device=device,
+        )
+        counters = torch.zeros(batch * num_heads, dtype=torch.int32, device=device)
+        return cls(partials, counters)
+
+    def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int) -> bool:
+        need = batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0
+        return self.partials.numel() >= need and self.counters.numel() >= batch * num_heads
+
+
+def _require_extension() -> None:
+    if _C is None:
+        raise RuntimeError(
+            "mmha's CUDA extension is not built or failed to import "
+            f"({IMPORT_ERROR}); run `python -m mmha info` for details"
+        )
+
+
+def check_lengths_values(lengths: torch.Tensor, max_seq_len: int) -> None:
+    """Host check of length values (one device read): each must be in ``[0, max_seq_len - 1]``."""
+    if lengths.numel() == 0:
+        return
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 0 or hi >= max_seq_len:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"lengths must be in [0, {max_seq_len - 1}] (the cache capacity is {max_seq_len} and "
+            f"the new token goes to slot lengths[b]), got {bad}"
+        )
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    qkv_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    rotary_dim: int = 0,
+    rotary_theta: float = 10000.0,
+    rotary_interleaved: bool = False,
+    variant: str = "auto",
+    num_splits: int | None = None,
+    max_len: int | None = None,
+    return_lse: bool = False,
+    workspace: Workspace | None = None,
+    validate_lengths: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused append + attention for one decode step on the GPU.
+
+    Parameters
+    ----------
+    qkv : ``[B, (Hq + 2 * Hkv) * D]``; rows may be strided (a view into a larger buffer).
+    k_cache : ``[B, Hkv, D / x, S_max, x]``, new k written at slot ``lengths[b]``.
+    v_cache : ``[B, Hkv, S_max, D]``, new v written at slot ``lengths[b]``.
+    lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
+    variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
+    max_len : longest ``lengths[b] + 1`` the caller knows of (for dispatch); default capacity.
+    validate_lengths : read ``lengths`` on the host to reject out-of-range values (one sync);
+        callers that track lengths themselves (``KVCache``) pass ``False``.
+
+    Returns
+    -------
+    out ``[B, Hq * D]`` in the input dtype, and with ``return_lse`` the fp32 ``lse [B, Hq]``.
+    """
+    _require_extension()
+    batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
+    if num_splits is None:
+        plan = dispatch.choose_variant(
+            batch, num_heads, num_kv_heads, head_dim,
+            max_seq_len if max_len is None else max_len,
+            qkv.dtype, num_sms(qkv.device.index or 0) if qkv.is_cuda else 1, variant,
+        )  # fmt: skip
+        num_splits = plan.num_splits
+    if validate_lengths and lengths.is_cuda and not torch.cuda.is_current_stream_capturing():
+        check_lengths_values(lengths, max_seq_len)
+    if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
+        workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
+    out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    lse = torch.empty((batch, num_heads), dtype=torch.float32, device=qkv.device)
+    torch.ops.mmha.decode_attention(
+        qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
+        workspace.counters, num_heads, num_kv_heads,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        rotary_dim, rotary_theta, rotary_interleaved, num_splits,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
