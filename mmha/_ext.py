@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (loads libc10 and friends before the extension)
+
 try:
     from . import _C  # noqa: F401
 

@@ -40,6 +40,7 @@ class Workspace:
 
     partials: torch.Tensor
     counters: torch.Tensor
+    num_splits: int
 
     @classmethod
     def allocate(cls, device, batch: int, num_heads: int, head_dim: int, num_splits: int):
@@ -49,7 +50,7 @@ class Workspace:
             device=device,
         )
         counters = torch.zeros(batch * num_heads, dtype=torch.int32, device=device)
-        return cls(partials, counters)
+        return cls(partials, counters, num_splits)
 
     def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int) -> bool:
         need = batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0

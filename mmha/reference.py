@@ -33,9 +33,12 @@ def apply_rotary(
     """Rotate the first ``rotary_dim`` dims of ``x [B, H, D]`` by angles ``pos[B] * inv_freq``."""
     if rotary_dim == 0:
         return x
-    inv_freq = rotary_inv_freq(rotary_dim, theta, x.dtype, x.device)
-    angle = pos.to(x.dtype)[:, None] * inv_freq[None, :]  # [B, rd/2]
-    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+    # Angles in at least fp32: in a 16-bit dtype position * inv_freq is meaningless past ~2K.
+    angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = rotary_inv_freq(rotary_dim, theta, angle_dtype, x.device)
+    angle = pos.to(angle_dtype)[:, None] * inv_freq[None, :]  # [B, rd/2]
+    cos = torch.cos(angle)[:, None, :].to(x.dtype)
+    sin = torch.sin(angle)[:, None, :].to(x.dtype)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything a GPU machine checks, in one run: build, GPU + CPU tests, compute-sanitizer.
+# Writes build.log, pytest.log, junit.xml, sanitizer logs and summary.txt under $OUT (default ./out).
+# Usage: bash tests/gpu_suite.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+summary="$OUT/summary.txt"
+: >"$summary"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
+python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$summary"
+
+start=$(date +%s)
+if ! python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40
+  echo "build: FAILED" | tee -a "$summary"
+  exit 1
+fi
+echo "build: ok in $(($(date +%s) - start)) s" | tee -a "$summary"
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/junit.xml" "$@" \
+    2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >>"$summary"
+fi
+
+if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
+  for tool in memcheck racecheck initcheck; do
+    env=()
+    [ "$tool" = memcheck ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    (cd tests && env "${env[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      --kernel-name regex:decode_attention python sanitize_cases.py) >"$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)" \
+      | tee -a "$summary"
+  done
+fi
+cat "$summary"

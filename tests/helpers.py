@@ -1,0 +1,127 @@
+"""Shared helpers: random decode cases, the tolerance rule, bitwise cache comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from mmha import layout, reference
+from mmha._ext import extension_available
+
+HAS_GPU = torch.cuda.is_available() and extension_available()
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Floor of the tolerance rule, in units of max|ref| (output rounding of each dtype and a bit).
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+
+@dataclass
+class Case:
+    qkv: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    lengths: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    bias: torch.Tensor | None = None
+    rotary: dict = field(default_factory=dict)
+
+    def kwargs(self) -> dict:
+        return dict(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, qkv_bias=self.bias,
+            **self.rotary,
+        )  # fmt: skip
+
+    def clone_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache.clone(), self.v_cache.clone()
+
+
+def make_case(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    lengths: list[int],
+    max_seq_len: int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    seed: int = 0,
+    device: str = "cuda",
+    bias: bool = False,
+    rotary_dim: int = 0,
+    rotary_interleaved: bool = False,
+    rotary_theta: float = 10000.0,
+    unused_fill: float = float("nan"),
+    value_scale: float = 1.0,
+) -> Case:
+    """Random qkv and caches; slots at or past each row's length hold ``unused_fill``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=g) * value_scale).to(dtype).to(device)
+
+    qkv = randn(batch, width)
+    k = randn(batch, max_seq_len, num_kv_heads, head_dim)
+    v = randn(batch, max_seq_len, num_kv_heads, head_dim)
+    slot = torch.arange(max_seq_len, device=device)[None, :, None, None]
+    lens = torch.tensor(lengths, device=device)[:, None, None, None]
+    k = torch.where(slot < lens, k, torch.full_like(k, unused_fill))
+    v = torch.where(slot < lens, v, torch.full_like(v, unused_fill))
+    rotary = {}
+    if rotary_dim:
+        rotary = dict(
+            rotary_dim=rotary_dim, rotary_theta=rotary_theta, rotary_interleaved=rotary_interleaved
+        )
+    return Case(
+        qkv=qkv,
+        k_cache=layout.pack_k(k),
+        v_cache=layout.pack_v(v),
+        lengths=torch.tensor(lengths, dtype=torch.int32, device=device),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        bias=randn(width) if bias else None,
+        rotary=rotary,
+    )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bitwise view, so NaN slots compare equal to themselves."""
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if not torch.equal(bits(a), bits(b)):
+        diff = (bits(a) != bits(b)).nonzero()
+        raise AssertionError(f"{what}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}")
+
+
+def run_reference(case: Case, compute_dtype=torch.float32, return_lse: bool = True):
+    kc, vc = case.clone_caches()
+    out, lse = reference.decode_step(
+        case.qkv, kc, vc, case.lengths, return_lse=True, compute_dtype=compute_dtype,
+        **case.kwargs(),
+    )  # fmt: skip
+    return out, lse, kc, vc
+
+
+def check_against_reference(
+    case: Case, out: torch.Tensor, lse: torch.Tensor | None = None, rope_ulps: bool = False
+):
+    """Tolerance rule: |kernel - ref64| <= 2 |torch_in_dtype - ref64| + floor * max|ref64|."""
+    dtype = case.qkv.dtype
+    ref, ref_lse, _, _ = run_reference(case, torch.float64)
+    low, _, _, _ = run_reference(case, dtype)
+    assert torch.isfinite(out).all(), "kernel output has non-finite values"
+    err = (out.double() - ref.double()).abs().max().item()
+    base = (low.double() - ref.double()).abs().max().item()
+    scale = max(1.0, ref.double().abs().max().item())
+    tol = 2 * base + FLOOR[dtype] * scale
+    assert err <= tol, f"max error {err:.3e} > tolerance {tol:.3e} (torch {dtype}: {base:.3e})"
+    if lse is not None:
+        lse_err = (lse.double() - ref_lse.double()).abs().max().item()
+        assert lse_err <= 1e-3 * max(1.0, ref_lse.abs().max().item()), f"lse error {lse_err:.3e}"
+    return err

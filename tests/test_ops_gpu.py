@@ -1,0 +1,294 @@
+"""The CUDA kernel against mmha.reference (RELIABILITY.md rows 1-5, 10, 12-19, 21, 23)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (
+    DTYPES,
+    assert_bits_equal,
+    check_against_reference,
+    gpu,
+    make_case,
+    run_reference,
+)
+from mmha import dispatch, ops
+
+pytestmark = gpu
+
+HEAD_DIMS = dispatch.SUPPORTED_HEAD_DIMS
+# Forced variants: single pass, split with the dispatcher's count, and odd split counts.
+SPLITS = {"single_pass": 1, "split2": 2, "split3": 3, "split7": 7, "split64": 64}
+
+
+def run_kernel(case, num_splits=None, variant="auto", **kw):
+    out, lse = ops.decode_attention(
+        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=num_splits,
+        variant=variant, return_lse=True, **case.kwargs(), **kw,
+    )  # fmt: skip
+    return out, lse
+
+
+def check_case(case, num_splits=None, variant="auto"):
+    """Kernel vs reference: output within tolerance, caches bit-identical to the fp32 reference."""
+    _, _, ref_k, ref_v = run_reference(case)
+    out, lse = run_kernel(case, num_splits, variant)
+    torch.cuda.synchronize()
+    check_against_reference(case, out, lse)
+    if case.rotary:
+        # Rotated k may differ from the reference's fp32 rotation by one rounding step; every
+        # other byte must be unchanged.
+        k_diff = (case.k_cache.float() - ref_k.float()).abs().nan_to_num(0)
+        assert k_diff.max().item() <= 2e-2 * max(1.0, ref_k.float().nan_to_num(0).abs().max().item())
+        ref_k = ref_k.clone()
+        b = torch.arange(case.qkv.shape[0], device="cuda")
+        pos = case.lengths.long()
+        ref_k[b, :, :, pos, :] = case.k_cache[b, :, :, pos, :]
+    assert_bits_equal(case.k_cache, ref_k, "k_cache")
+    assert_bits_equal(case.v_cache, ref_v, "v_cache")
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("variant", ["single_pass", "split3"])
+def test_head_dims_and_dtypes(dtype, head_dim, variant):
+    lengths = [0, 1, 37, 300, 511]  # last row fills the cache to exactly S_max
+    case = make_case(5, 4, 2, head_dim, lengths, 512, dtype, seed=head_dim)
+    check_case(case, SPLITS[variant])
+
+
+@pytest.mark.parametrize(
+    "heads", [(8, 8), (8, 4), (8, 2), (16, 2), (16, 1), (12, 4), (24, 4), (32, 8)], ids=str
+)
+@pytest.mark.parametrize("variant", ["single_pass", "split7", "auto"])
+def test_gqa_groups(heads, variant):
+    hq, hkv = heads
+    case = make_case(3, hq, hkv, 128, [5, 250, 1023], 1024, torch.float16, seed=hq * 31 + hkv)
+    check_case(case, SPLITS.get(variant), "auto")
+
+
+STRADDLE = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 239, 255, 256, 257, 3577, 16385]
+
+
+@pytest.mark.parametrize("variant", ["single_pass", "split7", "split64", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_lengths_straddle_tiles_and_thresholds(variant, dtype):
+    # Lengths around the warp step (8/16/32 keys), the block step (x4) and the split threshold.
+    lengths = [n - 1 for n in STRADDLE]  # the new token makes n keys
+    case = make_case(len(lengths), 8, 2, 128, lengths, 16400, dtype, seed=7)
+    check_case(case, SPLITS.get(variant))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17, 60, 128])
+def test_odd_batches(batch):
+    g = torch.Generator().manual_seed(batch)
+    lengths = torch.randint(0, 700, (batch,), generator=g).tolist()
+    case = make_case(batch, 8, 8, 64, lengths, 700, torch.bfloat16, seed=batch)
+    check_case(case)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_and_bias(interleaved, rotary_fraction, bias, dtype):
+    head_dim = 128
+    case = make_case(
+        4, 8, 2, head_dim, [0, 3, 700, 4000], 4096, dtype, seed=11, bias=bias,
+        rotary_dim=int(head_dim * rotary_fraction), rotary_interleaved=interleaved,
+    )  # fmt: skip
+    check_case(case, 5)
+
+
+def test_bias_cache_write_bit_exact():
+    case = make_case(3, 8, 4, 96, [0, 10, 99], 100, torch.float16, seed=3, bias=True)
+    check_case(case, 1)
+
+
+def test_strided_qkv_equals_contiguous():
+    case = make_case(6, 8, 2, 128, [1, 50, 500, 999, 3, 77], 1000, torch.float16, seed=5)
+    width = case.qkv.shape[1]
+    big = torch.randn(6, width + 384, device="cuda", dtype=torch.float16)
+    big[:, 128 : 128 + width] = case.qkv
+    strided = big[:, 128 : 128 + width]
+    assert not strided.is_contiguous()
+    k0, v0 = case.clone_caches()
+    out_c, _ = run_kernel(case)
+    kc, vc = case.k_cache, case.v_cache
+    case.k_cache, case.v_cache, case.qkv = k0, v0, strided
+    out_s, _ = run_kernel(case)
+    assert torch.equal(out_c, out_s)
+    assert_bits_equal(kc, case.k_cache, "k_cache")
+    assert_bits_equal(vc, case.v_cache, "v_cache")
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), 1e4], ids=["nan", "inf", "1e4"])
+def test_unused_slots_do_not_reach_output(fill):
+    lengths = [0, 16, 17, 333]
+    clean = make_case(4, 8, 2, 128, lengths, 400, torch.float16, seed=9, unused_fill=0.0)
+    dirty = make_case(4, 8, 2, 128, lengths, 400, torch.float16, seed=9, unused_fill=fill)
+    for splits in (1, 3):
+        a, _ = run_kernel(make_case(4, 8, 2, 128, lengths, 400, torch.float16, seed=9,
+                                    unused_fill=0.0), splits)  # fmt: skip
+        b, _ = run_kernel(make_case(4, 8, 2, 128, lengths, 400, torch.float16, seed=9,
+                                    unused_fill=fill), splits)  # fmt: skip
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b)
+    check_case(dirty, 3)
+    del clean
+
+
+def test_split_counts_agree_and_repeat_bit_equal():
+    lengths = [4095, 17, 2048, 1]
+    base = make_case(4, 16, 4, 128, lengths, 4096, torch.float16, seed=21)
+    outs = {}
+    for name, splits in SPLITS.items():
+        case = make_case(4, 16, 4, 128, lengths, 4096, torch.float16, seed=21)
+        outs[name] = check_case(case, splits)
+        case2 = make_case(4, 16, 4, 128, lengths, 4096, torch.float16, seed=21)
+        again, _ = run_kernel(case2, splits)
+        assert torch.equal(outs[name], again), f"{name} not bit-equal run to run"
+    del base
+
+
+def test_independent_of_smax_and_batch_mates():
+    lengths = [100, 900]
+    small = make_case(2, 8, 2, 64, lengths, 1000, torch.float16, seed=4)
+    out_small, _ = run_kernel(small, 3)
+    big = make_case(2, 8, 2, 64, lengths, 3000, torch.float16, seed=4)
+    # Same logical contents in a larger cache.
+    big.qkv = small.qkv.clone()
+    from mmha import layout
+
+    k = layout.unpack_k(make_case(2, 8, 2, 64, lengths, 1000, torch.float16, seed=4).k_cache)
+    v = layout.unpack_v(make_case(2, 8, 2, 64, lengths, 1000, torch.float16, seed=4).v_cache)
+    big.k_cache, big.v_cache = layout.pack_k(k, 3000), layout.pack_v(v, 3000)
+    out_big, _ = run_kernel(big, 3)
+    torch.testing.assert_close(out_small, out_big, atol=2e-3, rtol=0)
+    # Row 1 alone gives what it gave next to row 0.
+    solo = make_case(2, 8, 2, 64, lengths, 1000, torch.float16, seed=4)
+    solo.qkv, solo.k_cache, solo.v_cache, solo.lengths = (
+        solo.qkv[1:].clone(), solo.k_cache[1:].clone(), solo.v_cache[1:].clone(), solo.lengths[1:].clone()
+    )  # fmt: skip
+    out_solo, _ = run_kernel(solo, 3)
+    torch.testing.assert_close(out_small[1:], out_solo, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 6])
+def test_determinism_100_runs(splits):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 2000, (64,), generator=g).tolist()
+    case = make_case(64, 16, 4, 128, lengths, 2048, torch.bfloat16, seed=2)
+    k0, v0 = case.clone_caches()
+    first, _ = run_kernel(case, splits)
+    for _ in range(100):
+        case.k_cache.copy_(k0)
+        case.v_cache.copy_(v0)
+        out, _ = run_kernel(case, splits)
+        assert torch.equal(out, first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("value_scale", [1e-3, 30.0])
+def test_large_and_tiny_values(dtype, value_scale):
+    # q . k of order 1e3 * 1e3 * D: softmax saturates; the kernel must stay finite and right.
+    case = make_case(3, 8, 2, 128, [10, 500, 1500], 1600, dtype, seed=13, value_scale=value_scale)
+    check_case(case, 4)
+
+
+def test_extreme_scale():
+    case = make_case(2, 4, 4, 64, [50, 500], 512, torch.float32, seed=14)
+    for scale in (1e-6, 10.0):
+        kc, vc = case.clone_caches()
+        from mmha import reference
+
+        ref = reference.decode_step(case.qkv, kc, vc, case.lengths, scale=scale, **case.kwargs())
+        out = ops.decode_attention(
+            case.qkv, case.k_cache.clone(), case.v_cache.clone(), case.lengths, scale=scale,
+            num_splits=3, **case.kwargs(),
+        )  # fmt: skip
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_out_of_range_length_writes_nothing_and_poisons_row():
+    case = make_case(3, 4, 2, 64, [5, 10, 20], 64, torch.float16, seed=3)
+    case.lengths[1] = 64  # == S_max: no slot; the raw op without validation must not write
+    case.lengths[2] = -3
+    k0, v0 = case.clone_caches()
+    out = ops.decode_attention(
+        case.qkv, case.k_cache, case.v_cache, case.lengths, validate_lengths=False, num_splits=2,
+        **case.kwargs(),
+    )  # fmt: skip
+    assert torch.isnan(out[1:]).all()
+    assert torch.isfinite(out[0]).all()
+    pos0 = 5
+    k0[0, :, :, pos0, :] = case.k_cache[0, :, :, pos0, :]
+    v0[0, :, pos0, :] = case.v_cache[0, :, pos0, :]
+    assert_bits_equal(case.k_cache, k0, "k_cache")
+    assert_bits_equal(case.v_cache, v0, "v_cache")
+
+
+def test_non_default_stream():
+    case = make_case(8, 16, 4, 128, [1000] * 8, 1024, torch.float16, seed=17)
+    expect, _ = run_kernel(make_case(8, 16, 4, 128, [1000] * 8, 1024, torch.float16, seed=17), 4)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out, _ = run_kernel(case, 4)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(out, expect)
+
+
+@pytest.mark.slow
+def test_int64_offsets_large_cache():
+    # k_cache of 2 * 8 * 128 * 1.1M = 2.25e9 elements (> 2^31): rows at the highest slots.
+    smax = 1_100_000
+    b, hkv, d = 2, 8, 128
+    width = (hkv + 2 * hkv) * d
+    dtype = torch.float16
+    free, _ = torch.cuda.mem_get_info()
+    need = 2 * b * hkv * smax * d * 2
+    if need * 1.3 > free:
+        pytest.skip(f"needs {need} bytes free")
+    k_cache = torch.empty((b, hkv, d // 8, smax, 8), dtype=dtype, device="cuda")
+    v_cache = torch.empty((b, hkv, smax, d), dtype=dtype, device="cuda")
+    assert k_cache.numel() > 2**31
+    lengths = torch.tensor([smax - 1, smax - 2], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # Fill only the tail that is attended (keep the test fast): the first slots get a constant.
+    k_cache.fill_(0.01)
+    v_cache.fill_(0.02)
+    tail = 4096
+    k_cache[:, :, :, -tail:, :] = torch.randn(b, hkv, d // 8, tail, 8, generator=g, device="cuda").to(dtype)
+    v_cache[:, :, -tail:, :] = torch.randn(b, hkv, tail, d, generator=g, device="cuda").to(dtype)
+    qkv = torch.randn(b, width, generator=g, device="cuda").to(dtype)
+    from mmha import reference
+
+    out = ops.decode_attention(
+        qkv, k_cache, v_cache, lengths, num_heads=hkv, num_kv_heads=hkv, validate_lengths=False
+    )
+    new_k = k_cache[:, :, :, -2:, :].clone()
+    new_v = v_cache[:, :, -2:, :].clone()
+    # Undo the kernel's writes, then let the reference do the same step.
+    k_cache[0, :, :, smax - 1, :] = 0
+    v_cache[0, :, smax - 1, :] = 0
+    ref = reference.decode_step(qkv, k_cache, v_cache, lengths, num_heads=hkv, num_kv_heads=hkv)
+    assert torch.equal(new_k[0, :, :, 1], k_cache[0, :, :, smax - 1])
+    assert torch.equal(new_v[1, :, 0], v_cache[1, :, smax - 2])
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_opcheck():
+    case = make_case(3, 8, 2, 64, [3, 40, 100], 128, torch.float16, seed=1)
+    for splits in (1, 3):
+        out = torch.empty(3, 8 * 64, dtype=torch.float16, device="cuda")
+        lse = torch.empty(3, 8, dtype=torch.float32, device="cuda")
+        ws = ops.Workspace.allocate("cuda", 3, 8, 64, splits)
+        args = (
+            case.qkv, case.k_cache, case.v_cache, case.lengths, None, out, lse, ws.partials,
+            ws.counters, 8, 2, 0.125, 0, 10000.0, False, splits,
+        )  # fmt: skip
+        torch.library.opcheck(torch.ops.mmha.decode_attention.default, args)
