@@ -23,6 +23,13 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "mmha CUDA extension: registers torch.ops.mmha.* and reports what was compiled";
   m.def("compiled_cuda_archs", &mmha::compiled_cuda_archs,
         "SM architectures this build holds device code for, e.g. '80 86 89 90'");
+  m.def(
+      "blocks_per_sm",
+      [](int dtype, int head_dim, int q_group_block) {
+        return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype), head_dim, q_group_block);
+      },
+      "Resident blocks per SM of the decode kernel on the current device (dtype: 0 fp16, 1 bf16, "
+      "2 fp32); 0 when it cannot run there");
   pybind11::list head_dims;
   for (int d : mmha::kSupportedHeadDims) head_dims.append(d);
   m.attr("SUPPORTED_HEAD_DIMS") = pybind11::tuple(head_dims);

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, layout, ops
+from . import layout, ops
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -123,7 +123,6 @@ def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
     expect = x.double().sum().item()
     assert abs(out.double().sum().item() - expect) < 1e-3 * abs(expect), "ceiling kernel is wrong"
     ms = do_bench(run, warmup=25, rep=200, return_mode="median")
-    del x
     return nbytes / (ms * 1e-3) / 1e9, "Triton streaming sum of 4 GiB"
 
 
@@ -166,35 +165,32 @@ class Problem:
 
 
 def mmha_fn(prob: Problem, num_splits: int):
+    """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it."""
     cfg = prob.cfg
     ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, num_splits)
+    out = torch.empty(cfg.batch, cfg.num_heads * cfg.head_dim, dtype=cfg.torch_dtype, device="cuda")
+    lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device="cuda")
+    op = torch.ops.mmha.decode_attention.default
+    args = (
+        prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, ws.partials,
+        ws.counters, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, num_splits,
+    )  # fmt: skip
 
     def fn():
-        return ops.decode_attention(
-            prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, num_splits=num_splits, workspace=ws,
-            validate_lengths=False,
-        )  # fmt: skip
+        op(*args)
+        return out
 
     return fn
 
 
-def sdpa_fn(prob: Problem, backend):
-    from torch.nn.attention import sdpa_kernel
-
+def sdpa_fn(prob: Problem):
+    """SDPA with q of length 1; the backend is chosen by the caller, outside the timed call."""
     gqa = prob.cfg.num_heads != prob.cfg.num_kv_heads
     b = prob.cfg.batch
-
-    def call():
-        kw = {"enable_gqa": True} if gqa else {}
-        return F.scaled_dot_product_attention(prob.q, prob.k, prob.v, **kw).reshape(b, -1)
-
-    if backend is None:
-        return call
+    kw = {"enable_gqa": True} if gqa else {}
 
     def fn():
-        with sdpa_kernel([backend]):
-            return call()
+        return F.scaled_dot_product_attention(prob.q, prob.k, prob.v, **kw).reshape(b, -1)
 
     return fn
 
@@ -270,27 +266,31 @@ PEERS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_default", "flashinf
 MMHA = ("mmha", "mmha_single", "mmha_split")
 
 
-def run_config(cfg: Config, num_sms: int, graphs: bool = True) -> Result:
+def backend_context(name: str):
+    """Context that selects the SDPA backend for ``name`` (entered once around all its calls)."""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = sdpa_backends().get(name)
+    return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+
+
+def run_config(cfg: Config, graphs: bool = True) -> Result:
     from triton.testing import do_bench
 
     res = Result(cfg)
     prob = Problem(cfg)
-    plan = dispatch.choose_variant(
-        cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, cfg.torch_dtype,
-        num_sms,
-    )  # fmt: skip
-    forced_split = dispatch.choose_variant(
-        cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, cfg.torch_dtype,
-        num_sms, "split",
-    )  # fmt: skip
+    shape = ("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
+             cfg.torch_dtype)  # fmt: skip
+    plan = ops.plan_for(*shape)
+    forced_split = ops.plan_for(*shape, "split")
     res.plan = f"{plan.variant}/{plan.num_splits}"
     fns = {
         "mmha": mmha_fn(prob, plan.num_splits),
         "mmha_single": mmha_fn(prob, 1),
         "mmha_split": mmha_fn(prob, forced_split.num_splits),
     }
-    for name, backend in sdpa_backends().items():
-        fns[name] = sdpa_fn(prob, backend)
+    for name in sdpa_backends():
+        fns[name] = sdpa_fn(prob)
     fns["eager"] = eager_fn(prob)
     rows = sorted({0, cfg.batch - 1})
     ref = prob.reference(rows)
@@ -300,27 +300,26 @@ def run_config(cfg: Config, num_sms: int, graphs: bool = True) -> Result:
     except Exception as exc:  # ImportError or an unsupported shape
         res.skipped["flashinfer"] = f"{type(exc).__name__}: {exc}"[:120]
     for name, fn in fns.items():
-        try:
-            out = fn()
-            torch.cuda.synchronize()
-        except Exception as exc:  # a peer backend that does not support this shape
-            res.skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:120]
-            continue
-        err = (out[rows].float() - ref).abs().max().item()
-        res.errors[name] = err
-        if not math.isfinite(err) or err > tol:
-            res.skipped[name] = f"wrong result: max error {err:.3g} > {tol}"
-            continue
-        q20, q50, q80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
-        res.times_us[name] = q50 * 1e3
-        res.spread_us[name] = (q20 * 1e3, q80 * 1e3)
+        with backend_context(name):
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a peer backend that does not support this shape
+                res.skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:120]
+                continue
+            err = (out[rows].float() - ref).abs().max().item()
+            res.errors[name] = err
+            if not math.isfinite(err) or err > tol:
+                res.skipped[name] = f"wrong result: max error {err:.3g} > {tol}"
+                continue
+            q20, q50, q80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+            res.times_us[name] = q50 * 1e3
+            res.spread_us[name] = (q20 * 1e3, q80 * 1e3)
     if graphs:
-        best_sdpa = min(
-            (n for n in res.times_us if n.startswith("sdpa")), key=res.times_us.get, default=None
-        )
+        best_sdpa = min((n for n in res.times_us if n.startswith("sdpa")), key=res.times_us.get, default=None)
         for name in ("mmha", best_sdpa):
             if name is not None:
-                with contextlib.suppress(Exception):
+                with backend_context(name), contextlib.suppress(Exception):
                     res.graph_us[name] = graph_time_us(fns[name])
     del prob, fns
     torch.cuda.empty_cache()
@@ -518,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = []
     for cfg in progress(build_configs(args), "mmha.bench"):
-        rows.append(summarize(run_config(cfg, num_sms, graphs=not args.no_graph), ceiling))
+        rows.append(summarize(run_config(cfg, graphs=not args.no_graph), ceiling))
     text = table(rows, header)
     print(text)
     (args.out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

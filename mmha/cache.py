@@ -83,9 +83,7 @@ class KVCache:
         ):
             _positive_int(name, value)
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
         if dtype not in dispatch.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {dispatch.SUPPORTED_DTYPES}, got {dtype}")
         if not (0 <= rotary_dim <= head_dim and rotary_dim % 2 == 0):
@@ -107,9 +105,7 @@ class KVCache:
 
         self.use_kernel = self.device.type == "cuda" and extension_available()
         if self.use_kernel and head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
-            raise ValueError(
-                f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})"
-            )
+            raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         elem = torch.empty((), dtype=dtype).element_size()
         self.nbytes = 2 * num_layers * max_batch * num_kv_heads * max_seq_len * head_dim * elem
         workspace_bytes = max_batch * num_heads * 4  # counters; partials grow on first use
@@ -164,9 +160,7 @@ class KVCache:
             self._host_lengths[r] = v
         if rows:
             idx = torch.tensor(rows, dtype=torch.long)
-            self.lengths[idx.to(self.device)] = torch.tensor(values, dtype=torch.int32).to(
-                self.device
-            )
+            self.lengths[idx.to(self.device)] = torch.tensor(values, dtype=torch.int32).to(self.device)
 
     def _set_active(self, rows: list[int], active: bool) -> None:
         for r in rows:
@@ -268,10 +262,14 @@ class KVCache:
             seq = self.max_seq_len
         else:
             seq = max(self._host_lengths[:batch], default=0) + 1
-        sms = ops.num_sms(self.device.index) if self.use_kernel else 1
-        return dispatch.choose_variant(
-            batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype, sms, variant
-        )
+        if not self.use_kernel:
+            return dispatch.choose_variant(
+                batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype, 1, variant
+            )
+        return ops.plan_for(
+            self.device, batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype,
+            variant,
+        )  # fmt: skip
 
     def step(
         self,
@@ -335,12 +333,16 @@ class KVCache:
         if ws is None or not ws.fits(batch, self.num_heads, self.head_dim, num_splits):
             # Sized for every row so later steps (and graph replays) reuse it; grows only.
             splits = max(num_splits, ws.num_splits if ws is not None else 1)
-            ws = ops.Workspace.allocate(
-                self.device, self.max_batch, self.num_heads, self.head_dim, splits
-            )
+            ws = ops.Workspace.allocate(self.device, self.max_batch, self.num_heads, self.head_dim, splits)
             self._workspace = ws
         return ops.decode_attention(
-            qkv, kc, vc, lengths, num_splits=num_splits, workspace=ws, validate_lengths=False,
+            qkv,
+            kc,
+            vc,
+            lengths,
+            num_splits=num_splits,
+            workspace=ws,
+            validate_lengths=False,
             **common,
         )
 

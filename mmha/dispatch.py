@@ -19,8 +19,9 @@ MAX_SPLITS = 64
 WARPS = 4
 
 # --- Thresholds (the only tuning knobs; docs/design.md shows the measurements behind them) ---
-# Resident blocks per SM to aim for: 128-thread blocks of ~130-180 registers fit 3-4 per SM.
-TARGET_BLOCKS_PER_SM = 4
+# Resident blocks per SM when the caller cannot ask the device (ops.blocks_per_sm does):
+# 128-thread blocks of 128-200 registers fit 2-4 per SM.
+DEFAULT_BLOCKS_PER_SM = 4
 # Fewest keys a split should own: below this the partial write and merge cost more than the
 # extra parallelism buys.
 MIN_KEYS_PER_SPLIT = 128
@@ -53,24 +54,29 @@ def choose_variant(
     dtype: torch.dtype,
     num_sms: int,
     variant: str = "auto",
+    blocks_per_sm: int = DEFAULT_BLOCKS_PER_SM,
 ) -> Plan:
     """Pick single pass or split sequence, and the split count, from shapes alone.
 
     ``seq_len`` is the longest sequence the step may see: the host-side maximum of the lengths
     (plus the new token) in eager use, or the cache capacity when the step is captured in a CUDA
-    graph, so no device value is ever read. The result depends only on the arguments.
+    graph, so no device value is ever read. ``blocks_per_sm`` is the kernel's occupancy on the
+    device (``mmha.ops.blocks_per_sm``). The result depends only on the arguments.
 
-    The base grid has one block per (row, kv head, query-head block). If that alone gives
-    ``TARGET_BLOCKS_PER_SM`` blocks per SM, one pass per block keeps the GPU busy and no merge is
-    needed. Otherwise the sequence is cut into enough splits to reach that many blocks, but never
-    into splits shorter than ``MIN_KEYS_PER_SPLIT`` keys, and never more than ``MAX_SPLITS``.
+    The base grid has one block per (row, kv head, query-head block). One wave holds
+    ``num_sms * blocks_per_sm`` blocks. If the base grid fills a wave, one pass per block keeps
+    every SM streaming and no merge is needed. Otherwise the sequence is cut into as many splits
+    as still fit in one wave (a second, partial wave would leave most SMs idle at the end), but
+    never into splits shorter than ``MIN_KEYS_PER_SPLIT`` keys, and never more than
+    ``MAX_SPLITS``.
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
-    132-SM H100. Group 1, so one query head per block and a base grid of 1 * 32 * 1 = 32 blocks.
-    The target is 132 * 4 = 528 blocks: ceil(528 / 32) = 17 splits wanted; 4096 // 128 = 32
-    allows up to 32; 17 <= 64. Result: ``Plan("split", 17)``. The kernel then gives each split
-    ceil(4097 / 17) = 242 keys, rounded up to its warp step (16 keys): 256.
-    At batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
+    132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
+    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks: 528 // 32 = 16
+    splits fit; 4096 // 128 = 32 allows up to 32; 16 <= 64. Result: ``Plan("split", 16)``, a
+    grid of 512 blocks. The kernel gives each split ceil(4096 / 16) = 256 keys (a whole number of
+    16-key warp steps). At batch 64 the base grid is 2048 >= 528 blocks:
+    ``Plan("single_pass", 1)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     """
@@ -81,17 +87,15 @@ def choose_variant(
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
     if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
-        )
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if variant == "single_pass":
         return Plan("single_pass", 1)
     group = num_heads // num_kv_heads
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
-    target_blocks = max(1, num_sms) * TARGET_BLOCKS_PER_SM
-    wanted = math.ceil(target_blocks / max(1, base_blocks))
+    wave = max(1, num_sms) * max(1, blocks_per_sm)
+    fit = wave // max(1, base_blocks)
     allowed = max(1, seq_len // MIN_KEYS_PER_SPLIT)
-    splits = min(MAX_SPLITS, wanted, allowed)
+    splits = min(MAX_SPLITS, fit, allowed)
     if variant == "split":
         return Plan("split", max(2, splits))
     if splits <= 1:

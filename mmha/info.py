@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import __version__, dispatch
-from ._ext import IMPORT_ERROR, _C
+from ._ext import _C, IMPORT_ERROR
 
 
 def _archs(raw: str) -> list[str]:

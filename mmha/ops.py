@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import dispatch
-from ._ext import IMPORT_ERROR, _C
+from ._ext import _C, IMPORT_ERROR
 
 if _C is not None:
 
@@ -25,9 +25,41 @@ if _C is not None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+@functools.cache
+def _blocks_per_sm(device_index: int, dtype: torch.dtype, head_dim: int, qb: int) -> int:
+    with torch.cuda.device(device_index):
+        return _C.blocks_per_sm(_DTYPE_CODES[dtype], head_dim, qb)
+
+
+def blocks_per_sm(device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> int:
+    """Resident blocks per SM of the kernel this shape runs (asked of the device once, cached)."""
+    if _C is None or head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
+        return dispatch.DEFAULT_BLOCKS_PER_SM
+    index = torch.device(device).index
+    qb = dispatch.q_group_block(num_heads // num_kv_heads)
+    n = _blocks_per_sm(torch.cuda.current_device() if index is None else index, dtype, head_dim, qb)
+    return n if n > 0 else dispatch.DEFAULT_BLOCKS_PER_SM
+
+
+def plan_for(
+    device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
+    dtype: torch.dtype, variant: str = "auto",
+) -> dispatch.Plan:  # fmt: skip
+    """``dispatch.choose_variant`` with this device's SM count and the kernel's occupancy."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return dispatch.choose_variant(
+        batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, num_sms(index), variant,
+        blocks_per_sm(index, dtype, head_dim, num_heads, num_kv_heads),
+    )  # fmt: skip
 
 
 @dataclass
@@ -118,12 +150,10 @@ def decode_attention(
     _require_extension()
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
     if num_splits is None:
-        plan = dispatch.choose_variant(
-            batch, num_heads, num_kv_heads, head_dim,
-            max_seq_len if max_len is None else max_len,
-            qkv.dtype, num_sms(qkv.device.index or 0) if qkv.is_cuda else 1, variant,
-        )  # fmt: skip
-        num_splits = plan.num_splits
+        num_splits = plan_for(
+            qkv.device, batch, num_heads, num_kv_heads, head_dim,
+            max_seq_len if max_len is None else max_len, qkv.dtype, variant,
+        ).num_splits  # fmt: skip
     if validate_lengths and lengths.is_cuda and not torch.cuda.is_current_stream_capturing():
         check_lengths_values(lengths, max_seq_len)
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):

@@ -102,21 +102,16 @@ def decode_step(
     """
     b, hkv, s_max, d = v_cache.shape
     if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
-        )
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
         raise ValueError(
-            f"qkv must have shape [{b}, {(num_heads + 2 * num_kv_heads) * d}], "
-            f"got {tuple(qkv.shape)}"
+            f"qkv must have shape [{b}, {(num_heads + 2 * num_kv_heads) * d}], got {tuple(qkv.shape)}"
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     pos_list = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos_list):
         if not 0 <= p < s_max:
-            raise ValueError(
-                f"lengths[{row}] must be in [0, {s_max - 1}] (cache capacity {s_max}), got {p}"
-            )
+            raise ValueError(f"lengths[{row}] must be in [0, {s_max - 1}] (cache capacity {s_max}), got {p}")
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)

@@ -73,9 +73,7 @@ def make_case(
     v = torch.where(slot < lens, v, torch.full_like(v, unused_fill))
     rotary = {}
     if rotary_dim:
-        rotary = dict(
-            rotary_dim=rotary_dim, rotary_theta=rotary_theta, rotary_interleaved=rotary_interleaved
-        )
+        rotary = dict(rotary_dim=rotary_dim, rotary_theta=rotary_theta, rotary_interleaved=rotary_interleaved)
     return Case(
         qkv=qkv,
         k_cache=layout.pack_k(k),

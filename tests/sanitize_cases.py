@@ -2,8 +2,8 @@
 filled to capacity, NaN in unused slots, out-of-range lengths, single pass and split/merge."""
 
 import torch
-
 from helpers import make_case
+
 from mmha import ops
 
 

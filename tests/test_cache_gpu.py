@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import check_against_reference, gpu, make_case
+
 from mmha import KVCache, ops, reference
 
 pytestmark = gpu
@@ -38,7 +38,7 @@ def test_steps_match_reference(dtype):
     lengths = [3, 100, 0, 700]
     prefill_random(cache, lengths)
     g = torch.Generator(device="cuda").manual_seed(1)
-    for step in range(40):
+    for _step in range(40):
         ks, vs = mirror(cache)
         lens = cache.lengths.clone()
         for layer in range(LAYERS):

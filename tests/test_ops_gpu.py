@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import (
     DTYPES,
     assert_bits_equal,
@@ -13,6 +12,7 @@ from helpers import (
     make_case,
     run_reference,
 )
+
 from mmha import dispatch, ops
 
 pytestmark = gpu

@@ -421,6 +421,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
 }
 
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+int decode_attention_blocks_per_sm() {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, kThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return blocks;
+}
+
+template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
   const dim3 grid(params.num_splits, params.num_kv_heads * params.q_groups, params.batch);
   decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK><<<grid, kThreads, 0, stream>>>(params);

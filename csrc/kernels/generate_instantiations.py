@@ -27,7 +27,8 @@ def main() -> None:
         for head_dim in HEAD_DIMS:
             lines = "\n".join(
                 f"template cudaError_t launch_decode_attention<{ctype}, {head_dim}, {qb}>("
-                "const MmhaParams&, cudaStream_t);"
+                "const MmhaParams&, cudaStream_t);\n"
+                f"template int decode_attention_blocks_per_sm<{ctype}, {head_dim}, {qb}>();"
                 for qb in Q_GROUP_BLOCKS
             )
             path = out_dir / f"decode_{name}_hd{head_dim}.cu"

@@ -3,7 +3,11 @@
 
 namespace mmha {
 template cudaError_t launch_decode_attention<__nv_bfloat16, 128, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, 128, 1>();
 template cudaError_t launch_decode_attention<__nv_bfloat16, 128, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, 128, 2>();
 template cudaError_t launch_decode_attention<__nv_bfloat16, 128, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, 128, 4>();
 template cudaError_t launch_decode_attention<__nv_bfloat16, 128, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, 128, 8>();
 }  // namespace mmha

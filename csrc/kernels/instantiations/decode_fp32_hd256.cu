@@ -3,7 +3,11 @@
 
 namespace mmha {
 template cudaError_t launch_decode_attention<float, 256, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, 256, 1>();
 template cudaError_t launch_decode_attention<float, 256, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, 256, 2>();
 template cudaError_t launch_decode_attention<float, 256, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, 256, 4>();
 template cudaError_t launch_decode_attention<float, 256, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, 256, 8>();
 }  // namespace mmha
