@@ -352,12 +352,15 @@ class KVCache:
         Inside CUDA-graph capture only the device update is recorded; call
         ``account_replay()`` after each replay to move the host mirror.
         """
-        if not torch.cuda.is_current_stream_capturing():
+        if not self._capturing():
             self._check_advance(1)
             for r in range(self.max_batch):
                 if self._active[r]:
                     self._host_lengths[r] += 1
         self.lengths.add_(self._active_mask)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _check_advance(self, steps: int) -> None:
         over = [

@@ -1,0 +1,75 @@
+"""choose_variant on a table of cases; Python and C++ constants agree."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmha import dispatch
+from mmha._ext import _C
+
+H100_SMS = 132
+F16 = torch.float16
+
+# (batch, Hq, Hkv, D, seq_len, blocks_per_sm, expected)
+CASES = [
+    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 16)),  # the docstring's example
+    (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),  # 2048 base blocks
+    (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1)),  # too short to split
+    (1, 32, 32, 128, 256, 4, dispatch.Plan("split", 2)),  # 256 // 128
+    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 64)),  # capped at MAX_SPLITS
+    (16, 32, 8, 128, 2048, 4, dispatch.Plan("split", 4)),  # group 4: one block per kv head
+    (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: wave is 528
+    (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
+    (4, 32, 32, 128, 8192, 2, dispatch.Plan("split", 2)),  # 264 // 128
+    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 33)),  # MQA: 8 blocks of 8 heads
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_S{c[4]}_bps{c[5]}")
+def test_choose_variant_table(case):
+    b, hq, hkv, d, s, bps, expected = case
+    assert dispatch.choose_variant(b, hq, hkv, d, s, F16, H100_SMS, blocks_per_sm=bps) == expected
+
+
+def test_forced_variants():
+    assert dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "single_pass").num_splits == 1
+    forced = dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "split")
+    assert forced.variant == "split" and forced.num_splits >= 2
+
+
+def test_pure_function_of_its_arguments():
+    args = (3, 16, 4, 64, 3000, torch.bfloat16, 114)
+    assert dispatch.choose_variant(*args) == dispatch.choose_variant(*args)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"Unsupported head_dim: 72 \(supported: \(32, 64, 80, 96, 128, 256\)\)"):
+        dispatch.choose_variant(1, 8, 8, 72, 100, F16, 132)
+    with pytest.raises(ValueError, match=r"num_heads \(32\) must be divisible by num_kv_heads \(6\)"):
+        dispatch.choose_variant(1, 32, 6, 128, 100, F16, 132)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        dispatch.choose_variant(1, 8, 8, 128, 100, F16, 132, "fast")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dispatch.choose_variant(1, 8, 8, 128, 100, torch.int8, 132)
+
+
+def test_q_group_block():
+    assert [dispatch.q_group_block(g) for g in (1, 2, 3, 4, 5, 8, 16, 32)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+@pytest.mark.skipif(_C is None, reason="extension not built")
+def test_python_and_cpp_constants_agree():
+    assert tuple(_C.SUPPORTED_HEAD_DIMS) == dispatch.SUPPORTED_HEAD_DIMS
+    assert tuple(_C.Q_GROUP_BLOCKS) == dispatch.Q_GROUP_BLOCKS
+    assert _C.MAX_SPLITS == dispatch.MAX_SPLITS
+    assert _C.WARPS == dispatch.WARPS
+
+
+def test_every_dtype_and_head_dim_has_an_instantiation_file():
+    root = Path(__file__).parent.parent / "csrc" / "kernels" / "instantiations"
+    for name in ("fp16", "bf16", "fp32"):
+        for d in dispatch.SUPPORTED_HEAD_DIMS:
+            text = (root / f"decode_{name}_hd{d}.cu").read_text()
+            for qb in dispatch.Q_GROUP_BLOCKS:
+                assert f", {d}, {qb}>(" in text
