@@ -4,8 +4,8 @@
 
 #include "decode_launch.h"
 
-#define MMHA_STR_(x) #x
-#define MMHA_STR(x) MMHA_STR_(x)
+#define MMHA_STR_(...) #__VA_ARGS__
+#define MMHA_STR(...) MMHA_STR_(__VA_ARGS__)
 
 namespace mmha {
 namespace {
