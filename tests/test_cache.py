@@ -44,7 +44,10 @@ def assert_unchanged(cache, snap):
 
 def prompt(n, s, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, s, HKV, D, generator=g).to(dtype), torch.randn(n, s, HKV, D, generator=g).to(dtype))
+    return (
+        torch.randn(n, s, HKV, D, generator=g).to(dtype),
+        torch.randn(n, s, HKV, D, generator=g).to(dtype),
+    )
 
 
 def test_construction_reports_bytes_and_layouts():
@@ -125,7 +128,9 @@ def test_prefill_over_capacity_for_one_row_writes_nothing():
     cache = make(batch=2, smax=4)
     snap = snapshot(cache)
     k, v = prompt(2, 5)
-    with pytest.raises(ValueError, match=r"lengths\[1\] \(5\) exceeds the cache capacity max_seq_len \(4\) for row 1"):
+    with pytest.raises(
+        ValueError, match=r"lengths\[1\] \(5\) exceeds the cache capacity max_seq_len \(4\) for row 1"
+    ):
         cache.prefill(0, k, v, [2, 5])
     assert_unchanged(cache, snap)
 
@@ -147,7 +152,9 @@ def test_release_and_admit_reuse_slots_without_reallocating():
     cache.prefill(0, k1, v1, [2], rows=[1])
     assert cache.host_lengths == [5, 2, 4]
     assert [c.data_ptr() for c in cache.k_caches + cache.v_caches] == ptrs
-    with pytest.raises(ValueError, match=r"rows must be free \(released\) to be admitted, got active rows \[0\]"):
+    with pytest.raises(
+        ValueError, match=r"rows must be free \(released\) to be admitted, got active rows \[0\]"
+    ):
         cache.admit([0])
     with pytest.raises(ValueError, match=r"count must be <= the 0 free rows, got 1"):
         cache.admit(count=1)

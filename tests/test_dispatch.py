@@ -44,7 +44,9 @@ def test_pure_function_of_its_arguments():
 
 
 def test_rejects_bad_arguments():
-    with pytest.raises(ValueError, match=r"Unsupported head_dim: 72 \(supported: \(32, 64, 80, 96, 128, 256\)\)"):
+    with pytest.raises(
+        ValueError, match=r"Unsupported head_dim: 72 \(supported: \(32, 64, 80, 96, 128, 256\)\)"
+    ):
         dispatch.choose_variant(1, 8, 8, 72, 100, F16, 132)
     with pytest.raises(ValueError, match=r"num_heads \(32\) must be divisible by num_kv_heads \(6\)"):
         dispatch.choose_variant(1, 32, 6, 128, 100, F16, 132)
