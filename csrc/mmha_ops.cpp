@@ -5,7 +5,6 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "kernels/decode_launch.h"
@@ -17,11 +16,14 @@
 namespace mmha {
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+// Built by hand: streaming IntArrayRef into an ostream crashed under torch 2.11 on the device.
+std::string list_str(c10::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
 }
+
+std::string shape_str(const at::Tensor& t) { return list_str(t.sizes()); }
 
 void check_cuda(const at::Tensor& t, const char* name, const c10::Device& device) {
   MMHA_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
@@ -34,14 +36,14 @@ void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 }
 
 void check_contiguous(const at::Tensor& t, const char* name) {
-  MMHA_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(),
-             " for shape ", t.sizes());
+  MMHA_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", list_str(t.strides()),
+             " for shape ", shape_str(t));
 }
 
 std::string supported_head_dims() {
-  std::ostringstream os;
-  for (int i = 0; i < kNumSupportedHeadDims; ++i) os << (i ? ", " : "") << kSupportedHeadDims[i];
-  return os.str();
+  std::string s;
+  for (int i = 0; i < kNumSupportedHeadDims; ++i) s += (i ? ", " : "") + std::to_string(kSupportedHeadDims[i]);
+  return s;
 }
 
 bool head_dim_supported(int64_t d) {
@@ -140,7 +142,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
              shape_str(qkv));
   MMHA_CHECK(qkv.stride(1) == 1 && qkv.stride(0) >= width,
              "qkv must have unit stride in dim 1 and row stride >= its width, got strides ",
-             qkv.strides());
+             list_str(qkv.strides()));
   if (qkv_bias.has_value()) {
     MMHA_CHECK(qkv_bias->dim() == 1 && qkv_bias->size(0) == width, "qkv_bias must have shape [",
                width, "], got shape ", shape_str(*qkv_bias));

@@ -166,7 +166,7 @@ def agree(model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bo
     ref = ReferenceDecoder(model, kvs, lens)
     tok_m = logits_m.argmax(-1)
     tok_r = tok_m.clone()
-    first_mismatch, max_logit_err, same = None, 0.0, 0
+    first_mismatch, max_logit_err, same, ties = None, 0.0, 0, 0
     g, static_tok = None, tok_m.clone()
     if graph:
         g = torch.cuda.CUDAGraph()
@@ -186,17 +186,27 @@ def agree(model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bo
         else:
             lm = model.decode_step(tok_m, cache)
         lr = ref.step(tok_r)
-        max_logit_err = max(max_logit_err, (lm - lr).abs().max().item())
+        err = (lm - lr).abs().max().item()
+        max_logit_err = max(max_logit_err, err)
         tok_m, tok_r = lm.argmax(-1), lr.argmax(-1)
         if torch.equal(tok_m, tok_r):
             same += 1
+            continue
+        # A differing row is a near-tie when the reference scores mmha's token within twice this
+        # step's logit noise of its own pick: both paths round differently (fp16/bf16 kernel vs
+        # fp32 SDPA), so such a flip says nothing about correctness. Anything else is a mismatch.
+        rows = (tok_m != tok_r).nonzero().flatten()
+        margin = (lr[rows, tok_r[rows]] - lr[rows, tok_m[rows]]).max().item()
+        if margin <= 2 * err:
+            ties += 1
         elif first_mismatch is None:
             first_mismatch = step
-            tok_r = tok_m.clone()  # keep both on one trajectory so logits stay comparable
+        tok_r = tok_m.clone()  # keep both on one trajectory so later logits stay comparable
     return {
         "batch": b,
         "new_tokens": new_tokens,
         "identical_steps": same,
+        "near_tie_steps": ties,
         "first_mismatch": first_mismatch,
         "max_logit_abs_err": max_logit_err,
         "dtype": str(dtype).replace("torch.", ""),
@@ -255,9 +265,10 @@ def main(argv: list[str]) -> int:
         a = agree(model, prompts[: max(4, min(args.batch, 8))] if has_gpu else prompts[:2], n_agree,
                   graph=args.graph)  # fmt: skip
         ok = a["first_mismatch"] is None
+        verdict = "no decisive mismatch" if ok else f"first decisive mismatch at step {a['first_mismatch']}"
         print(f"agreement with reference decoding ({a['dtype']}, batch {a['batch']}, "
               f"{a['new_tokens']} tokens, {'graph' if a['graph'] else 'eager'}): "
-              f"{'identical greedy tokens' if ok else 'first mismatch at step ' + str(a['first_mismatch'])}; "
+              f"{a['identical_steps']} steps identical, {a['near_tie_steps']} near-tie flips, {verdict}; "
               f"max |logit diff| {a['max_logit_abs_err']:.3g}")  # fmt: skip
         rc = 0 if ok else 1
     if cmd == "demo":
