@@ -6,14 +6,39 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "kernels/decode_launch.h"
 #include "kernels/mmha_params.h"
 
-// Every message reads "<arg> must <rule>, got <value>" (tests match them).
-#define MMHA_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
-
 namespace mmha {
+namespace {
+
+// Messages are assembled here, numbers through std::to_string: streaming an integer into a
+// std::ostream from this library crashed (std::ostream::_M_insert<long>) with torch 2.11 + g++ 13
+// on the device, while torch's own operator<< (Device, ScalarType) is fine.
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+template <typename T>
+void append(std::string& s, const T& v) {
+  if constexpr (std::is_arithmetic_v<T>) {
+    s += std::to_string(v);
+  } else {
+    s += c10::str(v);
+  }
+}
+template <typename... Args>
+std::string msg(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
+}
+
+}  // namespace
+
+// Every message reads "<arg> must <rule>, got <value>" (tests match them).
+#define MMHA_CHECK(cond, ...) TORCH_CHECK(cond, ::mmha::msg(__VA_ARGS__))
+
 namespace {
 
 // Built by hand: streaming IntArrayRef into an ostream crashed under torch 2.11 on the device.
@@ -220,7 +245,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     int major = 0, minor = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index());
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device.index());
-    TORCH_CHECK(false, "mmha has no kernel for this GPU (compute capability ", major, ".", minor,
+    MMHA_CHECK(false, "mmha has no kernel for this GPU (compute capability ", major, ".", minor,
                 "); it was compiled for sm ", compiled_cuda_archs(), ". Rebuild with TORCH_CUDA_ARCH_LIST=\"",
                 major, ".", minor, "\" pip install --no-build-isolation -e .");
   }
