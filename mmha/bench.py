@@ -327,9 +327,8 @@ def run_config(cfg: Config, graphs: bool = True) -> Result:
 
 
 # ----------------------------------------------------------------------------- report
-def best_peer(res: Result, source: str = "times_us") -> tuple[str | None, float]:
-    times = getattr(res, source)
-    peers = {k: v for k, v in times.items() if k in PEERS or k.startswith("sdpa")}
+def best_peer(res: Result) -> tuple[str | None, float]:
+    peers = {k: v for k, v in res.times_us.items() if k in PEERS}
     if not peers:
         return None, float("nan")
     name = min(peers, key=peers.get)

@@ -86,7 +86,6 @@ class TinyLlama(nn.Module):
                     continue
                 fan_in = p.shape[-1] if p.dim() > 1 else cfg.dim
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
-            self.embed.weight.mul_(1.0)
             self.lm_head.weight.mul_(4.0)  # sharper logits: fewer near-ties in greedy decoding
 
     # ------------------------------------------------------------------ shared pieces

@@ -97,7 +97,7 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}")
 
 
-def run_reference(case: Case, compute_dtype=torch.float32, return_lse: bool = True):
+def run_reference(case: Case, compute_dtype=torch.float32):
     kc, vc = case.clone_caches()
     out, lse = reference.decode_step(
         case.qkv, kc, vc, case.lengths, return_lse=True, compute_dtype=compute_dtype,
