@@ -7,12 +7,13 @@
 #include "mmha_ops.h"
 
 TORCH_LIBRARY(mmha, m) {
-  // Caches, outputs and the split workspace are mutated in place; lengths are only read.
+  // Caches, outputs and the split workspace are mutated in place; lengths are only read
+  // (check_lengths: range-checked on the host first, one synchronisation).
   m.def(
       "decode_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, "
       "Tensor? qkv_bias, Tensor(c!) out, Tensor(d!) lse, Tensor(e!) partials, "
       "Tensor(f!) counters, int num_heads, int num_kv_heads, float scale, int rotary_dim, "
-      "float rotary_theta, bool rotary_interleaved, int num_splits) -> ()");
+      "float rotary_theta, bool rotary_interleaved, int num_splits, bool check_lengths=True) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/decode_launch.h"
 #include "kernels/mmha_params.h"
@@ -93,6 +94,25 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+// Host read of lengths (after the work already queued on stream) and a range check per row.
+void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MMHA_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                 capture == cudaStreamCaptureStatusNone,
+             "check_lengths must be False during CUDA graph capture (it reads lengths on the host); "
+             "out-of-range rows then write nothing and get NaN output");
+  std::vector<int32_t> host(static_cast<size_t>(lengths.numel()));
+  cudaError_t err = cudaMemcpyAsync(host.data(), lengths.data_ptr<int32_t>(),
+                                    host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  MMHA_CHECK(err == cudaSuccess, "lengths could not be read: ", cudaGetErrorString(err));
+  for (size_t row = 0; row < host.size(); ++row) {
+    MMHA_CHECK(host[row] >= 0 && host[row] < max_seq_len, "lengths[", row, "] must be in [0, ",
+               max_seq_len - 1, "] (the cache capacity is ", max_seq_len,
+               " and the new token goes to slot lengths[b]), got ", host[row]);
+  }
+}
+
 }  // namespace
 
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -100,7 +120,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
                       const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
                       double scale, int64_t rotary_dim, double rotary_theta,
-                      bool rotary_interleaved, int64_t num_splits) {
+                      bool rotary_interleaved, int64_t num_splits, bool check_lengths) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -213,6 +233,10 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);
   if (batch == 0) return;
 
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  if (check_lengths) check_length_values(lengths, max_seq_len, stream);
+
   MmhaParams p{};
   p.qkv = qkv.data_ptr();
   p.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr() : nullptr;
@@ -238,8 +262,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.rotary_interleaved = rotary_interleaved;
   p.dtype = to_dtype(dtype);
 
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const cudaError_t err = run_decode_attention(p, stream);
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     int major = 0, minor = 0;

@@ -11,11 +11,14 @@ namespace mmha {
 // slots 0..lengths[b]. Writes out [B, Hq * D] and lse [B, Hq]; caches are updated in place;
 // lengths are read, never changed. partials / counters are the split-sequence workspace
 // (partials [>= B * Hq * num_splits * (D + 2)] fp32, counters [>= B * Hq] int32, all zero).
+// check_lengths reads lengths on the host (one synchronisation) and rejects values outside
+// [0, S_max - 1]; it is refused during CUDA graph capture. Without it an out-of-range row writes
+// nothing to the caches and gets NaN output and lse.
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
                       const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
                       double scale, int64_t rotary_dim, double rotary_theta,
-                      bool rotary_interleaved, int64_t num_splits);
+                      bool rotary_interleaved, int64_t num_splits, bool check_lengths);
 
 }  // namespace mmha

@@ -173,7 +173,7 @@ def mmha_fn(prob: Problem, num_splits: int):
     op = torch.ops.mmha.decode_attention.default
     args = (
         prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, ws.partials,
-        ws.counters, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, num_splits,
+        ws.counters, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, num_splits, False,
     )  # fmt: skip
 
     def fn():

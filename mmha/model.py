@@ -183,14 +183,18 @@ class ReferenceDecoder:
         pos = torch.tensor(self.lengths, device=tokens.device)
         for i, blk in enumerate(m.layers):
             q, k, v = m._split(blk.wqkv(blk.attn_norm(x)))
-            q, k = m._rope(q, pos), m._rope(k, pos)
+            # As one decode step is defined (mmha.reference): q stays in fp32 after rotary,
+            # k is rounded to the cache dtype.
+            c = m.cfg
+            q = apply_rotary(q.float(), pos, c.head_dim, c.rope_theta, False)
+            k = m._rope(k, pos)
             outs = []
             for r in range(x.shape[0]):
                 kr = torch.cat([self.kv[i][r][0], k[r][:, None]], dim=1)
                 vr = torch.cat([self.kv[i][r][1], v[r][:, None]], dim=1)
                 self.kv[i][r] = (kr, vr)
                 o = F.scaled_dot_product_attention(
-                    q[r][None, :, None].float(), kr[None].float(), vr[None].float(), enable_gqa=True
+                    q[r][None, :, None], kr[None].float(), vr[None].float(), enable_gqa=True
                 )
                 outs.append(o.reshape(-1).to(x.dtype))
             x = x + blk.wo(torch.stack(outs))

@@ -21,6 +21,7 @@ if _C is not None:
     def _decode_attention_fake(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
+        check_lengths=True,
     ):  # fmt: skip
         return None
 
@@ -97,19 +98,6 @@ def _require_extension() -> None:
         )
 
 
-def check_lengths_values(lengths: torch.Tensor, max_seq_len: int) -> None:
-    """Host check of length values (one device read): each must be in ``[0, max_seq_len - 1]``."""
-    if lengths.numel() == 0:
-        return
-    lo, hi = int(lengths.min()), int(lengths.max())
-    if lo < 0 or hi >= max_seq_len:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"lengths must be in [0, {max_seq_len - 1}] (the cache capacity is {max_seq_len} and "
-            f"the new token goes to slot lengths[b]), got {bad}"
-        )
-
-
 def decode_attention(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -140,8 +128,9 @@ def decode_attention(
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
     max_len : longest ``lengths[b] + 1`` the caller knows of (for dispatch); default capacity.
-    validate_lengths : read ``lengths`` on the host to reject out-of-range values (one sync);
-        callers that track lengths themselves (``KVCache``) pass ``False``.
+    validate_lengths : the operator reads ``lengths`` on the host and rejects values outside
+        ``[0, S_max - 1]`` (one sync; skipped inside CUDA-graph capture); callers that track
+        lengths themselves (``KVCache``) pass ``False``.
 
     Returns
     -------
@@ -154,8 +143,7 @@ def decode_attention(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
             max_seq_len if max_len is None else max_len, qkv.dtype, variant,
         ).num_splits  # fmt: skip
-    if validate_lengths and lengths.is_cuda and not torch.cuda.is_current_stream_capturing():
-        check_lengths_values(lengths, max_seq_len)
+    check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
     out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -164,6 +152,6 @@ def decode_attention(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
         workspace.counters, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
-        rotary_dim, rotary_theta, rotary_interleaved, num_splits,
+        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check,
     )  # fmt: skip
     return (out, lse) if return_lse else out

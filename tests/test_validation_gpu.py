@@ -119,15 +119,33 @@ def test_raw_op_rejects_and_writes_nothing(name, over, match):
     assert torch.equal(case.lengths, l0)
 
 
-@pytest.mark.parametrize("bad", [-1, 16], ids=["negative", "capacity"])
-def test_wrapper_checks_length_values(bad):
+@pytest.mark.parametrize("bad", [-1, 16, -(2**31)], ids=["negative", "capacity", "int32-min"])
+@pytest.mark.parametrize("through", ["raw op", "wrapper"])
+def test_length_values_rejected(bad, through):
     case = base_case()
     case.lengths[1] = bad
+    k0, v0, l0 = case.k_cache.clone(), case.v_cache.clone(), case.lengths.clone()
+    match = rf"lengths\[1\] must be in \[0, 15\] \(the cache capacity is 16 .*\), got {bad}"
+    with pytest.raises(RuntimeError, match=match):
+        if through == "raw op":
+            call(case)
+        else:
+            ops.decode_attention(
+                case.qkv, case.k_cache, case.v_cache, case.lengths, num_heads=HQ, num_kv_heads=HKV
+            )
+    assert torch.equal(case.k_cache.view(torch.uint8), k0.view(torch.uint8))
+    assert torch.equal(case.v_cache.view(torch.uint8), v0.view(torch.uint8))
+    assert torch.equal(case.lengths, l0)
+
+
+def test_raw_op_length_check_refused_in_graph_capture():
+    case = base_case()
     k0, v0 = case.k_cache.clone(), case.v_cache.clone()
-    with pytest.raises(ValueError, match=r"lengths must be in \[0, 15\] \(the cache capacity is 16"):
-        ops.decode_attention(
-            case.qkv, case.k_cache, case.v_cache, case.lengths, num_heads=HQ, num_kv_heads=HKV
-        )
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"check_lengths must be False during CUDA graph capture"):
+        with torch.cuda.graph(g):
+            call(case)
+    torch.cuda.synchronize()
     assert torch.equal(case.k_cache.view(torch.uint8), k0.view(torch.uint8))
     assert torch.equal(case.v_cache.view(torch.uint8), v0.view(torch.uint8))
 

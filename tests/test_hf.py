@@ -1,0 +1,90 @@
+"""mmha.hf: a Hugging Face Llama-family model (random weights from a config, nothing downloaded)
+decoded through mmha gives the tokens of the model's own greedy ``generate()``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import HAS_GPU
+
+transformers = pytest.importorskip("transformers")
+
+from mmha.hf import HFDecoder  # noqa: E402
+
+PROMPT_LENGTHS = [5, 23, 11, 40]
+
+
+def build(model_type: str, device: str, dtype: torch.dtype, **over):
+    common = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    common.update(over)
+    if model_type == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    else:
+        config = transformers.LlamaConfig(**common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # spread the weights so that greedy picks are decisive, biases non-zero
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
+    return model.to(device, dtype).eval()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def check_matches_generate(model, new_tokens: int):
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, max_batch=len(ps), max_seq_len=max(PROMPT_LENGTHS) + new_tokens + 1)
+    ours = dec.generate(ps, new_tokens)
+    theirs = [hf_greedy(model, p, new_tokens) for p in ps]
+    for r, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a == b, f"row {r} (prompt length {len(ps[r])}): first difference at token " + str(
+            next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        )
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_cpu_reference_path_matches_generate(model_type):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # KVCache on CPU: reference path
+        check_matches_generate(build(model_type, "cpu", torch.float32), new_tokens=12)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_gpu_kernel_matches_generate(model_type):
+    check_matches_generate(build(model_type, "cuda", torch.float32), new_tokens=64)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+def test_gpu_mha_head_dim_128_other_theta():
+    model = build("llama", "cuda", torch.float32, hidden_size=512, num_attention_heads=4,
+                  num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})  # fmt: skip
+    check_matches_generate(model, new_tokens=32)
+
+
+def test_rejects_what_the_kernel_does_not_compute():
+    scaled = build("llama", "cpu", torch.float32, rope_parameters={
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})  # fmt: skip
+    with pytest.raises(ValueError, match=r"rope_type'\] must be 'default'.*got 'linear'"):
+        HFDecoder(scaled, 2, 64)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64)
+    )
+    with pytest.raises(ValueError, match=r"model_type must be one of .*got 'gpt2'"):
+        HFDecoder(gpt2, 2, 64)
