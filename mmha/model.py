@@ -182,12 +182,16 @@ class ReferenceDecoder:
         x = m.embed(tokens)
         pos = torch.tensor(self.lengths, device=tokens.device)
         for i, blk in enumerate(m.layers):
-            q, k, v = m._split(blk.wqkv(blk.attn_norm(x)))
-            # As one decode step is defined (mmha.reference): q stays in fp32 after rotary,
-            # k is rounded to the cache dtype.
+            # As one decode step is defined (mmha.reference): the bias is added in fp32, q stays
+            # in fp32 after rotary, k and v are rounded to the cache dtype.
+            qkv = F.linear(blk.attn_norm(x), blk.wqkv.weight).float()
+            if blk.wqkv.bias is not None:
+                qkv = qkv + blk.wqkv.bias.float()
+            q, k, v = m._split(qkv)
             c = m.cfg
-            q = apply_rotary(q.float(), pos, c.head_dim, c.rope_theta, False)
-            k = m._rope(k, pos)
+            q = apply_rotary(q, pos, c.head_dim, c.rope_theta, False)
+            k = apply_rotary(k, pos, c.head_dim, c.rope_theta, False).to(x.dtype)
+            v = v.to(x.dtype)
             outs = []
             for r in range(x.shape[0]):
                 kr = torch.cat([self.kv[i][r][0], k[r][:, None]], dim=1)

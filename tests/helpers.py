@@ -123,3 +123,17 @@ def check_against_reference(
         lse_err = (lse.double() - ref_lse.double()).abs().max().item()
         assert lse_err <= 1e-3 * max(1.0, ref_lse.abs().max().item()), f"lse error {lse_err:.3e}"
     return err
+
+
+def check_cache_writes(case: Case, ref_k: torch.Tensor, ref_v: torch.Tensor) -> None:
+    """The kernel's caches (``case``'s, after the call) equal the reference's bit for bit, except
+    that rotated k may differ from the reference's fp32 rotation by one rounding step."""
+    if case.rotary:
+        k_diff = (case.k_cache.float() - ref_k.float()).abs().nan_to_num(0)
+        assert k_diff.max().item() <= 2e-2 * max(1.0, ref_k.float().nan_to_num(0).abs().max().item())
+        ref_k = ref_k.clone()
+        b = torch.arange(case.qkv.shape[0], device=case.qkv.device)
+        pos = case.lengths.long()
+        ref_k[b, :, :, pos, :] = case.k_cache[b, :, :, pos, :]
+    assert_bits_equal(case.k_cache, ref_k, "k_cache")
+    assert_bits_equal(case.v_cache, ref_v, "v_cache")
