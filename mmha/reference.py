@@ -28,14 +28,24 @@ def rotary_inv_freq(rotary_dim: int, theta: float, dtype: torch.dtype, device) -
 
 
 def apply_rotary(
-    x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, theta: float, interleaved: bool
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    interleaved: bool,
+    inv_freq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` dims of ``x [B, H, D]`` by angles ``pos[B] * inv_freq``."""
+    """Rotate the first ``rotary_dim`` dims of ``x [B, H, D]`` by angles ``pos[B] * inv_freq``.
+
+    ``inv_freq`` (from ``rotary_inv_freq``, on ``x``'s device) may be passed in precomputed, as
+    CUDA-graph capture needs: computing it creates a host tensor."""
     if rotary_dim == 0:
         return x
     # Angles in at least fp32: in a 16-bit dtype position * inv_freq is meaningless past ~2K.
     angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = rotary_inv_freq(rotary_dim, theta, angle_dtype, x.device)
+    if inv_freq is None:
+        inv_freq = rotary_inv_freq(rotary_dim, theta, angle_dtype, x.device)
+    inv_freq = inv_freq.to(angle_dtype)
     angle = pos.to(angle_dtype)[:, None] * inv_freq[None, :]  # [B, rd/2]
     cos = torch.cos(angle)[:, None, :].to(x.dtype)
     sin = torch.sin(angle)[:, None, :].to(x.dtype)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .generate import DTYPES
 from .model import PRESETS, TinyLlama
+from .reference import apply_rotary, rotary_inv_freq
 
 
 class SdpaDecoder:
@@ -41,6 +42,11 @@ class SdpaDecoder:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.rows = torch.arange(batch, device=p.device)
         self.host_length = 0  # every row's length, kept on the host for the eager slice
+        self.inv_freq = rotary_inv_freq(c.head_dim, c.rope_theta, torch.float32, p.device)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        c = self.model.cfg
+        return apply_rotary(x.float(), pos, c.head_dim, c.rope_theta, False, self.inv_freq).to(x.dtype)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -57,7 +63,7 @@ class SdpaDecoder:
         x = m.embed(tokens)
         for i, blk in enumerate(m.layers):
             q, k, v = m._split(blk.wqkv(blk.attn_norm(x)))
-            q, k = m._rope(q, pos), m._rope(k, pos)
+            q, k = self._rope(q, pos), self._rope(k, pos)
             self.k[i][self.rows, :, pos] = k
             self.v[i][self.rows, :, pos] = v
             att = F.scaled_dot_product_attention(

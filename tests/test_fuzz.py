@@ -106,7 +106,7 @@ def num_splits_for(cfg: dict) -> int:
     ).num_splits  # fmt: skip
 
 
-def raw_args(case, num_splits: int, **over) -> dict:
+def raw_args(case, num_splits: int, /, **over) -> dict:
     """Every argument of the raw operator; outputs poisoned with NaN."""
     b, hq = case.qkv.shape[0], case.num_heads
     d = case.v_cache.shape[-1]
