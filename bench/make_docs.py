@@ -1,6 +1,6 @@
 """Writes docs/benchmarks.md from a benchmark run's JSON (never edit that page by hand).
 
-Usage: python bench/make_docs.py RUN_DIR [--before OLD_RUN_DIR]
+Usage: python bench/make_docs.py RUN_DIR [--before OLD_RUN_DIR] [--generate-log LOG] [--step-bench DIR]
 RUN_DIR holds bench.json (and latency.png / pct_ceiling.png if plotted); they are copied to
 docs/data/ and the page is generated from them. --before adds a before/after column from an
 earlier run's JSON on the same GPU.
@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mmha.bench import table  # noqa: E402
+from mmha.step_bench import table as step_table  # noqa: E402
 
 TARGETS = """\
 Speed bar (issue 4), checked per row below: mmha no slower than the best peer; >= 92 % of the read
@@ -54,6 +55,7 @@ def main() -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--before", type=Path)
     p.add_argument("--generate-log", type=Path, help="output of the python -m mmha generate runs")
+    p.add_argument("--step-bench", type=Path, help="directory with a python -m mmha.step_bench JSON")
     args = p.parse_args()
     data = json.loads((args.run_dir / "bench.json").read_text())
     docs = ROOT / "docs"
@@ -110,6 +112,20 @@ def main() -> int:
             "```",
             (docs / "data" / "generate.log").read_text().rstrip(),
             "```",
+            "",
+        ]
+    if args.step_bench:
+        shutil.copy(args.step_bench / "step_bench.json", docs / "data" / "step_bench.json")
+        sb = json.loads((docs / "data" / "step_bench.json").read_text())
+        lines += [
+            "## Whole decode step: mmha vs the SDPA path",
+            "",
+            "`python -m mmha.step_bench` (module docstring: method), " + sb["header"] + ". Every layer and",
+            "the lm_head, batch 8, every row at the given context; median and p90 of 50 steps timed with",
+            "CUDA events; the two paths' first-step logits are checked against each other first.",
+            "`vs sdpa graph` is the SDPA CUDA-graph step time over this row's.",
+            "",
+            step_table(sb["rows"]),
             "",
         ]
     (docs / "benchmarks.md").write_text("\n".join(lines))
