@@ -95,6 +95,8 @@ def main() -> int:
                     f"| {o['mmha_us']:.1f} | {r['mmha_us']:.1f} | {o['mmha_us'] / r['mmha_us']:.2f}x |"
                 )
         lines.append("")
+    for hist in sorted((docs / "data").glob("history_*.md")):  # earlier generated sections, verbatim
+        lines += [hist.read_text().rstrip(), ""]
     lines += ["## Against the speed bar", "", TARGETS, "", "| row | verdict |", "|---|---|"]
     lines += verdicts(data["rows"])
     lines.append("")
