@@ -46,16 +46,13 @@ struct WarpTiling {
   // per SM, several times the ~30 KB that HBM3 latency x bandwidth needs.
   static constexpr int TARGET_KEYS =
       (QB >= 4 ? 2048 : 4096) / (HEAD_DIM * static_cast<int>(sizeof(T)));
-  // Blocks of 4 query heads in 16-bit types take Q.K on tensor cores (mma.cuh): a warp step is
-  // NT tiles of 16 keys (NT = 2 for D = 32 so that every lane's key slot is covered); the
-  // CUDA-core scheme below needs 4 FMAs and shared loads of q per K element there.
+  // Groups of >= 4 query heads in 16-bit types take Q.K on tensor cores (mma.cuh): a warp step
+  // is NT tiles of 16 keys, ~4 KB of K; the CUDA-core scheme below needs 4-8 FMAs and shared
+  // loads of q per K element there.
   static constexpr bool MMA = QB == 4 && sizeof(T) == 2 && HEAD_DIM % 32 == 0 && HEAD_DIM <= 128;
-  static constexpr int NT = MMA ? (KPW > 16 ? KPW / 16 : 1) : 0;
+  static constexpr int NT = MMA ? (4096 / (16 * HEAD_DIM * 2) > 0 ? 4096 / (16 * HEAD_DIM * 2) : 1) : 0;
   static constexpr int U = MMA ? 16 * NT / KPW : (TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1);
   static constexpr int KEYS = KPW * U;
-  // Tensor-core blocks are held to 128 registers (4 blocks of 4 warps per SM): at 168 they fit
-  // 3 per SM, and a 4-block wave no longer covers B * Hkv = 512 blocks.
-  static constexpr int MIN_BLOCKS = MMA ? 4 : 1;
   static_assert(!MMA || (QB % 2 == 0 && (16 * NT) % KPW == 0), "tensor-core tiling");
   static constexpr int VLPR = CHUNKS < 32 ? CHUNKS : 32;
   static_assert(CHUNKS % VLPR == 0, "V chunks must split evenly over lanes");
@@ -98,8 +95,7 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 }
 
 template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads, WarpTiling<T, HEAD_DIM, QB>::MIN_BLOCKS)
-    decode_attention_kernel(const MmhaParams p) {
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
   using W = WarpTiling<T, HEAD_DIM, QB>;
   constexpr int VEC = W::VEC;
   const int tid = threadIdx.x;
@@ -195,12 +191,8 @@ __global__ void __launch_bounds__(kThreads, WarpTiling<T, HEAD_DIM, QB>::MIN_BLO
     for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
   }
 
-  // Tensor-core path: q as mma B fragments (hi parts, then lo parts) in shared memory.
-  __shared__ uint2 s_qf[W::MMA ? 2 * HEAD_DIM / 16 : 1][32];
-  if constexpr (W::MMA) {
-    build_q_fragments<T, HEAD_DIM, QB>(s_q, s_qf, tid, kThreads);
-    __syncthreads();
-  }
+  [[maybe_unused]] QFragments<T, HEAD_DIM, QB> qf;
+  if constexpr (W::MMA) qf.load(s_q, lane);
   constexpr int KC = W::MMA ? W::CHUNKS / 4 : 1;  // K chunks per key per lane (tensor-core path)
 
   for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
@@ -273,10 +265,8 @@ __global__ void __launch_bounds__(kThreads, WarpTiling<T, HEAD_DIM, QB>::MIN_BLO
           const uint4& k1 = kfrag[tile][1][j / 2];
           const uint32_t a[4] = {j % 2 ? k0.z : k0.x, j % 2 ? k1.z : k1.x, j % 2 ? k0.w : k0.y,
                                  j % 2 ? k1.w : k1.y};
-          const uint2 bh = s_qf[j][lane];
-          const uint2 bl = s_qf[HEAD_DIM / 16 + j][lane];
-          mma_16816<T>(d, a, {bh.x, bh.y});
-          mma_16816<T>(d, a, {bl.x, bl.y});
+          mma_16816<T>(d, a, qf.hi[j]);
+          mma_16816<T>(d, a, qf.lo[j]);
         }
         const int g = 2 * (lane % 4);
         const int key = tile * 16 + lane / 4;

@@ -68,29 +68,31 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const ui
 #endif
 }
 
-// B fragments of q, built once per block into shared memory (fp32 q in s_q, rows = heads, zero
-// past the block's heads): for mma j = 2p + s, lane (r, c) holds q[r][8X + 4s + {0,1}] and
-// q[r][8X + 4s + {2,3}] with X = 4p + c, as frag[j][lane] (hi) and frag[HEAD_DIM / 16 + j][lane]
-// (lo = q - hi). Each lane then reads its own 8 bytes per mma: conflict-free, no registers held.
+// B fragments of q (fp32 in shared memory, rows = heads, zero past the block's heads): for mma j
+// = 2p + s, lane (r, c) holds q[r][8X + 4s + {0,1}] and q[r][8X + 4s + {2,3}] with X = 4p + c.
 template <typename T, int HEAD_DIM, int QB>
-__device__ __forceinline__ void build_q_fragments(const float (*s_q)[HEAD_DIM], uint2 (*frag)[32],
-                                                  int tid, int threads) {
-  constexpr int MMAS = HEAD_DIM / 16;
-  for (int idx = tid; idx < MMAS * 32; idx += threads) {
-    const int j = idx / 32;
-    const int lane = idx % 32;
+struct QFragments {
+  static constexpr int MMAS = HEAD_DIM / 16;
+  uint32_t hi[MMAS][2];
+  uint32_t lo[MMAS][2];
+
+  __device__ __forceinline__ void load(const float (*s_q)[HEAD_DIM], int lane) {
     const int r = lane / 4;
-    const int base = (4 * (j / 2) + lane % 4) * 8 + 4 * (j % 2);
-    float x[4], h[4];
+    const int c = lane % 4;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      x[e] = r < QB ? s_q[r][base + e] : 0.f;
-      h[e] = round_trip<T>(x[e]);
+    for (int j = 0; j < MMAS; ++j) {
+      const int base = (4 * (j / 2) + c) * 8 + 4 * (j % 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float x0 = r < QB ? s_q[r][base + 2 * h] : 0.f;
+        const float x1 = r < QB ? s_q[r][base + 2 * h + 1] : 0.f;
+        const float h0 = round_trip<T>(x0);
+        const float h1 = round_trip<T>(x1);
+        hi[j][h] = pack2<T>(h0, h1);
+        lo[j][h] = pack2<T>(x0 - h0, x1 - h1);
+      }
     }
-    frag[j][lane] = make_uint2(pack2<T>(h[0], h[1]), pack2<T>(h[2], h[3]));
-    frag[MMAS + j][lane] =
-        make_uint2(pack2<T>(x[0] - h[0], x[1] - h[1]), pack2<T>(x[2] - h[2], x[3] - h[3]));
   }
-}
+};
 
 }  // namespace mmha
