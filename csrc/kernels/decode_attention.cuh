@@ -12,8 +12,6 @@
 #include "decode_launch.h"
 #include "mmha_params.h"
 #include "vec.cuh"
-// after vec.cuh: uses to_float / from_float
-#include "mma.cuh"
 
 namespace mmha {
 
@@ -46,14 +44,8 @@ struct WarpTiling {
   // per SM, several times the ~30 KB that HBM3 latency x bandwidth needs.
   static constexpr int TARGET_KEYS =
       (QB >= 4 ? 2048 : 4096) / (HEAD_DIM * static_cast<int>(sizeof(T)));
-  // Groups of >= 4 query heads in 16-bit types take Q.K on tensor cores (mma.cuh): a warp step
-  // is NT tiles of 16 keys, ~4 KB of K; the CUDA-core scheme below needs 4-8 FMAs and shared
-  // loads of q per K element there.
-  static constexpr bool MMA = QB == 4 && sizeof(T) == 2 && HEAD_DIM % 32 == 0 && HEAD_DIM <= 128;
-  static constexpr int NT = MMA ? (4096 / (16 * HEAD_DIM * 2) > 0 ? 4096 / (16 * HEAD_DIM * 2) : 1) : 0;
-  static constexpr int U = MMA ? 16 * NT / KPW : (TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1);
+  static constexpr int U = TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1;
   static constexpr int KEYS = KPW * U;
-  static_assert(!MMA || (QB % 2 == 0 && (16 * NT) % KPW == 0), "tensor-core tiling");
   static constexpr int VLPR = CHUNKS < 32 ? CHUNKS : 32;
   static_assert(CHUNKS % VLPR == 0, "V chunks must split evenly over lanes");
   static constexpr int VCPL = CHUNKS / VLPR;
@@ -191,36 +183,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
     for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
   }
 
-  [[maybe_unused]] QFragments<T, HEAD_DIM, QB> qf;
-  if constexpr (W::MMA) qf.load(s_q, lane);
-  constexpr int KC = W::MMA ? W::CHUNKS / 4 : 1;  // K chunks per key per lane (tensor-core path)
-
   for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
     // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
-    [[maybe_unused]] uint4 kfrag[W::MMA ? W::NT : 1][2][KC];
-    if constexpr (W::MMA) {
+    uint4 kraw[W::U][W::CPT];
 #pragma unroll
-      for (int tile = 0; tile < W::NT; ++tile) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int t = it + tile * 16 + lane / 4 + 8 * h;
-#pragma unroll
-          for (int pc = 0; pc < KC; ++pc) {
-            const int ch = 4 * pc + lane % 4;
-            if (t >= end) {
-              kfrag[tile][h][pc] = make_uint4(0, 0, 0, 0);
-            } else if (t == pos) {
-              kfrag[tile][h][pc] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
-            } else {
-              kfrag[tile][h][pc] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-            }
-          }
-        }
-      }
-    }
-    [[maybe_unused]] uint4 kraw[W::MMA ? 1 : W::U][W::CPT];
-#pragma unroll
-    for (int u = 0; u < (W::MMA ? 0 : W::U); ++u) {
+    for (int u = 0; u < W::U; ++u) {
       const int t = it + u * W::KPW + kj;
 #pragma unroll
       for (int c = 0; c < W::CPT; ++c) {
@@ -253,45 +220,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
       }
     }
 
-    float logit[W::U][QB];
-    if constexpr (W::MMA) {
-      // Q.K on tensor cores: S^T[16 keys][8 heads] per tile, raw logits through s_p.
-#pragma unroll
-      for (int tile = 0; tile < W::NT; ++tile) {
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 16; ++j) {
-          const uint4& k0 = kfrag[tile][0][j / 2];
-          const uint4& k1 = kfrag[tile][1][j / 2];
-          const uint32_t a[4] = {j % 2 ? k0.z : k0.x, j % 2 ? k1.z : k1.x, j % 2 ? k0.w : k0.y,
-                                 j % 2 ? k1.w : k1.y};
-          mma_16816<T>(d, a, qf.hi[j]);
-          mma_16816<T>(d, a, qf.lo[j]);
-        }
-        const int g = 2 * (lane % 4);
-        const int key = tile * 16 + lane / 4;
-        if (g < QB) {
-          s_p[warp][key][g] = d[0];
-          s_p[warp][key][g + 1] = d[1];
-          s_p[warp][key + 8][g] = d[2];
-          s_p[warp][key + 8][g + 1] = d[3];
-        }
-      }
-      __syncwarp();
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-        const int t = it + u * W::KPW + kj;
-#pragma unroll
-        for (int g = 0; g < QB; ++g) {
-          const float x = s_p[warp][u * W::KPW + kj][g];
-          logit[u][g] = t < end ? x * scale_log2 : -INFINITY;
-        }
-      }
-      __syncwarp();  // every lane has its logits before s_p is rewritten with probabilities
-    }
     // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
+    float logit[W::U][QB];
 #pragma unroll
-    for (int u = 0; u < (W::MMA ? 0 : W::U); ++u) {
+    for (int u = 0; u < W::U; ++u) {
 #pragma unroll
       for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
 #pragma unroll
