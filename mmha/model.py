@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
-from .reference import apply_rotary
+from .reference import apply_rotary, rotary_inv_freq
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class TinyLlama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # fp32 rotary frequencies per device
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "norm" in name:
@@ -103,7 +104,12 @@ class TinyLlama(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, H, D]`` at ``positions [N]``: GPT-NeoX style over the whole head."""
         c = self.cfg
-        return apply_rotary(x.float(), positions, c.head_dim, c.rope_theta, False).to(x.dtype)
+        inv_freq = self._inv_freq.get(x.device)
+        if inv_freq is None:  # once per device, so a captured step creates no host tensor
+            inv_freq = self._inv_freq[x.device] = rotary_inv_freq(
+                c.head_dim, c.rope_theta, torch.float32, x.device
+            )
+        return apply_rotary(x.float(), positions, c.head_dim, c.rope_theta, False, inv_freq).to(x.dtype)
 
     def new_cache(self, max_batch: int, max_seq_len: int, device, dtype, **kw) -> KVCache:
         c = self.cfg
@@ -188,9 +194,8 @@ class ReferenceDecoder:
             if blk.wqkv.bias is not None:
                 qkv = qkv + blk.wqkv.bias.float()
             q, k, v = m._split(qkv)
-            c = m.cfg
-            q = apply_rotary(q, pos, c.head_dim, c.rope_theta, False)
-            k = apply_rotary(k, pos, c.head_dim, c.rope_theta, False).to(x.dtype)
+            q = m._rope(q, pos)  # q is fp32 here, and stays so
+            k = m._rope(k, pos).to(x.dtype)
             v = v.to(x.dtype)
             outs = []
             for r in range(x.shape[0]):

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from .generate import DTYPES
 from .model import PRESETS, TinyLlama
-from .reference import apply_rotary, rotary_inv_freq
 
 
 class SdpaDecoder:
@@ -42,27 +41,22 @@ class SdpaDecoder:
         self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(c.num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.rows = torch.arange(batch, device=p.device)
-        self.inv_freq = rotary_inv_freq(c.head_dim, c.rope_theta, torch.float32, p.device)
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        c = self.model.cfg
-        return apply_rotary(x.float(), pos, c.head_dim, c.rope_theta, False, self.inv_freq).to(x.dtype)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Attend over the whole static cache with a per-row length mask."""
         m, pos = self.model, self.lengths
         b = tokens.shape[0]
-        n = self.k[0].shape[2]
-        mask = (torch.arange(n, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
+        slots = torch.arange(self.k[0].shape[2], device=pos.device)
+        mask = (slots[None, :] <= pos[:, None])[:, None, None, :]
         x = m.embed(tokens)
         for i, blk in enumerate(m.layers):
             q, k, v = m._split(blk.wqkv(blk.attn_norm(x)))
-            q, k = self._rope(q, pos), self._rope(k, pos)
+            q, k = m._rope(q, pos), m._rope(k, pos)
             self.k[i][self.rows, :, pos] = k
             self.v[i][self.rows, :, pos] = v
             att = F.scaled_dot_product_attention(
-                q[:, :, None], self.k[i][:, :, :n], self.v[i][:, :, :n], attn_mask=mask, enable_gqa=True
+                q[:, :, None], self.k[i], self.v[i], attn_mask=mask, enable_gqa=True
             )
             x = x + blk.wo(att.reshape(b, -1))
             x = x + blk.mlp(x)
