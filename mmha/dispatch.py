@@ -25,6 +25,10 @@ DEFAULT_BLOCKS_PER_SM = 4
 # Fewest keys a split should own: below this the partial write and merge cost more than the
 # extra parallelism buys.
 MIN_KEYS_PER_SPLIT = 128
+# A grid that already fills a wave is split only when that cuts the estimated time (waves per
+# unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
+# one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
+SPLIT_GAIN = 0.9
 
 VARIANTS = ("auto", "single_pass", "split")
 
@@ -64,11 +68,12 @@ def choose_variant(
     device (``mmha.ops.blocks_per_sm``). The result depends only on the arguments.
 
     The base grid has one block per (row, kv head, query-head block). One wave holds
-    ``num_sms * blocks_per_sm`` blocks. If the base grid fills a wave, one pass per block keeps
-    every SM streaming and no merge is needed. Otherwise the sequence is cut into as many splits
-    as still fit in one wave (a second, partial wave would leave most SMs idle at the end), but
-    never into splits shorter than ``MIN_KEYS_PER_SPLIT`` keys, and never more than
-    ``MAX_SPLITS``.
+    ``num_sms * blocks_per_sm`` blocks. If the base grid is smaller than a wave, the sequence is
+    cut into as many splits as still fit in one wave (a second, partial wave would leave most
+    SMs idle at the end). If it already fills a wave, a partial last wave still idles SMs: the
+    grid is split when that lowers ``ceil(blocks * s / wave) / s`` (time in units of one
+    block's work) by at least ``1 - SPLIT_GAIN``. Splits never get shorter than
+    ``MIN_KEYS_PER_SPLIT`` keys, and never number more than ``MAX_SPLITS``.
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
     132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
@@ -93,11 +98,22 @@ def choose_variant(
     group = num_heads // num_kv_heads
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
     wave = max(1, num_sms) * max(1, blocks_per_sm)
-    fit = wave // max(1, base_blocks)
-    allowed = max(1, seq_len // MIN_KEYS_PER_SPLIT)
-    splits = min(MAX_SPLITS, fit, allowed)
+    allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT))
+    if base_blocks < wave:
+        # Fill one wave: as many splits as still fit.
+        splits = min(allowed, wave // base_blocks)
+    else:
+        splits = 1
+        for s in range(2, allowed + 1):
+            if wave_cost(base_blocks * s, wave) / s < SPLIT_GAIN * wave_cost(base_blocks * splits, wave) / splits:
+                splits = s
     if variant == "split":
         return Plan("split", max(2, splits))
     if splits <= 1:
         return Plan("single_pass", 1)
     return Plan("split", splits)
+
+
+def wave_cost(blocks: int, wave: int) -> int:
+    """Waves a grid of ``blocks`` equal blocks takes when ``wave`` run at once."""
+    return -(-blocks // wave)

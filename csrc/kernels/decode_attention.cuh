@@ -9,49 +9,21 @@
 #include <cmath>
 #include <cstdint>
 
+#include <atomic>
+#include <type_traits>
+
+#include "attend_mma.cuh"
+#include "attend_simt.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
 #include "vec.cuh"
 
 namespace mmha {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// Lanes that share one key in the Q.K step: as many as keep >= 4 chunks (64 bytes) per lane,
-// so each lane has several 16-byte loads in flight and the dot-product reduction stays short.
-constexpr int pick_threads_per_key(int chunks) {
-  int tpk = 1;
-  while (tpk < 32 && chunks % (tpk * 2) == 0 && chunks / (tpk * 2) >= 4) tpk *= 2;
-  return tpk;
-}
-
-// How one warp walks the cache. A warp step covers KEYS keys:
-//  - Q.K: lane = ti * KPW + kj holds chunks c * TPK + ti of key kj (K layout [D/x, S, x] makes the
-//    KPW keys of one chunk contiguous: 16 * KPW coalesced bytes per lane group);
-//  - P.V: lane = vr * VLPR + vc holds chunk vc (+ n * VLPR) of key row vr (V rows are contiguous).
+// The main loop: tensor cores for 16-bit caches, CUDA cores for fp32.
 template <typename T, int HEAD_DIM, int QB>
-struct WarpTiling {
-  static constexpr int VEC = kVec<T>;
-  static_assert(HEAD_DIM % VEC == 0, "head_dim must be a multiple of 16 bytes");
-  static constexpr int CHUNKS = HEAD_DIM / VEC;
-  static constexpr int TPK = pick_threads_per_key(CHUNKS);
-  static constexpr int CPT = CHUNKS / TPK;
-  static constexpr int KPW = 32 / TPK;
-  // About 4 KB of K per warp step (2 KB with >= 4 query heads, whose accumulators take the
-  // registers): with 4 warps and >= 3 blocks per SM that keeps ~100 KB of K/V loads in flight
-  // per SM, several times the ~30 KB that HBM3 latency x bandwidth needs.
-  static constexpr int TARGET_KEYS =
-      (QB >= 4 ? 2048 : 4096) / (HEAD_DIM * static_cast<int>(sizeof(T)));
-  static constexpr int U = TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1;
-  static constexpr int KEYS = KPW * U;
-  static constexpr int VLPR = CHUNKS < 32 ? CHUNKS : 32;
-  static_assert(CHUNKS % VLPR == 0, "V chunks must split evenly over lanes");
-  static constexpr int VCPL = CHUNKS / VLPR;
-  static constexpr int ROWS = 32 / VLPR;
-  static constexpr int V_STEPS = (KEYS + ROWS - 1) / ROWS;
-};
+using AttendPath = std::conditional_t<std::is_same_v<T, float>, SimtAttend<T, HEAD_DIM, QB>,
+                                      MmaAttend<T, HEAD_DIM, QB>>;
 
 // Element d of a q or k head after bias and rotary embedding at position pos, in fp32.
 template <typename T>
@@ -88,8 +60,9 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
-  using W = WarpTiling<T, HEAD_DIM, QB>;
-  constexpr int VEC = W::VEC;
+  constexpr int VEC = kVec<T>;
+  constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
+  constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -122,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   // row's length have nothing to do and do not take part in the merge.
   const int len = pos + 1;
   int chunk = (len + num_splits - 1) / num_splits;
-  chunk = (chunk + W::KEYS - 1) / W::KEYS * W::KEYS;
+  chunk = (chunk + KEYS - 1) / KEYS * KEYS;
   const int start = split * chunk;
   if (start >= len) return;
   const int end = min(len, start + chunk);
@@ -131,8 +104,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];
   __shared__ __align__(16) T s_new_k[HEAD_DIM];
   __shared__ __align__(16) T s_new_v[HEAD_DIM];
-  __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
-  __shared__ __align__(16) float s_acc[kWarps * W::ROWS][QB][HEAD_DIM];
   __shared__ float s_m[kWarps][QB];
   __shared__ float s_l[kWarps][QB];
   __shared__ float s_w[QB][kMaxSplits];
@@ -166,173 +137,21 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   }
   __syncthreads();
 
-  const float scale_log2 = p.scale * kLog2e;
-  const int ti = lane / W::KPW;
-  const int kj = lane % W::KPW;
-  const int vr = lane / W::VLPR;
-  const int vc = lane % W::VLPR;
-  const bool v_lane = vr < W::ROWS;
-
-  float m[QB], l[QB];
-  float acc[QB][W::VCPL * VEC];
-#pragma unroll
-  for (int g = 0; g < QB; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
-  }
-
-  for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
-    // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
-    uint4 kraw[W::U][W::CPT];
-#pragma unroll
-    for (int u = 0; u < W::U; ++u) {
-      const int t = it + u * W::KPW + kj;
-#pragma unroll
-      for (int c = 0; c < W::CPT; ++c) {
-        const int ch = c * W::TPK + ti;
-        if (t >= end) {
-          kraw[u][c] = make_uint4(0, 0, 0, 0);
-        } else if (t == pos) {
-          kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
-        } else {
-          kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-        }
-      }
-    }
-    uint4 vraw[W::V_STEPS][W::VCPL];
-#pragma unroll
-    for (int st = 0; st < W::V_STEPS; ++st) {
-      const int kk = st * W::ROWS + vr;
-      const int t = it + kk;
-      const bool valid = v_lane && kk < W::KEYS && t < end;
-#pragma unroll
-      for (int n = 0; n < W::VCPL; ++n) {
-        const int ch = n * W::VLPR + vc;
-        if (!valid) {
-          vraw[st][n] = make_uint4(0, 0, 0, 0);
-        } else if (t == pos) {
-          vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
-        } else {
-          vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
-        }
-      }
-    }
-
-    // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
-    float logit[W::U][QB];
-#pragma unroll
-    for (int u = 0; u < W::U; ++u) {
-#pragma unroll
-      for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
-#pragma unroll
-      for (int c = 0; c < W::CPT; ++c) {
-        const int ch = c * W::TPK + ti;
-        float kf[VEC];
-        convert16<T>(kraw[u][c], kf);
-#pragma unroll
-        for (int g = 0; g < QB; ++g) {
-#pragma unroll
-          for (int e = 0; e < VEC; e += 4) {
-            const float4 q4 = *reinterpret_cast<const float4*>(&s_q[g][ch * VEC + e]);
-            logit[u][g] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
-          }
-        }
-      }
-      const int t = it + u * W::KPW + kj;
-#pragma unroll
-      for (int g = 0; g < QB; ++g) {
-#pragma unroll
-        for (int off = W::KPW; off < 32; off *= 2) {
-          logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
-        }
-        logit[u][g] = t < end ? logit[u][g] * scale_log2 : -INFINITY;
-      }
-    }
-
-    // Online softmax over this warp's keys (log2 domain).
-    float alpha[QB];
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-      float mx = logit[0][g];
-#pragma unroll
-      for (int u = 1; u < W::U; ++u) mx = fmaxf(mx, logit[u][g]);
-#pragma unroll
-      for (int off = 1; off < W::KPW; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-      const float m_new = fmaxf(m[g], mx);
-      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-      alpha[g] = exp2f(m[g] - m_ref);
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-        logit[u][g] = exp2f(logit[u][g] - m_ref);
-        sum += logit[u][g];
-      }
-      l[g] = l[g] * alpha[g] + sum;
-      m[g] = m_new;
-    }
-    if (ti == 0) {
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-#pragma unroll
-        for (int g = 0; g < QB; ++g) s_p[warp][u * W::KPW + kj][g] = logit[u][g];
-      }
-    }
-    __syncwarp();
-
-    // P.V
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-#pragma unroll
-      for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] *= alpha[g];
-    }
-#pragma unroll
-    for (int st = 0; st < W::V_STEPS; ++st) {
-      const int kk = st * W::ROWS + vr;
-      float pg[QB];
-#pragma unroll
-      for (int g = 0; g < QB; ++g) pg[g] = (v_lane && kk < W::KEYS) ? s_p[warp][kk][g] : 0.f;
-#pragma unroll
-      for (int n = 0; n < W::VCPL; ++n) {
-        float vf[VEC];
-        convert16<T>(vraw[st][n], vf);
-#pragma unroll
-        for (int g = 0; g < QB; ++g) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[g][n * VEC + e] += pg[g] * vf[e];
-        }
-      }
-    }
-    __syncwarp();  // s_p is rewritten by the next step
-  }
-
-  // Combine the warps of this block: per-lane sums first, then through shared memory.
-#pragma unroll
-  for (int g = 0; g < QB; ++g) {
-#pragma unroll
-    for (int off = 1; off < W::KPW; off *= 2) l[g] += __shfl_xor_sync(kFullMask, l[g], off);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
-    }
-  }
-  if (v_lane) {
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-#pragma unroll
-      for (int n = 0; n < W::VCPL; ++n) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          s_acc[warp * W::ROWS + vr][g][(n * W::VLPR + vc) * VEC + e] = acc[g][n * VEC + e];
-        }
-      }
-    }
-  }
-  __syncthreads();
+  using Attend = AttendPath<T, HEAD_DIM, QB>;
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  AttendArgs<T> args;
+  args.k_head = k_head;
+  args.v_head = v_head;
+  args.smax = smax;
+  args.start = start;
+  args.end = end;
+  args.pos = pos;
+  args.nh = nh;
+  args.scale_log2 = p.scale * kLog2e;
+  args.s_q = &s_q[0][0];
+  args.s_new_k = s_new_k;
+  args.s_new_v = s_new_v;
+  const float* s_acc = Attend::run(args, s_m, s_l, s_dyn);
 
   const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
   for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
@@ -348,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
       const float sc = exp2f(s_m[w][g] - m_ref);
       float aw = 0.f;
 #pragma unroll
-      for (int r = 0; r < W::ROWS; ++r) aw += s_acc[w * W::ROWS + r][g][d];
+      for (int r = 0; r < ACC_ROWS; ++r) aw += s_acc[((w * ACC_ROWS + r) * QB + g) * HEAD_DIM + d];
       sum += s_l[w][g] * sc;
       a += aw * sc;
     }
@@ -420,11 +239,32 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   }
 }
 
+// Dynamic shared memory of one instantiation; above the default 48 KB limit the kernel must opt
+// in, once per device (the attribute is per device).
+template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+cudaError_t prepare_decode_attention(int& smem_bytes) {
+  smem_bytes = AttendPath<T, HEAD_DIM, Q_GROUP_BLOCK>::DYNAMIC_SMEM;
+  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (opted_in.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
+  return err;
+}
+
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
 int decode_attention_blocks_per_sm() {
+  int smem_bytes = 0;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, kThreads, 0) != cudaSuccess) {
+  if (prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, kThreads, smem_bytes) !=
+          cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -433,8 +273,11 @@ int decode_attention_blocks_per_sm() {
 
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  int smem_bytes = 0;
+  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(smem_bytes);
+  if (err != cudaSuccess) return err;
   const dim3 grid(params.num_splits, params.num_kv_heads * params.q_groups, params.batch);
-  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK><<<grid, kThreads, 0, stream>>>(params);
+  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK><<<grid, kThreads, smem_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: build, then Nsight Compute on the kernel for the given rows (B,Hq,Hkv,D,S).
+# Writes build.log and ncu.txt (one report per row: speed of light, memory, occupancy, warp
+# stalls, shared-memory wavefronts) under $OUT.
+# Usage: bash bench/profile.sh 16,32,8,128,32768 16,32,32,128,8192
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  python setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+fi
+python bench/profile_rows.py "$@" --iters 1
+# One launch per row: each row's launches come in order, the first is the checked one.
+ncu --kernel-name regex:decode_attention --launch-skip 0 --launch-count "$#" \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+  --section WarpStateStats --section SchedulerStats \
+  --metrics "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum,dram__bytes_read.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+  python bench/profile_rows.py "$@" --iters 0 >"$OUT/ncu.txt" 2>&1
+echo "ncu rc=$?"
+grep -E "decode_attention_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|wavefronts_mem_shared|bank_conflicts|inst_executed.sum|Stall|Block Limit|stalled_(long|barrier|mio|lg|math|short|wait|no_inst|dispatch|tex|drain|membar|branch|imc|not_sel|selected)|dram__bytes" "$OUT/ncu.txt" | head -120

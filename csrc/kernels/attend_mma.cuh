@@ -1,0 +1,243 @@
+// Tensor-core main loop of the decode kernel (fp16 / bf16 caches). Torch-free.
+//
+// Each warp walks its own 16-key steps of the block's chunk, with its own cp.async pipeline in
+// shared memory (no block barrier inside the loop). Per step, with up to 8 query
+// heads of one kv head:
+//   S^T = K Q^T   m16n8k16: A = 16 keys x 16 dims of K (ldmatrix), B = q (registers)
+//   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
+//   O^T += V^T P^T m16n8k16: A = V^T (ldmatrix.trans), B = P^T (movmatrix of the S^T fragment)
+// q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so the products keep
+// about fp32 precision; K and V are used exactly as cached.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attend_common.cuh"
+#include "ptx.cuh"
+
+namespace mmha {
+
+template <typename T, int HEAD_DIM, int QB>
+struct MmaAttend {
+  static_assert(QB <= 8, "one m16n8k16 tile holds at most 8 query heads");
+  static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16 on the tensor-core path");
+  static constexpr int VEC = kVec<T>;            // elements per 16-byte chunk
+  static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
+  static constexpr int KEYS = 16;                // keys per warp step (the mma M)
+  static constexpr int KSTEPS = HEAD_DIM / 16;   // mma K steps over the head dim / M tiles of O^T
+  // K stage: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
+  // ldmatrix phase is conflict-free). V stage: [KEYS][HEAD_DIM + VEC]: rows padded by 16 bytes
+  // so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank groups.
+  static constexpr int V_STRIDE = HEAD_DIM + VEC;
+  static constexpr int K_ELEMS = KEYS * HEAD_DIM;
+  static constexpr int V_ELEMS = KEYS * V_STRIDE;
+  // K and V of a step are separate pipeline slots, NB buffers of each per warp: while one slot
+  // is used, the other 2 NB - 1 are in flight (3 of 4 with NB = 2).
+#ifndef MMHA_KV_BUFFERS
+#define MMHA_KV_BUFFERS 2
+#endif
+  static constexpr int NB = MMHA_KV_BUFFERS;
+  static constexpr int WARP_ELEMS = NB * (K_ELEMS + V_ELEMS);
+  // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
+  static constexpr int ACC_ROWS = 1;
+  static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
+  static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
+  static constexpr int DYNAMIC_SMEM = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+
+  // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
+  // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
+  __device__ static void issue_k(const AttendArgs<T>& a, T* buf, int it, int lane) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
+      const int piece = lane + 32 * i;
+      const int ch = piece / KEYS;
+      const int t = it + piece % KEYS;
+      const bool ok = t < a.end && t != a.pos;
+      const T* src = ok ? a.k_head + (static_cast<int64_t>(ch) * a.smax + t) * VEC : a.k_head;
+      cp_async16(buf + piece * VEC, src, ok);
+    }
+  }
+  __device__ static void issue_v(const AttendArgs<T>& a, T* buf, int it, int lane) {
+#pragma unroll
+    for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
+      const int piece = lane + 32 * i;
+      const int row = piece / CHUNKS;
+      const int ch = piece % CHUNKS;
+      const int t = it + row;
+      const bool ok = t < a.end && t != a.pos;
+      const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC : a.v_head;
+      cp_async16(buf + row * V_STRIDE + ch * VEC, src, ok);
+    }
+  }
+
+  // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
+  // [kWarps][QB][HEAD_DIM] array, followed by a block barrier.
+  __device__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
+                                     unsigned char* smem) {
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;  // fragment row group
+    const int tq = lane % 4;  // fragment column pair
+    T* pipe = reinterpret_cast<T*>(smem) + warp * WARP_ELEMS;
+
+    // B fragments of q^T (16 dims x 8 heads per K step), pre-scaled into the log2 domain:
+    // lane holds head g, dims 16j + 2tq + {0, 1} (b0) and + 8 (b1), as hi and lo parts.
+    uint32_t qh[KSTEPS][2], ql[KSTEPS][2];
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d = 16 * j + 2 * tq + 8 * h;
+        const float x = g < a.nh ? a.s_q[g * HEAD_DIM + d] * a.scale_log2 : 0.f;
+        const float y = g < a.nh ? a.s_q[g * HEAD_DIM + d + 1] * a.scale_log2 : 0.f;
+        split_pack<T>(x, y, qh[j][h], ql[j][h]);
+      }
+    }
+
+    // Running max and sum of heads 2tq and 2tq + 1 (the fragment columns this lane holds).
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.f, 0.f};
+    float acc[KSTEPS][4];
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    }
+
+    const int first = a.start + warp * KEYS;
+    constexpr int kStride = kWarps * KEYS;
+    const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
+    T* k_buf = pipe;                 // [NB][K_ELEMS]
+    T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
+    // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
+    // step i queues V(i+NB-1) after K(i) has landed and K(i+NB) after V(i) has.
+#pragma unroll
+    for (int s = 0; s < NB; ++s) {
+      if (s < steps) issue_k(a, k_buf + s * K_ELEMS, first + s * kStride, lane);
+      cp_async_commit();
+      if (s < NB - 1) {
+        if (s < steps) issue_v(a, v_buf + s * V_ELEMS, first + s * kStride, lane);
+        cp_async_commit();
+      }
+    }
+
+    for (int i = 0; i < steps; ++i) {
+      const int it = first + i * kStride;
+      T* kb = k_buf + (i % NB) * K_ELEMS;
+      T* vb = v_buf + (i % NB) * V_ELEMS;
+      cp_async_wait<2 * NB - 2>();  // K(i) has landed
+      __syncwarp();
+      // Every lane is past step i - 1: its V buffer can be refilled.
+      if (i + NB - 1 < steps) {
+        issue_v(a, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride, lane);
+      }
+      cp_async_commit();
+      const bool has_new = it <= a.pos && a.pos < it + KEYS;  // warp-uniform
+      if (has_new) {
+        const int kk = a.pos - it;
+        for (int c = lane; c < CHUNKS; c += 32) {
+          *reinterpret_cast<uint4*>(kb + (c * KEYS + kk) * VEC) =
+              *reinterpret_cast<const uint4*>(a.s_new_k + c * VEC);
+        }
+        __syncwarp();
+      }
+
+      // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        uint32_t k[4];
+        ldmatrix_x4<false>(k, kb + ((2 * j + lane / 16) * KEYS + lane % 16) * VEC);
+        mma_16816<T>(s, k, qh[j][0], qh[j][1]);
+        mma_16816<T>(s, k, ql[j][0], ql[j][1]);
+      }
+      if (it + g >= a.end) s[0] = s[1] = -INFINITY;
+      if (it + g + 8 >= a.end) s[2] = s[3] = -INFINITY;
+
+      // Online softmax per head over the 16 keys (8 lanes share a column pair).
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(s[h], s[h + 2]);
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+        const float m_new = fmaxf(m[h], mx);
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = exp2f(m[h] - m_ref);
+        s[h] = exp2f(s[h] - m_ref);
+        s[h + 2] = exp2f(s[h + 2] - m_ref);
+        l[h] = l[h] * alpha[h] + s[h] + s[h + 2];
+        m[h] = m_new;
+      }
+
+      // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
+      uint32_t ph0, pl0, ph1, pl1;
+      split_pack<T>(s[0], s[1], ph0, pl0);
+      split_pack<T>(s[2], s[3], ph1, pl1);
+      ph0 = movmatrix_trans(ph0);
+      pl0 = movmatrix_trans(pl0);
+      ph1 = movmatrix_trans(ph1);
+      pl1 = movmatrix_trans(pl1);
+
+      cp_async_wait<2 * NB - 2>();  // V(i) has landed
+      __syncwarp();
+      // Every lane is done with K(i): its buffer can be refilled.
+      if (i + NB < steps) issue_k(a, kb, first + (i + NB) * kStride, lane);
+      cp_async_commit();
+      if (has_new) {
+        const int kk = a.pos - it;
+        for (int c = lane; c < CHUNKS; c += 32) {
+          *reinterpret_cast<uint4*>(vb + kk * V_STRIDE + c * VEC) =
+              *reinterpret_cast<const uint4*>(a.s_new_v + c * VEC);
+        }
+        __syncwarp();
+      }
+
+      // O^T += V^T P^T over 16-dim tiles: acc[i] = dims 16i + g (+ 8), heads 2tq (+ 1).
+      const T* v = vb + (lane % 8 + (lane / 16) * 8) * V_STRIDE + ((lane / 8) % 2) * 8;
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+        uint32_t vt[4];
+        ldmatrix_x4<true>(vt, v + 16 * i);
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[1];
+        acc[i][2] *= alpha[0];
+        acc[i][3] *= alpha[1];
+        mma_16816<T>(acc[i], vt, ph0, ph1);
+        mma_16816<T>(acc[i], vt, pl0, pl1);
+      }
+    }
+    cp_async_wait<0>();
+
+    // Lane sums over the 8 lanes of a column pair; then everything to shared memory.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+    }
+    __syncthreads();  // every warp is done with its pipeline: the space becomes s_acc
+    float* s_acc = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = 2 * tq + h;
+      if (head < QB) {
+        if (g == 0) {
+          s_m[warp][head] = m[h];
+          s_l[warp][head] = l[h];
+        }
+        float* dst = s_acc + (warp * QB + head) * HEAD_DIM + g;
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+          dst[16 * i] = acc[i][h];
+          dst[16 * i + 8] = acc[i][h + 2];
+        }
+      }
+    }
+    __syncthreads();
+    return s_acc;
+  }
+};
+
+}  // namespace mmha

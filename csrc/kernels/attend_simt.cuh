@@ -1,0 +1,235 @@
+// CUDA-core main loop of the decode kernel: every element type (the only path for fp32 caches).
+// Each warp walks its own steps of the block's chunk with its own online softmax; K and V
+// are loaded straight into registers, all loads of a step issued before any math. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attend_common.cuh"
+
+namespace mmha {
+
+// Lanes that share one key in the Q.K step: as many as keep >= 4 chunks (64 bytes) per lane,
+// so each lane has several 16-byte loads in flight and the dot-product reduction stays short.
+constexpr int pick_threads_per_key(int chunks) {
+  int tpk = 1;
+  while (tpk < 32 && chunks % (tpk * 2) == 0 && chunks / (tpk * 2) >= 4) tpk *= 2;
+  return tpk;
+}
+
+// How one warp walks the cache. A warp step covers KEYS keys:
+//  - Q.K: lane = ti * KPW + kj holds chunks c * TPK + ti of key kj (K layout [D/x, S, x] makes the
+//    KPW keys of one chunk contiguous: 16 * KPW coalesced bytes per lane group);
+//  - P.V: lane = vr * VLPR + vc holds chunk vc (+ n * VLPR) of key row vr (V rows are contiguous).
+template <typename T, int HEAD_DIM, int QB>
+struct WarpTiling {
+  static constexpr int VEC = kVec<T>;
+  static_assert(HEAD_DIM % VEC == 0, "head_dim must be a multiple of 16 bytes");
+  static constexpr int CHUNKS = HEAD_DIM / VEC;
+  static constexpr int TPK = pick_threads_per_key(CHUNKS);
+  static constexpr int CPT = CHUNKS / TPK;
+  static constexpr int KPW = 32 / TPK;
+  // About 4 KB of K per warp step (2 KB with >= 4 query heads, whose accumulators take the
+  // registers): with 4 warps and >= 3 blocks per SM that keeps ~100 KB of K/V loads in flight
+  // per SM, several times the ~30 KB that HBM3 latency x bandwidth needs.
+  static constexpr int TARGET_KEYS =
+      (QB >= 4 ? 2048 : 4096) / (HEAD_DIM * static_cast<int>(sizeof(T)));
+  static constexpr int U = TARGET_KEYS > KPW ? TARGET_KEYS / KPW : 1;
+  static constexpr int KEYS = KPW * U;
+  static constexpr int VLPR = CHUNKS < 32 ? CHUNKS : 32;
+  static_assert(CHUNKS % VLPR == 0, "V chunks must split evenly over lanes");
+  static constexpr int VCPL = CHUNKS / VLPR;
+  static constexpr int ROWS = 32 / VLPR;
+  static constexpr int V_STEPS = (KEYS + ROWS - 1) / ROWS;
+};
+
+template <typename T, int HEAD_DIM, int QB>
+struct SimtAttend {
+  using W = WarpTiling<T, HEAD_DIM, QB>;
+  static constexpr int KEYS = W::KEYS;
+  static constexpr int ACC_ROWS = W::ROWS;
+  static constexpr int DYNAMIC_SMEM = 0;
+
+  // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
+  // [kWarps * ACC_ROWS][QB][HEAD_DIM] array, followed by a block barrier.
+  __device__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
+                                     unsigned char* /*smem*/) {
+    constexpr int VEC = W::VEC;
+    __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
+    __shared__ __align__(16) float s_acc[kWarps * W::ROWS][QB][HEAD_DIM];
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int ti = lane / W::KPW;
+    const int kj = lane % W::KPW;
+    const int vr = lane / W::VLPR;
+    const int vc = lane % W::VLPR;
+    const bool v_lane = vr < W::ROWS;
+
+    float m[QB], l[QB];
+    float acc[QB][W::VCPL * VEC];
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.f;
+#pragma unroll
+      for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
+    }
+
+    for (int it = a.start + warp * W::KEYS; it < a.end; it += kWarps * W::KEYS) {
+      // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
+      uint4 kraw[W::U][W::CPT];
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+        const int t = it + u * W::KPW + kj;
+#pragma unroll
+        for (int c = 0; c < W::CPT; ++c) {
+          const int ch = c * W::TPK + ti;
+          if (t >= a.end) {
+            kraw[u][c] = make_uint4(0, 0, 0, 0);
+          } else if (t == a.pos) {
+            kraw[u][c] = *reinterpret_cast<const uint4*>(a.s_new_k + ch * VEC);
+          } else {
+            kraw[u][c] = load16(a.k_head + (static_cast<int64_t>(ch) * a.smax + t) * VEC);
+          }
+        }
+      }
+      uint4 vraw[W::V_STEPS][W::VCPL];
+#pragma unroll
+      for (int st = 0; st < W::V_STEPS; ++st) {
+        const int kk = st * W::ROWS + vr;
+        const int t = it + kk;
+        const bool valid = v_lane && kk < W::KEYS && t < a.end;
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+          const int ch = n * W::VLPR + vc;
+          if (!valid) {
+            vraw[st][n] = make_uint4(0, 0, 0, 0);
+          } else if (t == a.pos) {
+            vraw[st][n] = *reinterpret_cast<const uint4*>(a.s_new_v + ch * VEC);
+          } else {
+            vraw[st][n] = load16(a.v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+          }
+        }
+      }
+
+      // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
+      float logit[W::U][QB];
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+        for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < W::CPT; ++c) {
+          const int ch = c * W::TPK + ti;
+          float kf[VEC];
+          convert16<T>(kraw[u][c], kf);
+#pragma unroll
+          for (int g = 0; g < QB; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4) {
+              const float4 q4 = *reinterpret_cast<const float4*>(a.s_q + g * HEAD_DIM + ch * VEC + e);
+              logit[u][g] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
+            }
+          }
+        }
+        const int t = it + u * W::KPW + kj;
+#pragma unroll
+        for (int g = 0; g < QB; ++g) {
+#pragma unroll
+          for (int off = W::KPW; off < 32; off *= 2) {
+            logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
+          }
+          logit[u][g] = t < a.end ? logit[u][g] * a.scale_log2 : -INFINITY;
+        }
+      }
+
+      // Online softmax over this warp's keys (log2 domain).
+      float alpha[QB];
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+        float mx = logit[0][g];
+#pragma unroll
+        for (int u = 1; u < W::U; ++u) mx = fmaxf(mx, logit[u][g]);
+#pragma unroll
+        for (int off = 1; off < W::KPW; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+        const float m_new = fmaxf(m[g], mx);
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+        alpha[g] = exp2f(m[g] - m_ref);
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < W::U; ++u) {
+          logit[u][g] = exp2f(logit[u][g] - m_ref);
+          sum += logit[u][g];
+        }
+        l[g] = l[g] * alpha[g] + sum;
+        m[g] = m_new;
+      }
+      if (ti == 0) {
+#pragma unroll
+        for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+          for (int g = 0; g < QB; ++g) s_p[warp][u * W::KPW + kj][g] = logit[u][g];
+        }
+      }
+      __syncwarp();
+
+      // P.V
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+#pragma unroll
+        for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] *= alpha[g];
+      }
+#pragma unroll
+      for (int st = 0; st < W::V_STEPS; ++st) {
+        const int kk = st * W::ROWS + vr;
+        float pg[QB];
+#pragma unroll
+        for (int g = 0; g < QB; ++g) pg[g] = (v_lane && kk < W::KEYS) ? s_p[warp][kk][g] : 0.f;
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+          float vf[VEC];
+          convert16<T>(vraw[st][n], vf);
+#pragma unroll
+          for (int g = 0; g < QB; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][n * VEC + e] += pg[g] * vf[e];
+          }
+        }
+      }
+      __syncwarp();  // s_p is rewritten by the next step
+    }
+
+    // Combine the warps of this block: per-lane sums first, then through shared memory.
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+#pragma unroll
+      for (int off = 1; off < W::KPW; off *= 2) l[g] += __shfl_xor_sync(kFullMask, l[g], off);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+        s_m[warp][g] = m[g];
+        s_l[warp][g] = l[g];
+      }
+    }
+    if (v_lane) {
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            s_acc[warp * W::ROWS + vr][g][(n * W::VLPR + vc) * VEC + e] = acc[g][n * VEC + e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    return &s_acc[0][0][0];
+  }
+};
+
+}  // namespace mmha
