@@ -9,6 +9,6 @@ for spec in "16 8 2048 32768" "64 8 1024 8192" "16 32 512 8192" "1 32 1024 65536
   set -- $spec "$@"
   b=$1 hkv=$2 s1=$3 s2=$4; shift 4
   python -m mmha.bench --batch "$b" --kv-heads "$hkv" --seq "$s1" "$s2" --dtype fp16 --out "$out/r$i" "$@" \
-    2>>"$out/bench_stderr.log" | grep -E "^\| fp" | cut -d'|' -f2-4,5,7,9-12,14,16-23
+    2>>"$out/bench_stderr.log" | grep -E "^\| fp" | cut -d"|" -f3,5,7,9-13,16,19,20,22,23,25
   i=$((i + 1))
 done
