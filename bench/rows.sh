@@ -3,6 +3,7 @@
 # Usage: bash bench/rows.sh OUTDIR [extra mmha.bench args]
 set -uo pipefail
 out=$1; shift
+mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 i=0
 for spec in "16 8 2048 32768" "64 8 1024 8192" "16 32 512 8192" "1 32 1024 65536" "1 8 4096 65536" "64 32 256 1024"; do
