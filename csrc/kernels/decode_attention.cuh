@@ -20,10 +20,16 @@
 
 namespace mmha {
 
-// The main loop: tensor cores for 16-bit caches, CUDA cores for fp32.
+// The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
+// MQA) of a 16-bit cache with head_dim <= 128; the CUDA-core loop everywhere else: fp32 caches,
+// head_dim 256 (whose two-buffer pipeline would leave one block per SM), and one head per kv
+// head, where it measured faster on the H200 (docs/design.md has the numbers).
 template <typename T, int HEAD_DIM, int QB>
-using AttendPath = std::conditional_t<std::is_same_v<T, float>, SimtAttend<T, HEAD_DIM, QB>,
-                                      MmaAttend<T, HEAD_DIM, QB>>;
+constexpr bool kUseTensorCores = !std::is_same_v<T, float> && QB >= 2 && HEAD_DIM <= 128;
+
+template <typename T, int HEAD_DIM, int QB>
+using AttendPath = std::conditional_t<kUseTensorCores<T, HEAD_DIM, QB>, MmaAttend<T, HEAD_DIM, QB>,
+                                      SimtAttend<T, HEAD_DIM, QB>>;
 
 // Element d of a q or k head after bias and rotary embedding at position pos, in fp32.
 template <typename T>
@@ -58,8 +64,14 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
+// Blocks per SM the compiler must leave registers for: 4 (128 registers) for the CUDA-core loop
+// with one query head per block, which otherwise takes ~150 and drops to 3 blocks per SM.
 template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
+constexpr int kMinBlocksPerSm = (!kUseTensorCores<T, HEAD_DIM, QB> && QB == 1) ? 4 : 1;
+
+template <typename T, int HEAD_DIM, int QB>
+__global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<T, HEAD_DIM, QB>))
+    decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
   constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;

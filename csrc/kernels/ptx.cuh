@@ -21,24 +21,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte async copy global -> shared, bypassing L1. When !valid nothing is read and the 16
 // destination bytes are zero-filled.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#ifdef MMHA_SYNC_COPY  // diagnostic build: a plain load and shared store instead
-  *static_cast<uint4*>(dst) = valid ? __ldg(static_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-  return;
-#endif
   const int src_bytes = valid ? 16 : 0;
-#if defined(MMHA_L2_PREFETCH) && MMHA_L2_PREFETCH == 256
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
+  // L2::128B: measured ~2 % faster than no hint on the H200 for the GQA rows (256B: ~2 % slower).
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(src_bytes)
                : "memory");
-#elif defined(MMHA_L2_PREFETCH) && MMHA_L2_PREFETCH == 128
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
