@@ -61,13 +61,21 @@ def main() -> int:
     rows = []
     for group, b, hkv, s in CANONICAL:
         rows.append(sweep_row(Config(group, b, 32, hkv, 128, s, args.dtype)))
-        print(f"B={b} Hkv={hkv} S={s}: plan {rows[-1]['plan_splits']} best {rows[-1]['best_splits']}", flush=True)
+        print(
+            f"B={b} Hkv={hkv} S={s}: plan {rows[-1]['plan_splits']} best {rows[-1]['best_splits']}",
+            flush=True,
+        )
     dev = torch.cuda.get_device_properties(0)
-    header = {"gpu": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__, "dtype": args.dtype}
+    header = {
+        "gpu": dev.name,
+        "sms": dev.multi_processor_count,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+    }
     (args.out / "split_sweep.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     table = [
-        [r["batch"], r["num_kv_heads"], r["seq_len"], f"{r['kv_mb']:.0f}", r["plan_splits"], f"{r['plan_us']:.1f}",
-         r["best_splits"], f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.2f}",
+        [r["batch"], r["num_kv_heads"], r["seq_len"], f"{r['kv_mb']:.0f}", r["plan_splits"],
+         f"{r['plan_us']:.1f}", r["best_splits"], f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.2f}",
          " ".join(f"{k}:{v:.1f}" for k, v in r["times_us"].items())]
         for r in rows
     ]  # fmt: skip

@@ -105,7 +105,10 @@ def choose_variant(
     else:
         splits = 1
         for s in range(2, allowed + 1):
-            if wave_cost(base_blocks * s, wave) / s < SPLIT_GAIN * wave_cost(base_blocks * splits, wave) / splits:
+            if (
+                wave_cost(base_blocks * s, wave) / s
+                < SPLIT_GAIN * wave_cost(base_blocks * splits, wave) / splits
+            ):
                 splits = s
     if variant == "split":
         return Plan("split", max(2, splits))
