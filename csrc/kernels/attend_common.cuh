@@ -14,6 +14,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 // One block's view of one (row, kv head): keys [start, end) of the cache to attend over, with
 // the new token at slot pos (its K/V are read from shared memory, not from the cache).
+// The shared arrays (q, new K/V) are passed alongside as array references.
 template <typename T>
 struct AttendArgs {
   const T* k_head;   // [D/x, S_max, x]
@@ -24,9 +25,6 @@ struct AttendArgs {
   int pos;
   int nh;            // query heads of this block that exist (<= QB)
   float scale_log2;  // softmax scale * log2(e)
-  const float* s_q;  // [QB][D] in shared memory, fp32 after bias and rotary
-  const T* s_new_k;  // [D] in shared memory
-  const T* s_new_v;  // [D] in shared memory
 };
 
 }  // namespace mmha

@@ -72,8 +72,9 @@ struct MmaAttend {
 
   // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
   // [kWarps][QB][HEAD_DIM] array, followed by a block barrier.
-  __device__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
-                                     unsigned char* smem) {
+  __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
+                                     unsigned char* smem, const float (&s_q)[QB][HEAD_DIM],
+                                     const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;  // fragment row group
@@ -88,8 +89,8 @@ struct MmaAttend {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int d = 16 * j + 2 * tq + 8 * h;
-        const float x = g < a.nh ? a.s_q[g * HEAD_DIM + d] * a.scale_log2 : 0.f;
-        const float y = g < a.nh ? a.s_q[g * HEAD_DIM + d + 1] * a.scale_log2 : 0.f;
+        const float x = g < a.nh ? s_q[g][d] * a.scale_log2 : 0.f;
+        const float y = g < a.nh ? s_q[g][d + 1] * a.scale_log2 : 0.f;
         split_pack<T>(x, y, qh[j][h], ql[j][h]);
       }
     }
@@ -137,7 +138,7 @@ struct MmaAttend {
         const int kk = a.pos - it;
         for (int c = lane; c < CHUNKS; c += 32) {
           *reinterpret_cast<uint4*>(kb + (c * KEYS + kk) * VEC) =
-              *reinterpret_cast<const uint4*>(a.s_new_k + c * VEC);
+              *reinterpret_cast<const uint4*>(&s_new_k[c * VEC]);
         }
         __syncwarp();
       }
@@ -188,7 +189,7 @@ struct MmaAttend {
         const int kk = a.pos - it;
         for (int c = lane; c < CHUNKS; c += 32) {
           *reinterpret_cast<uint4*>(vb + kk * V_STRIDE + c * VEC) =
-              *reinterpret_cast<const uint4*>(a.s_new_v + c * VEC);
+              *reinterpret_cast<const uint4*>(&s_new_v[c * VEC]);
         }
         __syncwarp();
       }

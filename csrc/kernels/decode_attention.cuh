@@ -67,10 +67,10 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 // Blocks per SM the compiler must leave registers for: 4 (128 registers) for the CUDA-core loop
 // with one query head per block, which otherwise takes ~150 and drops to 3 blocks per SM.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocksPerSm = (!kUseTensorCores<T, HEAD_DIM, QB> && QB == 1) ? 4 : 1;
+constexpr int kMinBlocksPerSm = 1;
 
 template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<T, HEAD_DIM, QB>))
+__global__ void __launch_bounds__(kThreads)
     decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
@@ -149,21 +149,190 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksPerSm<T, HEAD_DIM, QB>))
   }
   __syncthreads();
 
-  using Attend = AttendPath<T, HEAD_DIM, QB>;
-  extern __shared__ __align__(16) unsigned char s_dyn[];
-  AttendArgs<T> args;
-  args.k_head = k_head;
-  args.v_head = v_head;
-  args.smax = smax;
-  args.start = start;
-  args.end = end;
-  args.pos = pos;
-  args.nh = nh;
-  args.scale_log2 = p.scale * kLog2e;
-  args.s_q = &s_q[0][0];
-  args.s_new_k = s_new_k;
-  args.s_new_v = s_new_v;
-  const float* s_acc = Attend::run(args, s_m, s_l, s_dyn);
+  // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
+  // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
+  const float scale_log2 = p.scale * kLog2e;
+  const float* s_acc;
+  if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
+    extern __shared__ __align__(16) unsigned char s_dyn[];
+    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2};
+    s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
+  } else {
+    // CUDA-core loop, written out here rather than behind a function: behind one (same code,
+    // arguments in a struct) ptxas took 149 instead of 128 registers for one head per block,
+    // 3 instead of 4 blocks per SM, and the MHA rows ran 3-10 % slower on the H200.
+    using W = WarpTiling<T, HEAD_DIM, QB>;
+    __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
+    __shared__ __align__(16) float s_acc_simt[kWarps * W::ROWS][QB][HEAD_DIM];
+    const int ti = lane / W::KPW;
+    const int kj = lane % W::KPW;
+    const int vr = lane / W::VLPR;
+    const int vc = lane % W::VLPR;
+    const bool v_lane = vr < W::ROWS;
+
+    float m[QB], l[QB];
+    float acc[QB][W::VCPL * VEC];
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.f;
+#pragma unroll
+      for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
+    }
+
+    for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
+      // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
+      uint4 kraw[W::U][W::CPT];
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+        const int t = it + u * W::KPW + kj;
+#pragma unroll
+        for (int c = 0; c < W::CPT; ++c) {
+          const int ch = c * W::TPK + ti;
+          if (t >= end) {
+            kraw[u][c] = make_uint4(0, 0, 0, 0);
+          } else if (t == pos) {
+            kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
+          } else {
+            kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+          }
+        }
+      }
+      uint4 vraw[W::V_STEPS][W::VCPL];
+#pragma unroll
+      for (int st = 0; st < W::V_STEPS; ++st) {
+        const int kk = st * W::ROWS + vr;
+        const int t = it + kk;
+        const bool valid = v_lane && kk < W::KEYS && t < end;
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+          const int ch = n * W::VLPR + vc;
+          if (!valid) {
+            vraw[st][n] = make_uint4(0, 0, 0, 0);
+          } else if (t == pos) {
+            vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
+          } else {
+            vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+          }
+        }
+      }
+
+      // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
+      float logit[W::U][QB];
+#pragma unroll
+      for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+        for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < W::CPT; ++c) {
+          const int ch = c * W::TPK + ti;
+          float kf[VEC];
+          convert16<T>(kraw[u][c], kf);
+#pragma unroll
+          for (int g = 0; g < QB; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; e += 4) {
+              const float4 q4 = *reinterpret_cast<const float4*>(&s_q[g][ch * VEC + e]);
+              logit[u][g] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
+            }
+          }
+        }
+        const int t = it + u * W::KPW + kj;
+#pragma unroll
+        for (int g = 0; g < QB; ++g) {
+#pragma unroll
+          for (int off = W::KPW; off < 32; off *= 2) {
+            logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
+          }
+          logit[u][g] = t < end ? logit[u][g] * scale_log2 : -INFINITY;
+        }
+      }
+
+      // Online softmax over this warp's keys (log2 domain).
+      float alpha[QB];
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+        float mx = logit[0][g];
+#pragma unroll
+        for (int u = 1; u < W::U; ++u) mx = fmaxf(mx, logit[u][g]);
+#pragma unroll
+        for (int off = 1; off < W::KPW; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+        const float m_new = fmaxf(m[g], mx);
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+        alpha[g] = exp2f(m[g] - m_ref);
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < W::U; ++u) {
+          logit[u][g] = exp2f(logit[u][g] - m_ref);
+          sum += logit[u][g];
+        }
+        l[g] = l[g] * alpha[g] + sum;
+        m[g] = m_new;
+      }
+      if (ti == 0) {
+#pragma unroll
+        for (int u = 0; u < W::U; ++u) {
+#pragma unroll
+          for (int g = 0; g < QB; ++g) s_p[warp][u * W::KPW + kj][g] = logit[u][g];
+        }
+      }
+      __syncwarp();
+
+      // P.V
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+#pragma unroll
+        for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] *= alpha[g];
+      }
+#pragma unroll
+      for (int st = 0; st < W::V_STEPS; ++st) {
+        const int kk = st * W::ROWS + vr;
+        float pg[QB];
+#pragma unroll
+        for (int g = 0; g < QB; ++g) pg[g] = (v_lane && kk < W::KEYS) ? s_p[warp][kk][g] : 0.f;
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+          float vf[VEC];
+          convert16<T>(vraw[st][n], vf);
+#pragma unroll
+          for (int g = 0; g < QB; ++g) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][n * VEC + e] += pg[g] * vf[e];
+          }
+        }
+      }
+      __syncwarp();  // s_p is rewritten by the next step
+    }
+
+    // Per-warp (max, sum, acc) to shared memory for the block combine.
+#pragma unroll
+    for (int g = 0; g < QB; ++g) {
+#pragma unroll
+      for (int off = 1; off < W::KPW; off *= 2) l[g] += __shfl_xor_sync(kFullMask, l[g], off);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+        s_m[warp][g] = m[g];
+        s_l[warp][g] = l[g];
+      }
+    }
+    if (v_lane) {
+#pragma unroll
+      for (int g = 0; g < QB; ++g) {
+#pragma unroll
+        for (int n = 0; n < W::VCPL; ++n) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            s_acc_simt[warp * W::ROWS + vr][g][(n * W::VLPR + vc) * VEC + e] = acc[g][n * VEC + e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+    s_acc = &s_acc_simt[0][0][0];
+  }
+
 
   const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
   for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
