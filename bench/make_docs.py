@@ -1,9 +1,11 @@
 """Writes docs/benchmarks.md from a benchmark run's JSON (never edit that page by hand).
 
-Usage: python bench/make_docs.py RUN_DIR [--before OLD_RUN_DIR] [--generate-log LOG] [--step-bench DIR]
+Usage: python bench/make_docs.py RUN_DIR [--before OLD_JSON] [--generate-log LOG] [--step-bench DIR]
+                                  [--split-sweep DIR]
 RUN_DIR holds bench.json (and latency.png / pct_ceiling.png if plotted); they are copied to
-docs/data/ and the page is generated from them. --before adds a before/after column from an
-earlier run's JSON on the same GPU.
+docs/data/ and the page is generated from them. --before adds a before/after table from an
+earlier run's bench.json on the same GPU (copied to docs/data/bench_before.json).
+--split-sweep adds the bench/split_sweep.py table the dispatcher is checked against.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 from mmha.bench import table  # noqa: E402
+from split_sweep import render as sweep_table  # noqa: E402
 from mmha.step_bench import table as step_table  # noqa: E402
 
 TARGETS = """\
@@ -53,9 +58,10 @@ def verdicts(rows: list[dict]) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--before", type=Path)
+    p.add_argument("--before", type=Path, help="an earlier run's bench.json")
     p.add_argument("--generate-log", type=Path, help="output of the python -m mmha generate runs")
     p.add_argument("--step-bench", type=Path, help="directory with a python -m mmha.step_bench JSON")
+    p.add_argument("--split-sweep", type=Path, help="directory with a bench/split_sweep.py JSON")
     args = p.parse_args()
     data = json.loads((args.run_dir / "bench.json").read_text())
     docs = ROOT / "docs"
@@ -82,11 +88,20 @@ def main() -> int:
         "",
     ]
     if args.before:
+        before = json.loads(args.before.read_text())
+        if args.before.resolve() != (docs / "data" / "bench_before.json").resolve():
+            shutil.copy(args.before, docs / "data" / "bench_before.json")
         old = {
-            (r["dtype"], r["batch"], r["num_kv_heads"], r["head_dim"], r["seq_len"]): r
-            for r in json.loads((args.before / "bench.json").read_text())["rows"]
+            (r["dtype"], r["batch"], r["num_kv_heads"], r["head_dim"], r["seq_len"]): r for r in before["rows"]
         }
-        lines += ["## Before / after", "", "| row | before us | after us | change |", "|---|---|---|---|"]
+        lines += [
+            "## Before / after",
+            "",
+            f"Before: `docs/data/bench_before.json` ({before['header']['date']}, same GPU model).",
+            "",
+            "| row | before us | after us | change |",
+            "|---|---|---|---|",
+        ]
         for r in data["rows"]:
             o = old.get((r["dtype"], r["batch"], r["num_kv_heads"], r["head_dim"], r["seq_len"]))
             if o:
@@ -129,6 +144,17 @@ def main() -> int:
             "",
             step_table(sb["rows"]),
             "",
+        ]
+    if args.split_sweep:
+        shutil.copy(args.split_sweep / "split_sweep.json", docs / "data" / "split_sweep.json")
+        sw = json.loads((docs / "data" / "split_sweep.json").read_text())
+        lines += [
+            "## Split count sweep (what the dispatcher is checked against)",
+            "",
+            "`python bench/split_sweep.py`: mmha at every split count on the canonical grid, next to the",
+            "dispatcher's pick (`plan`); `plan/best` above 1 is time the dispatcher leaves on the table.",
+            "",
+            sweep_table(sw),
         ]
     (docs / "benchmarks.md").write_text("\n".join(lines))
     print(f"wrote {docs / 'benchmarks.md'}")

@@ -52,6 +52,20 @@ def sweep_row(cfg: Config) -> dict:
     }  # fmt: skip
 
 
+def render(data: dict) -> str:
+    """The sweep as a github table (also used by bench/make_docs.py)."""
+    table = [
+        [r["batch"], r["num_kv_heads"], r["seq_len"], f"{r['kv_mb']:.0f}", r["plan_splits"],
+         f"{r['plan_us']:.1f}", r["best_splits"], f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.2f}",
+         " ".join(f"{k}:{v:.1f}" for k, v in r["times_us"].items())]
+        for r in data["rows"]
+    ]  # fmt: skip
+    md = tabulate(table, ["B", "Hkv", "S", "KV MB", "plan", "plan us", "best", "best us", "plan/best",
+                          "us by split count"], tablefmt="github")  # fmt: skip
+    h = data["header"]
+    return f"{h['gpu']} ({h['sms']} SMs), torch {h['torch']}, {h['dtype']}, cold L2\n\n{md}\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("split_sweep_out"))
@@ -73,15 +87,7 @@ def main() -> int:
         "dtype": args.dtype,
     }
     (args.out / "split_sweep.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    table = [
-        [r["batch"], r["num_kv_heads"], r["seq_len"], f"{r['kv_mb']:.0f}", r["plan_splits"],
-         f"{r['plan_us']:.1f}", r["best_splits"], f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.2f}",
-         " ".join(f"{k}:{v:.1f}" for k, v in r["times_us"].items())]
-        for r in rows
-    ]  # fmt: skip
-    md = tabulate(table, ["B", "Hkv", "S", "KV MB", "plan", "plan us", "best", "best us", "plan/best",
-                          "us by split count"], tablefmt="github")  # fmt: skip
-    md = f"{header['gpu']} ({header['sms']} SMs), torch {header['torch']}, {args.dtype}, cold L2\n\n{md}\n"
+    md = render({"header": header, "rows": rows})
     (args.out / "split_sweep.md").write_text(md)
     print(md)
     return 0
