@@ -21,8 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from mmha.bench import table  # noqa: E402
 from split_sweep import render as sweep_table  # noqa: E402
+
+from mmha.bench import table  # noqa: E402
 from mmha.step_bench import table as step_table  # noqa: E402
 
 TARGETS = """\
@@ -91,9 +92,8 @@ def main() -> int:
         before = json.loads(args.before.read_text())
         if args.before.resolve() != (docs / "data" / "bench_before.json").resolve():
             shutil.copy(args.before, docs / "data" / "bench_before.json")
-        old = {
-            (r["dtype"], r["batch"], r["num_kv_heads"], r["head_dim"], r["seq_len"]): r for r in before["rows"]
-        }
+        key = ("dtype", "batch", "num_kv_heads", "head_dim", "seq_len")
+        old = {tuple(r[k] for k in key): r for r in before["rows"]}
         lines += [
             "## Before / after",
             "",
@@ -103,7 +103,7 @@ def main() -> int:
             "|---|---|---|---|",
         ]
         for r in data["rows"]:
-            o = old.get((r["dtype"], r["batch"], r["num_kv_heads"], r["head_dim"], r["seq_len"]))
+            o = old.get(tuple(r[k] for k in key))
             if o:
                 lines.append(
                     f"| {r['dtype']} B{r['batch']} Hkv{r['num_kv_heads']} D{r['head_dim']} S{r['seq_len']} "
