@@ -23,7 +23,16 @@ CASES = [
     (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
     (4, 32, 32, 128, 8192, 2, dispatch.Plan("split", 2)),  # 264 // 128
     (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 33)),  # MQA: 8 blocks of 8 heads
+    # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
+    (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
+    (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
+    # 2048 blocks: 6 waves; 2 splits (all S=256 allows) only reach 5.5, short of 10 %.
+    (64, 32, 32, 128, 256, 3, dispatch.Plan("single_pass", 1)),
 ]
+
+
+def test_wave_cost():
+    assert [dispatch.wave_cost(n, 396) for n in (1, 396, 397, 512, 1536)] == [1, 1, 2, 2, 4]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_S{c[4]}_bps{c[5]}")
