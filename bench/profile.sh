@@ -20,6 +20,6 @@ ncu --kernel-name "$KERNELS" --launch-skip 0 --launch-count "$COUNT" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
   --section WarpStateStats --section SchedulerStats \
   --metrics "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum,dram__bytes_read.sum,breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-  python bench/profile_rows.py "$@" --iters 0 ${PROFILE_ARGS:-} >"$OUT/ncu${TAG:-}.txt" 2>&1
+  python bench/profile_rows.py "$@" --iters 0 >"$OUT/ncu${TAG:-}.txt" 2>&1
 echo "ncu rc=$?"
 grep -E "decode_attention_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|wavefronts_mem_shared|bank_conflicts|inst_executed.sum|Stall|Block Limit|stalled_(long|barrier|mio|lg|math|short|wait|no_inst|dispatch|tex|drain|membar|branch|imc|not_sel|selected)|dram__bytes" "$OUT/ncu${TAG:-}.txt" | head -120

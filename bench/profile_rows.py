@@ -19,7 +19,6 @@ def main() -> None:
     p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--sdpa", action="store_true", help="also launch SDPA (cuDNN backend) per row")
     args = p.parse_args()
     for spec in args.rows:
         b, hq, hkv, d, s = (int(x) for x in spec.split(","))
@@ -33,13 +32,6 @@ def main() -> None:
         assert err < 2e-2, f"{spec}: max error {err}"
         for _ in range(args.iters):
             fn()
-        if args.sdpa:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            from mmha.bench import sdpa_fn
-
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                sdpa_fn(prob)()
         torch.cuda.synchronize()
         print(f"{spec} splits={splits} max_err={err:.2e}", flush=True)
 

@@ -27,8 +27,8 @@ struct MmaAttend {
   static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
   static constexpr int KEYS = 16;                // keys per warp step (the mma M)
   static constexpr int KSTEPS = HEAD_DIM / 16;   // mma K steps over the head dim / M tiles of O^T
-  // K stage: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
-  // ldmatrix phase is conflict-free). V stage: [KEYS][HEAD_DIM + VEC]: rows padded by 16 bytes
+  // K buffer: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
+  // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM + VEC]: rows padded by 16 bytes
   // so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank groups.
   static constexpr int V_STRIDE = HEAD_DIM + VEC;
   static constexpr int K_ELEMS = KEYS * HEAD_DIM;
