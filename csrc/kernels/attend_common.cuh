@@ -1,4 +1,4 @@
-// What the decode kernel hands to its main loop (attend_simt.cuh, attend_mma.cuh). Torch-free.
+// What the decode kernel hands to its tensor-core main loop (attend_mma.cuh). Torch-free.
 #pragma once
 
 #include <cstdint>

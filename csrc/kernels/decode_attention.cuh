@@ -64,14 +64,8 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-// Blocks per SM the compiler must leave registers for: 4 (128 registers) for the CUDA-core loop
-// with one query head per block, which otherwise takes ~150 and drops to 3 blocks per SM.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocksPerSm = 1;
-
-template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads)
-    decode_attention_kernel(const MmhaParams p) {
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
   constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
@@ -159,8 +153,8 @@ __global__ void __launch_bounds__(kThreads)
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
-    // arguments in a struct) ptxas took 149 instead of 128 registers for one head per block,
-    // 3 instead of 4 blocks per SM, and the MHA rows ran 3-10 % slower on the H200.
+    // arguments in a struct) ptxas wanted 149 instead of 128 registers for one head per block;
+    // bounded to 128 it spilled and the MHA rows ran up to 8 % slower on the H200.
     using W = WarpTiling<T, HEAD_DIM, QB>;
     __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
     __shared__ __align__(16) float s_acc_simt[kWarps * W::ROWS][QB][HEAD_DIM];
