@@ -42,7 +42,10 @@ struct MmaAttend {
   static constexpr int ACC_ROWS = 1;
   static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
   static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
-  static constexpr int DYNAMIC_SMEM = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+#ifndef MMHA_EXP_SMEM_PAD
+#define MMHA_EXP_SMEM_PAD 0
+#endif
+  static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + MMHA_EXP_SMEM_PAD;
 
   // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
   // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
@@ -105,9 +108,17 @@ struct MmaAttend {
       for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
     }
 
+#if MMHA_EXP_CONTIG
+    const int per_warp = (a.end - a.start + kWarps * KEYS - 1) / (kWarps * KEYS) * KEYS;
+    const int first = a.start + warp * per_warp;
+    constexpr int kStride = KEYS;
+    const int wend = min(a.end, first + per_warp);
+    const int steps = first < wend ? (wend - first + KEYS - 1) / KEYS : 0;
+#else
     const int first = a.start + warp * KEYS;
     constexpr int kStride = kWarps * KEYS;
     const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
+#endif
     T* k_buf = pipe;                 // [NB][K_ELEMS]
     T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
     // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
@@ -145,13 +156,24 @@ struct MmaAttend {
 
       // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
       float s[4] = {0.f, 0.f, 0.f, 0.f};
+#if MMHA_EXP_SPLITACC
+      float s2[4] = {0.f, 0.f, 0.f, 0.f};
+#endif
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         uint32_t k[4];
         ldmatrix_x4<false>(k, kb + ((2 * j + lane / 16) * KEYS + lane % 16) * VEC);
         mma_16816<T>(s, k, qh[j][0], qh[j][1]);
+#if MMHA_EXP_SPLITACC
+        mma_16816<T>(s2, k, ql[j][0], ql[j][1]);
+#else
         mma_16816<T>(s, k, ql[j][0], ql[j][1]);
+#endif
       }
+#if MMHA_EXP_SPLITACC
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] += s2[e];
+#endif
       if (it + g >= a.end) s[0] = s[1] = -INFINITY;
       if (it + g + 8 >= a.end) s[2] = s[3] = -INFINITY;
 

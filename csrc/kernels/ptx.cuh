@@ -28,6 +28,22 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                : "memory");
 }
 
+// Ask the L2 to fetch the line holding p from memory; nothing comes back to the SM. The memory
+// clobber keeps later loads from being hoisted above it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p) : "memory");
+}
+
+// Same for [src, src + bytes): src 16-byte aligned, bytes a multiple of 16 (the sm_90 bulk
+// prefetch, one instruction per range; the line-by-line prefetch before sm_90).
+__device__ __forceinline__ void prefetch_l2_range(const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+#else
+  for (uint32_t off = 0; off < bytes; off += 128) prefetch_l2(static_cast<const char*>(src) + off);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most N of this thread's committed copy groups are still in flight.

@@ -1,0 +1,77 @@
+"""Time mmha (as dispatched) on a few rows, fast: for comparing kernel variants in one device call.
+
+Each row is B,Hkv,S (Hq 32, D 128) or B,Hq,Hkv,D,S. Every row is checked against the fp32
+reference first; times are cold-L2 medians (``triton.testing.do_bench``), as in ``mmha.bench``.
+``--peer`` also times SDPA's cuDNN backend on the same row.
+
+    python bench/quick_rows.py 16,8,32768 1,32,1024 --tag base --out DIR [--peer] [--ceiling GBS]
+
+Prints one line per row and appends them to DIR/quick_rows.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from mmha import ops
+from mmha.bench import Config, Problem, backend_context, mmha_fn, read_ceiling_gbs, sdpa_fn
+
+
+def parse_row(spec: str, dtype: str) -> Config:
+    v = [int(x) for x in spec.split(",")]
+    if len(v) == 3:
+        b, hkv, s = v
+        hq, d = 32, 128
+    else:
+        b, hq, hkv, d, s = v
+    return Config("quick", b, hq, hkv, d, s, dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("rows", nargs="+")
+    p.add_argument("--dtype", default="fp16")
+    p.add_argument("--tag", default="")
+    p.add_argument("--peer", action="store_true", help="also time SDPA (cuDNN backend)")
+    p.add_argument("--ceiling", type=float, default=0.0, help="read ceiling in GB/s (measured if 0)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    from triton.testing import do_bench
+
+    ceiling = args.ceiling or read_ceiling_gbs()[0]
+    for spec in args.rows:
+        cfg = parse_row(spec, args.dtype)
+        prob = Problem(cfg)
+        plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.seq_len, cfg.torch_dtype)  # fmt: skip
+        fn = mmha_fn(prob, plan.num_splits)
+        rows = [0, cfg.batch - 1]
+        err = (fn()[rows].float() - prob.reference(rows)).abs().max().item()
+        if not err < 2e-2:
+            raise SystemExit(f"{spec}: max error {err} at plan {plan}")
+        us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        rec = {
+            "tag": args.tag, "row": spec, "dtype": args.dtype, "kv_mb": cfg.kv_bytes / 1e6,
+            "plan": f"{plan.variant}/{plan.num_splits}", "us": us,
+            "pct_ceiling": 100 * cfg.step_bytes / (us * 1e-6) / 1e9 / ceiling, "max_err": err,
+        }  # fmt: skip
+        if args.peer:
+            with backend_context("sdpa_cudnn"):
+                rec["cudnn_us"] = do_bench(sdpa_fn(prob), warmup=25, rep=100, return_mode="median") * 1e3
+        line = (f"{args.tag:>10} {spec:>16} {rec['kv_mb']:8.1f} MB {rec['plan']:>14} {us:8.1f} us "
+                f"{rec['pct_ceiling']:5.1f} %" + (f"  cudnn {rec['cudnn_us']:8.1f}" if args.peer else ""))  # fmt: skip
+        print(line, flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            with open(args.out / "quick_rows.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        del prob, fn
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

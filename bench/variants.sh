@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: time variants of the kernel, each built with its own experiment macros
+# (-DMMHA_EXP_...), on a few rows (bench/quick_rows.py). Only the instantiation file OBJ is
+# rebuilt per variant. Lines go to stdout and $OUT/quick_rows.jsonl.
+# Usage: VARIANTS="base:;pf:-DMMHA_EXP_PREFETCH=128" ROWS="16,8,2048 1,32,1024" [PEER=--peer] \
+#        [OBJ=decode_fp16_hd128] bash bench/variants.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+ceiling=$(python -c "from mmha.bench import read_ceiling_gbs; print(read_ceiling_gbs()[0])")
+echo "read ceiling ${ceiling} GB/s"
+peer=${PEER:-}
+IFS=";" read -ra variants <<<"$VARIANTS"
+for v in "${variants[@]}"; do
+  name=${v%%:*}
+  flags=${v#*:}
+  find build -name "${OBJ:-decode_fp16_hd128}.o" -delete
+  if ! NVCC_APPEND_FLAGS="$flags" python setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
+    echo "$name: build failed"
+    continue
+  fi
+  python bench/quick_rows.py $ROWS --tag "$name" --ceiling "$ceiling" --out "$OUT" $peer
+  peer=""
+done
