@@ -3,7 +3,9 @@
 # (-DMMHA_EXP_...), on a few rows (bench/quick_rows.py). Only the instantiation file OBJ is
 # rebuilt per variant. Lines go to stdout and $OUT/quick_rows.jsonl.
 # Usage: VARIANTS="base:;pf:-DMMHA_EXP_PREFETCH=128" ROWS="16,8,2048 1,32,1024" [PEER=--peer] \
-#        [OBJ=decode_fp16_hd128] bash bench/variants.sh
+#        [OBJ=decode_fp16_hd128] [NCU_ROW=B,Hq,Hkv,D,S] bash bench/variants.sh
+# With NCU_ROW, each variant's kernel on that row also goes through Nsight Compute (DRAM, L2 and
+# crossbar load, L2 hit rate), into $OUT/ncu_variants.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,4 +27,10 @@ for v in "${variants[@]}"; do
   fi
   python bench/quick_rows.py $ROWS --tag "$name" --ceiling "$ceiling" --out "$OUT" $peer
   peer=""
+  if [ -n "${NCU_ROW:-}" ]; then
+    echo "== $name" >>"$OUT/ncu_variants.txt"
+    ncu -k regex:decode_attention --launch-count 1 --metrics \
+      gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,lts__lts2xbar_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed,lts__ltcfabric2ltc_cycles_active.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex.sum,lts__t_sectors_srcunit_tex.sum \
+      python bench/profile_rows.py "$NCU_ROW" --iters 0 2>&1 | grep -E "^    [a-z]" | tee -a "$OUT/ncu_variants.txt"
+  fi
 done
