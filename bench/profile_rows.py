@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--no-check", action="store_true", help="skip the reference check (diagnostic builds)")
     p.add_argument("--peer", default=None, help="time this SDPA backend instead (sdpa_cudnn, ...)")
     args = p.parse_args()
     for spec in args.rows:
@@ -34,7 +35,7 @@ def main() -> None:
             out = fn().float()
             ref = prob.reference(list(range(b)))
             err = (out - ref).abs().max().item()
-            assert err < 2e-2, f"{spec}: max error {err}"
+            assert args.no_check or err < 2e-2, f"{spec}: max error {err}"
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("peer" if args.peer else "mmha")
             for _ in range(args.iters):

@@ -30,7 +30,16 @@ struct MmaAttend {
   // K buffer: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
   // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM + VEC]: rows padded by 16 bytes
   // so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank groups.
-  static constexpr int V_STRIDE = HEAD_DIM + VEC;
+#if MMHA_EXP_VSWIZZLE
+  static constexpr bool V_SWIZZLE = CHUNKS % 8 == 0;
+#else
+  static constexpr bool V_SWIZZLE = false;
+#endif
+  static constexpr int V_STRIDE = V_SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC;
+  // Element offset of chunk ch of key row r in a V buffer.
+  __device__ __forceinline__ static int v_off(int r, int ch) {
+    return V_SWIZZLE ? r * V_STRIDE + (ch ^ (r & 7)) * VEC : r * V_STRIDE + ch * VEC;
+  }
   static constexpr int K_ELEMS = KEYS * HEAD_DIM;
   static constexpr int V_ELEMS = KEYS * V_STRIDE;
   // K and V of a step are separate pipeline slots, NB buffers of each per warp: while one slot
@@ -50,6 +59,9 @@ struct MmaAttend {
   // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
   // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
   __device__ static void issue_k(const AttendArgs<T>& a, T* buf, int it, int lane) {
+#if MMHA_EXP_SKIP_K
+    return;
+#endif
 #pragma unroll
     for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
       const int piece = lane + 32 * i;
@@ -61,6 +73,9 @@ struct MmaAttend {
     }
   }
   __device__ static void issue_v(const AttendArgs<T>& a, T* buf, int it, int lane) {
+#if MMHA_EXP_SKIP_V
+    return;
+#endif
 #pragma unroll
     for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
       const int piece = lane + 32 * i;
@@ -69,7 +84,7 @@ struct MmaAttend {
       const int t = it + row;
       const bool ok = t < a.end && t != a.pos;
       const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC : a.v_head;
-      cp_async16(buf + row * V_STRIDE + ch * VEC, src, ok);
+      cp_async16(buf + v_off(row, ch), src, ok);
     }
   }
 
@@ -210,18 +225,19 @@ struct MmaAttend {
       if (has_new) {
         const int kk = a.pos - it;
         for (int c = lane; c < CHUNKS; c += 32) {
-          *reinterpret_cast<uint4*>(vb + kk * V_STRIDE + c * VEC) =
+          *reinterpret_cast<uint4*>(vb + v_off(kk, c)) =
               *reinterpret_cast<const uint4*>(&s_new_v[c * VEC]);
         }
         __syncwarp();
       }
 
       // O^T += V^T P^T over 16-dim tiles: acc[i] = dims 16i + g (+ 8), heads 2tq (+ 1).
-      const T* v = vb + (lane % 8 + (lane / 16) * 8) * V_STRIDE + ((lane / 8) % 2) * 8;
+      const int v_row = lane % 8 + (lane / 16) * 8;
+      const int v_half = (lane / 8) % 2;
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
         uint32_t vt[4];
-        ldmatrix_x4<true>(vt, v + 16 * i);
+        ldmatrix_x4<true>(vt, vb + v_off(v_row, 2 * i + v_half));
         acc[i][0] *= alpha[0];
         acc[i][1] *= alpha[1];
         acc[i][2] *= alpha[0];
