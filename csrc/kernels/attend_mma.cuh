@@ -54,7 +54,13 @@ struct MmaAttend {
 #ifndef MMHA_EXP_SMEM_PAD
 #define MMHA_EXP_SMEM_PAD 0
 #endif
-  static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + MMHA_EXP_SMEM_PAD;
+#if MMHA_EXP_ALIGN
+  static constexpr int ALIGN_SLACK = 128;
+#else
+  static constexpr int ALIGN_SLACK = 0;
+#endif
+  static constexpr int DYNAMIC_SMEM =
+      (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN_SLACK + MMHA_EXP_SMEM_PAD;
 
   // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
   // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
