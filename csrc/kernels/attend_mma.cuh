@@ -28,13 +28,17 @@ struct MmaAttend {
   static constexpr int KEYS = 16;                // keys per warp step (the mma M)
   static constexpr int KSTEPS = HEAD_DIM / 16;   // mma K steps over the head dim / M tiles of O^T
   // K buffer: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
-  // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM + VEC]: rows padded by 16 bytes
-  // so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank groups.
-#if MMHA_EXP_VSWIZZLE
+  // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM] with chunk ch of row r stored at
+  // chunk ch ^ (r % 8), so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank
+  // groups. Where a row is not a whole number of 8-chunk groups (head_dim 32, 80, 96 in 16 bits)
+  // rows are padded by 16 bytes instead.
+  //
+  // Alignment matters for DRAM traffic, not only for banks: a cp.async whose 32-byte global
+  // sector lands on a shared-memory address that is not 32-byte aligned is fetched from L2
+  // twice (Nsight Compute on the H200: 2.0x the sectors for K, 1.5x for 16-byte padded V rows).
+  // So buffers start 128-byte aligned (run() is handed an aligned base) and V rows are not padded
+  // where the swizzle applies.
   static constexpr bool V_SWIZZLE = CHUNKS % 8 == 0;
-#else
-  static constexpr bool V_SWIZZLE = false;
-#endif
   static constexpr int V_STRIDE = V_SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC;
   // Element offset of chunk ch of key row r in a V buffer.
   __device__ __forceinline__ static int v_off(int r, int ch) {
@@ -51,23 +55,14 @@ struct MmaAttend {
   static constexpr int ACC_ROWS = 1;
   static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
   static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
-#ifndef MMHA_EXP_SMEM_PAD
-#define MMHA_EXP_SMEM_PAD 0
-#endif
-#if MMHA_EXP_ALIGN
-  static constexpr int ALIGN_SLACK = 128;
-#else
-  static constexpr int ALIGN_SLACK = 0;
-#endif
-  static constexpr int DYNAMIC_SMEM =
-      (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN_SLACK + MMHA_EXP_SMEM_PAD;
+  // Slack for rounding the dynamic shared-memory base up to 128 bytes (it follows the static
+  // arrays, whose size is not a multiple of 128).
+  static constexpr int ALIGN = 128;
+  static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN;
 
   // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
   // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
   __device__ static void issue_k(const AttendArgs<T>& a, T* buf, int it, int lane) {
-#if MMHA_EXP_SKIP_K
-    return;
-#endif
 #pragma unroll
     for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
       const int piece = lane + 32 * i;
@@ -79,9 +74,6 @@ struct MmaAttend {
     }
   }
   __device__ static void issue_v(const AttendArgs<T>& a, T* buf, int it, int lane) {
-#if MMHA_EXP_SKIP_V
-    return;
-#endif
 #pragma unroll
     for (int i = 0; i < CHUNKS * KEYS / 32; ++i) {
       const int piece = lane + 32 * i;
@@ -129,17 +121,9 @@ struct MmaAttend {
       for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
     }
 
-#if MMHA_EXP_CONTIG
-    const int per_warp = (a.end - a.start + kWarps * KEYS - 1) / (kWarps * KEYS) * KEYS;
-    const int first = a.start + warp * per_warp;
-    constexpr int kStride = KEYS;
-    const int wend = min(a.end, first + per_warp);
-    const int steps = first < wend ? (wend - first + KEYS - 1) / KEYS : 0;
-#else
     const int first = a.start + warp * KEYS;
     constexpr int kStride = kWarps * KEYS;
     const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
-#endif
     T* k_buf = pipe;                 // [NB][K_ELEMS]
     T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
     // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
@@ -177,24 +161,13 @@ struct MmaAttend {
 
       // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
       float s[4] = {0.f, 0.f, 0.f, 0.f};
-#if MMHA_EXP_SPLITACC
-      float s2[4] = {0.f, 0.f, 0.f, 0.f};
-#endif
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         uint32_t k[4];
         ldmatrix_x4<false>(k, kb + ((2 * j + lane / 16) * KEYS + lane % 16) * VEC);
         mma_16816<T>(s, k, qh[j][0], qh[j][1]);
-#if MMHA_EXP_SPLITACC
-        mma_16816<T>(s2, k, ql[j][0], ql[j][1]);
-#else
         mma_16816<T>(s, k, ql[j][0], ql[j][1]);
-#endif
       }
-#if MMHA_EXP_SPLITACC
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[e] += s2[e];
-#endif
       if (it + g >= a.end) s[0] = s[1] = -INFINITY;
       if (it + g + 8 >= a.end) s[2] = s[3] = -INFINITY;
 

@@ -18,10 +18,6 @@
 #include "mmha_params.h"
 #include "vec.cuh"
 
-#ifndef MMHA_EXP_PREFETCH
-#define MMHA_EXP_PREFETCH 0
-#endif
-
 namespace mmha {
 
 // The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
@@ -86,19 +82,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   const int split = blockIdx.x;
   const int num_splits = gridDim.x;
   const int smax = p.max_seq_len;
-#if MMHA_EXP_PREFETCH
-  {
-    // Start the qkv row's lines on their way to L2 before the length read (no dependency).
-    const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
-    constexpr int LINE = 128 / static_cast<int>(sizeof(T));
-    constexpr int LINES = (HEAD_DIM + LINE - 1) / LINE;
-    if (tid < (nh + 2) * LINES) {
-      const int hs = tid / LINES;
-      const int head = hs < nh ? h0 + hs : (hs == nh ? p.num_heads + kvh : p.num_heads + p.num_kv_heads + kvh);
-      prefetch_l2(row + head * HEAD_DIM + (tid % LINES) * LINE);
-    }
-  }
-#endif
   const int pos = p.lengths[b];
 
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;
@@ -138,18 +121,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
 
-#if MMHA_EXP_PREFETCH
-  {
-    // The first keys of this block's chunk, to L2 while q is prepared.
-    const int n = min(end - start, MMHA_EXP_PREFETCH);
-    constexpr int CH = HEAD_DIM / VEC;
-    if (tid < CH) {
-      prefetch_l2_range(k_head + (static_cast<int64_t>(tid) * smax + start) * VEC, n * 16);
-    } else if (tid == CH) {
-      prefetch_l2_range(v_head + static_cast<int64_t>(start) * HEAD_DIM, n * HEAD_DIM * static_cast<int>(sizeof(T)));
-    }
-  }
-#endif
   for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
@@ -178,11 +149,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
-#if MMHA_EXP_ALIGN
-    unsigned char* dyn = s_dyn + ((128u - (smem_addr(s_dyn) & 127u)) & 127u);
-#else
-    unsigned char* dyn = s_dyn;
-#endif
+    // The pipeline buffers must start 128-byte aligned (see attend_mma.cuh); DYNAMIC_SMEM has the slack.
+    constexpr unsigned kAlign = MmaAttend<T, HEAD_DIM, QB>::ALIGN;
+    unsigned char* dyn = s_dyn + ((kAlign - (smem_addr(s_dyn) % kAlign)) % kAlign);
     const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2};
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, dyn, s_q, s_new_k, s_new_v);
   } else {

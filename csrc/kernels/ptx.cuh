@@ -20,51 +20,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // 16-byte async copy global -> shared, bypassing L1. When !valid nothing is read and the 16
 // destination bytes are zero-filled.
-#ifndef MMHA_EXP_CPASYNC
-#define MMHA_EXP_CPASYNC 0
-#endif
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#if MMHA_EXP_CPASYNC == 0 || MMHA_EXP_CPASYNC == 3
   const int src_bytes = valid ? 16 : 0;
-#if MMHA_EXP_CPASYNC == 0
   // L2::128B: measured ~2 % faster than no hint on the H200 for the GQA rows (256B: ~2 % slower).
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
                "l"(src), "r"(src_bytes)
                : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-               "l"(src), "r"(src_bytes)
-               : "memory");
-#endif
-#else
-  if (valid) {
-#if MMHA_EXP_CPASYNC == 1
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
-                 : "memory");
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src)
-                 : "memory");
-#endif
-  } else {
-    *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-  }
-#endif
-}
-
-// Ask the L2 to fetch the line holding p from memory; nothing comes back to the SM. The memory
-// clobber keeps later loads from being hoisted above it.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p) : "memory");
-}
-
-// Same for [src, src + bytes): src 16-byte aligned, bytes a multiple of 16 (the sm_90 bulk
-// prefetch, one instruction per range; the line-by-line prefetch before sm_90).
-__device__ __forceinline__ void prefetch_l2_range(const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#else
-  for (uint32_t off = 0; off < bytes; off += 128) prefetch_l2(static_cast<const char*>(src) + off);
-#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
