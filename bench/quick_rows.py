@@ -38,11 +38,17 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--peer", action="store_true", help="also time SDPA (cuDNN backend)")
     p.add_argument("--ceiling", type=float, default=0.0, help="read ceiling in GB/s (measured if 0)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time a one-element add under the same cold-L2 harness (launch floor)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     from triton.testing import do_bench
 
     ceiling = args.ceiling or read_ceiling_gbs()[0]
+    if args.floor:
+        one = torch.zeros(1, device="cuda")
+        floor_us = do_bench(lambda: one.add_(1), warmup=25, rep=100, return_mode="median") * 1e3
+        print(f"{args.tag:>10} launch floor (one-element add, cold L2): {floor_us:.1f} us", flush=True)
     for spec in args.rows:
         cfg = parse_row(spec, args.dtype)
         prob = Problem(cfg)
