@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call: time variants of the kernel, each built with its own experiment macros
-# (-DMMHA_EXP_...), on a few rows (bench/quick_rows.py). Only the instantiation file OBJ is
-# rebuilt per variant. Lines go to stdout and $OUT/quick_rows.jsonl.
-# Usage: VARIANTS="base:;pf:-DMMHA_EXP_PREFETCH=128" ROWS="16,8,2048 1,32,1024" [PEER=--peer] \
+# (-DMMHA_EXP_... switches that the experiment's commit adds to csrc/, defaulting to the current
+# code), on a few rows (bench/quick_rows.py). Only the instantiation file OBJ is rebuilt per
+# variant, and once more without flags at the end, so the tree is left with the default build.
+# Lines go to stdout and $OUT/quick_rows.jsonl.
+# Usage: VARIANTS="base:;nb3:-DMMHA_EXP_NB=3" ROWS="16,8,2048 1,32,1024" [PEER=--peer] \
 #        [OBJ=decode_fp16_hd128] [NCU_ROW=B,Hq,Hkv,D,S] bash bench/variants.sh
 # With NCU_ROW, each variant's kernel on that row also goes through Nsight Compute (DRAM, L2 and
 # crossbar load, L2 hit rate), into $OUT/ncu_variants.txt.
@@ -34,3 +36,6 @@ for v in "${variants[@]}"; do
       python bench/profile_rows.py "$NCU_ROW" --iters 0 --no-check 2>&1 | grep -E "^    [a-z]" | tee -a "$OUT/ncu_variants.txt"
   fi
 done
+# Leave the default build behind (ninja does not see NVCC_APPEND_FLAGS change).
+find build -name "${OBJ:-decode_fp16_hd128}.o" -delete
+python setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || echo "default rebuild failed"
