@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build, optional initcheck, then the benchmark; everything lands in $OUT.
 # Usage: bash bench/device_run.sh [mmha.bench args]   (default: --grid canonical)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
-python setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+source "$(dirname "$0")/device_env.sh"
+build
 if [ "${INITCHECK:-0}" = 1 ]; then
   # No kernel filter: torch's own fill kernels must be instrumented for their writes to count.
   PYTHONPATH="$PWD:$PWD/tests" compute-sanitizer --tool initcheck --error-exitcode 9 \

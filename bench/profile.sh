@@ -3,14 +3,9 @@
 # Writes build.log and ncu.txt (one report per row: speed of light, memory, occupancy, warp
 # stalls, shared-memory wavefronts) under $OUT.
 # Usage: bash bench/profile.sh 16,32,8,128,32768 16,32,32,128,8192
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/device_env.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  python setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+  build
 fi
 python bench/profile_rows.py "$@" --iters 1
 KERNELS=${KERNELS:-regex:decode_attention}

@@ -8,13 +8,8 @@
 #        [OBJ=decode_fp16_hd128] [NCU_ROW=B,Hq,Hkv,D,S] bash bench/variants.sh
 # With NCU_ROW, each variant's kernel on that row also goes through Nsight Compute (DRAM, L2 and
 # crossbar load, L2 hit rate), into $OUT/ncu_variants.txt.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+source "$(dirname "$0")/device_env.sh"
+build
 ceiling=$(python -c "from mmha.bench import read_ceiling_gbs; print(read_ceiling_gbs()[0])")
 echo "read ceiling ${ceiling} GB/s"
 peer=${PEER:-}
@@ -38,4 +33,4 @@ for v in "${variants[@]}"; do
 done
 # Leave the default build behind (ninja does not see NVCC_APPEND_FLAGS change).
 find build -name "${OBJ:-decode_fp16_hd128}.o" -delete
-python setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || echo "default rebuild failed"
+build
