@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from mmha import ops
-from mmha.bench import Config, Problem, backend_context, mmha_fn, sdpa_fn
+from mmha.bench import TOLERANCE, Config, Problem, backend_context, mmha_fn, sdpa_fn
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
             out = fn().float()
             ref = prob.reference(list(range(b)))
             err = (out - ref).abs().max().item()
-            assert args.no_check or err < 2e-2, f"{spec}: max error {err}"
+            assert args.no_check or err < TOLERANCE[args.dtype], f"{spec}: max error {err}"
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("peer" if args.peer else "mmha")
             for _ in range(args.iters):

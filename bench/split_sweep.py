@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 
 from mmha import ops
-from mmha.bench import CANONICAL, Config, Problem, mmha_fn
+from mmha.bench import CANONICAL, TOLERANCE, Config, Problem, mmha_fn
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -38,7 +38,7 @@ def sweep_row(cfg: Config) -> dict:
             continue
         fn = mmha_fn(prob, s)
         err = (fn()[[0, cfg.batch - 1]].float() - ref).abs().max().item()
-        if not err < 2e-2:
+        if not err < TOLERANCE[cfg.dtype]:
             raise RuntimeError(f"{cfg}: {s} splits, max error {err}")
         times[s] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
     best = min(times, key=times.get)
