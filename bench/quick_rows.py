@@ -38,8 +38,11 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--peer", action="store_true", help="also time SDPA (cuDNN backend)")
     p.add_argument("--ceiling", type=float, default=0.0, help="read ceiling in GB/s (measured if 0)")
-    p.add_argument("--floor", action="store_true",
-                   help="also time a one-element add under the same cold-L2 harness (launch floor)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time a one-element add under the same cold-L2 harness (launch floor)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     from triton.testing import do_bench
