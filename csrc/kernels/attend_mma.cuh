@@ -36,7 +36,7 @@ struct MmaAttend {
   // Alignment matters for DRAM traffic, not only for banks: a cp.async whose 32-byte global
   // sector lands on a shared-memory address that is not 32-byte aligned is fetched from L2
   // twice (Nsight Compute on the H200: 2.0x the sectors for K, 1.5x for 16-byte padded V rows).
-  // So buffers start 128-byte aligned (run() is handed an aligned base) and V rows are not padded
+  // So buffers start 128-byte aligned (run() rounds its base up) and V rows are not padded
   // where the swizzle applies.
   static constexpr bool V_SWIZZLE = CHUNKS % 8 == 0;
   static constexpr int V_STRIDE = V_SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC;
@@ -87,10 +87,12 @@ struct MmaAttend {
   }
 
   // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
-  // [kWarps][QB][HEAD_DIM] array, followed by a block barrier.
+  // [kWarps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the kernel's dynamic
+  // shared memory, DYNAMIC_SMEM bytes.
   __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
-                                     unsigned char* smem, const float (&s_q)[QB][HEAD_DIM],
+                                     unsigned char* dyn_smem, const float (&s_q)[QB][HEAD_DIM],
                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
+    unsigned char* smem = dyn_smem + (ALIGN - smem_addr(dyn_smem) % ALIGN) % ALIGN;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;  // fragment row group

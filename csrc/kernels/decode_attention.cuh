@@ -149,11 +149,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
-    // The pipeline buffers must start 128-byte aligned (see attend_mma.cuh); DYNAMIC_SMEM has the slack.
-    constexpr unsigned kAlign = MmaAttend<T, HEAD_DIM, QB>::ALIGN;
-    unsigned char* dyn = s_dyn + ((kAlign - (smem_addr(s_dyn) % kAlign)) % kAlign);
     const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2};
-    s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, dyn, s_q, s_new_k, s_new_v);
+    s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
     // arguments in a struct) ptxas wanted 149 instead of 128 registers for one head per block;
