@@ -43,6 +43,7 @@ def main() -> None:
         action="store_true",
         help="also time a one-element add under the same cold-L2 harness (launch floor)",
     )
+    p.add_argument("--no-check", action="store_true", help="skip the reference check (diagnostic builds)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     from triton.testing import do_bench
@@ -59,8 +60,8 @@ def main() -> None:
                             cfg.seq_len, cfg.torch_dtype)  # fmt: skip
         fn = mmha_fn(prob, plan.num_splits)
         rows = [0, cfg.batch - 1]
-        err = (fn()[rows].float() - prob.reference(rows)).abs().max().item()
-        if not err < TOLERANCE[args.dtype]:
+        err = float("nan") if args.no_check else (fn()[rows].float() - prob.reference(rows)).abs().max().item()
+        if not args.no_check and not err < TOLERANCE[args.dtype]:
             raise SystemExit(f"{spec}: max error {err} at plan {plan}")
         us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         rec = {

@@ -5,7 +5,7 @@
 # variant, and once more without flags at the end, so the tree is left with the default build.
 # Lines go to stdout and $OUT/quick_rows.jsonl.
 # Usage: VARIANTS="base:;nb3:-DMMHA_EXP_NB=3" ROWS="16,8,2048 1,32,1024" [PEER=--peer] \
-#        [OBJ=decode_fp16_hd128] [NCU_ROW=B,Hq,Hkv,D,S] bash bench/variants.sh
+#        [OBJ=decode_fp16_hd128] [NCU_ROW=B,Hq,Hkv,D,S] [QUICK_ARGS=--no-check] bash bench/variants.sh
 # With NCU_ROW, each variant's kernel on that row also goes through Nsight Compute (DRAM, L2 and
 # crossbar load, L2 hit rate), into $OUT/ncu_variants.txt.
 source "$(dirname "$0")/device_env.sh"
@@ -22,7 +22,7 @@ for v in "${variants[@]}"; do
     echo "$name: build failed"
     continue
   fi
-  python bench/quick_rows.py $ROWS --tag "$name" --ceiling "$ceiling" --out "$OUT" $peer
+  python bench/quick_rows.py $ROWS --tag "$name" --ceiling "$ceiling" --out "$OUT" $peer ${QUICK_ARGS:-}
   peer=""
   if [ -n "${NCU_ROW:-}" ]; then
     echo "== $name" >>"$OUT/ncu_variants.txt"

@@ -69,7 +69,11 @@ struct MmaAttend {
       const int ch = piece / KEYS;
       const int t = it + piece % KEYS;
       const bool ok = t < a.end && t != a.pos;
+#if MMHA_EXP_K_AS_ROWS
+      const T* src = ok ? a.k_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC : a.k_head;
+#else
       const T* src = ok ? a.k_head + (static_cast<int64_t>(ch) * a.smax + t) * VEC : a.k_head;
+#endif
       cp_async16(buf + piece * VEC, src, ok);
     }
   }

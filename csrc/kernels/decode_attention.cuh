@@ -21,6 +21,10 @@
 #ifndef MMHA_EXP_Q_BEFORE_POS
 #define MMHA_EXP_Q_BEFORE_POS 0  // experiment: load q alongside lengths[b], not after it
 #endif
+#ifndef MMHA_EXP_K_AS_ROWS
+// diagnostic, wrong results: read K as if it were laid out like V ([S, D], rows contiguous)
+#define MMHA_EXP_K_AS_ROWS 0
+#endif
 #ifndef MMHA_EXP_SIMT_PREFETCH
 #define MMHA_EXP_SIMT_PREFETCH 0  // experiment: L2 prefetch of the CUDA-core loop's first step
 #endif
@@ -284,7 +288,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
           } else if (t == pos) {
             kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
           } else {
+#if MMHA_EXP_K_AS_ROWS
+            kraw[u][c] = load16(k_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+#else
             kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+#endif
           }
         }
       }
