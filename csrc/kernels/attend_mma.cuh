@@ -70,11 +70,19 @@ struct MmaAttend {
       const int t = it + piece % KEYS;
       const bool ok = t < a.end && t != a.pos;
 #if MMHA_EXP_K_AS_ROWS
-      const T* src = ok ? a.k_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC : a.k_head;
+      // Row-major pieces: each instruction reads 2 whole 256-byte rows.
+      const int rt = it + piece / CHUNKS;
+      const int rch = piece % CHUNKS;
+      const bool rok = rt < a.end && rt != a.pos;
+      const T* rsrc = rok ? a.k_head + static_cast<int64_t>(rt) * HEAD_DIM + rch * VEC : a.k_head;
+      cp_async16(buf + (rch * KEYS + piece / CHUNKS) * VEC, rsrc, rok);
+      (void)ok;
+      (void)t;
+      (void)ch;
 #else
       const T* src = ok ? a.k_head + (static_cast<int64_t>(ch) * a.smax + t) * VEC : a.k_head;
-#endif
       cp_async16(buf + piece * VEC, src, ok);
+#endif
     }
   }
   __device__ static void issue_v(const AttendArgs<T>& a, T* buf, int it, int lane) {
