@@ -69,20 +69,8 @@ struct MmaAttend {
       const int ch = piece / KEYS;
       const int t = it + piece % KEYS;
       const bool ok = t < a.end && t != a.pos;
-#if MMHA_EXP_K_AS_ROWS
-      // Row-major pieces: each instruction reads 2 whole 256-byte rows.
-      const int rt = it + piece / CHUNKS;
-      const int rch = piece % CHUNKS;
-      const bool rok = rt < a.end && rt != a.pos;
-      const T* rsrc = rok ? a.k_head + static_cast<int64_t>(rt) * HEAD_DIM + rch * VEC : a.k_head;
-      cp_async16(buf + (rch * KEYS + piece / CHUNKS) * VEC, rsrc, rok);
-      (void)ok;
-      (void)t;
-      (void)ch;
-#else
       const T* src = ok ? a.k_head + (static_cast<int64_t>(ch) * a.smax + t) * VEC : a.k_head;
       cp_async16(buf + piece * VEC, src, ok);
-#endif
     }
   }
   __device__ static void issue_v(const AttendArgs<T>& a, T* buf, int it, int lane) {
@@ -98,55 +86,9 @@ struct MmaAttend {
     }
   }
 
-  // Experiment switches (bench/variants.sh), defaults = the current code.
-#ifndef MMHA_EXP_EARLY_V
-#define MMHA_EXP_EARLY_V 0  // 1: the prologue queues all NB (K, V) pairs; V(i+NB) after step i
-#endif
-#ifndef MMHA_EXP_EARLY_PROLOGUE
-#define MMHA_EXP_EARLY_PROLOGUE 0  // 1: the kernel queues the prologue before building q
-#endif
-  static constexpr bool kEarlyV = MMHA_EXP_EARLY_V != 0;
-  static constexpr bool kEarlyPrologue = MMHA_EXP_EARLY_PROLOGUE != 0;
-
-  // This warp's pipeline buffers in the kernel's dynamic shared memory (base rounded up to ALIGN).
-  __device__ __forceinline__ static T* warp_pipe(unsigned char* dyn_smem) {
-    unsigned char* smem = dyn_smem + (ALIGN - smem_addr(dyn_smem) % ALIGN) % ALIGN;
-    return reinterpret_cast<T*>(smem) + (threadIdx.x / 32) * WARP_ELEMS;
-  }
-  __device__ __forceinline__ static int warp_steps(const AttendArgs<T>& a) {
-    const int first = a.start + (threadIdx.x / 32) * KEYS;
-    constexpr int kStride = kWarps * KEYS;
-    return first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
-  }
-
-  // Queue the first copies of this warp's ring. They depend only on the key range, not on q, so
-  // the kernel may call this before it builds q (then run() is told so).
-  __device__ __forceinline__ static void prologue(const AttendArgs<T>& a, unsigned char* dyn_smem) {
-    const int lane = threadIdx.x % 32;
-    T* k_buf = warp_pipe(dyn_smem);
-    T* v_buf = k_buf + NB * K_ELEMS;
-    const int first = a.start + (threadIdx.x / 32) * KEYS;
-    constexpr int kStride = kWarps * KEYS;
-    const int steps = warp_steps(a);
-    // Copy groups are committed in the order K0 V0 K1 V1 ...
-    //  - kEarlyV: the prologue queues K0 V0 .. K(NB-1) V(NB-1); step i queues K(i+NB) once V(i)
-    //    has landed and V(i+NB) once it is done with V(i).
-    //  - else: the prologue queues K0 V0 .. K(NB-1); step i queues V(i+NB-1) after K(i) has
-    //    landed and K(i+NB) after V(i) has.
-#pragma unroll
-    for (int s = 0; s < NB; ++s) {
-      if (s < steps) issue_k(a, k_buf + s * K_ELEMS, first + s * kStride, lane);
-      cp_async_commit();
-      if (kEarlyV || s < NB - 1) {
-        if (s < steps) issue_v(a, v_buf + s * V_ELEMS, first + s * kStride, lane);
-        cp_async_commit();
-      }
-    }
-  }
-
   // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
   // [kWarps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the kernel's dynamic
-  // shared memory, DYNAMIC_SMEM bytes. Unless kEarlyPrologue, run() queues the prologue itself.
+  // shared memory, DYNAMIC_SMEM bytes.
   __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
                                      unsigned char* dyn_smem, const float (&s_q)[QB][HEAD_DIM],
                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
@@ -155,8 +97,7 @@ struct MmaAttend {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;  // fragment row group
     const int tq = lane % 4;  // fragment column pair
-    T* pipe = warp_pipe(dyn_smem);
-    if (!kEarlyPrologue) prologue(a, dyn_smem);
+    T* pipe = reinterpret_cast<T*>(smem) + warp * WARP_ELEMS;
 
     // B fragments of q^T (16 dims x 8 heads per K step), pre-scaled into the log2 domain:
     // lane holds head g, dims 16j + 2tq + {0, 1} (b0) and + 8 (b1), as hi and lo parts.
@@ -184,26 +125,32 @@ struct MmaAttend {
 
     const int first = a.start + warp * KEYS;
     constexpr int kStride = kWarps * KEYS;
-    const int steps = warp_steps(a);
+    const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
     T* k_buf = pipe;                 // [NB][K_ELEMS]
     T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
-    // Groups committed after K(i) when step i waits for it; one fewer after V(i).
-    constexpr int kWaitK = kEarlyV ? 2 * NB - 1 : 2 * NB - 2;
-    constexpr int kWaitV = 2 * NB - 2;
+    // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
+    // step i queues V(i+NB-1) after K(i) has landed and K(i+NB) after V(i) has.
+#pragma unroll
+    for (int s = 0; s < NB; ++s) {
+      if (s < steps) issue_k(a, k_buf + s * K_ELEMS, first + s * kStride, lane);
+      cp_async_commit();
+      if (s < NB - 1) {
+        if (s < steps) issue_v(a, v_buf + s * V_ELEMS, first + s * kStride, lane);
+        cp_async_commit();
+      }
+    }
 
     for (int i = 0; i < steps; ++i) {
       const int it = first + i * kStride;
       T* kb = k_buf + (i % NB) * K_ELEMS;
       T* vb = v_buf + (i % NB) * V_ELEMS;
-      cp_async_wait<kWaitK>();  // K(i) has landed
+      cp_async_wait<2 * NB - 2>();  // K(i) has landed
       __syncwarp();
-      if (!kEarlyV) {
-        // Every lane is past step i - 1: its V buffer can be refilled.
-        if (i + NB - 1 < steps) {
-          issue_v(a, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride, lane);
-        }
-        cp_async_commit();
+      // Every lane is past step i - 1: its V buffer can be refilled.
+      if (i + NB - 1 < steps) {
+        issue_v(a, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride, lane);
       }
+      cp_async_commit();
       const bool has_new = it <= a.pos && a.pos < it + KEYS;  // warp-uniform
       if (has_new) {
         const int kk = a.pos - it;
@@ -251,7 +198,7 @@ struct MmaAttend {
       ph1 = movmatrix_trans(ph1);
       pl1 = movmatrix_trans(pl1);
 
-      cp_async_wait<kWaitV>();  // V(i) has landed
+      cp_async_wait<2 * NB - 2>();  // V(i) has landed
       __syncwarp();
       // Every lane is done with K(i): its buffer can be refilled.
       if (i + NB < steps) issue_k(a, kb, first + (i + NB) * kStride, lane);
@@ -265,24 +212,19 @@ struct MmaAttend {
         __syncwarp();
       }
 
-      // O^T += V^T P^T over 16-dim tiles: acc[j] = dims 16j + g (+ 8), heads 2tq (+ 1).
+      // O^T += V^T P^T over 16-dim tiles: acc[i] = dims 16i + g (+ 8), heads 2tq (+ 1).
       const int v_row = lane % 8 + (lane / 16) * 8;
       const int v_half = (lane / 8) % 2;
 #pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
+      for (int i = 0; i < KSTEPS; ++i) {
         uint32_t vt[4];
-        ldmatrix_x4<true>(vt, vb + v_off(v_row, 2 * j + v_half));
-        acc[j][0] *= alpha[0];
-        acc[j][1] *= alpha[1];
-        acc[j][2] *= alpha[0];
-        acc[j][3] *= alpha[1];
-        mma_16816<T>(acc[j], vt, ph0, ph1);
-        mma_16816<T>(acc[j], vt, pl0, pl1);
-      }
-      if (kEarlyV) {
-        __syncwarp();  // every lane is done with V(i): its buffer can be refilled
-        if (i + NB < steps) issue_v(a, vb, first + (i + NB) * kStride, lane);
-        cp_async_commit();
+        ldmatrix_x4<true>(vt, vb + v_off(v_row, 2 * i + v_half));
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[1];
+        acc[i][2] *= alpha[0];
+        acc[i][3] *= alpha[1];
+        mma_16816<T>(acc[i], vt, ph0, ph1);
+        mma_16816<T>(acc[i], vt, pl0, pl1);
       }
     }
     cp_async_wait<0>();

@@ -18,17 +18,6 @@
 #include "mmha_params.h"
 #include "vec.cuh"
 
-#ifndef MMHA_EXP_Q_BEFORE_POS
-#define MMHA_EXP_Q_BEFORE_POS 0  // experiment: load q alongside lengths[b], not after it
-#endif
-#ifndef MMHA_EXP_K_AS_ROWS
-// diagnostic, wrong results: read K as if it were laid out like V ([S, D], rows contiguous)
-#define MMHA_EXP_K_AS_ROWS 0
-#endif
-#ifndef MMHA_EXP_SIMT_PREFETCH
-#define MMHA_EXP_SIMT_PREFETCH 0  // experiment: L2 prefetch of the CUDA-core loop's first step
-#endif
-
 namespace mmha {
 
 // The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
@@ -48,32 +37,6 @@ __device__ __forceinline__ float load_biased(const T* row, const T* bias, int i)
   float v = to_float(row[i]);
   if (bias != nullptr) v += to_float(bias[i]);
   return v;
-}
-
-// Rotary embedding of element d (value x, bias added) of a head at position pos; the partner
-// element is read from the row.
-template <typename T>
-__device__ float rotate(float x, const T* row, const T* bias, int offset, int d, int pos,
-                        const MmhaParams& p) {
-  const int rd = p.rotary_dim;
-  if (d >= rd) return x;
-  int i, partner;
-  float sign;
-  if (p.rotary_interleaved) {
-    i = d / 2;
-    partner = d ^ 1;
-    sign = (d & 1) ? 1.f : -1.f;
-  } else {
-    const int half = rd / 2;
-    i = d < half ? d : d - half;
-    partner = d < half ? d + half : d - half;
-    sign = d < half ? -1.f : 1.f;
-  }
-  const float y = load_biased(row, bias, offset + partner);
-  const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
-  float s, c;
-  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
-  return x * c + sign * y * s;
 }
 
 template <typename T>
@@ -119,18 +82,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   const int split = blockIdx.x;
   const int num_splits = gridDim.x;
   const int smax = p.max_seq_len;
-#if MMHA_EXP_Q_BEFORE_POS
-  // This thread's q elements (bias added), loaded alongside the length rather than after it.
-  constexpr int kQPerThread = (QB * HEAD_DIM + kThreads - 1) / kThreads;
-  const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
-  const T* bias = static_cast<const T*>(p.qkv_bias);
-  float q_raw[kQPerThread];
-#pragma unroll
-  for (int i = 0; i < kQPerThread; ++i) {
-    const int idx = tid + i * kThreads;
-    q_raw[i] = idx < nh * HEAD_DIM ? load_biased(qkv_row, bias, h0 * HEAD_DIM + idx) : 0.f;
-  }
-#endif
   const int pos = p.lengths[b];
 
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;
@@ -164,69 +115,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
 
-#if !MMHA_EXP_Q_BEFORE_POS
   const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
   const T* bias = static_cast<const T*>(p.qkv_bias);
-#endif
   const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
 
-  const float scale_log2 = p.scale * kLog2e;
-#if MMHA_EXP_EARLY_PROLOGUE
-  if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
-    extern __shared__ __align__(16) unsigned char s_dyn[];
-    MmaAttend<T, HEAD_DIM, QB>::prologue(
-        AttendArgs<T>{k_head, v_head, smax, start, end, pos, nh, scale_log2}, s_dyn);
-  }
-#endif
-#if MMHA_EXP_SIMT_PREFETCH
-  if constexpr (!kUseTensorCores<T, HEAD_DIM, QB>) {
-    // L2 prefetch of this lane's loads of its warp's first step (same addresses as the loop).
-    using W = WarpTiling<T, HEAD_DIM, QB>;
-    const int it = start + warp * W::KEYS;
-    if (it < end) {
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-        const int t = it + u * W::KPW + lane % W::KPW;
-#pragma unroll
-        for (int c = 0; c < W::CPT; ++c) {
-          const int ch = c * W::TPK + lane / W::KPW;
-          if (t < end && t != pos) prefetch_l2(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-        }
-      }
-      const int vr = lane / W::VLPR;
-      const int vc = lane % W::VLPR;
-#pragma unroll
-      for (int st = 0; st < W::V_STEPS; ++st) {
-        const int kk = st * W::ROWS + vr;
-        const int t = it + kk;
-        if (vr < W::ROWS && kk < W::KEYS && t < end && t != pos) {
-#pragma unroll
-          for (int n = 0; n < W::VCPL; ++n) {
-            prefetch_l2(v_head + static_cast<int64_t>(t) * HEAD_DIM + (n * W::VLPR + vc) * VEC);
-          }
-        }
-      }
-    }
-  }
-#endif
-#if MMHA_EXP_Q_BEFORE_POS
-  for (int i = 0; i < kQPerThread; ++i) {
-    const int idx = tid + i * kThreads;
-    if (idx < QB * HEAD_DIM) {
-      const int g = idx / HEAD_DIM;
-      const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < nh ? rotate(q_raw[i], qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
-    }
-  }
-#else
   for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
   }
-#endif
   const bool owner = pos < end;  // this block's chunk holds the new token's slot
   if (owner) {
     const int k_off = (p.num_heads + kvh) * HEAD_DIM;
@@ -246,6 +145,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
 
   // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
   // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
+  const float scale_log2 = p.scale * kLog2e;
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
@@ -288,11 +188,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
           } else if (t == pos) {
             kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
           } else {
-#if MMHA_EXP_K_AS_ROWS
-            kraw[u][c] = load16(k_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
-#else
             kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-#endif
           }
         }
       }
