@@ -60,6 +60,71 @@ struct MmaAttend {
   static constexpr int ALIGN = 128;
   static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN;
 
+#ifndef MMHA_EXP_FAST_COPY
+#define MMHA_EXP_FAST_COPY 0
+#endif
+  // Copy piece i of a lane is piece lane + 32 i of a step. K pieces are [chunk][key] with 16
+  // keys per chunk, so a lane keeps its key (lane % 16) and moves 2 chunks per i. V pieces are
+  // [row][chunk]: where a row is a whole number of pieces per 32 lanes (32 % CHUNKS == 0), a
+  // lane keeps its chunk and moves V_ROWS rows per i.
+  static constexpr bool V_REGULAR = 32 % CHUNKS == 0;
+  static constexpr int V_ROWS = V_REGULAR ? 32 / CHUNKS : 1;
+  static constexpr int PIECES = CHUNKS * KEYS / 32;
+
+  // What a lane's copies of any step have in common, computed once per block: the per-step
+  // address arithmetic is then one add per piece (the copy loop was two-thirds integer
+  // instructions before: 64-bit products, divisions and predicates per piece).
+  struct CopyLane {
+    const T* k;        // K piece 0 at key 0: chunk lane / 16, key lane % 16
+    const T* v;        // V piece 0 at key 0: row lane / CHUNKS, chunk lane % CHUNKS
+    int64_t k_stride;  // elements from K piece i to i + 1 (2 chunks)
+    uint32_t k_dst;    // byte offset of K piece 0 in a K buffer
+    uint32_t v_dst;    // byte offset of V piece 0's row in a V buffer
+    int v_col;         // chunk of V piece 0 with the lane's part of the swizzle applied
+  };
+  __device__ __forceinline__ static CopyLane copy_lane(const AttendArgs<T>& a, int lane) {
+    CopyLane c;
+    c.k = a.k_head + (static_cast<int64_t>(lane / KEYS) * a.smax + lane % KEYS) * VEC;
+    c.v = a.v_head + (lane / CHUNKS) * HEAD_DIM + (lane % CHUNKS) * VEC;
+    c.k_stride = static_cast<int64_t>(32 / KEYS) * a.smax * VEC;
+    c.k_dst = lane * 16;
+    const int row = lane / CHUNKS;
+    c.v_dst = row * V_STRIDE * static_cast<int>(sizeof(T));
+    c.v_col = V_SWIZZLE ? (lane % CHUNKS) ^ (row & 7) : lane % CHUNKS;
+    return c;
+  }
+  // Queue K (or V) of keys [it, it + KEYS) into the buffer at shared byte address buf. A step
+  // whose keys all lie before full_end = min(end, pos) needs no predicates (no key past the
+  // end, not the new token's slot); the others take issue_k / issue_v.
+  __device__ __forceinline__ static void copy_k(const AttendArgs<T>& a, const CopyLane& c, int full_end,
+                                                T* buf, int it, int lane) {
+    if (MMHA_EXP_FAST_COPY && it + KEYS <= full_end) {
+      const T* src = c.k + static_cast<int64_t>(it) * VEC;
+      const uint32_t dst = smem_addr(buf) + c.k_dst;
+#pragma unroll
+      for (int i = 0; i < PIECES; ++i) cp_async16(dst + i * 512, src + i * c.k_stride);
+    } else {
+      issue_k(a, buf, it, lane);
+    }
+  }
+  // V row lane / CHUNKS + V_ROWS i has swizzle (lane / CHUNKS) ^ ((V_ROWS i) & 7), since
+  // lane / CHUNKS < V_ROWS and V_ROWS is a power of two.
+  __device__ __forceinline__ static void copy_v(const AttendArgs<T>& a, const CopyLane& c, int full_end,
+                                                T* buf, int it, int lane) {
+    if (MMHA_EXP_FAST_COPY && V_REGULAR && it + KEYS <= full_end) {
+      const T* src = c.v + static_cast<int64_t>(it) * HEAD_DIM;
+      const uint32_t dst = smem_addr(buf) + c.v_dst;
+#pragma unroll
+      for (int i = 0; i < PIECES; ++i) {
+        const int col = V_SWIZZLE ? c.v_col ^ ((V_ROWS * i) & 7) : c.v_col;
+        cp_async16(dst + i * V_ROWS * V_STRIDE * static_cast<int>(sizeof(T)) + col * 16,
+                   src + i * V_ROWS * HEAD_DIM);
+      }
+    } else {
+      issue_v(a, buf, it, lane);
+    }
+  }
+
   // Queue the async copies of K (or V) of keys [it, it + KEYS) into one buffer. Keys past the
   // end, and the new token's slot (taken from shared memory instead), are zero-filled unread.
   __device__ static void issue_k(const AttendArgs<T>& a, T* buf, int it, int lane) {
@@ -126,16 +191,18 @@ struct MmaAttend {
     const int first = a.start + warp * KEYS;
     constexpr int kStride = kWarps * KEYS;
     const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
+    const CopyLane cl = copy_lane(a, lane);
+    const int full_end = min(a.end, a.pos);
     T* k_buf = pipe;                 // [NB][K_ELEMS]
     T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
     // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
     // step i queues V(i+NB-1) after K(i) has landed and K(i+NB) after V(i) has.
 #pragma unroll
     for (int s = 0; s < NB; ++s) {
-      if (s < steps) issue_k(a, k_buf + s * K_ELEMS, first + s * kStride, lane);
+      if (s < steps) copy_k(a, cl, full_end, k_buf + s * K_ELEMS, first + s * kStride, lane);
       cp_async_commit();
       if (s < NB - 1) {
-        if (s < steps) issue_v(a, v_buf + s * V_ELEMS, first + s * kStride, lane);
+        if (s < steps) copy_v(a, cl, full_end, v_buf + s * V_ELEMS, first + s * kStride, lane);
         cp_async_commit();
       }
     }
@@ -148,7 +215,8 @@ struct MmaAttend {
       __syncwarp();
       // Every lane is past step i - 1: its V buffer can be refilled.
       if (i + NB - 1 < steps) {
-        issue_v(a, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride, lane);
+        copy_v(a, cl, full_end, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride,
+               lane);
       }
       cp_async_commit();
       const bool has_new = it <= a.pos && a.pos < it + KEYS;  // warp-uniform
@@ -201,7 +269,7 @@ struct MmaAttend {
       cp_async_wait<2 * NB - 2>();  // V(i) has landed
       __syncwarp();
       // Every lane is done with K(i): its buffer can be refilled.
-      if (i + NB < steps) issue_k(a, kb, first + (i + NB) * kStride, lane);
+      if (i + NB < steps) copy_k(a, cl, full_end, kb, first + (i + NB) * kStride, lane);
       cp_async_commit();
       if (has_new) {
         const int kk = a.pos - it;

@@ -18,6 +18,10 @@
 #include "mmha_params.h"
 #include "vec.cuh"
 
+#ifndef MMHA_EXP_FAST_COPY
+#define MMHA_EXP_FAST_COPY 0
+#endif
+
 namespace mmha {
 
 // The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
@@ -64,8 +68,14 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
+#ifndef MMHA_EXP_SIMT_MIN_BLOCKS
+#define MMHA_EXP_SIMT_MIN_BLOCKS 1
+#endif
 template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaParams p) {
+constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? 1 : MMHA_EXP_SIMT_MIN_BLOCKS;
+
+template <typename T, int HEAD_DIM, int QB>
+__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
   constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
@@ -163,6 +173,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
     const int vr = lane / W::VLPR;
     const int vc = lane % W::VLPR;
     const bool v_lane = vr < W::ROWS;
+    // Steps whose keys all lie before full_end = min(end, pos) take the unpredicated loads.
+    const int full_end = min(end, pos);
+    const T* k_base = k_head + (static_cast<int64_t>(ti) * smax + kj) * VEC;  // chunk ti, key kj
+    const int64_t k_chunk_stride = static_cast<int64_t>(W::TPK) * smax * VEC;
+    const T* v_base = v_head + vr * HEAD_DIM + vc * VEC;
 
     float m[QB], l[QB];
     float acc[QB][W::VCPL * VEC];
@@ -177,36 +192,57 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const MmhaPa
     for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
       // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
       uint4 kraw[W::U][W::CPT];
+      uint4 vraw[W::V_STEPS][W::VCPL];
+      if (MMHA_EXP_FAST_COPY && it + W::KEYS <= full_end) {
+        // Every key of the step is before the end and not the new token's slot: no predicates,
+        // and the addresses are a per-lane base plus constants.
+        const T* kp = k_base + static_cast<int64_t>(it) * VEC;
 #pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-        const int t = it + u * W::KPW + kj;
+        for (int u = 0; u < W::U; ++u) {
 #pragma unroll
-        for (int c = 0; c < W::CPT; ++c) {
-          const int ch = c * W::TPK + ti;
-          if (t >= end) {
-            kraw[u][c] = make_uint4(0, 0, 0, 0);
-          } else if (t == pos) {
-            kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
-          } else {
-            kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+          for (int c = 0; c < W::CPT; ++c) kraw[u][c] = load16(kp + c * k_chunk_stride + u * W::KPW * VEC);
+        }
+        const T* vp = v_base + static_cast<int64_t>(it) * HEAD_DIM;
+#pragma unroll
+        for (int st = 0; st < W::V_STEPS; ++st) {
+#pragma unroll
+          for (int n = 0; n < W::VCPL; ++n) {
+            const bool valid = v_lane && st * W::ROWS + vr < W::KEYS;
+            vraw[st][n] = valid ? load16(vp + st * W::ROWS * HEAD_DIM + n * W::VLPR * VEC)
+                                : make_uint4(0, 0, 0, 0);
           }
         }
-      }
-      uint4 vraw[W::V_STEPS][W::VCPL];
+      } else {
 #pragma unroll
-      for (int st = 0; st < W::V_STEPS; ++st) {
-        const int kk = st * W::ROWS + vr;
-        const int t = it + kk;
-        const bool valid = v_lane && kk < W::KEYS && t < end;
+        for (int u = 0; u < W::U; ++u) {
+          const int t = it + u * W::KPW + kj;
 #pragma unroll
-        for (int n = 0; n < W::VCPL; ++n) {
-          const int ch = n * W::VLPR + vc;
-          if (!valid) {
-            vraw[st][n] = make_uint4(0, 0, 0, 0);
-          } else if (t == pos) {
-            vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
-          } else {
-            vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+          for (int c = 0; c < W::CPT; ++c) {
+            const int ch = c * W::TPK + ti;
+            if (t >= end) {
+              kraw[u][c] = make_uint4(0, 0, 0, 0);
+            } else if (t == pos) {
+              kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
+            } else {
+              kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+            }
+          }
+        }
+#pragma unroll
+        for (int st = 0; st < W::V_STEPS; ++st) {
+          const int kk = st * W::ROWS + vr;
+          const int t = it + kk;
+          const bool valid = v_lane && kk < W::KEYS && t < end;
+#pragma unroll
+          for (int n = 0; n < W::VCPL; ++n) {
+            const int ch = n * W::VLPR + vc;
+            if (!valid) {
+              vraw[st][n] = make_uint4(0, 0, 0, 0);
+            } else if (t == pos) {
+              vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
+            } else {
+              vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+            }
           }
         }
       }
