@@ -68,11 +68,20 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-#ifndef MMHA_EXP_SIMT_MIN_BLOCKS
-#define MMHA_EXP_SIMT_MIN_BLOCKS 1
+#ifndef MMHA_EXP_MMA_MIN_BLOCKS
+#define MMHA_EXP_MMA_MIN_BLOCKS 0
 #endif
+// The CUDA-core loop's unpredicated loads for full steps, where measured (16-bit, one head per
+// block, head_dim 64 / 128). They need a launch bound of 4 blocks per SM: left to itself ptxas
+// takes 163 registers (3 blocks per SM); bounded to 128 it spills 8 bytes outside the loop.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? 1 : MMHA_EXP_SIMT_MIN_BLOCKS;
+constexpr bool kSimtFastCopy =
+    MMHA_EXP_FAST_COPY && QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
+// Minimum resident blocks per SM for __launch_bounds__ (0: none).
+template <typename T, int HEAD_DIM, int QB>
+constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? MMHA_EXP_MMA_MIN_BLOCKS
+                           : kSimtFastCopy<T, HEAD_DIM, QB>  ? 4
+                                                             : 0;
 
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
@@ -193,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
       // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
       uint4 kraw[W::U][W::CPT];
       uint4 vraw[W::V_STEPS][W::VCPL];
-      if (MMHA_EXP_FAST_COPY && it + W::KEYS <= full_end) {
+      if (kSimtFastCopy<T, HEAD_DIM, QB> && it + W::KEYS <= full_end) {
         // Every key of the step is before the end and not the new token's slot: no predicates,
         // and the addresses are a per-lane base plus constants.
         const T* kp = k_base + static_cast<int64_t>(it) * VEC;
