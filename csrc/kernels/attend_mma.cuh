@@ -60,9 +60,6 @@ struct MmaAttend {
   static constexpr int ALIGN = 128;
   static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN;
 
-#ifndef MMHA_EXP_FAST_COPY
-#define MMHA_EXP_FAST_COPY 0
-#endif
   // Copy piece i of a lane is piece lane + 32 i of a step. K pieces are [chunk][key] with 16
   // keys per chunk, so a lane keeps its key (lane % 16) and moves 2 chunks per i. V pieces are
   // [row][chunk]: where a row is a whole number of pieces per 32 lanes (32 % CHUNKS == 0), a
@@ -98,7 +95,7 @@ struct MmaAttend {
   // end, not the new token's slot); the others take issue_k / issue_v.
   __device__ __forceinline__ static void copy_k(const AttendArgs<T>& a, const CopyLane& c, int full_end,
                                                 T* buf, int it, int lane) {
-    if (MMHA_EXP_FAST_COPY && it + KEYS <= full_end) {
+    if (it + KEYS <= full_end) {
       const T* src = c.k + static_cast<int64_t>(it) * VEC;
       const uint32_t dst = smem_addr(buf) + c.k_dst;
 #pragma unroll
@@ -111,7 +108,7 @@ struct MmaAttend {
   // lane / CHUNKS < V_ROWS and V_ROWS is a power of two.
   __device__ __forceinline__ static void copy_v(const AttendArgs<T>& a, const CopyLane& c, int full_end,
                                                 T* buf, int it, int lane) {
-    if (MMHA_EXP_FAST_COPY && V_REGULAR && it + KEYS <= full_end) {
+    if (V_REGULAR && it + KEYS <= full_end) {
       const T* src = c.v + static_cast<int64_t>(it) * HEAD_DIM;
       const uint32_t dst = smem_addr(buf) + c.v_dst;
 #pragma unroll

@@ -18,10 +18,6 @@
 #include "mmha_params.h"
 #include "vec.cuh"
 
-#ifndef MMHA_EXP_FAST_COPY
-#define MMHA_EXP_FAST_COPY 0
-#endif
-
 namespace mmha {
 
 // The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
@@ -68,20 +64,15 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-#ifndef MMHA_EXP_MMA_MIN_BLOCKS
-#define MMHA_EXP_MMA_MIN_BLOCKS 0
-#endif
-// The CUDA-core loop's unpredicated loads for full steps, where measured (16-bit, one head per
-// block, head_dim 64 / 128). They need a launch bound of 4 blocks per SM: left to itself ptxas
-// takes 163 registers (3 blocks per SM); bounded to 128 it spills 8 bytes outside the loop.
+// The CUDA-core loop's unpredicated loads for whole steps, where they were measured (16-bit,
+// one head per block, head_dim 64 / 128). They need a launch bound of 4 blocks per SM: left to
+// itself ptxas takes 163 registers (3 blocks per SM); bounded to 128 it spills 8 bytes outside
+// the loop. Elsewhere the loop keeps its predicated loads and no bound, as before.
 template <typename T, int HEAD_DIM, int QB>
-constexpr bool kSimtFastCopy =
-    MMHA_EXP_FAST_COPY && QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
-// Minimum resident blocks per SM for __launch_bounds__ (0: none).
+constexpr bool kSimtFastCopy = QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
+// Minimum resident blocks per SM for __launch_bounds__ (0: no bound).
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? MMHA_EXP_MMA_MIN_BLOCKS
-                           : kSimtFastCopy<T, HEAD_DIM, QB>  ? 4
-                                                             : 0;
+constexpr int kMinBlocks = !kUseTensorCores<T, HEAD_DIM, QB> && kSimtFastCopy<T, HEAD_DIM, QB> ? 4 : 0;
 
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
