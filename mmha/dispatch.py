@@ -23,8 +23,16 @@ WARPS = 4
 # 128-thread blocks of 128-200 registers fit 2-4 per SM.
 DEFAULT_BLOCKS_PER_SM = 4
 # Fewest keys a split should own: below this the partial write and merge cost more than the
-# extra parallelism buys.
+# extra parallelism buys. The tensor-core loop needs more: its per-warp ring of two 16-key steps
+# never fills with fewer than 4 steps per warp (B=1 Hkv=8 S=4096 on the H200: 19.0 us at 16
+# splits of 256 keys, 20.0 us at 32 of 128).
 MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT_TENSOR_CORES = 256
+# Most keys one block of the CUDA-core loop should walk: one long block per (row, head) leaves
+# a tail where a few blocks finish alone (H200, fp16 MHA: B=16 S=8192 525 us in one pass, 505 us
+# in 2 splits; B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The
+# tensor-core loop does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8).
+MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
 # A grid that already fills a wave is split only when that cuts the estimated time (waves per
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
@@ -47,6 +55,11 @@ def q_group_block(group: int) -> int:
         if qb >= group:
             return qb
     return Q_GROUP_BLOCKS[-1]
+
+
+def uses_tensor_cores(group: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs its tensor-core loop (mirrors ``kUseTensorCores`` in C++)."""
+    return dtype != torch.float32 and q_group_block(group) >= 2 and head_dim <= 128
 
 
 def choose_variant(
@@ -73,7 +86,9 @@ def choose_variant(
     SMs idle at the end). If it already fills a wave, a partial last wave still idles SMs: the
     grid is split when that lowers ``ceil(blocks * s / wave) / s`` (time in units of one
     block's work) by at least ``1 - SPLIT_GAIN``. Splits never get shorter than
-    ``MIN_KEYS_PER_SPLIT`` keys, and never number more than ``MAX_SPLITS``.
+    ``MIN_KEYS_PER_SPLIT`` keys (``MIN_KEYS_PER_SPLIT_TENSOR_CORES`` on the tensor-core loop),
+    and never number more than ``MAX_SPLITS``. On the CUDA-core loop a block walks at most
+    ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits where needed, up to ``MAX_SPLITS``).
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
     132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
@@ -96,9 +111,11 @@ def choose_variant(
     if variant == "single_pass":
         return Plan("single_pass", 1)
     group = num_heads // num_kv_heads
+    tensor_cores = uses_tensor_cores(group, head_dim, dtype)
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
     wave = max(1, num_sms) * max(1, blocks_per_sm)
-    allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT))
+    min_keys = MIN_KEYS_PER_SPLIT_TENSOR_CORES if tensor_cores else MIN_KEYS_PER_SPLIT
+    allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))
     if base_blocks < wave:
         # Fill one wave: as many splits as still fit.
         splits = min(allowed, wave // base_blocks)
@@ -110,6 +127,8 @@ def choose_variant(
                 < SPLIT_GAIN * wave_cost(base_blocks * splits, wave) / splits
             ):
                 splits = s
+    if not tensor_cores:
+        splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_CUDA_CORES)))
     if variant == "split":
         return Plan("split", max(2, splits))
     if splits <= 1:

@@ -22,13 +22,30 @@ CASES = [
     (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: wave is 528
     (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
     (4, 32, 32, 128, 8192, 2, dispatch.Plan("split", 2)),  # 264 // 128
-    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 33)),  # MQA: 8 blocks of 8 heads
+    # MQA: 8 blocks of 8 heads; 264 // 8 = 33 would fit, but tensor-core splits keep >= 256 keys.
+    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 32)),
+    (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16)),  # 4096 // 256, not 396 // 8
+    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 1024 // 128
+    # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
+    (16, 32, 32, 128, 8192, 4, dispatch.Plan("split", 2)),
+    (16, 32, 32, 128, 32768, 4, dispatch.Plan("split", 8)),
+    (64, 32, 32, 128, 16384, 4, dispatch.Plan("split", 4)),
+    (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),
+    (16, 32, 8, 128, 32768, 3, dispatch.Plan("split", 3)),  # tensor cores: no key cap
     # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
     (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
     (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
     # 2048 blocks: 6 waves; 2 splits (all S=256 allows) only reach 5.5, short of 10 %.
     (64, 32, 32, 128, 256, 3, dispatch.Plan("single_pass", 1)),
 ]
+
+
+def test_uses_tensor_cores():
+    assert dispatch.uses_tensor_cores(4, 128, torch.float16)
+    assert dispatch.uses_tensor_cores(2, 64, torch.bfloat16)
+    assert not dispatch.uses_tensor_cores(1, 128, torch.float16)  # one head per block
+    assert not dispatch.uses_tensor_cores(4, 256, torch.float16)
+    assert not dispatch.uses_tensor_cores(4, 128, torch.float32)
 
 
 def test_wave_cost():
