@@ -78,9 +78,10 @@ def _capture_step(cache, static_qkv):
 
 @pytest.mark.parametrize("dispatch_on", ["capacity", "length"])
 def test_cuda_graph_replay_matches_eager_across_threshold(dispatch_on):
-    # Rows start short (single pass under "length" dispatch at capture) and grow past the split
-    # threshold during replay; the captured kernel must stay right for every length.
-    lengths = [1, 5, 60, 200]
+    # Rows start short (single pass under "length" dispatch at capture: 401 keys, under two
+    # 256-key tensor-core splits) and grow past the split threshold during replay (700 keys);
+    # the captured kernel must stay right for every length.
+    lengths = [1, 5, 260, 400]
     cache = new_cache(max_seq_len=1024, dispatch_on=dispatch_on)
     eager = new_cache(max_seq_len=1024, dispatch_on=dispatch_on)
     prefill_random(cache, lengths, seed=3)
