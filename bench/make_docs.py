@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def verdicts(rows: list[dict]) -> list[str]:
             notes.append(f"slower than {r['best_peer']} ({r['speedup']:.2f}x)")
         mb = r["kv_mb"]
         if mb >= 256 and r["pct_ceiling"] < 92:
-            notes.append(f"{r['pct_ceiling']:.0f}% < 92% of ceiling")
+            notes.append(f"{math.floor(r['pct_ceiling'] * 10) / 10:.1f}% < 92% of ceiling")
         if 64 <= mb < 256 and (r["pct_ceiling_graph"] < 80 or r["pct_ceiling"] < 70):
             notes.append(f"{r['pct_ceiling_graph']:.0f}% graph / {r['pct_ceiling']:.0f}% cold (need 80/70)")
         if mb <= 20 and r["speedup"] < 1 / 0.7:
