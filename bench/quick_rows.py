@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mmha import ops
+from mmha import layout, ops
 from mmha.bench import TOLERANCE, Config, Problem, backend_context, mmha_fn, read_ceiling_gbs, sdpa_fn
 
 
@@ -44,6 +44,9 @@ def main() -> None:
         help="also time a one-element add under the same cold-L2 harness (launch floor)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the reference check (diagnostic builds)")
+    p.add_argument(
+        "--pad", type=int, default=0, help="cache capacity S_max = S + PAD (unused slots hold NaN)"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     from triton.testing import do_bench
@@ -56,6 +59,10 @@ def main() -> None:
     for spec in args.rows:
         cfg = parse_row(spec, args.dtype)
         prob = Problem(cfg)
+        if args.pad:
+            pad = torch.full_like(prob.k[:, :, : args.pad], float("nan"))
+            prob.k_cache = layout.pack_k(torch.cat([prob.k, pad], 2), layout="bhsd")
+            prob.v_cache = layout.pack_v(torch.cat([prob.v, pad], 2), layout="bhsd")
         plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.seq_len, cfg.torch_dtype)  # fmt: skip
         fn = mmha_fn(prob, plan.num_splits)
@@ -67,7 +74,7 @@ def main() -> None:
             raise SystemExit(f"{spec}: max error {err} at plan {plan}")
         us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         rec = {
-            "tag": args.tag, "row": spec, "dtype": args.dtype, "kv_mb": cfg.kv_bytes / 1e6,
+            "tag": args.tag, "row": spec, "pad": args.pad, "dtype": args.dtype, "kv_mb": cfg.kv_bytes / 1e6,
             "plan": f"{plan.variant}/{plan.num_splits}", "us": us,
             "pct_ceiling": 100 * cfg.step_bytes / (us * 1e-6) / 1e9 / ceiling, "max_err": err,
         }  # fmt: skip
