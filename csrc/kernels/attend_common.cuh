@@ -25,6 +25,7 @@ struct AttendArgs {
   int pos;
   int nh;            // query heads of this block that exist (<= QB)
   float scale_log2;  // softmax scale * log2(e)
+  int rot;           // the walk over the chunk's 16-key steps starts at step rot (0 <= rot < steps)
 };
 
 }  // namespace mmha

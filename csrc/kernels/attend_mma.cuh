@@ -188,9 +188,15 @@ struct MmaAttend {
       for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
     }
 
-    const int first = a.start + warp * KEYS;
-    constexpr int kStride = kWarps * KEYS;
-    const int steps = first < a.end ? (a.end - first + kStride - 1) / kStride : 0;
+    // Step j of the chunk covers keys [start + 16 j, +16); warp w takes steps w, w + 4, ...,
+    // rotated by a.rot steps (so blocks of different heads are not at the same offset at once).
+    const int nsteps = (a.end - a.start + KEYS - 1) / KEYS;
+    const int steps = warp < nsteps ? (nsteps - warp + kWarps - 1) / kWarps : 0;
+    auto key_of = [&](int i) {
+      int j = warp + kWarps * i + a.rot;
+      j = j >= nsteps ? j - nsteps : j;
+      return a.start + KEYS * j;
+    };
     const CopyLane cl = copy_lane(a, lane);
     const int full_end = min(a.end, a.pos);
     T* k_buf = pipe;                 // [NB][K_ELEMS]
@@ -199,23 +205,23 @@ struct MmaAttend {
     // step i queues V(i+NB-1) after K(i) has landed and K(i+NB) after V(i) has.
 #pragma unroll
     for (int s = 0; s < NB; ++s) {
-      if (s < steps) copy_k(a, cl, full_end, k_buf + s * K_ELEMS, first + s * kStride, lane);
+      if (s < steps) copy_k(a, cl, full_end, k_buf + s * K_ELEMS, key_of(s), lane);
       cp_async_commit();
       if (s < NB - 1) {
-        if (s < steps) copy_v(a, cl, full_end, v_buf + s * V_ELEMS, first + s * kStride, lane);
+        if (s < steps) copy_v(a, cl, full_end, v_buf + s * V_ELEMS, key_of(s), lane);
         cp_async_commit();
       }
     }
 
     for (int i = 0; i < steps; ++i) {
-      const int it = first + i * kStride;
+      const int it = key_of(i);
       T* kb = k_buf + (i % NB) * K_ELEMS;
       T* vb = v_buf + (i % NB) * V_ELEMS;
       cp_async_wait<2 * NB - 2>();  // K(i) has landed
       __syncwarp();
       // Every lane is past step i - 1: its V buffer can be refilled.
       if (i + NB - 1 < steps) {
-        copy_v(a, cl, full_end, v_buf + ((i + NB - 1) % NB) * V_ELEMS, first + (i + NB - 1) * kStride,
+        copy_v(a, cl, full_end, v_buf + ((i + NB - 1) % NB) * V_ELEMS, key_of(i + NB - 1),
                lane);
       }
       cp_async_commit();
@@ -269,7 +275,7 @@ struct MmaAttend {
       cp_async_wait<2 * NB - 2>();  // V(i) has landed
       __syncwarp();
       // Every lane is done with K(i): its buffer can be refilled.
-      if (i + NB < steps) copy_k(a, cl, full_end, kb, first + (i + NB) * kStride, lane);
+      if (i + NB < steps) copy_k(a, cl, full_end, kb, key_of(i + NB), lane);
       cp_async_commit();
       if (has_new) {
         const int kk = a.pos - it;

@@ -70,9 +70,17 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 // the loop. Elsewhere the loop keeps its predicated loads and no bound, as before.
 template <typename T, int HEAD_DIM, int QB>
 constexpr bool kSimtFastCopy = QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
+// Blocks per SM that the tensor-core loop's shared memory allows (227 KB per SM, with room for
+// the static arrays): where that is 3 or fewer (head_dim 128), registers up to that occupancy
+// cost nothing, so the bound lets ptxas use them (at its default target of 128 it spilled).
+template <typename T, int HEAD_DIM, int QB>
+constexpr int kMmaSmemBlocks = (227 * 1024) / (MmaAttend<T, HEAD_DIM, QB>::DYNAMIC_SMEM + 4 * 1024);
 // Minimum resident blocks per SM for __launch_bounds__ (0: no bound).
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks = !kUseTensorCores<T, HEAD_DIM, QB> && kSimtFastCopy<T, HEAD_DIM, QB> ? 4 : 0;
+constexpr int kMinBlocks =
+    kUseTensorCores<T, HEAD_DIM, QB>
+        ? (kMmaSmemBlocks<T, HEAD_DIM, QB> <= 3 ? kMmaSmemBlocks<T, HEAD_DIM, QB> : 0)
+        : (kSimtFastCopy<T, HEAD_DIM, QB> ? 4 : 0);
 
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
@@ -159,7 +167,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
-    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2};
+#ifndef MMHA_EXP_ROTATE
+#define MMHA_EXP_ROTATE 0
+#endif
+    const int nsteps = (end - start + MmaAttend<T, HEAD_DIM, QB>::KEYS - 1) / MmaAttend<T, HEAD_DIM, QB>::KEYS;
+    const int rot = MMHA_EXP_ROTATE ? static_cast<int>((kv_head * MMHA_EXP_ROTATE) % nsteps) : 0;
+    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, rot};
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
