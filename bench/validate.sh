@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call after a kernel or dispatcher change: the GPU suite (tests + compute-sanitizer),
 # then the canonical benchmark, the split sweep, the whole-step benchmark and the agreement
-# script, each into its own folder under $OUT (suite/, bench/, sweep/, step/, agreement.txt).
+# script, each into its own folder under $OUT (suite/, bench/, sweep/, step/, agreement.txt),
+# packed into $OUT/validate.tgz at the end.
 # docs/benchmarks.md is then regenerated here with bench/make_docs.py from those folders.
 # Usage: bash bench/validate.sh   (SKIP_SUITE=1 to run only the measurements)
 source "$(dirname "$0")/device_env.sh"
@@ -17,3 +18,5 @@ python -m mmha.step_bench --out "$OUT/step" >"$OUT/step.txt" 2>&1
 echo "step bench rc=$?"
 python tests/agreement.py >"$OUT/agreement.txt" 2>&1
 echo "agreement rc=$?"; tail -n 12 "$OUT/agreement.txt"
+# Few files come back from the device: everything in one archive.
+(cd "$OUT" && tar czf validate.tgz suite bench sweep step ./*.txt ./*.log && rm -rf suite bench sweep step)

@@ -49,10 +49,7 @@ struct MmaAttend {
   // K and V of a step are separate pipeline slots, NB buffers of each per warp: while one slot
   // is used, the other 2 NB - 1 are in flight (3 of 4 with NB = 2).
   // (3 buffers measured the same as 2 on the H200 and cost a third more shared memory.)
-#ifndef MMHA_EXP_NB
-#define MMHA_EXP_NB 2
-#endif
-  static constexpr int NB = MMHA_EXP_NB;
+  static constexpr int NB = 2;
   static constexpr int WARP_ELEMS = NB * (K_ELEMS + V_ELEMS);
   // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
   static constexpr int ACC_ROWS = 1;

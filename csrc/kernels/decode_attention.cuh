@@ -71,15 +71,16 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 template <typename T, int HEAD_DIM, int QB>
 constexpr bool kSimtFastCopy = QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
 // Blocks per SM that the tensor-core loop's shared memory allows (227 KB per SM, with room for
-// the static arrays): where that is 3 or fewer (head_dim 128), registers up to that occupancy
-// cost nothing, so the bound lets ptxas use them (at its default target of 128 it spilled).
+// the static arrays). Where that is 4 or fewer (head_dim 80-128) the launch bound asks for
+// exactly that occupancy: registers up to it cost nothing (head_dim 128: 156 registers; at
+// ptxas's default target of 128 it spilled), and none beyond it (head_dim 96 stays at 4).
 template <typename T, int HEAD_DIM, int QB>
 constexpr int kMmaSmemBlocks = (227 * 1024) / (MmaAttend<T, HEAD_DIM, QB>::DYNAMIC_SMEM + 4 * 1024);
 // Minimum resident blocks per SM for __launch_bounds__ (0: no bound).
 template <typename T, int HEAD_DIM, int QB>
 constexpr int kMinBlocks =
     kUseTensorCores<T, HEAD_DIM, QB>
-        ? (kMmaSmemBlocks<T, HEAD_DIM, QB> <= 3 ? kMmaSmemBlocks<T, HEAD_DIM, QB> : 0)
+        ? (kMmaSmemBlocks<T, HEAD_DIM, QB> <= 4 ? kMmaSmemBlocks<T, HEAD_DIM, QB> : 0)
         : (kSimtFastCopy<T, HEAD_DIM, QB> ? 4 : 0);
 
 template <typename T, int HEAD_DIM, int QB>
@@ -167,11 +168,13 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
-#ifndef MMHA_EXP_ROTATE
-#define MMHA_EXP_ROTATE 0
-#endif
-    const int nsteps = (end - start + MmaAttend<T, HEAD_DIM, QB>::KEYS - 1) / MmaAttend<T, HEAD_DIM, QB>::KEYS;
-    const int rot = MMHA_EXP_ROTATE ? static_cast<int>((kv_head * MMHA_EXP_ROTATE) % nsteps) : 0;
+    // Blocks of different (row, kv head) start their walk 37 steps apart: with power-of-two
+    // cache strides, blocks at the same offset of different heads contend for the same DRAM
+    // banks (H200, B=16 Hkv=8 S=32768: 500.5 -> 490.6 us; a cache padded to S_max = S + 16 gave
+    // the same gain without it).
+    constexpr int kSteps = MmaAttend<T, HEAD_DIM, QB>::KEYS;
+    const int nsteps = (end - start + kSteps - 1) / kSteps;
+    const int rot = static_cast<int>((kv_head * 37) % nsteps);
     const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, rot};
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
