@@ -18,10 +18,6 @@
 #include "mmha_params.h"
 #include "vec.cuh"
 
-#ifndef MMHA_EXP_SIMT_FAST
-#define MMHA_EXP_SIMT_FAST 1
-#endif
-
 namespace mmha {
 
 // The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
@@ -73,8 +69,7 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
 // itself ptxas takes 163 registers (3 blocks per SM); bounded to 128 it spills 8 bytes outside
 // the loop. Elsewhere the loop keeps its predicated loads and no bound, as before.
 template <typename T, int HEAD_DIM, int QB>
-constexpr bool kSimtFastCopy =
-    MMHA_EXP_SIMT_FAST && QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
+constexpr bool kSimtFastCopy = QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
 // Blocks per SM that the tensor-core loop's shared memory allows (227 KB per SM, with room for
 // the static arrays). Where that is 4 or fewer (head_dim 80-128) the launch bound asks for
 // exactly that occupancy: registers up to it cost nothing (head_dim 128: 156 registers; at
