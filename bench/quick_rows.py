@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mmha import layout, ops
+from mmha import dispatch, layout, ops
 from mmha.bench import TOLERANCE, Config, Problem, backend_context, mmha_fn, read_ceiling_gbs, sdpa_fn
 
 
@@ -44,6 +44,7 @@ def main() -> None:
         help="also time a one-element add under the same cold-L2 harness (launch floor)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the reference check (diagnostic builds)")
+    p.add_argument("--splits", type=int, default=0, help="force this split count (0: as dispatched)")
     p.add_argument(
         "--pad", type=int, default=0, help="cache capacity S_max = S + PAD (unused slots hold NaN)"
     )
@@ -65,6 +66,8 @@ def main() -> None:
             prob.v_cache = layout.pack_v(torch.cat([prob.v, pad], 2), layout="bhsd")
         plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.seq_len, cfg.torch_dtype)  # fmt: skip
+        if args.splits:
+            plan = dispatch.Plan("single_pass" if args.splits == 1 else "split", args.splits)
         fn = mmha_fn(prob, plan.num_splits)
         rows = [0, cfg.batch - 1]
         err = float("nan")
