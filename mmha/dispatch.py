@@ -33,6 +33,11 @@ MIN_KEYS_PER_SPLIT_TENSOR_CORES = 256
 # in 2 splits; B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The
 # tensor-core loop does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8).
 MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
+# A small grid of the tensor-core loop is split to fill this many blocks per SM, not its full
+# occupancy (3 at head_dim 128): fewer, longer blocks do better there (H200: B=1 Hkv=8 S=65536
+# 84.6 us at 33 splits vs 87.4 at 49; Hkv=4 61.0 vs 65.0 at 64; B=16 Hkv=8 D=64 S=2048 31.6 at
+# 2 vs 32.4 at 5). A grid that fills a wave is still judged against the full occupancy.
+FILL_BLOCKS_PER_SM_TENSOR_CORES = 2
 # A grid that already fills a wave is split only when that cuts the estimated time (waves per
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
@@ -83,9 +88,11 @@ def choose_variant(
     The base grid has one block per (row, kv head, query-head block). One wave holds
     ``num_sms * blocks_per_sm`` blocks. If the base grid is smaller than a wave, the sequence is
     cut into as many splits as still fit in one wave (a second, partial wave would leave most
-    SMs idle at the end). If it already fills a wave, a partial last wave still idles SMs: the
-    grid is split when that lowers ``ceil(blocks * s / wave) / s`` (time in units of one
-    block's work) by at least ``1 - SPLIT_GAIN``. Splits never get shorter than
+    SMs idle at the end); on the tensor-core loop that wave is counted at
+    ``FILL_BLOCKS_PER_SM_TENSOR_CORES`` blocks per SM at most. If it already fills a wave, a
+    partial last wave still idles SMs: the grid is split when that lowers
+    ``ceil(blocks * s / wave) / s`` (time in units of one block's work) by at least
+    ``1 - SPLIT_GAIN``. Splits never get shorter than
     ``MIN_KEYS_PER_SPLIT`` keys (``MIN_KEYS_PER_SPLIT_TENSOR_CORES`` on the tensor-core loop),
     and never number more than ``MAX_SPLITS``. On the CUDA-core loop a block walks at most
     ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits where needed, up to ``MAX_SPLITS``).
@@ -118,7 +125,10 @@ def choose_variant(
     allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))
     if base_blocks < wave:
         # Fill one wave: as many splits as still fit.
-        splits = min(allowed, wave // base_blocks)
+        fill = wave
+        if tensor_cores:
+            fill = max(1, num_sms) * max(1, min(blocks_per_sm, FILL_BLOCKS_PER_SM_TENSOR_CORES))
+        splits = max(1, min(allowed, fill // base_blocks))
     else:
         splits = 1
         for s in range(2, allowed + 1):
