@@ -25,7 +25,7 @@ struct AttendArgs {
   int pos;
   int nh;            // query heads of this block that exist (<= QB)
   float scale_log2;  // softmax scale * log2(e)
-  int rot;           // the walk over the chunk's 16-key steps starts at step rot (0 <= rot < steps)
+  int64_t kv_head;   // row * Hkv + kv head: where the tensor-core loop starts its walk
 };
 
 }  // namespace mmha

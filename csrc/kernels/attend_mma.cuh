@@ -99,7 +99,7 @@ struct MmaAttend {
       const T* src = c.k + static_cast<int64_t>(it) * VEC;
       const uint32_t dst = smem_addr(buf) + c.k_dst;
 #pragma unroll
-      for (int i = 0; i < PIECES; ++i) cp_async16(dst + i * 512, src + i * c.k_stride);
+      for (int i = 0; i < PIECES; ++i) cp_async16(dst + i * 32 * 16, src + i * c.k_stride);
     } else {
       issue_k(a, buf, it, lane);
     }
@@ -186,11 +186,15 @@ struct MmaAttend {
     }
 
     // Step j of the chunk covers keys [start + 16 j, +16); warp w takes steps w, w + 4, ...,
-    // rotated by a.rot steps (so blocks of different heads are not at the same offset at once).
+    // counted from step rot and wrapping around. Blocks of different (row, kv head) start 37
+    // steps apart: with power-of-two cache strides, blocks at the same offset of different heads
+    // contend for the same DRAM banks (H200, B=16 Hkv=8 S=32768: 500.5 -> 490.6 us; a cache
+    // padded to S_max = S + 16 gave the same gain without the rotation).
     const int nsteps = (a.end - a.start + KEYS - 1) / KEYS;
     const int steps = warp < nsteps ? (nsteps - warp + kWarps - 1) / kWarps : 0;
+    const int rot = static_cast<int>(a.kv_head * 37 % nsteps);
     auto key_of = [&](int i) {
-      int j = warp + kWarps * i + a.rot;
+      int j = warp + kWarps * i + rot;
       j = j >= nsteps ? j - nsteps : j;
       return a.start + KEYS * j;
     };

@@ -168,14 +168,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
     extern __shared__ __align__(16) unsigned char s_dyn[];
-    // Blocks of different (row, kv head) start their walk 37 steps apart: with power-of-two
-    // cache strides, blocks at the same offset of different heads contend for the same DRAM
-    // banks (H200, B=16 Hkv=8 S=32768: 500.5 -> 490.6 us; a cache padded to S_max = S + 16 gave
-    // the same gain without it).
-    constexpr int kSteps = MmaAttend<T, HEAD_DIM, QB>::KEYS;
-    const int nsteps = (end - start + kSteps - 1) / kSteps;
-    const int rot = static_cast<int>((kv_head * 37) % nsteps);
-    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, rot};
+    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head};
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
