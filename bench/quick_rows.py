@@ -1,6 +1,7 @@
 """Time mmha (as dispatched) on a few rows, fast: for comparing kernel variants in one device call.
 
-Each row is B,Hkv,S (Hq 32, D 128) or B,Hq,Hkv,D,S. Every row is checked against the fp32
+Each row is B,Hkv,S (Hq 32, D 128) or B,Hq,Hkv,D,S, optionally followed by @N to force N
+splits on that row (``--splits`` forces it on every row). Every row is checked against the fp32
 reference first; times are cold-L2 medians (``triton.testing.do_bench``), as in ``mmha.bench``.
 ``--peer`` also times SDPA's cuDNN backend on the same row.
 
@@ -58,7 +59,8 @@ def main() -> None:
         floor_us = do_bench(lambda: one.add_(1), warmup=25, rep=100, return_mode="median") * 1e3
         print(f"{args.tag:>10} launch floor (one-element add, cold L2): {floor_us:.1f} us", flush=True)
     for spec in args.rows:
-        cfg = parse_row(spec, args.dtype)
+        shape, _, row_splits = spec.partition("@")
+        cfg = parse_row(shape, args.dtype)
         prob = Problem(cfg)
         if args.pad:
             pad = torch.full_like(prob.k[:, :, : args.pad], float("nan"))
@@ -66,8 +68,9 @@ def main() -> None:
             prob.v_cache = layout.pack_v(torch.cat([prob.v, pad], 2), layout="bhsd")
         plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.seq_len, cfg.torch_dtype)  # fmt: skip
-        if args.splits:
-            plan = dispatch.Plan("single_pass" if args.splits == 1 else "split", args.splits)
+        forced = int(row_splits) if row_splits else args.splits
+        if forced:
+            plan = dispatch.Plan("single_pass" if forced == 1 else "split", forced)
         fn = mmha_fn(prob, plan.num_splits)
         rows = [0, cfg.batch - 1]
         err = float("nan")

@@ -23,18 +23,19 @@ WARPS = 4
 # 128-thread blocks of 128-200 registers fit 2-4 per SM.
 DEFAULT_BLOCKS_PER_SM = 4
 # Fewest keys a split should own: below this the partial write and merge cost more than the
-# extra parallelism buys. The tensor-core loop needs more: its per-warp ring of two 16-key steps
-# never fills with fewer than 4 steps per warp (B=1 Hkv=8 S=4096 on the H200: 19.0 us at 16
-# splits of 256 keys, 20.0 us at 32 of 128).
+# extra parallelism buys. The tensor-core loop needs more: its per-warp copy ring does not fill
+# with fewer than 4 steps per warp (B=1 Hkv=8 S=4096 on the H200: 18.6 us at 16 splits of 256
+# keys, 20.2 us at 32 of 128).
 MIN_KEYS_PER_SPLIT = 128
 MIN_KEYS_PER_SPLIT_TENSOR_CORES = 256
-# Most keys one block of the CUDA-core loop should walk: one long block per (row, head) leaves
-# a tail where a few blocks finish alone (H200, fp16 MHA: B=16 S=8192 525 us in one pass, 505 us
-# in 2 splits; B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The
-# tensor-core loop does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8).
+# Most keys one block of the CUDA-core loop (fp32 caches, head_dim 256) should walk: one long
+# block per (row, head) leaves a tail where a few blocks finish alone (H200, measured when that
+# loop still ran fp16 MHA at head_dim 128: B=16 S=8192 525 us in one pass, 505 us in 2 splits;
+# B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The tensor-core loop
+# does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8).
 MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
 # A small grid of the tensor-core loop is split to fill this many blocks per SM, not its full
-# occupancy (3 at head_dim 128): fewer, longer blocks do better there (H200: B=1 Hkv=8 S=65536
+# occupancy (4 at head_dim 128; measured when it was 3): fewer, longer blocks do better there (H200: B=1 Hkv=8 S=65536
 # 84.6 us at 33 splits vs 87.4 at 49; Hkv=4 61.0 vs 65.0 at 64; B=16 Hkv=8 D=64 S=2048 31.6 at
 # 2 vs 32.4 at 5). A grid that fills a wave is still judged against the full occupancy.
 FILL_BLOCKS_PER_SM_TENSOR_CORES = 2
@@ -62,9 +63,9 @@ def q_group_block(group: int) -> int:
     return Q_GROUP_BLOCKS[-1]
 
 
-def uses_tensor_cores(group: int, head_dim: int, dtype: torch.dtype) -> bool:
+def uses_tensor_cores(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel runs its tensor-core loop (mirrors ``kUseTensorCores`` in C++)."""
-    return dtype != torch.float32 and q_group_block(group) >= 2 and head_dim <= 128
+    return dtype != torch.float32 and head_dim <= 128
 
 
 def choose_variant(
@@ -99,11 +100,12 @@ def choose_variant(
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
     132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
-    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks: 528 // 32 = 16
-    splits fit; 4096 // 128 = 32 allows up to 32; 16 <= 64. Result: ``Plan("split", 16)``, a
-    grid of 512 blocks. The kernel gives each split ceil(4096 / 16) = 256 keys (a whole number of
-    16-key warp steps). At batch 64 the base grid is 2048 >= 528 blocks:
-    ``Plan("single_pass", 1)``.
+    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks, more than 32, so the
+    grid is filled: fp16 at head_dim 128 runs the tensor-core loop, whose fill counts 2 blocks
+    per SM, 264 // 32 = 8 splits; 4096 // 256 = 16 allows up to 16; 8 <= 64. Result:
+    ``Plan("split", 8)``, a grid of 256 blocks. The kernel gives each split
+    ceil(4096 / 8) = 512 keys (a whole number of 16-key warp steps). At batch 64 the base grid
+    is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     """
@@ -118,7 +120,7 @@ def choose_variant(
     if variant == "single_pass":
         return Plan("single_pass", 1)
     group = num_heads // num_kv_heads
-    tensor_cores = uses_tensor_cores(group, head_dim, dtype)
+    tensor_cores = uses_tensor_cores(head_dim, dtype)
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
     wave = max(1, num_sms) * max(1, blocks_per_sm)
     min_keys = MIN_KEYS_PER_SPLIT_TENSOR_CORES if tensor_cores else MIN_KEYS_PER_SPLIT

@@ -11,12 +11,14 @@ from mmha._ext import _C
 H100_SMS = 132
 F16 = torch.float16
 
-# (batch, Hq, Hkv, D, seq_len, blocks_per_sm, expected)
+# (batch, Hq, Hkv, D, seq_len, blocks_per_sm, expected); fp16, so head_dim <= 128 runs the
+# tensor-core loop and head_dim 256 the CUDA-core loop.
 CASES = [
-    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 16)),  # the docstring's example
+    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 8)),  # the docstring's example
     (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),  # 2048 base blocks
     (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1)),  # too short to split
-    (1, 32, 32, 128, 256, 4, dispatch.Plan("split", 2)),  # 256 // 128
+    (1, 32, 32, 128, 256, 4, dispatch.Plan("single_pass", 1)),  # tensor-core splits keep >= 256 keys
+    (1, 32, 32, 256, 256, 4, dispatch.Plan("split", 2)),  # CUDA-core loop: 256 // 128
     (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 64)),  # 264 // 4 = 66, capped at MAX_SPLITS
     # Tensor cores fill a small grid to 2 blocks per SM: 264 // 8 = 33, not 528 // 8 = 66.
     (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 33)),
@@ -27,27 +29,31 @@ CASES = [
     # MQA: 8 blocks of 8 heads; 264 // 8 = 33 would fit, but tensor-core splits keep >= 256 keys.
     (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 32)),
     (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16)),  # 4096 // 256, not 396 // 8
-    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 1024 // 128
+    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 4)),  # 1024 // 256, not 264 // 32
+    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 1024 // 128
     # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
-    (16, 32, 32, 128, 8192, 4, dispatch.Plan("split", 2)),
-    (16, 32, 32, 128, 32768, 4, dispatch.Plan("split", 8)),
-    (64, 32, 32, 128, 16384, 4, dispatch.Plan("split", 4)),
-    (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),
-    (16, 32, 8, 128, 32768, 3, dispatch.Plan("split", 2)),  # tensor cores: no key cap
+    (16, 32, 32, 256, 8192, 4, dispatch.Plan("split", 2)),
+    (16, 32, 32, 256, 32768, 4, dispatch.Plan("split", 8)),
+    (64, 32, 32, 256, 16384, 4, dispatch.Plan("split", 4)),
+    (64, 32, 32, 256, 4096, 4, dispatch.Plan("single_pass", 1)),
+    # Tensor cores: no key cap, and a grid inside one wave runs as it is.
+    (16, 32, 32, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
+    (64, 32, 8, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
+    (16, 32, 8, 128, 32768, 3, dispatch.Plan("split", 2)),
     # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
     (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
     (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
     # 2048 blocks: 6 waves; 2 splits (all S=256 allows) only reach 5.5, short of 10 %.
-    (64, 32, 32, 128, 256, 3, dispatch.Plan("single_pass", 1)),
+    (64, 32, 32, 256, 256, 3, dispatch.Plan("single_pass", 1)),
 ]
 
 
 def test_uses_tensor_cores():
-    assert dispatch.uses_tensor_cores(4, 128, torch.float16)
-    assert dispatch.uses_tensor_cores(2, 64, torch.bfloat16)
-    assert not dispatch.uses_tensor_cores(1, 128, torch.float16)  # one head per block
-    assert not dispatch.uses_tensor_cores(4, 256, torch.float16)
-    assert not dispatch.uses_tensor_cores(4, 128, torch.float32)
+    assert dispatch.uses_tensor_cores(128, torch.float16)
+    assert dispatch.uses_tensor_cores(64, torch.bfloat16)
+    assert dispatch.uses_tensor_cores(32, torch.float16)
+    assert not dispatch.uses_tensor_cores(256, torch.float16)
+    assert not dispatch.uses_tensor_cores(128, torch.float32)
 
 
 def test_wave_cost():

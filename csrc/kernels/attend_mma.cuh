@@ -46,11 +46,24 @@ struct MmaAttend {
   }
   static constexpr int K_ELEMS = KEYS * HEAD_DIM;
   static constexpr int V_ELEMS = KEYS * V_STRIDE;
-  // K and V of a step are separate pipeline slots, NB buffers of each per warp: while one slot
-  // is used, the other 2 NB - 1 are in flight (3 of 4 with NB = 2).
-  // (3 buffers measured the same as 2 on the H200 and cost a third more shared memory.)
-  static constexpr int NB = 2;
-  static constexpr int WARP_ELEMS = NB * (K_ELEMS + V_ELEMS);
+  // K and V of a step are separate pipeline slots: copy n of a warp is K of its step n / 2
+  // (n even) or V (n odd) and goes to slot n % SLOTS of its ring; while one slot is used, the
+  // other SLOTS - 1 are in flight. Four slots (3 in flight) where 4 blocks of them fit in an
+  // SM's shared memory; else three (2 in flight), which lets head_dim 128 run 4 blocks per SM
+  // (48 KB each) rather than 3 (64 KB): on the H200 the warps gained more than the bytes in
+  // flight lost (B=64 Hkv=8 S=1024 86.2 -> 79.5 us, B=64 S=8192 516.3 -> 500.2, level to 1 %
+  // elsewhere), while at head_dim 64, where 4 slots already fit 4 blocks, three were 6 %
+  // slower. docs/design.md has the table.
+  static constexpr int RING4_BYTES = 2 * (K_ELEMS + V_ELEMS) * static_cast<int>(sizeof(T));
+  static constexpr int SLOTS = 4 * (kWarps * RING4_BYTES + 5 * 1024) <= 227 * 1024 ? 4 : 3;
+  // With an even slot count, even slots only ever hold K and odd ones V, so each slot is as
+  // large as its contents (V rows may be padded); with an odd count, a slot holds either.
+  static constexpr int SLOT_ELEMS = K_ELEMS > V_ELEMS ? K_ELEMS : V_ELEMS;
+  static constexpr int WARP_ELEMS =
+      SLOTS % 2 == 0 ? SLOTS / 2 * (K_ELEMS + V_ELEMS) : SLOTS * SLOT_ELEMS;
+  __device__ __forceinline__ static int slot_offset(int slot) {
+    return SLOTS % 2 == 0 ? slot / 2 * (K_ELEMS + V_ELEMS) + slot % 2 * K_ELEMS : slot * SLOT_ELEMS;
+  }
   // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
   static constexpr int ACC_ROWS = 1;
   static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
@@ -200,32 +213,29 @@ struct MmaAttend {
     };
     const CopyLane cl = copy_lane(a, lane);
     const int full_end = min(a.end, a.pos);
-    T* k_buf = pipe;                 // [NB][K_ELEMS]
-    T* v_buf = pipe + NB * K_ELEMS;  // [NB][V_ELEMS]
-    // Copy groups are committed in the order K0 V0 K1 V1 ...; the prologue queues K0 .. K(NB-1),
-    // step i queues V(i+NB-1) after K(i) has landed and K(i+NB) after V(i) has.
-#pragma unroll
-    for (int s = 0; s < NB; ++s) {
-      if (s < steps) copy_k(a, cl, full_end, k_buf + s * K_ELEMS, key_of(s), lane);
-      cp_async_commit();
-      if (s < NB - 1) {
-        if (s < steps) copy_v(a, cl, full_end, v_buf + s * V_ELEMS, key_of(s), lane);
-        cp_async_commit();
+    // Copy n of the ring: K (n even) or V (n odd) of step n / 2, into slot n % SLOTS.
+    auto issue = [&](int n) {
+      if (n / 2 < steps) {
+        T* buf = pipe + slot_offset(n % SLOTS);
+        if (n % 2 == 0) {
+          copy_k(a, cl, full_end, buf, key_of(n / 2), lane);
+        } else {
+          copy_v(a, cl, full_end, buf, key_of(n / 2), lane);
+        }
       }
-    }
+      cp_async_commit();  // one group per copy, empty or not, so the waits below count copies
+    };
+#pragma unroll
+    for (int n = 0; n < SLOTS - 1; ++n) issue(n);
 
     for (int i = 0; i < steps; ++i) {
       const int it = key_of(i);
-      T* kb = k_buf + (i % NB) * K_ELEMS;
-      T* vb = v_buf + (i % NB) * V_ELEMS;
-      cp_async_wait<2 * NB - 2>();  // K(i) has landed
+      T* kb = pipe + slot_offset(2 * i % SLOTS);
+      T* vb = pipe + slot_offset((2 * i + 1) % SLOTS);
+      cp_async_wait<SLOTS - 2>();  // K(i) has landed
       __syncwarp();
-      // Every lane is past step i - 1: its V buffer can be refilled.
-      if (i + NB - 1 < steps) {
-        copy_v(a, cl, full_end, v_buf + ((i + NB - 1) % NB) * V_ELEMS, key_of(i + NB - 1),
-               lane);
-      }
-      cp_async_commit();
+      // Every lane is past step i - 1: the slot of V(i - 1) can be refilled.
+      issue(2 * i + SLOTS - 1);
       const bool has_new = it <= a.pos && a.pos < it + KEYS;  // warp-uniform
       if (has_new) {
         const int kk = a.pos - it;
@@ -273,11 +283,10 @@ struct MmaAttend {
       ph1 = movmatrix_trans(ph1);
       pl1 = movmatrix_trans(pl1);
 
-      cp_async_wait<2 * NB - 2>();  // V(i) has landed
+      cp_async_wait<SLOTS - 2>();  // V(i) has landed
       __syncwarp();
-      // Every lane is done with K(i): its buffer can be refilled.
-      if (i + NB < steps) copy_k(a, cl, full_end, kb, key_of(i + NB), lane);
-      cp_async_commit();
+      // Every lane is done with K(i): its slot can be refilled.
+      issue(2 * i + SLOTS);
       if (has_new) {
         const int kk = a.pos - it;
         for (int c = lane; c < CHUNKS; c += 32) {

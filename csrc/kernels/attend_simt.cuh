@@ -1,7 +1,7 @@
 // Tiling of the CUDA-core main loop of the decode kernel (the loop itself is written out in
 // decode_attention.cuh): each warp walks its own steps of the block's chunk with its own online
 // softmax; K and V are loaded straight into registers, all loads of a step issued before any
-// math. Used for fp32 caches, head_dim 256, and one query head per kv head. Torch-free.
+// math. Used for fp32 caches and head_dim 256. Torch-free.
 #pragma once
 
 #include <cuda_runtime.h>

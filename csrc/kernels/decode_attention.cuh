@@ -20,12 +20,13 @@
 
 namespace mmha {
 
-// The main loop. Tensor cores where each K/V element serves at least two query heads (GQA,
-// MQA) of a 16-bit cache with head_dim <= 128; the CUDA-core loop everywhere else: fp32 caches,
-// head_dim 256 (whose two-buffer pipeline would leave one block per SM), and one head per kv
-// head, where it measured faster on the H200 (docs/design.md has the numbers).
+// The main loop. Tensor cores for fp16/bf16 caches with head_dim <= 128, whatever the query
+// group (with one query head per kv head, 7 of the 8 mma columns are idle, but it measured
+// faster than the CUDA-core loop once the ring let 4 blocks share an SM: docs/design.md); the
+// CUDA-core loop for fp32 caches and head_dim 256 (whose two-buffer pipeline would leave one
+// block per SM).
 template <typename T, int HEAD_DIM, int QB>
-constexpr bool kUseTensorCores = !std::is_same_v<T, float> && QB >= 2 && HEAD_DIM <= 128;
+constexpr bool kUseTensorCores = !std::is_same_v<T, float> && HEAD_DIM <= 128;
 
 template <typename T, int HEAD_DIM, int QB>
 using AttendPath = std::conditional_t<kUseTensorCores<T, HEAD_DIM, QB>, MmaAttend<T, HEAD_DIM, QB>,
@@ -64,16 +65,10 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-// The CUDA-core loop's unpredicated loads for whole steps, where they were measured (16-bit,
-// one head per block, head_dim 64 / 128). They need a launch bound of 4 blocks per SM: left to
-// itself ptxas takes 163 registers (3 blocks per SM); bounded to 128 it spills 8 bytes outside
-// the loop. Elsewhere the loop keeps its predicated loads and no bound, as before.
-template <typename T, int HEAD_DIM, int QB>
-constexpr bool kSimtFastCopy = QB == 1 && sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128);
 // Blocks per SM that the tensor-core loop's shared memory allows (227 KB per SM, with room for
 // the static arrays). Where that is 4 or fewer (head_dim 80-128) the launch bound asks for
-// exactly that occupancy: registers up to it cost nothing (head_dim 128: 156 registers; at
-// ptxas's default target of 128 it spilled), and none beyond it (head_dim 96 stays at 4).
+// exactly that occupancy: registers up to it cost nothing (head_dim 128: 4 blocks, 128
+// registers, no spill), and none beyond it. Where more fit (head_dim 32, 64) ptxas picks.
 template <typename T, int HEAD_DIM, int QB>
 constexpr int kMmaSmemBlocks = (227 * 1024) / (MmaAttend<T, HEAD_DIM, QB>::DYNAMIC_SMEM + 4 * 1024);
 // Minimum resident blocks per SM for __launch_bounds__ (0: no bound).
@@ -81,7 +76,7 @@ template <typename T, int HEAD_DIM, int QB>
 constexpr int kMinBlocks =
     kUseTensorCores<T, HEAD_DIM, QB>
         ? (kMmaSmemBlocks<T, HEAD_DIM, QB> <= 4 ? kMmaSmemBlocks<T, HEAD_DIM, QB> : 0)
-        : (kSimtFastCopy<T, HEAD_DIM, QB> ? 4 : 0);
+        : 0;
 
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
@@ -182,11 +177,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
     const int vr = lane / W::VLPR;
     const int vc = lane % W::VLPR;
     const bool v_lane = vr < W::ROWS;
-    // Steps whose keys all lie before full_end = min(end, pos) take the unpredicated loads.
-    const int full_end = min(end, pos);
-    const T* k_base = k_head + (static_cast<int64_t>(ti) * smax + kj) * VEC;  // chunk ti, key kj
-    const int64_t k_chunk_stride = static_cast<int64_t>(W::TPK) * smax * VEC;
-    const T* v_base = v_head + vr * HEAD_DIM + vc * VEC;
 
     float m[QB], l[QB];
     float acc[QB][W::VCPL * VEC];
@@ -202,56 +192,35 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
       // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
       uint4 kraw[W::U][W::CPT];
       uint4 vraw[W::V_STEPS][W::VCPL];
-      if (kSimtFastCopy<T, HEAD_DIM, QB> && it + W::KEYS <= full_end) {
-        // Every key of the step is before the end and not the new token's slot: no predicates,
-        // and the addresses are a per-lane base plus constants.
-        const T* kp = k_base + static_cast<int64_t>(it) * VEC;
 #pragma unroll
-        for (int u = 0; u < W::U; ++u) {
+      for (int u = 0; u < W::U; ++u) {
+        const int t = it + u * W::KPW + kj;
 #pragma unroll
-          for (int c = 0; c < W::CPT; ++c) kraw[u][c] = load16(kp + c * k_chunk_stride + u * W::KPW * VEC);
-        }
-        const T* vp = v_base + static_cast<int64_t>(it) * HEAD_DIM;
-#pragma unroll
-        for (int st = 0; st < W::V_STEPS; ++st) {
-#pragma unroll
-          for (int n = 0; n < W::VCPL; ++n) {
-            const bool valid = v_lane && st * W::ROWS + vr < W::KEYS;
-            vraw[st][n] = valid ? load16(vp + st * W::ROWS * HEAD_DIM + n * W::VLPR * VEC)
-                                : make_uint4(0, 0, 0, 0);
+        for (int c = 0; c < W::CPT; ++c) {
+          const int ch = c * W::TPK + ti;
+          if (t >= end) {
+            kraw[u][c] = make_uint4(0, 0, 0, 0);
+          } else if (t == pos) {
+            kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
+          } else {
+            kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
           }
         }
-      } else {
+      }
 #pragma unroll
-        for (int u = 0; u < W::U; ++u) {
-          const int t = it + u * W::KPW + kj;
+      for (int st = 0; st < W::V_STEPS; ++st) {
+        const int kk = st * W::ROWS + vr;
+        const int t = it + kk;
+        const bool valid = v_lane && kk < W::KEYS && t < end;
 #pragma unroll
-          for (int c = 0; c < W::CPT; ++c) {
-            const int ch = c * W::TPK + ti;
-            if (t >= end) {
-              kraw[u][c] = make_uint4(0, 0, 0, 0);
-            } else if (t == pos) {
-              kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
-            } else {
-              kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-            }
-          }
-        }
-#pragma unroll
-        for (int st = 0; st < W::V_STEPS; ++st) {
-          const int kk = st * W::ROWS + vr;
-          const int t = it + kk;
-          const bool valid = v_lane && kk < W::KEYS && t < end;
-#pragma unroll
-          for (int n = 0; n < W::VCPL; ++n) {
-            const int ch = n * W::VLPR + vc;
-            if (!valid) {
-              vraw[st][n] = make_uint4(0, 0, 0, 0);
-            } else if (t == pos) {
-              vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
-            } else {
-              vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
-            }
+        for (int n = 0; n < W::VCPL; ++n) {
+          const int ch = n * W::VLPR + vc;
+          if (!valid) {
+            vraw[st][n] = make_uint4(0, 0, 0, 0);
+          } else if (t == pos) {
+            vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
+          } else {
+            vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
           }
         }
       }
