@@ -23,22 +23,26 @@ WARPS = 4
 # 128-thread blocks of 128-200 registers fit 2-4 per SM.
 DEFAULT_BLOCKS_PER_SM = 4
 # Fewest keys a split should own: below this the partial write and merge cost more than the
-# extra parallelism buys. The tensor-core loop needs more: its per-warp copy ring does not fill
-# with fewer than 4 steps per warp (B=1 Hkv=8 S=4096 on the H200: 18.6 us at 16 splits of 256
-# keys, 20.2 us at 32 of 128).
+# extra parallelism buys. Blocks of several query heads on the tensor-core loop need more (their
+# prologue, partials and merge are per head): B=1 Hkv=8 S=4096 on the H200, 18.6 us at 16 splits
+# of 256 keys, 20.2 us at 32 of 128; one head per block does better at 128 (B=1 Hkv=32 S=1024:
+# 15.1 us at 8 splits, 16.1 at 4).
 MIN_KEYS_PER_SPLIT = 128
-MIN_KEYS_PER_SPLIT_TENSOR_CORES = 256
+MIN_KEYS_PER_SPLIT_GROUPED = 256
 # Most keys one block of the CUDA-core loop (fp32 caches, head_dim 256) should walk: one long
 # block per (row, head) leaves a tail where a few blocks finish alone (H200, measured when that
 # loop still ran fp16 MHA at head_dim 128: B=16 S=8192 525 us in one pass, 505 us in 2 splits;
 # B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The tensor-core loop
-# does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8).
+# does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8; MHA B=64 S=16384
+# 3764 us in one pass, 3793 in 4).
 MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
-# A small grid of the tensor-core loop is split to fill this many blocks per SM, not its full
-# occupancy (4 at head_dim 128; measured when it was 3): fewer, longer blocks do better there (H200: B=1 Hkv=8 S=65536
-# 84.6 us at 33 splits vs 87.4 at 49; Hkv=4 61.0 vs 65.0 at 64; B=16 Hkv=8 D=64 S=2048 31.6 at
-# 2 vs 32.4 at 5). A grid that fills a wave is still judged against the full occupancy.
-FILL_BLOCKS_PER_SM_TENSOR_CORES = 2
+# A small grid of blocks of several query heads on the tensor-core loop is split to fill this
+# many blocks per SM, not its full occupancy (4 at head_dim 128; measured when it was 3): fewer,
+# longer blocks do better there (H200: B=1 Hkv=8 S=65536 84.6 us at 33 splits vs 87.4 at 49;
+# Hkv=4 61.0 vs 65.0 at 64; B=16 Hkv=8 D=64 S=2048 31.6 at 2 vs 32.4 at 5). One head per block
+# fills the whole wave (B=1 Hkv=32 S=4096: 30.4 us at 16 splits, 31.0 at 8). A grid that fills
+# a wave is judged against the full occupancy.
+FILL_BLOCKS_PER_SM_GROUPED = 2
 # A grid that already fills a wave is split only when that cuts the estimated time (waves per
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
@@ -89,23 +93,23 @@ def choose_variant(
     The base grid has one block per (row, kv head, query-head block). One wave holds
     ``num_sms * blocks_per_sm`` blocks. If the base grid is smaller than a wave, the sequence is
     cut into as many splits as still fit in one wave (a second, partial wave would leave most
-    SMs idle at the end); on the tensor-core loop that wave is counted at
-    ``FILL_BLOCKS_PER_SM_TENSOR_CORES`` blocks per SM at most. If it already fills a wave, a
-    partial last wave still idles SMs: the grid is split when that lowers
+    SMs idle at the end); for blocks of several query heads on the tensor-core loop ("grouped")
+    that wave is counted at ``FILL_BLOCKS_PER_SM_GROUPED`` blocks per SM at most. If it already
+    fills a wave, a partial last wave still idles SMs: the grid is split when that lowers
     ``ceil(blocks * s / wave) / s`` (time in units of one block's work) by at least
-    ``1 - SPLIT_GAIN``. Splits never get shorter than
-    ``MIN_KEYS_PER_SPLIT`` keys (``MIN_KEYS_PER_SPLIT_TENSOR_CORES`` on the tensor-core loop),
-    and never number more than ``MAX_SPLITS``. On the CUDA-core loop a block walks at most
-    ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits where needed, up to ``MAX_SPLITS``).
+    ``1 - SPLIT_GAIN``. Splits never get shorter than ``MIN_KEYS_PER_SPLIT`` keys
+    (``MIN_KEYS_PER_SPLIT_GROUPED`` when grouped), and never number more than ``MAX_SPLITS``. On
+    the CUDA-core loop a block walks at most ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits
+    where needed, up to ``MAX_SPLITS``).
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
     132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
-    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks, more than 32, so the
-    grid is filled: fp16 at head_dim 128 runs the tensor-core loop, whose fill counts 2 blocks
-    per SM, 264 // 32 = 8 splits; 4096 // 256 = 16 allows up to 16; 8 <= 64. Result:
-    ``Plan("split", 8)``, a grid of 256 blocks. The kernel gives each split
-    ceil(4096 / 8) = 512 keys (a whole number of 16-key warp steps). At batch 64 the base grid
-    is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
+    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks: 528 // 32 = 16
+    splits fit; 4096 // 128 = 32 allows up to 32; 16 <= 64. Result: ``Plan("split", 16)``, a
+    grid of 512 blocks. The kernel gives each split ceil(4096 / 16) = 256 keys (a whole number of
+    16-key warp steps). With 8 kv heads (group 4, grouped): 8 base blocks, a fill of
+    132 * 2 = 264 blocks gives 33 splits, 4096 // 256 = 16 allows 16: ``Plan("split", 16)``. At
+    batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     """
@@ -121,15 +125,16 @@ def choose_variant(
         return Plan("single_pass", 1)
     group = num_heads // num_kv_heads
     tensor_cores = uses_tensor_cores(head_dim, dtype)
+    grouped = tensor_cores and q_group_block(group) >= 2
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
     wave = max(1, num_sms) * max(1, blocks_per_sm)
-    min_keys = MIN_KEYS_PER_SPLIT_TENSOR_CORES if tensor_cores else MIN_KEYS_PER_SPLIT
+    min_keys = MIN_KEYS_PER_SPLIT_GROUPED if grouped else MIN_KEYS_PER_SPLIT
     allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))
     if base_blocks < wave:
         # Fill one wave: as many splits as still fit.
         fill = wave
-        if tensor_cores:
-            fill = max(1, num_sms) * max(1, min(blocks_per_sm, FILL_BLOCKS_PER_SM_TENSOR_CORES))
+        if grouped:
+            fill = max(1, num_sms) * max(1, min(blocks_per_sm, FILL_BLOCKS_PER_SM_GROUPED))
         splits = max(1, min(allowed, fill // base_blocks))
     else:
         splits = 1

@@ -12,25 +12,27 @@ H100_SMS = 132
 F16 = torch.float16
 
 # (batch, Hq, Hkv, D, seq_len, blocks_per_sm, expected); fp16, so head_dim <= 128 runs the
-# tensor-core loop and head_dim 256 the CUDA-core loop.
+# tensor-core loop ("grouped" where a block holds several query heads) and head_dim 256 the
+# CUDA-core loop.
 CASES = [
-    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 8)),  # the docstring's example
+    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 16)),  # the docstring's examples
+    (1, 32, 8, 128, 4096, 4, dispatch.Plan("split", 16)),
     (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),  # 2048 base blocks
     (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1)),  # too short to split
-    (1, 32, 32, 128, 256, 4, dispatch.Plan("single_pass", 1)),  # tensor-core splits keep >= 256 keys
-    (1, 32, 32, 256, 256, 4, dispatch.Plan("split", 2)),  # CUDA-core loop: 256 // 128
+    (1, 32, 32, 128, 256, 4, dispatch.Plan("split", 2)),  # 256 // 128
+    (1, 32, 8, 128, 256, 4, dispatch.Plan("single_pass", 1)),  # grouped splits keep >= 256 keys
     (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 64)),  # 264 // 4 = 66, capped at MAX_SPLITS
-    # Tensor cores fill a small grid to 2 blocks per SM: 264 // 8 = 33, not 528 // 8 = 66.
+    # Grouped blocks fill a small grid to 2 blocks per SM: 264 // 8 = 33, not 528 // 8 = 66.
     (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 33)),
     (16, 32, 8, 128, 2048, 4, dispatch.Plan("split", 2)),  # group 4: one block per kv head
     (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: wave is 528
     (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
     (4, 32, 32, 128, 8192, 2, dispatch.Plan("split", 2)),  # 264 // 128
-    # MQA: 8 blocks of 8 heads; 264 // 8 = 33 would fit, but tensor-core splits keep >= 256 keys.
+    # MQA: 8 blocks of 8 heads; 264 // 8 = 33 would fit, but grouped splits keep >= 256 keys.
     (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 32)),
     (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16)),  # 4096 // 256, not 396 // 8
-    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 4)),  # 1024 // 256, not 264 // 32
-    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 1024 // 128
+    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 8)),  # 1024 // 128
+    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop, the same
     # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
     (16, 32, 32, 256, 8192, 4, dispatch.Plan("split", 2)),
     (16, 32, 32, 256, 32768, 4, dispatch.Plan("split", 8)),
