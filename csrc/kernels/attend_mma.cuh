@@ -46,16 +46,30 @@ struct MmaAttend {
   }
   static constexpr int K_ELEMS = KEYS * HEAD_DIM;
   static constexpr int V_ELEMS = KEYS * V_STRIDE;
+  // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
+  static constexpr int ACC_ROWS = 1;
+  static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
+  // Slack for rounding the dynamic shared-memory base up to 128 bytes (it follows the static
+  // arrays, whose size is not a multiple of 128).
+  static constexpr int ALIGN = 128;
+  // Dynamic shared memory of a block whose pipeline takes pipe_bytes, and how many such blocks
+  // an SM holds (227 KB, with 4 KB per block left for the kernel's static arrays).
+  static constexpr int dynamic_smem(int pipe_bytes) {
+    return (pipe_bytes > ACC_BYTES ? pipe_bytes : ACC_BYTES) + ALIGN;
+  }
+  static constexpr int smem_blocks(int pipe_bytes) {
+    return (227 * 1024) / (dynamic_smem(pipe_bytes) + 4 * 1024);
+  }
   // K and V of a step are separate pipeline slots: copy n of a warp is K of its step n / 2
   // (n even) or V (n odd) and goes to slot n % SLOTS of its ring; while one slot is used, the
   // other SLOTS - 1 are in flight. Four slots (3 in flight) where 4 blocks of them fit in an
-  // SM's shared memory; else three (2 in flight), which lets head_dim 128 run 4 blocks per SM
-  // (48 KB each) rather than 3 (64 KB): on the H200 the warps gained more than the bytes in
-  // flight lost (B=64 Hkv=8 S=1024 86.2 -> 79.5 us, B=64 S=8192 516.3 -> 500.2, level to 1 %
-  // elsewhere), while at head_dim 64, where 4 slots already fit 4 blocks, three were 6 %
-  // slower. docs/design.md has the table.
-  static constexpr int RING4_BYTES = 2 * (K_ELEMS + V_ELEMS) * static_cast<int>(sizeof(T));
-  static constexpr int SLOTS = 4 * (kWarps * RING4_BYTES + 5 * 1024) <= 227 * 1024 ? 4 : 3;
+  // SM's shared memory (head_dim <= 96); else three (2 in flight), which lets head_dim 128 run
+  // 4 blocks per SM (48 KB each) rather than 3 (64 KB): on the H200 the warps gained more than
+  // the bytes in flight lost (B=64 Hkv=8 S=1024 86.2 -> 79.5 us, B=64 S=8192 516.3 -> 500.2,
+  // level to 1 % elsewhere), while at head_dim 64, where 4 slots already fit 4 blocks, three
+  // were 6 % slower. docs/design.md has the table.
+  static constexpr int SLOTS =
+      smem_blocks(kWarps * 2 * (K_ELEMS + V_ELEMS) * static_cast<int>(sizeof(T))) >= 4 ? 4 : 3;
   // With an even slot count, even slots only ever hold K and odd ones V, so each slot is as
   // large as its contents (V rows may be padded); with an odd count, a slot holds either.
   static constexpr int SLOT_ELEMS = K_ELEMS > V_ELEMS ? K_ELEMS : V_ELEMS;
@@ -64,14 +78,9 @@ struct MmaAttend {
   __device__ __forceinline__ static int slot_offset(int slot) {
     return SLOTS % 2 == 0 ? slot / 2 * (K_ELEMS + V_ELEMS) + slot % 2 * K_ELEMS : slot * SLOT_ELEMS;
   }
-  // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
-  static constexpr int ACC_ROWS = 1;
   static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
-  static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
-  // Slack for rounding the dynamic shared-memory base up to 128 bytes (it follows the static
-  // arrays, whose size is not a multiple of 128).
-  static constexpr int ALIGN = 128;
-  static constexpr int DYNAMIC_SMEM = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN;
+  static constexpr int DYNAMIC_SMEM = dynamic_smem(PIPE_BYTES);
+  static constexpr int SMEM_BLOCKS = smem_blocks(PIPE_BYTES);
 
   // Copy piece i of a lane is piece lane + 32 i of a step. K pieces are [chunk][key] with 16
   // keys per chunk, so a lane keeps its key (lane % 16) and moves 2 chunks per i. V pieces are

@@ -65,17 +65,14 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-// Blocks per SM that the tensor-core loop's shared memory allows (227 KB per SM, with room for
-// the static arrays). Where that is 4 or fewer (head_dim 80-128) the launch bound asks for
+// Minimum resident blocks per SM for __launch_bounds__ (0: no bound). Where the tensor-core
+// loop's shared memory allows 4 blocks per SM or fewer (head_dim 80-128) the bound asks for
 // exactly that occupancy: registers up to it cost nothing (head_dim 128: 4 blocks, 128
 // registers, no spill), and none beyond it. Where more fit (head_dim 32, 64) ptxas picks.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMmaSmemBlocks = (227 * 1024) / (MmaAttend<T, HEAD_DIM, QB>::DYNAMIC_SMEM + 4 * 1024);
-// Minimum resident blocks per SM for __launch_bounds__ (0: no bound).
-template <typename T, int HEAD_DIM, int QB>
 constexpr int kMinBlocks =
-    kUseTensorCores<T, HEAD_DIM, QB>
-        ? (kMmaSmemBlocks<T, HEAD_DIM, QB> <= 4 ? kMmaSmemBlocks<T, HEAD_DIM, QB> : 0)
+    kUseTensorCores<T, HEAD_DIM, QB> && MmaAttend<T, HEAD_DIM, QB>::SMEM_BLOCKS <= 4
+        ? MmaAttend<T, HEAD_DIM, QB>::SMEM_BLOCKS
         : 0;
 
 template <typename T, int HEAD_DIM, int QB>
