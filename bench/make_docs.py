@@ -33,6 +33,13 @@ ceiling for caches >= 256 MB; >= 80 % (graph) / >= 70 % (cold) for 64-256 MB; <=
 peer's time for caches <= 20 MB; GQA within 5 points of the MHA row with the same cache size."""
 
 
+def keep_json(src: Path, docs: Path) -> dict:
+    """Copy a run's JSON file to docs/data/ (committed next to the page) and return its content."""
+    dst = docs / "data" / src.name
+    shutil.copy(src, dst)
+    return json.loads(dst.read_text())
+
+
 def verdicts(rows: list[dict]) -> list[str]:
     out = []
     mha = {(r["dtype"], round(r["kv_mb"])): r for r in rows if r["num_heads"] == r["num_kv_heads"]}
@@ -137,8 +144,7 @@ def main() -> int:
             "",
         ]
     if args.step_bench:
-        shutil.copy(args.step_bench / "step_bench.json", docs / "data" / "step_bench.json")
-        sb = json.loads((docs / "data" / "step_bench.json").read_text())
+        sb = keep_json(args.step_bench / "step_bench.json", docs)
         lines += [
             "## Whole decode step: mmha vs the SDPA path",
             "",
@@ -151,8 +157,7 @@ def main() -> int:
             "",
         ]
     if args.split_sweep:
-        shutil.copy(args.split_sweep / "split_sweep.json", docs / "data" / "split_sweep.json")
-        sw = json.loads((docs / "data" / "split_sweep.json").read_text())
+        sw = keep_json(args.split_sweep / "split_sweep.json", docs)
         lines += [
             "## Split count sweep (what the dispatcher is checked against)",
             "",
