@@ -27,6 +27,11 @@ struct MmaAttend {
   static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
   static constexpr int KEYS = 16;                // keys per warp step (the mma M)
   static constexpr int KSTEPS = HEAD_DIM / 16;   // mma K steps over the head dim / M tiles of O^T
+#ifdef MMHA_EXP_SLACK
+  static constexpr float kRescaleSlack = MMHA_EXP_SLACK;
+#else
+  static constexpr float kRescaleSlack = 8.f;
+#endif
   // K buffer: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
   // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM] with chunk ch of row r stored at
   // chunk ch ^ (r % 8), so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank
@@ -170,9 +175,63 @@ struct MmaAttend {
     }
   }
 
-  // Runs the warp loop, then leaves per-warp (max, sum, acc) in s_m, s_l and the returned
-  // [kWarps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the kernel's dynamic
-  // shared memory, DYNAMIC_SMEM bytes.
+  // A warp's walk over the block's chunk. Step j of the chunk covers keys [start + 16 j, +16);
+  // warp w takes steps w, w + 4, ..., counted from step rot and wrapping around. Blocks of
+  // different (row, kv head) start 37 steps apart: with power-of-two cache strides, blocks at the
+  // same offset of different heads contend for the same DRAM banks (H200, B=16 Hkv=8 S=32768:
+  // 500.5 -> 490.6 us; a cache padded to S_max = S + 16 gave the same gain without the rotation).
+  struct Walk {
+    T* pipe;       // this warp's ring
+    CopyLane cl;
+    int nsteps;    // steps of the block's chunk
+    int steps;     // steps of this warp
+    int rot;
+    int full_end;  // keys before it need no predicates
+  };
+  __device__ __forceinline__ static Walk walk(const AttendArgs<T>& a, unsigned char* dyn_smem) {
+    unsigned char* smem = dyn_smem + (ALIGN - smem_addr(dyn_smem) % ALIGN) % ALIGN;
+    const int warp = threadIdx.x / 32;
+    Walk w;
+    w.pipe = reinterpret_cast<T*>(smem) + warp * WARP_ELEMS;
+    w.cl = copy_lane(a, threadIdx.x % 32);
+    w.nsteps = (a.end - a.start + KEYS - 1) / KEYS;
+    w.steps = warp < w.nsteps ? (w.nsteps - warp + kWarps - 1) / kWarps : 0;
+    w.rot = static_cast<int>(a.kv_head * 37 % w.nsteps);
+    w.full_end = min(a.end, a.pos);
+    return w;
+  }
+  // First key of the warp's step i.
+  __device__ __forceinline__ static int key_of(const AttendArgs<T>& a, const Walk& w, int i) {
+    int j = threadIdx.x / 32 + kWarps * i + w.rot;
+    j = j >= w.nsteps ? j - w.nsteps : j;
+    return a.start + KEYS * j;
+  }
+  // Copy n of the ring: K (n even) or V (n odd) of step n / 2, into slot n % SLOTS.
+  __device__ __forceinline__ static void issue(const AttendArgs<T>& a, const Walk& w, int n) {
+    const int lane = threadIdx.x % 32;
+    if (n / 2 < w.steps) {
+      T* buf = w.pipe + slot_offset(n % SLOTS);
+      if (n % 2 == 0) {
+        copy_k(a, w.cl, w.full_end, buf, key_of(a, w, n / 2), lane);
+      } else {
+        copy_v(a, w.cl, w.full_end, buf, key_of(a, w, n / 2), lane);
+      }
+    }
+    cp_async_commit();  // one group per copy, empty or not, so the waits below count copies
+  }
+
+  // Queues the ring's first SLOTS - 1 copies. The kernel calls it before its prologue (q, the
+  // new token's K/V), so the cache reads are in flight while the prologue's own loads are: the
+  // copies need nothing from it (the new token's slot is never read from the cache).
+  __device__ __forceinline__ static void prefetch(const AttendArgs<T>& a, unsigned char* dyn_smem) {
+    const Walk w = walk(a, dyn_smem);
+#pragma unroll
+    for (int n = 0; n < SLOTS - 1; ++n) issue(a, w, n);
+  }
+
+  // Runs the warp loop (after prefetch()), then leaves per-warp (max, sum, acc) in s_m, s_l and
+  // the returned [kWarps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the
+  // kernel's dynamic shared memory, DYNAMIC_SMEM bytes.
   __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
                                      unsigned char* dyn_smem, const float (&s_q)[QB][HEAD_DIM],
                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
@@ -181,7 +240,7 @@ struct MmaAttend {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;  // fragment row group
     const int tq = lane % 4;  // fragment column pair
-    T* pipe = reinterpret_cast<T*>(smem) + warp * WARP_ELEMS;
+    const Walk w = walk(a, dyn_smem);
 
     // B fragments of q^T (16 dims x 8 heads per K step), pre-scaled into the log2 domain:
     // lane holds head g, dims 16j + 2tq + {0, 1} (b0) and + 8 (b1), as hi and lo parts.
@@ -207,44 +266,14 @@ struct MmaAttend {
       for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
     }
 
-    // Step j of the chunk covers keys [start + 16 j, +16); warp w takes steps w, w + 4, ...,
-    // counted from step rot and wrapping around. Blocks of different (row, kv head) start 37
-    // steps apart: with power-of-two cache strides, blocks at the same offset of different heads
-    // contend for the same DRAM banks (H200, B=16 Hkv=8 S=32768: 500.5 -> 490.6 us; a cache
-    // padded to S_max = S + 16 gave the same gain without the rotation).
-    const int nsteps = (a.end - a.start + KEYS - 1) / KEYS;
-    const int steps = warp < nsteps ? (nsteps - warp + kWarps - 1) / kWarps : 0;
-    const int rot = static_cast<int>(a.kv_head * 37 % nsteps);
-    auto key_of = [&](int i) {
-      int j = warp + kWarps * i + rot;
-      j = j >= nsteps ? j - nsteps : j;
-      return a.start + KEYS * j;
-    };
-    const CopyLane cl = copy_lane(a, lane);
-    const int full_end = min(a.end, a.pos);
-    // Copy n of the ring: K (n even) or V (n odd) of step n / 2, into slot n % SLOTS.
-    auto issue = [&](int n) {
-      if (n / 2 < steps) {
-        T* buf = pipe + slot_offset(n % SLOTS);
-        if (n % 2 == 0) {
-          copy_k(a, cl, full_end, buf, key_of(n / 2), lane);
-        } else {
-          copy_v(a, cl, full_end, buf, key_of(n / 2), lane);
-        }
-      }
-      cp_async_commit();  // one group per copy, empty or not, so the waits below count copies
-    };
-#pragma unroll
-    for (int n = 0; n < SLOTS - 1; ++n) issue(n);
-
-    for (int i = 0; i < steps; ++i) {
-      const int it = key_of(i);
-      T* kb = pipe + slot_offset(2 * i % SLOTS);
-      T* vb = pipe + slot_offset((2 * i + 1) % SLOTS);
+    for (int i = 0; i < w.steps; ++i) {
+      const int it = key_of(a, w, i);
+      T* kb = w.pipe + slot_offset(2 * i % SLOTS);
+      T* vb = w.pipe + slot_offset((2 * i + 1) % SLOTS);
       cp_async_wait<SLOTS - 2>();  // K(i) has landed
       __syncwarp();
       // Every lane is past step i - 1: the slot of V(i - 1) can be refilled.
-      issue(2 * i + SLOTS - 1);
+      issue(a, w, 2 * i + SLOTS - 1);
       const bool has_new = it <= a.pos && a.pos < it + KEYS;  // warp-uniform
       if (has_new) {
         const int kk = a.pos - it;
@@ -267,20 +296,40 @@ struct MmaAttend {
       if (it + g >= a.end) s[0] = s[1] = -INFINITY;
       if (it + g + 8 >= a.end) s[2] = s[3] = -INFINITY;
 
-      // Online softmax per head over the 16 keys (8 lanes share a column pair).
-      float alpha[2];
+      // Online softmax per head over the 16 keys (8 lanes share a column pair). The reference
+      // max m is raised only when some head of the warp has outgrown it by more than
+      // kRescaleSlack (log2 units): most steps then skip rescaling acc, and P = 2^(s - m) stays
+      // below 2^kRescaleSlack (acc and l share m, so the result is the same in exact arithmetic).
+      float mx[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(s[h], s[h + 2]);
+        mx[h] = fmaxf(s[h], s[h + 2]);
 #pragma unroll
-        for (int off = 4; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-        const float m_new = fmaxf(m[h], mx);
-        const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = exp2f(m[h] - m_ref);
+        for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
+      }
+      if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(m[h], mx[h]);
+          alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+          l[h] *= alpha[h];
+          m[h] = m_new;
+        }
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+          acc[i][0] *= alpha[0];
+          acc[i][1] *= alpha[1];
+          acc[i][2] *= alpha[0];
+          acc[i][3] *= alpha[1];
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
         s[h] = exp2f(s[h] - m_ref);
         s[h + 2] = exp2f(s[h + 2] - m_ref);
-        l[h] = l[h] * alpha[h] + s[h] + s[h + 2];
-        m[h] = m_new;
+        l[h] += s[h] + s[h + 2];
       }
 
       // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
@@ -295,7 +344,7 @@ struct MmaAttend {
       cp_async_wait<SLOTS - 2>();  // V(i) has landed
       __syncwarp();
       // Every lane is done with K(i): its slot can be refilled.
-      issue(2 * i + SLOTS);
+      issue(a, w, 2 * i + SLOTS);
       if (has_new) {
         const int kk = a.pos - it;
         for (int c = lane; c < CHUNKS; c += 32) {
@@ -312,10 +361,6 @@ struct MmaAttend {
       for (int i = 0; i < KSTEPS; ++i) {
         uint32_t vt[4];
         ldmatrix_x4<true>(vt, vb + v_off(v_row, 2 * i + v_half));
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[1];
-        acc[i][2] *= alpha[0];
-        acc[i][3] *= alpha[1];
         mma_16816<T>(acc[i], vt, ph0, ph1);
         mma_16816<T>(acc[i], vt, pl0, pl1);
       }

@@ -132,6 +132,13 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
 
+  const float scale_log2 = p.scale * kLog2e;
+  const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head};
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+#ifndef MMHA_EXP_LATE_PREFETCH
+  if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
+#endif
+
   for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
@@ -156,11 +163,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
 
   // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
   // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
-  const float scale_log2 = p.scale * kLog2e;
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
-    extern __shared__ __align__(16) unsigned char s_dyn[];
-    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head};
+#ifdef MMHA_EXP_LATE_PREFETCH
+    MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
+#endif
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
