@@ -245,7 +245,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.lengths = lengths.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.partials = num_splits > 1 ? partials.data_ptr<float>() : nullptr;
+  // Read by the kernel only when num_splits > 1; a build with -DMMHA_EXP_TRACE also stamps its
+  // per-block timings past the partials (bench/trace_blocks.py), single pass included.
+  p.partials = partials.numel() > 0 ? partials.data_ptr<float>() : nullptr;
   p.counters = num_splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
   p.qkv_row_stride = qkv.stride(0);
   p.batch = static_cast<int32_t>(batch);

@@ -75,11 +75,34 @@ constexpr int kMinBlocks =
         ? MmaAttend<T, HEAD_DIM, QB>::SMEM_BLOCKS
         : 0;
 
+#ifdef MMHA_EXP_TRACE
+// Diagnostic (bench/trace.sh, bench/trace_blocks.py): thread 0 of each block stamps %globaltimer
+// at events 0-4 and its SM id into p.partials past the split partials, 12 words per block (the
+// caller allocates room for them). Off unless built with -DMMHA_EXP_TRACE.
+__device__ __forceinline__ void trace_stamp(const MmhaParams& p, int head_dim, int event) {
+  if (threadIdx.x != 0 || p.partials == nullptr) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const int64_t blk = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+  const int64_t base = static_cast<int64_t>(p.batch) * p.num_heads * p.num_splits * (head_dim + 2);
+  uint32_t* rec = reinterpret_cast<uint32_t*>(p.partials + base) + blk * 12;
+  rec[2 * event] = static_cast<uint32_t>(t);
+  rec[2 * event + 1] = static_cast<uint32_t>(t >> 32);
+  rec[11] = sm;
+}
+#define MMHA_TRACE(e) trace_stamp(p, HEAD_DIM, e)
+#else
+#define MMHA_TRACE(e)
+#endif
+
 template <typename T, int HEAD_DIM, int QB>
 __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
   constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
+  MMHA_TRACE(0);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -160,6 +183,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
     }
   }
   __syncthreads();
+  MMHA_TRACE(1);
 
   // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
   // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
@@ -169,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
     MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
 #endif
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
+    MMHA_TRACE(2);
   } else {
     // CUDA-core loop, written out here rather than behind a function: behind one (same code,
     // arguments in a struct) ptxas wanted 149 instead of 128 registers for one head per block;
@@ -377,6 +402,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
       }
     }
   }
+  MMHA_TRACE(3);
   if (num_splits == 1) return;
 
   // Split sequence: the last block of this (row, query-head group) to finish merges the partials.
@@ -430,6 +456,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
     for (int s = 0; s < active_splits; ++s) a += s_w[g][s] * __ldcg(part + s * (HEAD_DIM + 2));
     out[(h0 + g) * HEAD_DIM + d] = from_float<T>(a);
   }
+  MMHA_TRACE(4);
 }
 
 // Dynamic shared memory of one instantiation; above the default 48 KB limit the kernel must opt
