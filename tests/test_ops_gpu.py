@@ -185,6 +185,35 @@ def test_large_and_tiny_values(dtype, value_scale):
     check_case(case, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("profile", ["rising", "falling", "sink", "steps"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_logit_profiles(dtype, profile, splits):
+    """Logits that rise or fall along the sequence, one dominant first key, or jumps of a few
+    log2 units: the tensor-core loop raises its reference max only when a head's max outgrows
+    it by more than 2^8, so some steps rescale the accumulators and others keep P up to 2^8."""
+    from mmha import layout
+
+    b, hq, hkv, d, smax = 2, 8, 2, 128, 1600
+    lengths = [700, 1500]
+    case = make_case(b, hq, hkv, d, lengths, smax, dtype, seed=17)
+    g = torch.Generator(device="cpu").manual_seed(18)
+    t = torch.arange(smax, dtype=torch.float32)[None, :, None, None] / 1500.0
+    ramp = {
+        "rising": 4.0 * t,  # logits 0 -> ~45 along the row (q ~ 1 in every dim)
+        "falling": 4.0 * (1.0 - t),
+        "sink": torch.where(t == 0, torch.tensor(4.0), torch.tensor(0.0)),
+        "steps": 0.5 * torch.floor(t * 1500.0 / 97.0) % 7.0,  # jumps of ~6 natural-log units
+    }[profile]
+    k = ramp + 0.05 * torch.randn(b, smax, hkv, d, generator=g)
+    slot = torch.arange(smax)[None, :, None, None]
+    k = torch.where(slot < torch.tensor(lengths)[:, None, None, None], k, torch.tensor(float("nan")))
+    case.k_cache = layout.pack_k(k.to(dtype).cuda())
+    q = 1.0 + 0.05 * torch.randn(b, hq * d, generator=g)
+    case.qkv[:, : hq * d] = q.to(dtype).cuda()
+    check_case(case, splits)
+
+
 def test_extreme_scale():
     case = make_case(2, 4, 4, 64, [50, 500], 512, torch.float32, seed=14)
     for scale in (1e-6, 10.0):
