@@ -27,11 +27,8 @@ struct MmaAttend {
   static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
   static constexpr int KEYS = 16;                // keys per warp step (the mma M)
   static constexpr int KSTEPS = HEAD_DIM / 16;   // mma K steps over the head dim / M tiles of O^T
-#ifdef MMHA_EXP_SLACK
-  static constexpr float kRescaleSlack = MMHA_EXP_SLACK;
-#else
+  // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
-#endif
   // K buffer: [CHUNKS][KEYS][VEC] as cached (8 keys of one chunk are 128 contiguous bytes, so an
   // ldmatrix phase is conflict-free). V buffer: [KEYS][HEAD_DIM] with chunk ch of row r stored at
   // chunk ch ^ (r % 8), so the 8 rows an ldmatrix.trans phase reads fall in 8 different bank

@@ -158,9 +158,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   const float scale_log2 = p.scale * kLog2e;
   const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head};
   extern __shared__ __align__(16) unsigned char s_dyn[];
-#ifndef MMHA_EXP_LATE_PREFETCH
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
-#endif
 
   for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
     const int g = idx / HEAD_DIM;
@@ -189,9 +187,6 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
   const float* s_acc;
   if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
-#ifdef MMHA_EXP_LATE_PREFETCH
-    MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
-#endif
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
     MMHA_TRACE(2);
   } else {
