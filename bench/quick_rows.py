@@ -1,7 +1,7 @@
 """Time mmha (as dispatched) on a few rows, fast: for comparing kernel variants in one device call.
 
 Each row is B,Hkv,S (Hq 32, D 128) or B,Hq,Hkv,D,S, optionally followed by @N to force N
-splits on that row (``--splits`` forces it on every row). Every row is checked against the fp32
+splits on that row, or @NxW for N splits of W-warp blocks (``--splits`` forces N on every row). Every row is checked against the fp32
 reference first; times are cold-L2 medians (``triton.testing.do_bench``), as in ``mmha.bench``.
 ``--peer`` also times SDPA's cuDNN backend on the same row.
 
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from mmha import dispatch, layout, ops
-from mmha.bench import TOLERANCE, Config, Problem, backend_context, mmha_fn, read_ceiling_gbs, sdpa_fn
+from mmha.bench import (
+    TOLERANCE, Config, Problem, backend_context, mmha_fn, plan_str, read_ceiling_gbs, sdpa_fn,
+)  # fmt: skip
 
 
 def parse_row(spec: str, dtype: str) -> Config:
@@ -68,10 +70,11 @@ def main() -> None:
             prob.v_cache = layout.pack_v(torch.cat([prob.v, pad], 2), layout="bhsd")
         plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.seq_len, cfg.torch_dtype)  # fmt: skip
-        forced = int(row_splits) if row_splits else args.splits
+        splits_s, _, warps_s = row_splits.partition("x")
+        forced = int(splits_s) if splits_s else args.splits
         if forced:
-            plan = dispatch.Plan("single_pass" if forced == 1 else "split", forced)
-        fn = mmha_fn(prob, plan.num_splits)
+            plan = dispatch.Plan("single_pass" if forced == 1 else "split", forced, int(warps_s or 4))
+        fn = mmha_fn(prob, plan.num_splits, plan.warps)
         rows = [0, cfg.batch - 1]
         err = float("nan")
         if not args.no_check:
@@ -81,7 +84,7 @@ def main() -> None:
         us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         rec = {
             "tag": args.tag, "row": spec, "pad": args.pad, "dtype": args.dtype, "kv_mb": cfg.kv_bytes / 1e6,
-            "plan": f"{plan.variant}/{plan.num_splits}", "us": us,
+            "plan": plan_str(plan), "us": us,
             "pct_ceiling": 100 * cfg.step_bytes / (us * 1e-6) / 1e9 / ceiling, "max_err": err,
         }  # fmt: skip
         if args.peer:

@@ -8,7 +8,7 @@ row, after the merge (e4), with its SM id. The stamps go into the workspace past
 partials. This script runs each row after a cold-L2 flush, several times, and prints the spread
 of each phase in us, relative to the first block's entry, for the run with the median end.
 
-    python bench/trace_blocks.py 16,8,2048@2 1,8,4096@16 [--runs 20] [--out DIR]
+    python bench/trace_blocks.py 16,8,2048@2 1,8,4096@16x16 [--runs 20] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mmha import ops
 from mmha.bench import Problem
 
 
-def trace_once(prob: Problem, splits: int, flush: torch.Tensor) -> torch.Tensor:
+def trace_once(prob: Problem, splits: int, warps: int, flush: torch.Tensor) -> torch.Tensor:
     cfg = prob.cfg
     base = cfg.batch * cfg.num_heads * splits * (cfg.head_dim + 2)  # the kernel counts from here
     blocks = splits * cfg.num_heads * cfg.batch
@@ -36,7 +36,7 @@ def trace_once(prob: Problem, splits: int, flush: torch.Tensor) -> torch.Tensor:
     torch.cuda.synchronize()
     torch.ops.mmha.decode_attention.default(
         prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, partials, counters,
-        cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, splits, False,
+        cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, splits, False, warps,
     )  # fmt: skip
     torch.cuda.synchronize()
     rec = partials[base:].view(torch.int32).view(-1, 12).to(torch.int64).cpu()
@@ -59,19 +59,18 @@ def main() -> None:
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     results = []
     for spec in args.rows:
-        shape, _, forced = spec.partition("@")
+        shape, _, forced_s = spec.partition("@")
+        forced, _, warps_s = forced_s.partition("x")
         cfg = parse_row(shape, args.dtype)
         prob = Problem(cfg)
-        splits = (
-            int(forced)
-            if forced
-            else ops.plan_for(
-                "cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, cfg.torch_dtype
-            ).num_splits
+        plan = ops.plan_for(
+            "cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, cfg.torch_dtype
         )
+        splits = int(forced) if forced else plan.num_splits
+        warps = int(warps_s) if warps_s else (4 if forced else plan.warps)
         runs = []
         for _ in range(args.runs + 2):
-            stamps, sm = trace_once(prob, splits, flush)
+            stamps, sm = trace_once(prob, splits, warps, flush)
             t0 = stamps[:, 0].min()
             rel = (stamps - t0).double() / 1e3  # us from the first block's entry
             rel[stamps == 0] = float("nan")
@@ -85,6 +84,7 @@ def main() -> None:
         row = {
             "row": spec,
             "splits": splits,
+            "warps": warps,
             "blocks": int(rel.shape[0]),
             "sms_used": int(torch.unique(sm).numel()),
             "end_us_median_run": ends[order[len(order) // 2]],
@@ -101,7 +101,7 @@ def main() -> None:
         results.append(row)
         fmt = lambda v: "/".join(f"{x:.1f}" for x in v)  # noqa: E731
         parts = [
-            f"{spec:>18} splits {splits} blocks {row['blocks']} SMs {row['sms_used']}",
+            f"{spec:>18} splits {splits} warps {warps} blocks {row['blocks']} SMs {row['sms_used']}",
             f"end {row['end_us_median_run']:.1f} (min run {row['end_us_min_run']:.1f})",
             f"entry p50/p90/max {fmt(row['entry_us'])}",
             f"prologue done min/p50/max {fmt(row['prologue_done_us'])}",

@@ -13,7 +13,8 @@ TORCH_LIBRARY(mmha, m) {
       "decode_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, "
       "Tensor? qkv_bias, Tensor(c!) out, Tensor(d!) lse, Tensor(e!) partials, "
       "Tensor(f!) counters, int num_heads, int num_kv_heads, float scale, int rotary_dim, "
-      "float rotary_theta, bool rotary_interleaved, int num_splits, bool check_lengths=True) -> ()");
+      "float rotary_theta, bool rotary_interleaved, int num_splits, bool check_lengths=True, "
+      "int warps=4) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -26,11 +27,14 @@ PYBIND11_MODULE(_C, m) {
         "SM architectures this build holds device code for, e.g. '80 86 89 90'");
   m.def(
       "blocks_per_sm",
-      [](int dtype, int head_dim, int q_group_block) {
-        return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype), head_dim, q_group_block);
+      [](int dtype, int head_dim, int q_group_block, int warps) {
+        return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype), head_dim, q_group_block,
+                                          warps);
       },
-      "Resident blocks per SM of the decode kernel on the current device (dtype: 0 fp16, 1 bf16, "
-      "2 fp32); 0 when it cannot run there");
+      pybind11::arg("dtype"), pybind11::arg("head_dim"), pybind11::arg("q_group_block"),
+      pybind11::arg("warps") = mmha::kWarps,
+      "Resident blocks of `warps` warps per SM of the decode kernel on the current device (dtype: "
+      "0 fp16, 1 bf16, 2 fp32); 0 when it cannot run there");
   pybind11::list head_dims;
   for (int d : mmha::kSupportedHeadDims) head_dims.append(d);
   m.attr("SUPPORTED_HEAD_DIMS") = pybind11::tuple(head_dims);
@@ -39,4 +43,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("Q_GROUP_BLOCKS") = pybind11::tuple(blocks);
   m.attr("MAX_SPLITS") = mmha::kMaxSplits;
   m.attr("WARPS") = mmha::kWarps;
+  pybind11::list warp_choices;
+  for (int w : mmha::kWarpChoices) warp_choices.append(w);
+  m.attr("WARP_CHOICES") = pybind11::tuple(warp_choices);
 }

@@ -120,7 +120,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
                       const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
                       double scale, int64_t rotary_dim, double rotary_theta,
-                      bool rotary_interleaved, int64_t num_splits, bool check_lengths) {
+                      bool rotary_interleaved, int64_t num_splits, bool check_lengths,
+                      int64_t warps) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -226,6 +227,13 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     check_contiguous(counters, "counters");
   }
 
+  MMHA_CHECK(warps_supported(to_dtype(dtype), static_cast<int>(head_dim), static_cast<int>(warps)),
+             "warps must be ",
+             uses_tensor_cores(to_dtype(dtype), static_cast<int>(head_dim))
+                 ? "4, 8 or 16"
+                 : "4 for float32 caches and head_dim 256 (the CUDA-core loop)",
+             ", got ", warps);
+
   const int64_t group = num_heads / num_kv_heads;
   const int q_group_block = pick_q_group_block(group);
   const int64_t q_groups = (group + q_group_block - 1) / q_group_block;
@@ -258,6 +266,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.q_group_block = q_group_block;
   p.q_groups = static_cast<int32_t>(q_groups);
   p.num_splits = static_cast<int32_t>(num_splits);
+  p.warps = static_cast<int32_t>(warps);
   p.scale = static_cast<float>(scale);
   p.rotary_dim = static_cast<int32_t>(rotary_dim);
   p.rotary_theta = static_cast<float>(rotary_theta);

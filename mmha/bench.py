@@ -168,7 +168,13 @@ class Problem:
 TOLERANCE = {"fp16": 2e-2, "bf16": 6e-2, "fp32": 2e-4}
 
 
-def mmha_fn(prob: Problem, num_splits: int):
+def plan_str(plan) -> str:
+    """``variant/splits``, with ``xW`` where blocks have W warps other than 4."""
+    s = f"{plan.variant}/{plan.num_splits}"
+    return s if plan.warps == 4 else f"{s}x{plan.warps}"
+
+
+def mmha_fn(prob: Problem, num_splits: int, warps: int = 4):
     """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it."""
     cfg = prob.cfg
     ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, num_splits)
@@ -178,6 +184,7 @@ def mmha_fn(prob: Problem, num_splits: int):
     args = (
         prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, ws.partials,
         ws.counters, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, num_splits, False,
+        warps,
     )  # fmt: skip
 
     def fn():
@@ -287,11 +294,11 @@ def run_config(cfg: Config, graphs: bool = True) -> Result:
              cfg.torch_dtype)  # fmt: skip
     plan = ops.plan_for(*shape)
     forced_split = ops.plan_for(*shape, "split")
-    res.plan = f"{plan.variant}/{plan.num_splits}"
+    res.plan = plan_str(plan)
     fns = {
-        "mmha": mmha_fn(prob, plan.num_splits),
-        "mmha_single": mmha_fn(prob, 1),
-        "mmha_split": mmha_fn(prob, forced_split.num_splits),
+        "mmha": mmha_fn(prob, plan.num_splits, plan.warps),
+        "mmha_single": mmha_fn(prob, 1, ops.plan_for(*shape, "single_pass").warps),
+        "mmha_split": mmha_fn(prob, forced_split.num_splits, forced_split.warps),
     }
     for name in sdpa_backends():
         fns[name] = sdpa_fn(prob)

@@ -280,6 +280,7 @@ class KVCache:
         return_lse: bool = False,
         variant: str = "auto",
         num_splits: int | None = None,
+        warps: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``layer`` for rows ``0..B-1``: append the new K/V, attend.
 
@@ -328,7 +329,9 @@ class KVCache:
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
         if num_splits is None:
-            num_splits = self.plan(batch, variant).num_splits
+            plan = self.plan(batch, variant)
+            num_splits = plan.num_splits
+            warps = plan.warps if warps is None else warps
         ws = self._workspace
         if ws is None or not ws.fits(batch, self.num_heads, self.head_dim, num_splits):
             # Sized for every row so later steps (and graph replays) reuse it; grows only.
@@ -341,6 +344,7 @@ class KVCache:
             vc,
             lengths,
             num_splits=num_splits,
+            warps=warps,
             workspace=ws,
             validate_lengths=False,
             **common,

@@ -16,7 +16,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Query heads handled by one block (K/V of a kv head is read once per block).
 Q_GROUP_BLOCKS = (1, 2, 4, 8)
 MAX_SPLITS = 64
+# Warps per block: WARPS everywhere the CUDA-core loop runs; the tensor-core loop also runs
+# blocks of any of WARP_CHOICES.
 WARPS = 4
+WARP_CHOICES = (4, 8, 16)
 
 # --- Thresholds (the only tuning knobs; docs/design.md shows the measurements behind them) ---
 # Resident blocks per SM when the caller cannot ask the device (ops.blocks_per_sm does):
@@ -53,10 +56,11 @@ VARIANTS = ("auto", "single_pass", "split")
 
 @dataclass(frozen=True)
 class Plan:
-    """A dispatch decision: ``variant`` is ``"single_pass"`` or ``"split"``."""
+    """A dispatch decision: ``variant`` is ``"single_pass"`` or ``"split"``; ``warps`` per block."""
 
     variant: str
     num_splits: int
+    warps: int = WARPS
 
 
 def q_group_block(group: int) -> int:

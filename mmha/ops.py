@@ -21,7 +21,7 @@ if _C is not None:
     def _decode_attention_fake(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
-        check_lengths=True,
+        check_lengths=True, warps=4,
     ):  # fmt: skip
         return None
 
@@ -35,18 +35,21 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 @functools.cache
-def _blocks_per_sm(device_index: int, dtype: torch.dtype, head_dim: int, qb: int) -> int:
+def _blocks_per_sm(device_index: int, dtype: torch.dtype, head_dim: int, qb: int, warps: int) -> int:
     with torch.cuda.device(device_index):
-        return _C.blocks_per_sm(_DTYPE_CODES[dtype], head_dim, qb)
+        return _C.blocks_per_sm(_DTYPE_CODES[dtype], head_dim, qb, warps)
 
 
-def blocks_per_sm(device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> int:
-    """Resident blocks per SM of the kernel this shape runs (asked of the device once, cached)."""
+def blocks_per_sm(
+    device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, warps: int = dispatch.WARPS
+) -> int:
+    """Resident blocks of ``warps`` warps per SM of the kernel this shape runs (asked of the device
+    once, cached)."""
     if _C is None or head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
         return dispatch.DEFAULT_BLOCKS_PER_SM
     index = torch.device(device).index
     qb = dispatch.q_group_block(num_heads // num_kv_heads)
-    n = _blocks_per_sm(torch.cuda.current_device() if index is None else index, dtype, head_dim, qb)
+    n = _blocks_per_sm(torch.cuda.current_device() if index is None else index, dtype, head_dim, qb, warps)
     return n if n > 0 else dispatch.DEFAULT_BLOCKS_PER_SM
 
 
@@ -113,6 +116,7 @@ def decode_attention(
     rotary_interleaved: bool = False,
     variant: str = "auto",
     num_splits: int | None = None,
+    warps: int | None = None,
     max_len: int | None = None,
     return_lse: bool = False,
     workspace: Workspace | None = None,
@@ -127,6 +131,8 @@ def decode_attention(
     v_cache : ``[B, Hkv, S_max, D]``, new v written at slot ``lengths[b]``.
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
+    warps : warps per block (``dispatch.WARP_CHOICES`` on the tensor-core loop, else 4); by
+        default the plan's, or 4 where ``num_splits`` is given.
     max_len : longest ``lengths[b] + 1`` the caller knows of (for dispatch); default capacity.
     validate_lengths : the operator reads ``lengths`` on the host and rejects values outside
         ``[0, S_max - 1]`` (one sync; skipped inside CUDA-graph capture); callers that track
@@ -139,10 +145,13 @@ def decode_attention(
     _require_extension()
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
     if num_splits is None:
-        num_splits = plan_for(
+        plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
             max_seq_len if max_len is None else max_len, qkv.dtype, variant,
-        ).num_splits  # fmt: skip
+        )  # fmt: skip
+        num_splits = plan.num_splits
+        warps = plan.warps if warps is None else warps
+    warps = dispatch.WARPS if warps is None else warps
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
@@ -152,6 +161,6 @@ def decode_attention(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
         workspace.counters, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
-        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check,
+        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, warps,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -102,6 +102,7 @@ def test_python_and_cpp_constants_agree():
     assert tuple(_C.Q_GROUP_BLOCKS) == dispatch.Q_GROUP_BLOCKS
     assert _C.MAX_SPLITS == dispatch.MAX_SPLITS
     assert _C.WARPS == dispatch.WARPS
+    assert tuple(_C.WARP_CHOICES) == dispatch.WARP_CHOICES
 
 
 def test_every_dtype_and_head_dim_has_an_instantiation_file():

@@ -31,10 +31,10 @@ def run_kernel(case, num_splits=None, variant="auto", **kw):
     return out, lse
 
 
-def check_case(case, num_splits=None, variant="auto"):
+def check_case(case, num_splits=None, variant="auto", **kw):
     """Kernel vs reference: output within tolerance, caches bit-identical to the fp32 reference."""
     _, _, ref_k, ref_v = run_reference(case)
-    out, lse = run_kernel(case, num_splits, variant)
+    out, lse = run_kernel(case, num_splits, variant, **kw)
     torch.cuda.synchronize()
     check_against_reference(case, out, lse)
     check_cache_writes(case, ref_k, ref_v)
@@ -58,6 +58,42 @@ def test_gqa_groups(heads, variant):
     hq, hkv = heads
     case = make_case(3, hq, hkv, 128, [5, 250, 1023], 1024, torch.float16, seed=hq * 31 + hkv)
     check_case(case, SPLITS.get(variant), "auto")
+
+
+TC_HEAD_DIMS = [d for d in HEAD_DIMS if d <= 128]
+
+
+@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", TC_HEAD_DIMS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_warps_per_block(warps, dtype, head_dim, splits):
+    # Blocks of 8 and 16 warps (tensor-core loop): rows with fewer keys than warps, with one
+    # 16-key step per warp (+-1), and long rows; the new token lands in every position class.
+    w = 16 * warps
+    lengths = [0, 5, w - 2, w - 1, w, 999, 4000]
+    case = make_case(len(lengths), 8, 2, head_dim, lengths, 4096, dtype, seed=warps * head_dim + splits)
+    check_case(case, splits, warps=warps)
+
+
+@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1), (12, 4), (32, 8)], ids=str)
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_warps_per_block_groups(warps, heads, splits):
+    hq, hkv = heads
+    case = make_case(3, hq, hkv, 128, [3, 700, 2047], 2048, torch.float16, seed=hq * 7 + hkv + warps)
+    check_case(case, splits, warps=warps)
+
+
+def test_warps_per_block_repeat_bit_equal():
+    case = make_case(4, 32, 8, 128, [100, 1500, 4095, 2222], 4096, torch.bfloat16, seed=9)
+    k0, v0 = case.clone_caches()
+    outs = []
+    for _ in range(5):
+        case.k_cache, case.v_cache = k0.clone(), v0.clone()
+        outs.append(run_kernel(case, 4, warps=16))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
 STRADDLE = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 239, 255, 256, 257, 3577, 16385]

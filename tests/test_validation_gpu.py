@@ -23,9 +23,10 @@ def call(case, **over):
         lse=torch.empty(b, HQ, device="cuda"), partials=torch.empty(b * HQ * 4 * (D + 2), device="cuda"),
         counters=torch.zeros(b * HQ, dtype=torch.int32, device="cuda"), num_heads=HQ, num_kv_heads=HKV,
         scale=0.125, rotary_dim=0, rotary_theta=1e4, rotary_interleaved=False, num_splits=2,
+        check_lengths=True, warps=4,
     )  # fmt: skip
     a.update(over)
-    torch.ops.mmha.decode_attention(*a.values())
+    torch.ops.mmha.decode_attention(**a)
 
 
 def base_case():
@@ -94,6 +95,16 @@ BAD = [
         "workspace",
         lambda c: dict(partials=torch.empty(10, device="cuda")),
         r"partials must hold at least B \* Hq \* num_splits \* \(D \+ 2\)",
+    ),
+    ("warps", lambda c: dict(warps=5), r"warps must be 4, 8 or 16, got 5"),
+    ("warps zero", lambda c: dict(warps=0), r"warps must be 4, 8 or 16, got 0"),
+    (
+        "warps fp32",
+        lambda c: dict(
+            qkv=c.qkv.float(), v_cache=c.v_cache.float(), out=torch.empty(3, HQ * D, device="cuda"),
+            k_cache=torch.zeros(3, HKV, D // 4, 16, 4, device="cuda"), warps=8,
+        ),  # fmt: skip
+        r"warps must be 4 for float32 caches and head_dim 256 \(the CUDA-core loop\), got 8",
     ),
     (
         "out shape",

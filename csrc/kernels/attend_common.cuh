@@ -26,6 +26,7 @@ struct AttendArgs {
   int nh;            // query heads of this block that exist (<= QB)
   float scale_log2;  // softmax scale * log2(e)
   int64_t kv_head;   // row * Hkv + kv head: where the tensor-core loop starts its walk
+  int warps;         // warps of the block (blockDim.x / 32)
 };
 
 }  // namespace mmha

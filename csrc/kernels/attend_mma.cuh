@@ -48,28 +48,32 @@ struct MmaAttend {
   }
   static constexpr int K_ELEMS = KEYS * HEAD_DIM;
   static constexpr int V_ELEMS = KEYS * V_STRIDE;
-  // Per-warp partial outputs [kWarps][QB][HEAD_DIM] reuse the pipeline space after the loop.
+  // Per-warp partial outputs [warps][QB][HEAD_DIM] reuse the pipeline space after the loop.
   static constexpr int ACC_ROWS = 1;
-  static constexpr int ACC_BYTES = kWarps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
+  static constexpr int acc_bytes(int warps) {
+    return warps * QB * HEAD_DIM * static_cast<int>(sizeof(float));
+  }
   // Slack for rounding the dynamic shared-memory base up to 128 bytes (it follows the static
   // arrays, whose size is not a multiple of 128).
   static constexpr int ALIGN = 128;
-  // Dynamic shared memory of a block whose pipeline takes pipe_bytes, and how many such blocks
-  // an SM holds (227 KB, with 4 KB per block left for the kernel's static arrays).
-  static constexpr int dynamic_smem(int pipe_bytes) {
-    return (pipe_bytes > ACC_BYTES ? pipe_bytes : ACC_BYTES) + ALIGN;
+  // Dynamic shared memory of a block of `warps` warps whose pipeline takes `pipe` bytes, and how
+  // many 4-warp blocks of that pipeline an SM holds (227 KB, with 4 KB per block left for the
+  // kernel's static arrays).
+  static constexpr int dynamic_smem(int pipe, int warps) {
+    return (pipe > acc_bytes(warps) ? pipe : acc_bytes(warps)) + ALIGN;
   }
-  static constexpr int smem_blocks(int pipe_bytes) {
-    return (227 * 1024) / (dynamic_smem(pipe_bytes) + 4 * 1024);
+  static constexpr int smem_blocks(int pipe) {
+    return (227 * 1024) / (dynamic_smem(pipe, kWarps) + 4 * 1024);
   }
   // K and V of a step are separate pipeline slots: copy n of a warp is K of its step n / 2
   // (n even) or V (n odd) and goes to slot n % SLOTS of its ring; while one slot is used, the
-  // other SLOTS - 1 are in flight. Four slots (3 in flight) where 4 blocks of them fit in an
+  // other SLOTS - 1 are in flight. Four slots (3 in flight) where 4 blocks of 4 warps fit in an
   // SM's shared memory (head_dim <= 96); else three (2 in flight), which lets head_dim 128 run
-  // 4 blocks per SM (48 KB each) rather than 3 (64 KB): on the H200 the warps gained more than
-  // the bytes in flight lost (B=64 Hkv=8 S=1024 86.2 -> 79.5 us, B=64 S=8192 516.3 -> 500.2,
+  // 4 such blocks per SM (48 KB each) rather than 3 (64 KB): on the H200 the warps gained more
+  // than the bytes in flight lost (B=64 Hkv=8 S=1024 86.2 -> 79.5 us, B=64 S=8192 516.3 -> 500.2,
   // level to 1 % elsewhere), while at head_dim 64, where 4 slots already fit 4 blocks, three
-  // were 6 % slower. docs/design.md has the table.
+  // were 6 % slower. docs/design.md has the table. Blocks of 8 or 16 warps keep the same ring
+  // per warp (2 or 1 blocks per SM).
   static constexpr int SLOTS =
       smem_blocks(kWarps * 2 * (K_ELEMS + V_ELEMS) * static_cast<int>(sizeof(T))) >= 4 ? 4 : 3;
   // With an even slot count, even slots only ever hold K and odd ones V, so each slot is as
@@ -80,9 +84,10 @@ struct MmaAttend {
   __device__ __forceinline__ static int slot_offset(int slot) {
     return SLOTS % 2 == 0 ? slot / 2 * (K_ELEMS + V_ELEMS) + slot % 2 * K_ELEMS : slot * SLOT_ELEMS;
   }
-  static constexpr int PIPE_BYTES = kWarps * WARP_ELEMS * static_cast<int>(sizeof(T));
-  static constexpr int DYNAMIC_SMEM = dynamic_smem(PIPE_BYTES);
-  static constexpr int SMEM_BLOCKS = smem_blocks(PIPE_BYTES);
+  static constexpr int pipe_bytes(int warps) { return warps * WARP_ELEMS * static_cast<int>(sizeof(T)); }
+  // Dynamic shared memory of a block of `warps` warps.
+  static constexpr int smem_bytes(int warps) { return dynamic_smem(pipe_bytes(warps), warps); }
+  static constexpr int SMEM_BLOCKS = smem_blocks(pipe_bytes(kWarps));
 
   // Copy piece i of a lane is piece lane + 32 i of a step. K pieces are [chunk][key] with 16
   // keys per chunk, so a lane keeps its key (lane % 16) and moves 2 chunks per i. V pieces are
@@ -173,7 +178,7 @@ struct MmaAttend {
   }
 
   // A warp's walk over the block's chunk. Step j of the chunk covers keys [start + 16 j, +16);
-  // warp w takes steps w, w + 4, ..., counted from step rot and wrapping around. Blocks of
+  // warp w of W takes steps w, w + W, ..., counted from step rot and wrapping around. Blocks of
   // different (row, kv head) start 37 steps apart: with power-of-two cache strides, blocks at the
   // same offset of different heads contend for the same DRAM banks (H200, B=16 Hkv=8 S=32768:
   // 500.5 -> 490.6 us; a cache padded to S_max = S + 16 gave the same gain without the rotation).
@@ -184,6 +189,7 @@ struct MmaAttend {
     int steps;     // steps of this warp
     int rot;
     int full_end;  // keys before it need no predicates
+    int warps;     // warps of the block
   };
   __device__ __forceinline__ static Walk walk(const AttendArgs<T>& a, unsigned char* dyn_smem) {
     unsigned char* smem = dyn_smem + (ALIGN - smem_addr(dyn_smem) % ALIGN) % ALIGN;
@@ -192,14 +198,15 @@ struct MmaAttend {
     w.pipe = reinterpret_cast<T*>(smem) + warp * WARP_ELEMS;
     w.cl = copy_lane(a, threadIdx.x % 32);
     w.nsteps = (a.end - a.start + KEYS - 1) / KEYS;
-    w.steps = warp < w.nsteps ? (w.nsteps - warp + kWarps - 1) / kWarps : 0;
+    w.warps = a.warps;
+    w.steps = warp < w.nsteps ? (w.nsteps - warp + w.warps - 1) / w.warps : 0;
     w.rot = static_cast<int>(a.kv_head * 37 % w.nsteps);
     w.full_end = min(a.end, a.pos);
     return w;
   }
   // First key of the warp's step i.
   __device__ __forceinline__ static int key_of(const AttendArgs<T>& a, const Walk& w, int i) {
-    int j = threadIdx.x / 32 + kWarps * i + w.rot;
+    int j = threadIdx.x / 32 + w.warps * i + w.rot;
     j = j >= w.nsteps ? j - w.nsteps : j;
     return a.start + KEYS * j;
   }
@@ -227,8 +234,8 @@ struct MmaAttend {
   }
 
   // Runs the warp loop (after prefetch()), then leaves per-warp (max, sum, acc) in s_m, s_l and
-  // the returned [kWarps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the
-  // kernel's dynamic shared memory, DYNAMIC_SMEM bytes.
+  // the returned [warps][QB][HEAD_DIM] array, followed by a block barrier. dyn_smem: the
+  // kernel's dynamic shared memory, smem_bytes(warps) bytes.
   __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
                                      unsigned char* dyn_smem, const float (&s_q)[QB][HEAD_DIM],
                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {

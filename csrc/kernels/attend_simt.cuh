@@ -52,7 +52,8 @@ struct SimtAttend {
   using W = WarpTiling<T, HEAD_DIM, QB>;
   static constexpr int KEYS = W::KEYS;
   static constexpr int ACC_ROWS = W::ROWS;
-  static constexpr int DYNAMIC_SMEM = 0;
+  // Its shared arrays are static (in the kernel); it runs kWarps warps only.
+  static constexpr int smem_bytes(int /*warps*/) { return 0; }
 };
 
 }  // namespace mmha

@@ -26,7 +26,8 @@ namespace mmha {
 // CUDA-core loop for fp32 caches and head_dim 256 (whose two-buffer pipeline would leave one
 // block per SM).
 template <typename T, int HEAD_DIM, int QB>
-constexpr bool kUseTensorCores = !std::is_same_v<T, float> && HEAD_DIM <= 128;
+constexpr bool kUseTensorCores =
+    uses_tensor_cores(std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16, HEAD_DIM);
 
 template <typename T, int HEAD_DIM, int QB>
 using AttendPath = std::conditional_t<kUseTensorCores<T, HEAD_DIM, QB>, MmaAttend<T, HEAD_DIM, QB>,
@@ -65,15 +66,14 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-// Minimum resident blocks per SM for __launch_bounds__ (0: no bound). Where the tensor-core
-// loop's shared memory allows 4 blocks per SM or fewer (head_dim 80-128) the bound asks for
-// exactly that occupancy: registers up to it cost nothing (head_dim 128: 4 blocks, 128
-// registers, no spill), and none beyond it. Where more fit (head_dim 32, 64) ptxas picks.
+// __launch_bounds__: the tensor-core kernel takes blocks of up to kMaxWarps warps, which caps
+// it at 65536 / 512 = 128 registers per thread; at head_dim 128 that is also what 4 blocks of 4
+// warps per SM (its shared-memory occupancy) allow, so registers cost no occupancy (128, no
+// spill). The CUDA-core kernel runs kWarps warps and ptxas picks its registers.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks =
-    kUseTensorCores<T, HEAD_DIM, QB> && MmaAttend<T, HEAD_DIM, QB>::SMEM_BLOCKS <= 4
-        ? MmaAttend<T, HEAD_DIM, QB>::SMEM_BLOCKS
-        : 0;
+constexpr int kMaxThreads = kUseTensorCores<T, HEAD_DIM, QB> ? kMaxWarps * 32 : kThreads;
+template <typename T, int HEAD_DIM, int QB>
+constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? 1 : 0;
 
 #ifdef MMHA_EXP_TRACE
 // Diagnostic (bench/trace.sh, bench/trace_blocks.py): thread 0 of each block stamps %globaltimer
@@ -98,11 +98,15 @@ __device__ __forceinline__ void trace_stamp(const MmhaParams& p, int head_dim, i
 #endif
 
 template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decode_attention_kernel(const MmhaParams p) {
+__global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T, HEAD_DIM, QB>))
+    decode_attention_kernel(const MmhaParams p) {
   constexpr int VEC = kVec<T>;
+  constexpr bool TC = kUseTensorCores<T, HEAD_DIM, QB>;
   constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
   constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
   MMHA_TRACE(0);
+  const int warps = TC ? p.warps : kWarps;  // == blockDim.x / 32
+  const int nthreads = warps * 32;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   if (pos < 0 || pos >= smax) {
     // Out-of-range length: write nothing to the cache, poison this row's output instead.
     if (split == 0) {
-      for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+      for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
         out[(h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
         if (idx % HEAD_DIM == 0) lse[h0 + idx / HEAD_DIM] = NAN;
       }
@@ -144,8 +148,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];
   __shared__ __align__(16) T s_new_k[HEAD_DIM];
   __shared__ __align__(16) T s_new_v[HEAD_DIM];
-  __shared__ float s_m[kWarps][QB];
-  __shared__ float s_l[kWarps][QB];
+  __shared__ float s_m[kMaxWarps][QB];
+  __shared__ float s_l[kMaxWarps][QB];
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
 
@@ -156,11 +160,11 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
 
   const float scale_log2 = p.scale * kLog2e;
-  const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head};
+  const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head, warps};
   extern __shared__ __align__(16) unsigned char s_dyn[];
-  if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
+  if constexpr (TC) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
 
-  for (int idx = tid; idx < QB * HEAD_DIM; idx += kThreads) {
+  for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   if (owner) {
     const int k_off = (p.num_heads + kvh) * HEAD_DIM;
     const int v_off = (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
-    for (int d = tid; d < HEAD_DIM; d += kThreads) {
+    for (int d = tid; d < HEAD_DIM; d += nthreads) {
       const T k = from_float<T>(load_rotated(qkv_row, bias, k_off, d, pos, p));
       const T v = from_float<T>(load_biased(qkv_row, bias, v_off + d));
       s_new_k[d] = k;
@@ -184,9 +188,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   MMHA_TRACE(1);
 
   // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
-  // ([kWarps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
+  // ([warps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
   const float* s_acc;
-  if constexpr (kUseTensorCores<T, HEAD_DIM, QB>) {
+  if constexpr (TC) {
     s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
     MMHA_TRACE(2);
   } else {
@@ -367,16 +371,16 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
 
 
   const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
-  for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+  for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, s_m[w][g]);
+#pragma unroll 4
+    for (int w = 0; w < warps; ++w) mb = fmaxf(mb, s_m[w][g]);
     const float m_ref = mb == -INFINITY ? 0.f : mb;
     float sum = 0.f, a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+#pragma unroll 4
+    for (int w = 0; w < warps; ++w) {
       const float sc = exp2f(s_m[w][g] - m_ref);
       float aw = 0.f;
 #pragma unroll
@@ -413,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   if (!s_last) return;
   __threadfence();
 
-  for (int g = warp; g < nh; g += kWarps) {
+  for (int g = warp; g < nh; g += warps) {
     const float* part = p.partials + (head_row + h0 + g) * num_splits * (HEAD_DIM + 2);
     float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
     float mx = -INFINITY;
@@ -443,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
     if (lane == 0) lse[h0 + g] = (mx + log2f(sum)) * kLn2;
   }
   __syncthreads();
-  for (int idx = tid; idx < nh * HEAD_DIM; idx += kThreads) {
+  for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const float* part = p.partials + (head_row + h0 + g) * num_splits * (HEAD_DIM + 2) + d;
@@ -454,12 +458,17 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocks<T, HEAD_DIM, QB>)) decod
   MMHA_TRACE(4);
 }
 
-// Dynamic shared memory of one instantiation; above the default 48 KB limit the kernel must opt
-// in, once per device (the attribute is per device).
+// Dynamic shared memory of one instantiation at `warps` warps per block; above the default
+// 48 KB limit the kernel must opt in, once per device (the attribute is per device), for the
+// largest block it may run.
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
-cudaError_t prepare_decode_attention(int& smem_bytes) {
-  smem_bytes = AttendPath<T, HEAD_DIM, Q_GROUP_BLOCK>::DYNAMIC_SMEM;
-  if (smem_bytes <= 48 * 1024) return cudaSuccess;
+cudaError_t prepare_decode_attention(int warps, int& smem_bytes) {
+  using Path = AttendPath<T, HEAD_DIM, Q_GROUP_BLOCK>;
+  constexpr DType kType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16;
+  if (!warps_supported(kType, HEAD_DIM, warps)) return cudaErrorInvalidValue;
+  smem_bytes = Path::smem_bytes(warps);
+  const int max_smem = Path::smem_bytes(kUseTensorCores<T, HEAD_DIM, Q_GROUP_BLOCK> ? kMaxWarps : kWarps);
+  if (max_smem <= 48 * 1024) return cudaSuccess;
   static std::atomic<uint64_t> opted_in{0};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -467,18 +476,18 @@ cudaError_t prepare_decode_attention(int& smem_bytes) {
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (opted_in.load(std::memory_order_acquire) & bit)) return cudaSuccess;
   err = cudaFuncSetAttribute(decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
   if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
   return err;
 }
 
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
-int decode_attention_blocks_per_sm() {
+int decode_attention_blocks_per_sm(int warps) {
   int smem_bytes = 0;
   int blocks = 0;
-  if (prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(smem_bytes) != cudaSuccess ||
+  if (prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(warps, smem_bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, kThreads, smem_bytes) !=
+          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, warps * 32, smem_bytes) !=
           cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -489,10 +498,11 @@ int decode_attention_blocks_per_sm() {
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
   int smem_bytes = 0;
-  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(smem_bytes);
+  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(params.warps, smem_bytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(params.num_splits, params.num_kv_heads * params.q_groups, params.batch);
-  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK><<<grid, kThreads, smem_bytes, stream>>>(params);
+  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>
+      <<<grid, params.warps * 32, smem_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 

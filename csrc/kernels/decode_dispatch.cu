@@ -35,36 +35,36 @@ cudaError_t dispatch_head_dim(const MmhaParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int HEAD_DIM>
-int occupancy_q_group_block(int q_group_block) {
+int occupancy_q_group_block(int q_group_block, int warps) {
   switch (q_group_block) {
-    case 1: return decode_attention_blocks_per_sm<T, HEAD_DIM, 1>();
-    case 2: return decode_attention_blocks_per_sm<T, HEAD_DIM, 2>();
-    case 4: return decode_attention_blocks_per_sm<T, HEAD_DIM, 4>();
-    case 8: return decode_attention_blocks_per_sm<T, HEAD_DIM, 8>();
+    case 1: return decode_attention_blocks_per_sm<T, HEAD_DIM, 1>(warps);
+    case 2: return decode_attention_blocks_per_sm<T, HEAD_DIM, 2>(warps);
+    case 4: return decode_attention_blocks_per_sm<T, HEAD_DIM, 4>(warps);
+    case 8: return decode_attention_blocks_per_sm<T, HEAD_DIM, 8>(warps);
     default: return 0;
   }
 }
 
 template <typename T>
-int occupancy_head_dim(int head_dim, int q_group_block) {
+int occupancy_head_dim(int head_dim, int q_group_block, int warps) {
   switch (head_dim) {
-    case 32: return occupancy_q_group_block<T, 32>(q_group_block);
-    case 64: return occupancy_q_group_block<T, 64>(q_group_block);
-    case 80: return occupancy_q_group_block<T, 80>(q_group_block);
-    case 96: return occupancy_q_group_block<T, 96>(q_group_block);
-    case 128: return occupancy_q_group_block<T, 128>(q_group_block);
-    case 256: return occupancy_q_group_block<T, 256>(q_group_block);
+    case 32: return occupancy_q_group_block<T, 32>(q_group_block, warps);
+    case 64: return occupancy_q_group_block<T, 64>(q_group_block, warps);
+    case 80: return occupancy_q_group_block<T, 80>(q_group_block, warps);
+    case 96: return occupancy_q_group_block<T, 96>(q_group_block, warps);
+    case 128: return occupancy_q_group_block<T, 128>(q_group_block, warps);
+    case 256: return occupancy_q_group_block<T, 256>(q_group_block, warps);
     default: return 0;
   }
 }
 
 }  // namespace
 
-int decode_blocks_per_sm(DType dtype, int head_dim, int q_group_block) {
+int decode_blocks_per_sm(DType dtype, int head_dim, int q_group_block, int warps) {
   switch (dtype) {
-    case DType::kFloat16: return occupancy_head_dim<__half>(head_dim, q_group_block);
-    case DType::kBFloat16: return occupancy_head_dim<__nv_bfloat16>(head_dim, q_group_block);
-    case DType::kFloat32: return occupancy_head_dim<float>(head_dim, q_group_block);
+    case DType::kFloat16: return occupancy_head_dim<__half>(head_dim, q_group_block, warps);
+    case DType::kBFloat16: return occupancy_head_dim<__nv_bfloat16>(head_dim, q_group_block, warps);
+    case DType::kFloat32: return occupancy_head_dim<float>(head_dim, q_group_block, warps);
     default: return 0;
   }
 }

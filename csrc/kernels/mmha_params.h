@@ -16,9 +16,30 @@ constexpr int kQGroupBlocks[] = {1, 2, 4, 8};
 constexpr int kNumQGroupBlocks = sizeof(kQGroupBlocks) / sizeof(int);
 // Upper bound on sequence splits: the merge keeps one weight per split in shared memory.
 constexpr int kMaxSplits = 64;
-// 4 warps: each warp runs its own online softmax over its keys (no block barrier in the loop).
+// Warps per block. Each warp runs its own online softmax over its keys (no block barrier in the
+// loop). The CUDA-core loop always runs kWarps; the tensor-core loop runs any of kWarpChoices
+// (params.warps, picked by mmha/dispatch.py): bigger blocks put more of a (row, kv head)'s keys
+// in flight at once on a small grid without cutting it into more splits.
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kWarpChoices[] = {4, 8, 16};
+constexpr int kNumWarpChoices = sizeof(kWarpChoices) / sizeof(int);
+constexpr int kMaxWarps = 16;
+
+// Whether the kernel runs its tensor-core loop (fp16 / bf16 caches, head_dim <= 128) rather
+// than the CUDA-core one; mirrored by uses_tensor_cores in mmha/dispatch.py.
+constexpr bool uses_tensor_cores(DType dtype, int head_dim) {
+  return dtype != DType::kFloat32 && head_dim <= 128;
+}
+
+// Whether blocks of `warps` warps can run for this dtype and head dim.
+constexpr bool warps_supported(DType dtype, int head_dim, int warps) {
+  if (!uses_tensor_cores(dtype, head_dim)) return warps == kWarps;
+  for (int i = 0; i < kNumWarpChoices; ++i) {
+    if (kWarpChoices[i] == warps) return true;
+  }
+  return false;
+}
 
 struct MmhaParams {
   const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
@@ -40,6 +61,7 @@ struct MmhaParams {
   int32_t q_group_block;     // query heads per block (one of kQGroupBlocks)
   int32_t q_groups;          // ceil((Hq / Hkv) / q_group_block)
   int32_t num_splits;        // 1: single pass; > 1: split sequence with in-kernel merge
+  int32_t warps;             // warps per block: kWarps, or any of kWarpChoices on tensor cores
   float scale;               // softmax scale, usually 1 / sqrt(D)
   int32_t rotary_dim;        // 0: no rotary embedding; else even, <= D
   float rotary_theta;

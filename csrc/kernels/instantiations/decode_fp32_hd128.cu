@@ -3,11 +3,11 @@
 
 namespace mmha {
 template cudaError_t launch_decode_attention<float, 128, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 128, 1>();
+template int decode_attention_blocks_per_sm<float, 128, 1>(int);
 template cudaError_t launch_decode_attention<float, 128, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 128, 2>();
+template int decode_attention_blocks_per_sm<float, 128, 2>(int);
 template cudaError_t launch_decode_attention<float, 128, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 128, 4>();
+template int decode_attention_blocks_per_sm<float, 128, 4>(int);
 template cudaError_t launch_decode_attention<float, 128, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 128, 8>();
+template int decode_attention_blocks_per_sm<float, 128, 8>(int);
 }  // namespace mmha

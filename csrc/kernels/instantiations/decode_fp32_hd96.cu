@@ -3,11 +3,11 @@
 
 namespace mmha {
 template cudaError_t launch_decode_attention<float, 96, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 96, 1>();
+template int decode_attention_blocks_per_sm<float, 96, 1>(int);
 template cudaError_t launch_decode_attention<float, 96, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 96, 2>();
+template int decode_attention_blocks_per_sm<float, 96, 2>(int);
 template cudaError_t launch_decode_attention<float, 96, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 96, 4>();
+template int decode_attention_blocks_per_sm<float, 96, 4>(int);
 template cudaError_t launch_decode_attention<float, 96, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 96, 8>();
+template int decode_attention_blocks_per_sm<float, 96, 8>(int);
 }  // namespace mmha
