@@ -1,8 +1,9 @@
 """Time mmha (as dispatched) on a few rows, fast: for comparing kernel variants in one device call.
 
 Each row is B,Hkv,S (Hq 32, D 128) or B,Hq,Hkv,D,S, optionally followed by @N to force N
-splits on that row, or @NxW for N splits of W-warp blocks (``--splits`` forces N on every row). Every row is checked against the fp32
-reference first; times are cold-L2 medians (``triton.testing.do_bench``), as in ``mmha.bench``.
+splits on that row, or @NxW for N splits of W-warp blocks (``--splits`` forces N on every row).
+Every row is checked against the fp32 reference first; times are cold-L2 medians
+(``triton.testing.do_bench``), as in ``mmha.bench``.
 ``--peer`` also times SDPA's cuDNN backend on the same row.
 
     python bench/quick_rows.py 16,8,32768 1,32,1024 --tag base --out DIR [--peer] [--ceiling GBS]
@@ -20,8 +21,15 @@ import torch
 
 from mmha import dispatch, layout, ops
 from mmha.bench import (
-    TOLERANCE, Config, Problem, backend_context, mmha_fn, plan_str, read_ceiling_gbs, sdpa_fn,
-)  # fmt: skip
+    TOLERANCE,
+    Config,
+    Problem,
+    backend_context,
+    mmha_fn,
+    plan_str,
+    read_ceiling_gbs,
+    sdpa_fn,
+)
 
 
 def parse_row(spec: str, dtype: str) -> Config:

@@ -101,8 +101,11 @@ BAD = [
     (
         "warps fp32",
         lambda c: dict(
-            qkv=c.qkv.float(), v_cache=c.v_cache.float(), out=torch.empty(3, HQ * D, device="cuda"),
-            k_cache=torch.zeros(3, HKV, D // 4, 16, 4, device="cuda"), warps=8,
+            qkv=c.qkv.float(),
+            v_cache=c.v_cache.float(),
+            out=torch.empty(3, HQ * D, device="cuda"),
+            k_cache=torch.zeros(3, HKV, D // 4, 16, 4, device="cuda"),
+            warps=8,
         ),  # fmt: skip
         r"warps must be 4 for float32 caches and head_dim 256 \(the CUDA-core loop\), got 8",
     ),
