@@ -12,7 +12,7 @@ else
   build
 fi
 python -m mmha.bench --grid canonical --out "$OUT/bench" 2>"$OUT/bench_stderr.log" | tail -n 3
-python bench/split_sweep.py --out "$OUT/sweep" >/dev/null 2>"$OUT/sweep_stderr.log"
+python bench/split_sweep.py --extras --out "$OUT/sweep" >/dev/null 2>"$OUT/sweep_stderr.log"
 echo "split sweep rc=$?"
 python -m mmha.step_bench --out "$OUT/step" >"$OUT/step.txt" 2>&1
 echo "step bench rc=$?"

@@ -46,6 +46,17 @@ MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
 # fills the whole wave (B=1 Hkv=32 S=4096: 30.4 us at 16 splits, 31.0 at 8). A grid that fills
 # a wave is judged against the full occupancy.
 FILL_BLOCKS_PER_SM_GROUPED = 2
+# Wide blocks (tensor-core loop): where a grid of WIDE_WARPS-warp blocks fits the fill above in
+# blocks of WIDE_WARPS warps (grouped: one per SM; one query head per block: one wave of them),
+# it runs as those, with fewer splits for the same warps per SM: fewer prologues, partials and
+# merge inputs (H200, split sweep in docs/design.md: B=1 Hkv=8 S=4096 17.2 us at 16 splits of
+# 8 warps vs 19.7 at 16 of 4; B=16 Hkv=8 S=2048 48.6 us in one pass of 8 warps vs 52.9 at 2
+# splits of 4; B=16 Hq=Hkv=16 D=64 S=1024 29.9 vs 31.5). 16-warp blocks measured level with 8
+# where their warps had several steps each and slower where not; they are left to callers.
+# A wide block's split keeps at least KEYS_PER_WARP keys per warp (two 16-key steps: with one,
+# B=1 Hq=Hkv=32 S=1024 took 16.5 us at 8 splits of 8 warps, 15.6 at 4).
+WIDE_WARPS = 8
+KEYS_PER_WARP = 32
 # A grid that already fills a wave is split only when that cuts the estimated time (waves per
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
@@ -86,13 +97,15 @@ def choose_variant(
     num_sms: int,
     variant: str = "auto",
     blocks_per_sm: int = DEFAULT_BLOCKS_PER_SM,
+    wide_blocks_per_sm: int | None = None,
 ) -> Plan:
-    """Pick single pass or split sequence, and the split count, from shapes alone.
+    """Pick single pass or split sequence, the split count and warps per block, from shapes alone.
 
     ``seq_len`` is the longest sequence the step may see: the host-side maximum of the lengths
     (plus the new token) in eager use, or the cache capacity when the step is captured in a CUDA
     graph, so no device value is ever read. ``blocks_per_sm`` is the kernel's occupancy on the
-    device (``mmha.ops.blocks_per_sm``). The result depends only on the arguments.
+    device (``mmha.ops.blocks_per_sm``), ``wide_blocks_per_sm`` that of ``WIDE_WARPS``-warp blocks
+    (default: the same warps per SM). The result depends only on the arguments.
 
     The base grid has one block per (row, kv head, query-head block). One wave holds
     ``num_sms * blocks_per_sm`` blocks. If the base grid is smaller than a wave, the sequence is
@@ -106,16 +119,23 @@ def choose_variant(
     the CUDA-core loop a block walks at most ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits
     where needed, up to ``MAX_SPLITS``).
 
-    Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
-    132-SM H100 where the kernel fits 4 blocks per SM. Group 1, so one query head per block and a
-    base grid of 1 * 32 * 1 = 32 blocks; a wave holds 132 * 4 = 528 blocks: 528 // 32 = 16
-    splits fit; 4096 // 128 = 32 allows up to 32; 16 <= 64. Result: ``Plan("split", 16)``, a
-    grid of 512 blocks. The kernel gives each split ceil(4096 / 16) = 256 keys (a whole number of
-    16-key warp steps). With 8 kv heads (group 4, grouped): 8 base blocks, a fill of
-    132 * 2 = 264 blocks gives 33 splits, 4096 // 256 = 16 allows 16: ``Plan("split", 16)``. At
-    batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)``.
+    On the tensor-core loop a grid smaller than a wave runs as blocks of ``WIDE_WARPS`` warps
+    where those fit the same fill: grouped, a base grid of at most one block per SM, filled to
+    one per SM; one query head per block, a base grid of at most one wave of wide blocks, filled
+    to that wave. Their splits keep ``max(min keys, KEYS_PER_WARP * WIDE_WARPS)`` keys.
 
-    ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
+    Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
+    132-SM H100 where the kernel fits 4 blocks of 4 warps or 2 of 8 per SM. Group 1, so one query
+    head per block and a base grid of 1 * 32 * 1 = 32 blocks, inside a wave of 132 * 2 = 264
+    8-warp blocks: 264 // 32 = 8 splits fit; 4096 // max(128, 32 * 8) = 16 allows up to 16.
+    Result: ``Plan("split", 8, 8)``, a grid of 256 blocks of 8 warps. The kernel gives each
+    split ceil(4096 / 8) = 512 keys (a whole number of 16-key warp steps). With 8 kv heads
+    (group 4, grouped): 8 base blocks, one per SM gives 132 // 8 = 16 splits, 4096 // 256 = 16
+    allows 16: ``Plan("split", 16, 8)``. At batch 64 the base grid is 2048 >= 528 blocks:
+    ``Plan("single_pass", 1)`` with 4 warps.
+
+    ``variant`` forces ``"single_pass"`` (1 split; wide blocks where the rule above would use
+    them) or ``"split"`` (at least 2 splits, blocks of 4 warps).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -125,14 +145,24 @@ def choose_variant(
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    if variant == "single_pass":
-        return Plan("single_pass", 1)
     group = num_heads // num_kv_heads
     tensor_cores = uses_tensor_cores(head_dim, dtype)
     grouped = tensor_cores and q_group_block(group) >= 2
     base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
-    wave = max(1, num_sms) * max(1, blocks_per_sm)
+    num_sms, blocks_per_sm = max(1, num_sms), max(1, blocks_per_sm)
+    wave = num_sms * blocks_per_sm
     min_keys = MIN_KEYS_PER_SPLIT_GROUPED if grouped else MIN_KEYS_PER_SPLIT
+    if tensor_cores and base_blocks < wave and variant != "split":
+        if wide_blocks_per_sm is None:
+            wide_blocks_per_sm = blocks_per_sm * WARPS // WIDE_WARPS
+        wide_fill = num_sms * (1 if grouped else max(1, wide_blocks_per_sm))
+        if base_blocks <= wide_fill:
+            wide_keys = max(min_keys, KEYS_PER_WARP * WIDE_WARPS)
+            wide_allowed = max(1, min(MAX_SPLITS, seq_len // wide_keys))
+            splits = 1 if variant == "single_pass" else max(1, min(wide_allowed, wide_fill // base_blocks))
+            return Plan("single_pass" if splits == 1 else "split", splits, WIDE_WARPS)
+    if variant == "single_pass":
+        return Plan("single_pass", 1)
     allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))
     if base_blocks < wave:
         # Fill one wave: as many splits as still fit.

@@ -45,24 +45,28 @@ def blocks_per_sm(
 ) -> int:
     """Resident blocks of ``warps`` warps per SM of the kernel this shape runs (asked of the device
     once, cached)."""
+    fallback = max(1, dispatch.DEFAULT_BLOCKS_PER_SM * dispatch.WARPS // warps)
     if _C is None or head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
-        return dispatch.DEFAULT_BLOCKS_PER_SM
+        return fallback
     index = torch.device(device).index
     qb = dispatch.q_group_block(num_heads // num_kv_heads)
     n = _blocks_per_sm(torch.cuda.current_device() if index is None else index, dtype, head_dim, qb, warps)
-    return n if n > 0 else dispatch.DEFAULT_BLOCKS_PER_SM
+    return n if n > 0 else fallback
 
 
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
     dtype: torch.dtype, variant: str = "auto",
 ) -> dispatch.Plan:  # fmt: skip
-    """``dispatch.choose_variant`` with this device's SM count and the kernel's occupancy."""
+    """``dispatch.choose_variant`` with this device's SM count and the kernel's occupancy (for
+    blocks of 4 and of ``dispatch.WIDE_WARPS`` warps)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     return dispatch.choose_variant(
         batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, num_sms(index), variant,
         blocks_per_sm(index, dtype, head_dim, num_heads, num_kv_heads),
+        blocks_per_sm(index, dtype, head_dim, num_heads, num_kv_heads, dispatch.WIDE_WARPS)
+        if dispatch.uses_tensor_cores(head_dim, dtype) else None,
     )  # fmt: skip
 
 

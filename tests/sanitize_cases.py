@@ -1,10 +1,11 @@
 """Small decode cases for compute-sanitizer (RELIABILITY.md row 20): ragged and empty rows, a row
-filled to capacity, NaN in unused slots, out-of-range lengths, single pass and split/merge."""
+filled to capacity, NaN in unused slots, out-of-range lengths, single pass and split/merge, blocks
+of 4, 8 and 16 warps on the tensor-core loop."""
 
 import torch
 from helpers import make_case
 
-from mmha import ops
+from mmha import dispatch, ops
 
 
 def main() -> None:
@@ -15,14 +16,16 @@ def main() -> None:
         (torch.float16, 256, (6, 2)),
     ):
         lengths = [0, 1, 17, 127, 255]  # 255 + 1 fills S_max = 256
+        warps = dispatch.WARP_CHOICES if dispatch.uses_tensor_cores(head_dim, dtype) else (dispatch.WARPS,)
         for splits in (1, 2, 5):
-            case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
-                             rotary_dim=head_dim // 2)  # fmt: skip
-            out = ops.decode_attention(
-                case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits,
-                **case.kwargs(),
-            )  # fmt: skip
-            assert torch.isfinite(out).all()
+            for w in warps:
+                case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
+                                 rotary_dim=head_dim // 2)  # fmt: skip
+                out = ops.decode_attention(
+                    case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, warps=w,
+                    **case.kwargs(),
+                )  # fmt: skip
+                assert torch.isfinite(out).all()
     # Out-of-range lengths reach the kernel only with validation off: nothing may be written.
     case = make_case(3, 4, 2, 64, [3, 5, 7], 8, torch.float16, seed=0)
     case.lengths.copy_(torch.tensor([8, -1, 7], dtype=torch.int32))

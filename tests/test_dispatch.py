@@ -15,24 +15,30 @@ F16 = torch.float16
 # tensor-core loop ("grouped" where a block holds several query heads) and head_dim 256 the
 # CUDA-core loop.
 CASES = [
-    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 16)),  # the docstring's examples
-    (1, 32, 8, 128, 4096, 4, dispatch.Plan("split", 16)),
+    # The docstring's examples: small tensor-core grids run as 8-warp blocks.
+    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 8, 8)),  # 264 // 32; 4096 // 256 allows 16
+    (1, 32, 8, 128, 4096, 4, dispatch.Plan("split", 16, 8)),  # 132 // 8 = 16; 4096 // 256 = 16
     (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),  # 2048 base blocks
-    (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1)),  # too short to split
-    (1, 32, 32, 128, 256, 4, dispatch.Plan("split", 2)),  # 256 // 128
-    (1, 32, 8, 128, 256, 4, dispatch.Plan("single_pass", 1)),  # grouped splits keep >= 256 keys
-    (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 64)),  # 264 // 4 = 66, capped at MAX_SPLITS
-    # Grouped blocks fill a small grid to 2 blocks per SM: 264 // 8 = 33, not 528 // 8 = 66.
-    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 33)),
-    (16, 32, 8, 128, 2048, 4, dispatch.Plan("split", 2)),  # group 4: one block per kv head
-    (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: wave is 528
+    (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1, 8)),  # too short to split
+    (1, 32, 32, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # 8-warp splits keep 256 keys
+    (1, 32, 32, 128, 512, 4, dispatch.Plan("split", 2, 8)),
+    (1, 32, 8, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # grouped splits keep >= 256 keys
+    (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 33, 8)),  # grouped wide: one block per SM
+    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 16, 8)),
+    (16, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1, 8)),  # 128 blocks: one per SM
+    (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: past a wide wave
     (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
-    (4, 32, 32, 128, 8192, 2, dispatch.Plan("split", 2)),  # 264 // 128
-    # MQA: 8 blocks of 8 heads; 264 // 8 = 33 would fit, but grouped splits keep >= 256 keys.
-    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 32)),
-    (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16)),  # 4096 // 256, not 396 // 8
-    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 8)),  # 1024 // 128
-    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop, the same
+    (4, 32, 32, 128, 8192, 2, dispatch.Plan("single_pass", 1, 8)),  # 128 <= 132 wide blocks
+    # MQA: 8 blocks of 8 heads; 132 // 8 = 16 splits of 8 warps.
+    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 16, 8)),
+    (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16, 8)),
+    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 4, 8)),  # 1024 // 256: two steps per warp
+    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 4 warps, 1024 // 128
+    # Grouped grids between one and two blocks per SM stay on 4-warp blocks (2 per SM).
+    (32, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
+    # One head per block past a wide wave (264) but inside a 4-warp one (528): 4 warps, filled.
+    (9, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),
+    (5, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1, 8)),  # 160 <= 264
     # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
     (16, 32, 32, 256, 8192, 4, dispatch.Plan("split", 2)),
     (16, 32, 32, 256, 32768, 4, dispatch.Plan("split", 8)),
@@ -41,7 +47,7 @@ CASES = [
     # Tensor cores: no key cap, and a grid inside one wave runs as it is.
     (16, 32, 32, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
     (64, 32, 8, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
-    (16, 32, 8, 128, 32768, 3, dispatch.Plan("split", 2)),
+    (16, 32, 8, 128, 32768, 3, dispatch.Plan("single_pass", 1, 8)),
     # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
     (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
     (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
@@ -72,6 +78,20 @@ def test_forced_variants():
     assert dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "single_pass").num_splits == 1
     forced = dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "split")
     assert forced.variant == "split" and forced.num_splits >= 2
+    # A small grid: single pass keeps the wide blocks, a forced split runs 4-warp blocks.
+    assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "single_pass") == dispatch.Plan(
+        "single_pass", 1, 8
+    )
+    assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "split") == dispatch.Plan("split", 2)
+
+
+def test_wide_blocks_per_sm_sets_the_wide_wave():
+    # One head per block, 160 base blocks: a wave of 132 wide blocks is too small, one of 264 not.
+    args = (5, 32, 32, 128, 4096, F16, 132, "auto", 4)
+    assert dispatch.choose_variant(*args, wide_blocks_per_sm=1) == dispatch.Plan("split", 3)  # 528 // 160
+    assert dispatch.choose_variant(*args, wide_blocks_per_sm=2) == dispatch.Plan("single_pass", 1, 8)
+    # No wide blocks off the tensor-core loop.
+    assert dispatch.choose_variant(1, 32, 8, 128, 4096, torch.float32, 132).warps == dispatch.WARPS
 
 
 def test_pure_function_of_its_arguments():
