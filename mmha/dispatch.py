@@ -51,12 +51,18 @@ FILL_BLOCKS_PER_SM_GROUPED = 2
 # it runs as those, with fewer splits for the same warps per SM: fewer prologues, partials and
 # merge inputs (H200, split sweep in docs/design.md: B=1 Hkv=8 S=4096 17.2 us at 16 splits of
 # 8 warps vs 19.7 at 16 of 4; B=16 Hkv=8 S=2048 48.6 us in one pass of 8 warps vs 52.9 at 2
-# splits of 4; B=16 Hq=Hkv=16 D=64 S=1024 29.9 vs 31.5). 16-warp blocks measured level with 8
-# where their warps had several steps each and slower where not; they are left to callers.
-# A wide block's split keeps at least KEYS_PER_WARP keys per warp (two 16-key steps: with one,
-# B=1 Hq=Hkv=32 S=1024 took 16.5 us at 8 splits of 8 warps, 15.6 at 4).
+# splits of 4; B=16 Hq=Hkv=16 D=64 S=1024 29.9 vs 31.5). A wide block's split keeps at least
+# KEYS_PER_WARP keys per warp (two 16-key steps: with one, B=1 Hq=Hkv=32 S=1024 took 16.5 us at
+# 8 splits of 8 warps, 15.6 at 4).
 WIDE_WARPS = 8
 KEYS_PER_WARP = 32
+# Grouped wide blocks (one per SM) take DEEP_WARPS warps where each still walks at least
+# DEEP_KEYS_PER_WARP keys: level to 2.5 % faster than 8 there in three runs (B=16 Hkv=8 S=2048
+# 47.8 vs 49.0 us, S=32768 481.8 vs 483.7, B=1 S=65536 79.8 vs 80.6 at 16 splits), slower with
+# one step per warp (B=1 Hkv=8 S=4096 at 16 splits: 18.6 vs 17.2). One head per block keeps 8
+# (16 warps was level or up to 3 % slower on the B=1 MHA rows).
+DEEP_WARPS = 16
+DEEP_KEYS_PER_WARP = 128
 # A grid that already fills a wave is split only when that cuts the estimated time (waves per
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
@@ -122,7 +128,9 @@ def choose_variant(
     On the tensor-core loop a grid smaller than a wave runs as blocks of ``WIDE_WARPS`` warps
     where those fit the same fill: grouped, a base grid of at most one block per SM, filled to
     one per SM; one query head per block, a base grid of at most one wave of wide blocks, filled
-    to that wave. Their splits keep ``max(min keys, KEYS_PER_WARP * WIDE_WARPS)`` keys.
+    to that wave. Their splits keep ``max(min keys, KEYS_PER_WARP * WIDE_WARPS)`` keys; grouped
+    blocks whose split gives each of ``DEEP_WARPS`` warps ``DEEP_KEYS_PER_WARP`` keys take that
+    many warps.
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on a
     132-SM H100 where the kernel fits 4 blocks of 4 warps or 2 of 8 per SM. Group 1, so one query
@@ -131,8 +139,8 @@ def choose_variant(
     Result: ``Plan("split", 8, 8)``, a grid of 256 blocks of 8 warps. The kernel gives each
     split ceil(4096 / 8) = 512 keys (a whole number of 16-key warp steps). With 8 kv heads
     (group 4, grouped): 8 base blocks, one per SM gives 132 // 8 = 16 splits, 4096 // 256 = 16
-    allows 16: ``Plan("split", 16, 8)``. At batch 64 the base grid is 2048 >= 528 blocks:
-    ``Plan("single_pass", 1)`` with 4 warps.
+    allows 16: ``Plan("split", 16, 8)`` (256 keys per split, short of 16 * 128 for 16 warps). At
+    batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)`` with 4 warps.
 
     ``variant`` forces ``"single_pass"`` (1 split; wide blocks where the rule above would use
     them) or ``"split"`` (at least 2 splits, blocks of 4 warps).
@@ -160,7 +168,8 @@ def choose_variant(
             wide_keys = max(min_keys, KEYS_PER_WARP * WIDE_WARPS)
             wide_allowed = max(1, min(MAX_SPLITS, seq_len // wide_keys))
             splits = 1 if variant == "single_pass" else max(1, min(wide_allowed, wide_fill // base_blocks))
-            return Plan("single_pass" if splits == 1 else "split", splits, WIDE_WARPS)
+            deep = grouped and seq_len // splits >= DEEP_WARPS * DEEP_KEYS_PER_WARP
+            return Plan("single_pass" if splits == 1 else "split", splits, DEEP_WARPS if deep else WIDE_WARPS)
     if variant == "single_pass":
         return Plan("single_pass", 1)
     allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))

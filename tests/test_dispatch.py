@@ -24,8 +24,9 @@ CASES = [
     (1, 32, 32, 128, 512, 4, dispatch.Plan("split", 2, 8)),
     (1, 32, 8, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # grouped splits keep >= 256 keys
     (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 33, 8)),  # grouped wide: one block per SM
-    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 16, 8)),
-    (16, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1, 8)),  # 128 blocks: one per SM
+    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 16, 16)),  # 4096 keys: 16 warps of >= 128
+    (16, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1, 16)),  # 128 blocks: one per SM
+    (16, 32, 8, 128, 1024, 4, dispatch.Plan("single_pass", 1, 8)),  # 1024 keys: 8 warps
     (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: past a wide wave
     (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
     (4, 32, 32, 128, 8192, 2, dispatch.Plan("single_pass", 1, 8)),  # 128 <= 132 wide blocks
@@ -47,7 +48,7 @@ CASES = [
     # Tensor cores: no key cap, and a grid inside one wave runs as it is.
     (16, 32, 32, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
     (64, 32, 8, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
-    (16, 32, 8, 128, 32768, 3, dispatch.Plan("single_pass", 1, 8)),
+    (16, 32, 8, 128, 32768, 3, dispatch.Plan("single_pass", 1, 16)),
     # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
     (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
     (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
@@ -80,7 +81,7 @@ def test_forced_variants():
     assert forced.variant == "split" and forced.num_splits >= 2
     # A small grid: single pass keeps the wide blocks, a forced split runs 4-warp blocks.
     assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "single_pass") == dispatch.Plan(
-        "single_pass", 1, 8
+        "single_pass", 1, 16
     )
     assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "split") == dispatch.Plan("split", 2)
 
