@@ -35,10 +35,15 @@ MIN_KEYS_PER_SPLIT_GROUPED = 256
 # Most keys one block of the CUDA-core loop (fp32 caches, head_dim 256) should walk: one long
 # block per (row, head) leaves a tail where a few blocks finish alone (H200, measured when that
 # loop still ran fp16 MHA at head_dim 128: B=16 S=8192 525 us in one pass, 505 us in 2 splits;
-# B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4). The tensor-core loop
-# does not gain from it (B=16 Hkv=8 S=32768: 515 us at 3 splits, 523 at 8; MHA B=64 S=16384
-# 3764 us in one pass, 3793 in 4).
+# B=16 S=32768 1993 vs 1937 us in 8; B=64 S=16384 3910 vs 3873 us in 4).
 MAX_KEYS_PER_SPLIT_CUDA_CORES = 4096
+# The same for 4-warp tensor-core blocks of one query head: in three split sweeps (H200, time
+# relative to one pass) B=64 S=16384 took 0.973 / 0.988 / 0.974 at 8 splits of 2048 keys, B=16
+# S=32768 0.995 / 0.996 / 0.976 at 16; at 4096 keys neither gained (0.989 / 1.005 / 0.990, 1.004
+# / 1.002 / 0.990), nor did B=16 S=8192 and B=64 S=4096 at 2048 (1.003 / 1.005 / 0.994, 0.997 /
+# 0.997 / 1.007). Grouped blocks gain nothing from it (B=16 Hkv=8 S=32768 at 8 splits of 4 warps:
+# level with one pass of 16).
+MAX_KEYS_PER_SPLIT_ONE_HEAD = 2048
 # A small grid of blocks of several query heads on the tensor-core loop is split to fill this
 # many blocks per SM, not its full occupancy (4 at head_dim 128; measured when it was 3): fewer,
 # longer blocks do better there (H200: B=1 Hkv=8 S=65536 84.6 us at 33 splits vs 87.4 at 49;
@@ -123,7 +128,8 @@ def choose_variant(
     ``1 - SPLIT_GAIN``. Splits never get shorter than ``MIN_KEYS_PER_SPLIT`` keys
     (``MIN_KEYS_PER_SPLIT_GROUPED`` when grouped), and never number more than ``MAX_SPLITS``. On
     the CUDA-core loop a block walks at most ``MAX_KEYS_PER_SPLIT_CUDA_CORES`` keys (more splits
-    where needed, up to ``MAX_SPLITS``).
+    where needed, up to ``MAX_SPLITS``), a 4-warp tensor-core block of one query head at most
+    ``MAX_KEYS_PER_SPLIT_ONE_HEAD``.
 
     On the tensor-core loop a grid smaller than a wave runs as blocks of ``WIDE_WARPS`` warps
     where those fit the same fill: grouped, a base grid of at most one block per SM, filled to
@@ -140,7 +146,8 @@ def choose_variant(
     split ceil(4096 / 8) = 512 keys (a whole number of 16-key warp steps). With 8 kv heads
     (group 4, grouped): 8 base blocks, one per SM gives 132 // 8 = 16 splits, 4096 // 256 = 16
     allows 16: ``Plan("split", 16, 8)`` (256 keys per split, short of 16 * 128 for 16 warps). At
-    batch 64 the base grid is 2048 >= 528 blocks: ``Plan("single_pass", 1)`` with 4 warps.
+    batch 64 the base grid is 2048 >= 528 blocks of 4 warps, which takes 4 waves, whole: no split
+    for the waves, but 4096 // 2048 = 2 for the key cap: ``Plan("split", 2)``.
 
     ``variant`` forces ``"single_pass"`` (1 split; wide blocks where the rule above would use
     them) or ``"split"`` (at least 2 splits, blocks of 4 warps).
@@ -189,6 +196,8 @@ def choose_variant(
                 splits = s
     if not tensor_cores:
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_CUDA_CORES)))
+    elif not grouped:
+        splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_ONE_HEAD)))
     if variant == "split":
         return Plan("split", max(2, splits))
     if splits <= 1:

@@ -18,7 +18,8 @@ CASES = [
     # The docstring's examples: small tensor-core grids run as 8-warp blocks.
     (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 8, 8)),  # 264 // 32; 4096 // 256 allows 16
     (1, 32, 8, 128, 4096, 4, dispatch.Plan("split", 16, 8)),  # 132 // 8 = 16; 4096 // 256 = 16
-    (64, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),  # 2048 base blocks
+    (64, 32, 32, 128, 4096, 4, dispatch.Plan("split", 2)),  # 2048 base blocks; 4096 // 2048
+    (64, 32, 32, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
     (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1, 8)),  # too short to split
     (1, 32, 32, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # 8-warp splits keep 256 keys
     (1, 32, 32, 128, 512, 4, dispatch.Plan("split", 2, 8)),
@@ -38,20 +39,22 @@ CASES = [
     # Grouped grids between one and two blocks per SM stay on 4-warp blocks (2 per SM).
     (32, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
     # One head per block past a wide wave (264) but inside a 4-warp one (528): 4 warps, filled.
-    (9, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1)),
+    (9, 32, 32, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
+    (9, 32, 32, 128, 4096, 4, dispatch.Plan("split", 2)),  # one-head 4-warp blocks: <= 2048 keys
     (5, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1, 8)),  # 160 <= 264
     # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
     (16, 32, 32, 256, 8192, 4, dispatch.Plan("split", 2)),
     (16, 32, 32, 256, 32768, 4, dispatch.Plan("split", 8)),
     (64, 32, 32, 256, 16384, 4, dispatch.Plan("split", 4)),
     (64, 32, 32, 256, 4096, 4, dispatch.Plan("single_pass", 1)),
-    # Tensor cores: no key cap, and a grid inside one wave runs as it is.
-    (16, 32, 32, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
+    # Tensor cores: grouped blocks have no key cap, and a grid inside one wave runs as it is.
+    (16, 32, 32, 128, 8192, 4, dispatch.Plan("split", 4)),  # one head per block: 2048 keys
     (64, 32, 8, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
     (16, 32, 8, 128, 32768, 3, dispatch.Plan("single_pass", 1, 16)),
     # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
     (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
-    (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 3)),
+    (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 4)),  # 3 for the waves, 4 for the key cap
+    (64, 32, 32, 128, 16384, 4, dispatch.Plan("split", 8)),
     # 2048 blocks: 6 waves; 2 splits (all S=256 allows) only reach 5.5, short of 10 %.
     (64, 32, 32, 256, 256, 3, dispatch.Plan("single_pass", 1)),
 ]
