@@ -162,30 +162,6 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
   const float scale_log2 = p.scale * kLog2e;
   const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head, warps};
   extern __shared__ __align__(16) unsigned char s_dyn[];
-#ifdef MMHA_EXP_QPREFETCH
-  // The prologue's qkv lines (this block's query heads, and the new k and v where the block
-  // holds the new token) are asked of L1 before the ring's burst of cache copies queues ahead.
-  {
-    const auto lines = [](const T* first, int elems) {
-      const uintptr_t a = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127};
-      const uintptr_t b = reinterpret_cast<uintptr_t>(first + elems);
-      return static_cast<int>((b - a + 127) / 128);
-    };
-    const auto line = [](const T* first, int i) {
-      return reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127}) + 128 * i);
-    };
-    const T* q0 = qkv_row + static_cast<int64_t>(h0) * HEAD_DIM;
-    const int nq = lines(q0, nh * HEAD_DIM);
-    if (tid < nq) prefetch_l1(line(q0, tid));
-    if (pos >= start && pos < end) {
-      const T* k0 = qkv_row + static_cast<int64_t>(p.num_heads + kvh) * HEAD_DIM;
-      const T* v0 = qkv_row + static_cast<int64_t>(p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
-      const int t = tid - nq;
-      if (t >= 0 && t < lines(k0, HEAD_DIM)) prefetch_l1(line(k0, t));
-      if (t >= 0 && t < lines(v0, HEAD_DIM)) prefetch_l1(line(v0, t));
-    }
-  }
-#endif
   if constexpr (TC) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
 
   for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
