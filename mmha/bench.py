@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import layout, ops
+from . import dispatch, layout, ops
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -169,12 +169,12 @@ TOLERANCE = {"fp16": 2e-2, "bf16": 6e-2, "fp32": 2e-4}
 
 
 def plan_str(plan) -> str:
-    """``variant/splits``, with ``xW`` where blocks have W warps other than 4."""
+    """``variant/splits``, with ``xW`` where blocks have W warps rather than ``dispatch.WARPS``."""
     s = f"{plan.variant}/{plan.num_splits}"
-    return s if plan.warps == 4 else f"{s}x{plan.warps}"
+    return s if plan.warps == dispatch.WARPS else f"{s}x{plan.warps}"
 
 
-def mmha_fn(prob: Problem, num_splits: int, warps: int = 4):
+def mmha_fn(prob: Problem, num_splits: int, warps: int = dispatch.WARPS):
     """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it."""
     cfg = prob.cfg
     ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, num_splits)

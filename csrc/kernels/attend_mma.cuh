@@ -87,7 +87,6 @@ struct MmaAttend {
   static constexpr int pipe_bytes(int warps) { return warps * WARP_ELEMS * static_cast<int>(sizeof(T)); }
   // Dynamic shared memory of a block of `warps` warps.
   static constexpr int smem_bytes(int warps) { return dynamic_smem(pipe_bytes(warps), warps); }
-  static constexpr int SMEM_BLOCKS = smem_blocks(pipe_bytes(kWarps));
 
   // Copy piece i of a lane is piece lane + 32 i of a step. K pieces are [chunk][key] with 16
   // keys per chunk, so a lane keeps its key (lane % 16) and moves 2 chunks per i. V pieces are

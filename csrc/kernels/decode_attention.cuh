@@ -25,9 +25,12 @@ namespace mmha {
 // faster than the CUDA-core loop once the ring let 4 blocks share an SM: docs/design.md); the
 // CUDA-core loop for fp32 caches and head_dim 256 (whose two-buffer pipeline would leave one
 // block per SM).
+// Only float against 16-bit matters for the choice of loop.
+template <typename T>
+constexpr DType kLoopDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16;
+
 template <typename T, int HEAD_DIM, int QB>
-constexpr bool kUseTensorCores =
-    uses_tensor_cores(std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16, HEAD_DIM);
+constexpr bool kUseTensorCores = uses_tensor_cores(kLoopDType<T>, HEAD_DIM);
 
 template <typename T, int HEAD_DIM, int QB>
 using AttendPath = std::conditional_t<kUseTensorCores<T, HEAD_DIM, QB>, MmaAttend<T, HEAD_DIM, QB>,
@@ -464,8 +467,7 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
 template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t prepare_decode_attention(int warps, int& smem_bytes) {
   using Path = AttendPath<T, HEAD_DIM, Q_GROUP_BLOCK>;
-  constexpr DType kType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16;
-  if (!warps_supported(kType, HEAD_DIM, warps)) return cudaErrorInvalidValue;
+  if (!warps_supported(kLoopDType<T>, HEAD_DIM, warps)) return cudaErrorInvalidValue;
   smem_bytes = Path::smem_bytes(warps);
   const int max_smem = Path::smem_bytes(kUseTensorCores<T, HEAD_DIM, Q_GROUP_BLOCK> ? kMaxWarps : kWarps);
   if (max_smem <= 48 * 1024) return cudaSuccess;
