@@ -33,8 +33,7 @@ EXTRAS = ((16, 32, 8, 64, 2048), (16, 16, 16, 64, 1024), (1, 16, 16, 64, 16384),
 
 def plans(cfg: Config, shape: tuple) -> list[dispatch.Plan]:
     """Every (splits, warps) to time on this row, the dispatcher's own pick included."""
-    group = cfg.num_heads // cfg.num_kv_heads
-    base = cfg.batch * cfg.num_kv_heads * -(-group // dispatch.q_group_block(group))
+    base = dispatch.base_blocks(cfg.batch, cfg.num_heads, cfg.num_kv_heads)
     sms = ops.num_sms(torch.cuda.current_device())
     tc = dispatch.uses_tensor_cores(cfg.head_dim, cfg.torch_dtype)
     out = [ops.plan_for(*shape)]

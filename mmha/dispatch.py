@@ -93,6 +93,12 @@ def q_group_block(group: int) -> int:
     return Q_GROUP_BLOCKS[-1]
 
 
+def base_blocks(batch: int, num_heads: int, num_kv_heads: int) -> int:
+    """Blocks of an unsplit grid: one per (row, kv head, query-head block)."""
+    group = num_heads // num_kv_heads
+    return batch * num_kv_heads * math.ceil(group / q_group_block(group))
+
+
 def uses_tensor_cores(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel runs its tensor-core loop (mirrors ``kUseTensorCores`` in C++)."""
     return dtype != torch.float32 and head_dim <= 128
@@ -163,36 +169,33 @@ def choose_variant(
     group = num_heads // num_kv_heads
     tensor_cores = uses_tensor_cores(head_dim, dtype)
     grouped = tensor_cores and q_group_block(group) >= 2
-    base_blocks = batch * num_kv_heads * math.ceil(group / q_group_block(group))
+    base = base_blocks(batch, num_heads, num_kv_heads)
     num_sms, blocks_per_sm = max(1, num_sms), max(1, blocks_per_sm)
     wave = num_sms * blocks_per_sm
     min_keys = MIN_KEYS_PER_SPLIT_GROUPED if grouped else MIN_KEYS_PER_SPLIT
-    if tensor_cores and base_blocks < wave and variant != "split":
+    if tensor_cores and base < wave and variant != "split":
         if wide_blocks_per_sm is None:
             wide_blocks_per_sm = blocks_per_sm * WARPS // WIDE_WARPS
         wide_fill = num_sms * (1 if grouped else max(1, wide_blocks_per_sm))
-        if base_blocks <= wide_fill:
+        if base <= wide_fill:
             wide_keys = max(min_keys, KEYS_PER_WARP * WIDE_WARPS)
             wide_allowed = max(1, min(MAX_SPLITS, seq_len // wide_keys))
-            splits = 1 if variant == "single_pass" else max(1, min(wide_allowed, wide_fill // base_blocks))
+            splits = 1 if variant == "single_pass" else max(1, min(wide_allowed, wide_fill // base))
             deep = grouped and seq_len // splits >= DEEP_WARPS * DEEP_KEYS_PER_WARP
             return Plan("single_pass" if splits == 1 else "split", splits, DEEP_WARPS if deep else WIDE_WARPS)
     if variant == "single_pass":
         return Plan("single_pass", 1)
     allowed = max(1, min(MAX_SPLITS, seq_len // min_keys))
-    if base_blocks < wave:
+    if base < wave:
         # Fill one wave: as many splits as still fit.
         fill = wave
         if grouped:
             fill = max(1, num_sms) * max(1, min(blocks_per_sm, FILL_BLOCKS_PER_SM_GROUPED))
-        splits = max(1, min(allowed, fill // base_blocks))
+        splits = max(1, min(allowed, fill // base))
     else:
         splits = 1
         for s in range(2, allowed + 1):
-            if (
-                wave_cost(base_blocks * s, wave) / s
-                < SPLIT_GAIN * wave_cost(base_blocks * splits, wave) / splits
-            ):
+            if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
                 splits = s
     if not tensor_cores:
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_CUDA_CORES)))
