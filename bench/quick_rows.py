@@ -25,9 +25,11 @@ from mmha.bench import (
     Config,
     Problem,
     backend_context,
+    graph_time_us,
     mmha_fn,
     plan_str,
     read_ceiling_gbs,
+    read_floor_us,
     sdpa_fn,
 )
 
@@ -52,8 +54,10 @@ def main() -> None:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="also time a one-element add under the same cold-L2 harness (launch floor)",
+        help="also time a one-element add (launch floor) and, per row, the fastest streaming read of"
+        " the row's K/V bytes (read floor) under the same cold-L2 harness",
     )
+    p.add_argument("--graph", action="store_true", help="also time CUDA-graph replay (per call)")
     p.add_argument("--no-check", action="store_true", help="skip the reference check (diagnostic builds)")
     p.add_argument("--splits", type=int, default=0, help="force this split count (0: as dispatched)")
     p.add_argument(
@@ -95,6 +99,10 @@ def main() -> None:
             "plan": plan_str(plan), "us": us,
             "pct_ceiling": 100 * cfg.step_bytes / (us * 1e-6) / 1e9 / ceiling, "max_err": err,
         }  # fmt: skip
+        if args.graph:
+            rec["graph_us"] = graph_time_us(fn)
+        if args.floor:
+            rec["read_floor_us"], rec["read_floor_shape"] = read_floor_us(cfg.kv_bytes)
         if args.peer:
             with backend_context("sdpa_cudnn"):
                 rec["cudnn_us"] = do_bench(sdpa_fn(prob), warmup=25, rep=100, return_mode="median") * 1e3
@@ -102,6 +110,10 @@ def main() -> None:
                 f"{rec['pct_ceiling']:5.1f} %")  # fmt: skip
         if args.peer:
             line += f"  cudnn {rec['cudnn_us']:8.1f}"
+        if args.graph:
+            line += f"  graph {rec['graph_us']:8.1f}"
+        if args.floor:
+            line += f"  read floor {rec['read_floor_us']:6.1f} ({rec['read_floor_shape']})"
         print(line, flush=True)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,9 @@ def main() -> None:
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--dump", action="store_true", help="also write each block's SM and stamps (median run) to the jsonl"
+    )
     args = p.parse_args()
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
     results = []
@@ -95,6 +98,9 @@ def main() -> None:
             "loop_done_us": [pct(rel[:, 2], q) for q in (0.0, 0.1, 0.5, 0.9, 1.0)],
             "written_us": [pct(rel[:, 3], q) for q in (0.5, 1.0)],
         }
+        if args.dump:
+            row["blocks_sm"] = sm.tolist()
+            row["blocks_us"] = [[round(float(x), 3) for x in r] for r in rel.nan_to_num(-1.0)]
         merged = rel[:, 4][~torch.isnan(rel[:, 4])]
         if merged.numel():
             row["merge_done_us"] = [pct(merged, q) for q in (0.0, 0.5, 1.0)]

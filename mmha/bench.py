@@ -93,36 +93,73 @@ class Result:
 
 
 # ----------------------------------------------------------------------------- ceiling
-def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
-    """Streaming read bandwidth: a Triton kernel that sums a large buffer (reads only)."""
+_SUM_KERNEL = None
+
+
+def _sum_kernel():
+    """The streaming-read kernel behind the ceiling (built on first use: Triton is imported lazily)."""
+    global _SUM_KERNEL
+    if _SUM_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+            pid = tl.program_id(0)
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            base = pid * BLOCK * ITERS
+            for i in range(ITERS):
+                offs = base + i * BLOCK + tl.arange(0, BLOCK)
+                acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+            tl.store(out_ptr + pid, tl.sum(acc))
+
+        _SUM_KERNEL = kernel
+    return _SUM_KERNEL
+
+
+def sum_runner(nbytes: int, block: int = 4096, iters: int = 16, num_warps: int = 4):
+    """A checked streaming sum of nbytes of fp32 (BLOCK x ITERS floats per program): returns the
+    function that launches it."""
     import triton
-    import triton.language as tl
-    from triton.testing import do_bench
 
-    @triton.jit
-    def _sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        base = pid * BLOCK * ITERS
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        tl.store(out_ptr + pid, tl.sum(acc))
-
+    kernel = _sum_kernel()
     n = nbytes // 4
     x = torch.rand(n, device="cuda")
-    block, iters = 4096, 16
     grid = triton.cdiv(n, block * iters)
     out = torch.empty(grid, device="cuda")
 
     def run():
-        _sum_kernel[(grid,)](x, out, n, BLOCK=block, ITERS=iters)
+        kernel[(grid,)](x, out, n, BLOCK=block, ITERS=iters, num_warps=num_warps)
 
     run()
     torch.cuda.synchronize()
     expect = x.double().sum().item()
-    assert abs(out.double().sum().item() - expect) < 1e-3 * abs(expect), "ceiling kernel is wrong"
-    ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+    assert abs(out.double().sum().item() - expect) < 1e-3 * abs(expect), "streaming sum is wrong"
+    return run
+
+
+# Program shapes (BLOCK, ITERS, num_warps) the read floor tries; bench/read_floor.py searches wider.
+FLOOR_SHAPES = ((1024, 1, 4), (2048, 1, 4), (4096, 1, 4), (4096, 4, 8))
+
+
+def read_floor_us(nbytes: int, shapes=FLOOR_SHAPES) -> tuple[float, str]:
+    """The fastest streaming read of nbytes under the benchmark's cold-L2 harness (best of a few
+    program shapes): what any kernel that reads those bytes once pays, launch included."""
+    from triton.testing import do_bench
+
+    best = None
+    for block, iters, warps in shapes:
+        us = do_bench(sum_runner(nbytes, block, iters, warps), warmup=25, rep=100, return_mode="median") * 1e3
+        if best is None or us < best[0]:
+            best = (us, f"{block}x{iters} floats, {warps} warps per program")
+    return best
+
+
+def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
+    """Streaming read bandwidth: a Triton kernel that sums a large buffer (reads only)."""
+    from triton.testing import do_bench
+
+    ms = do_bench(sum_runner(nbytes), warmup=25, rep=200, return_mode="median")
     return nbytes / (ms * 1e-3) / 1e9, "Triton streaming sum of 4 GiB"
 
 
