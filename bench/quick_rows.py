@@ -29,7 +29,7 @@ from mmha.bench import (
     mmha_fn,
     plan_str,
     read_ceiling_gbs,
-    read_floor_us,
+    read_floor,
     sdpa_fn,
 )
 
@@ -102,7 +102,8 @@ def main() -> None:
         if args.graph:
             rec["graph_us"] = graph_time_us(fn)
         if args.floor:
-            rec["read_floor_us"], rec["read_floor_shape"] = read_floor_us(cfg.kv_bytes)
+            floor = read_floor(cfg.kv_bytes, graphs=False)
+            rec["read_floor_us"], rec["read_floor_shape"] = floor["us"], floor["shape"]
         if args.peer:
             with backend_context("sdpa_cudnn"):
                 rec["cudnn_us"] = do_bench(sdpa_fn(prob), warmup=25, rep=100, return_mode="median") * 1e3

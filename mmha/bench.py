@@ -5,7 +5,9 @@ bf16; ``--quick`` a short subset; ``--batch/--heads/--kv-heads/--head-dim/--seq/
 custom sweep. Every method is checked against an fp32 reference before it is timed. Times are
 medians of cold-L2 iterations (``triton.testing.do_bench``: the L2 is flushed before each call),
 plus CUDA-graph replay times for mmha and SDPA. The streaming-read ceiling is measured in the
-same run. Output: a github table, JSON and CSV, and PNG plots when matplotlib is present.
+same run, and so is each cache size's read floor: the fastest streaming read of the row's K/V
+bytes under the same timing, the best any kernel that reads them once can do here. Output: a
+github table, JSON and CSV, and PNG plots when matplotlib is present.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Result:
     errors: dict = field(default_factory=dict)  # method -> max abs error vs fp32 reference
     skipped: dict = field(default_factory=dict)  # method -> reason
     plan: str = ""
+    floor: dict = field(default_factory=dict)  # read_floor() of the K/V bytes
 
 
 # ----------------------------------------------------------------------------- ceiling
@@ -133,8 +136,8 @@ def sum_runner(nbytes: int, block: int = 4096, iters: int = 16, num_warps: int =
 
     run()
     torch.cuda.synchronize()
-    expect = x.double().sum().item()
-    assert abs(out.double().sum().item() - expect) < 1e-3 * abs(expect), "streaming sum is wrong"
+    expect = x.sum(dtype=torch.float64).item()
+    assert abs(out.sum(dtype=torch.float64).item() - expect) < 1e-3 * abs(expect), "streaming sum is wrong"
     return run
 
 
@@ -142,17 +145,21 @@ def sum_runner(nbytes: int, block: int = 4096, iters: int = 16, num_warps: int =
 FLOOR_SHAPES = ((1024, 1, 4), (2048, 1, 4), (4096, 1, 4), (4096, 4, 8))
 
 
-def read_floor_us(nbytes: int, shapes=FLOOR_SHAPES) -> tuple[float, str]:
-    """The fastest streaming read of nbytes under the benchmark's cold-L2 harness (best of a few
-    program shapes): what any kernel that reads those bytes once pays, launch included."""
+def read_floor(nbytes: int, graphs: bool = True, shapes=FLOOR_SHAPES) -> dict:
+    """The fastest streaming read of nbytes under the benchmark's own timing (best of a few
+    program shapes): what any kernel that reads those bytes once pays, launch included. ``us``:
+    cold L2 (do_bench, which flushes the L2 by writing a buffer, so the timed call also evicts
+    dirty lines); ``graph_us``: CUDA-graph replay of the fastest shape (nan without graphs)."""
     from triton.testing import do_bench
 
     best = None
     for block, iters, warps in shapes:
-        us = do_bench(sum_runner(nbytes, block, iters, warps), warmup=25, rep=100, return_mode="median") * 1e3
+        fn = sum_runner(nbytes, block, iters, warps)
+        us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         if best is None or us < best[0]:
-            best = (us, f"{block}x{iters} floats, {warps} warps per program")
-    return best
+            best = (us, f"{block}x{iters} floats, {warps} warps per program", fn)
+    us, shape, fn = best
+    return {"us": us, "graph_us": graph_time_us(fn) if graphs else float("nan"), "shape": shape}
 
 
 def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
@@ -322,10 +329,16 @@ def backend_context(name: str):
     return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
 
 
-def run_config(cfg: Config, graphs: bool = True) -> Result:
+def run_config(cfg: Config, graphs: bool = True, floors: dict | None = None) -> Result:
+    """Times every method on one configuration, and the read floor of its K/V bytes (kept in
+    ``floors`` by size, so rows of one cache size share one measurement)."""
     from triton.testing import do_bench
 
     res = Result(cfg)
+    floors = {} if floors is None else floors
+    if cfg.kv_bytes not in floors:
+        floors[cfg.kv_bytes] = read_floor(cfg.kv_bytes, graphs)
+    res.floor = floors[cfg.kv_bytes]
     prob = Problem(cfg)
     shape = ("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
              cfg.torch_dtype)  # fmt: skip
@@ -402,6 +415,13 @@ def summarize(res: Result, ceiling: float) -> dict:
         "gbs": gbs,
         "pct_ceiling": 100 * gbs / ceiling,
         "pct_ceiling_graph": 100 * cfg.step_bytes / (g * 1e-6) / 1e9 / ceiling,
+        # A pure streaming read of the K/V bytes, timed the same ways (read_floor()).
+        "read_floor_us": res.floor.get("us", float("nan")),
+        "read_floor_graph_us": res.floor.get("graph_us", float("nan")),
+        "pct_ceiling_floor": 100 * cfg.kv_bytes / (res.floor.get("us", float("nan")) * 1e-6) / 1e9 / ceiling,
+        "pct_ceiling_floor_graph": (
+            100 * cfg.kv_bytes / (res.floor.get("graph_us", float("nan")) * 1e-6) / 1e9 / ceiling
+        ),
         "best_peer": peer,
         "best_peer_us": peer_t,
         "speedup": peer_t / t,
@@ -409,6 +429,9 @@ def summarize(res: Result, ceiling: float) -> dict:
         "errors": res.errors,
         "skipped": res.skipped,
     }
+
+
+NAN = float("nan")
 
 
 def fmt(x: float, digits: int = 1) -> str:
@@ -424,7 +447,8 @@ def table(rows: list[dict], header: dict) -> str:
     )
     cols = ["dtype", "B", "Hq", "Hkv", "D", "S", "KV MB", "plan", "mmha us", "single", "split",
             "cudnn", "flash", "effic.", "default", "flashinfer", "eager", "mmha graph",
-            "peer graph", "GB/s", "% ceil", "% ceil graph", "best peer", "speedup"]  # fmt: skip
+            "peer graph", "GB/s", "% ceil", "% ceil graph", "read floor", "floor graph",
+            "best peer", "speedup"]  # fmt: skip
     body = []
     for r in rows:
         body.append([
@@ -434,7 +458,8 @@ def table(rows: list[dict], header: dict) -> str:
             fmt(r["sdpa_flash_us"]), fmt(r["sdpa_efficient_us"]), fmt(r["sdpa_default_us"]),
             fmt(r["flashinfer_us"]), fmt(r["eager_us"]), fmt(r["mmha_graph_us"]),
             fmt(r["peer_graph_us"]), fmt(r["gbs"], 0), fmt(r["pct_ceiling"]),
-            fmt(r["pct_ceiling_graph"]), r["best_peer"] or "-", fmt(r["speedup"], 2) + "x",
+            fmt(r["pct_ceiling_graph"]), fmt(r.get("read_floor_us", NAN)),
+            fmt(r.get("read_floor_graph_us", NAN)), r["best_peer"] or "-", fmt(r["speedup"], 2) + "x",
         ])  # fmt: skip
     return head + "\n\n" + tabulate(body, headers=cols, tablefmt="github")
 
@@ -479,6 +504,8 @@ def plot(rows: list[dict], header: dict, out_dir: Path) -> list[Path]:
               for r in rows]  # fmt: skip
     ax.bar(range(len(rows)), [r["pct_ceiling"] for r in rows], label="cold L2")
     ax.plot(range(len(rows)), [r["pct_ceiling_graph"] for r in rows], "r.", label="graph replay")
+    ax.plot(range(len(rows)), [r.get("pct_ceiling_floor", NAN) for r in rows], "k_", markersize=9,
+            label="read floor (pure read of the K/V, cold)")  # fmt: skip
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=90, fontsize=6)
     ax.set_ylabel("% of read ceiling")
@@ -563,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     rows = []
+    floors: dict = {}
     for cfg in progress(build_configs(args), "mmha.bench"):
-        rows.append(summarize(run_config(cfg, graphs=not args.no_graph), ceiling))
+        rows.append(summarize(run_config(cfg, graphs=not args.no_graph, floors=floors), ceiling))
     text = table(rows, header)
     print(text)
     (args.out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
