@@ -108,7 +108,7 @@ def _sum_kernel():
 
         @triton.jit
         def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-            pid = tl.program_id(0)
+            pid = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements on large caches
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             base = pid * BLOCK * ITERS
             for i in range(ITERS):
