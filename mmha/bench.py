@@ -162,12 +162,21 @@ def read_floor(nbytes: int, graphs: bool = True, shapes=FLOOR_SHAPES) -> dict:
     return {"us": us, "graph_us": graph_time_us(fn) if graphs else float("nan"), "shape": shape}
 
 
+# Program shapes the ceiling tries. Until the ninth session it used only the first; the read
+# floors of caches past 4 GB then came out 1-2.5 % above the ceiling (H200), so it takes the best.
+CEILING_SHAPES = ((4096, 16, 4), (4096, 2, 8), (8192, 1, 8), (1024, 4, 8))
+
+
 def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
-    """Streaming read bandwidth: a Triton kernel that sums a large buffer (reads only)."""
+    """Streaming read bandwidth: a Triton kernel that sums a large buffer (reads only), cold L2,
+    the fastest of a few program shapes."""
     from triton.testing import do_bench
 
-    ms = do_bench(sum_runner(nbytes), warmup=25, rep=200, return_mode="median")
-    return nbytes / (ms * 1e-3) / 1e9, "Triton streaming sum of 4 GiB"
+    ms = min(
+        do_bench(sum_runner(nbytes, *shape), warmup=25, rep=100, return_mode="median")
+        for shape in CEILING_SHAPES
+    )
+    return nbytes / (ms * 1e-3) / 1e9, "Triton streaming sum of 4 GiB, best of 4 program shapes"
 
 
 # ----------------------------------------------------------------------------- methods
