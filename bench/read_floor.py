@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mmha.bench import graph_time_us, read_ceiling_gbs, sum_runner
+from mmha.bench import fastest_sum, graph_time_us, read_ceiling_gbs
 
 SHAPES = [(b, i, w) for b in (1024, 2048, 4096, 8192) for i in (1, 2, 4, 8) for w in (4, 8)]
 
@@ -56,13 +56,7 @@ def main() -> None:
     for mb in args.sizes_mb:
         nbytes = int(mb * 1e6) // 4096 * 4096
         ideal_us = nbytes / (ceiling * 1e3)
-        best = None
-        for shape in SHAPES:
-            fn = sum_runner(nbytes, *shape)
-            us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-            if best is None or us < best[0]:
-                best = (us, shape, fn)
-        cold_us, shape, fn = best
+        cold_us, shape, fn = fastest_sum(nbytes, SHAPES)
         read_flush_us = read_flush_time_us(fn, flush)
         graph_us = graph_time_us(fn)
         row = {
@@ -78,7 +72,7 @@ def main() -> None:
             f"graph {graph_us:7.1f} ({pct['graph_us']:4.1f} %) | shape {shape}",
             flush=True,
         )
-        del fn, best
+        del fn
         torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -145,21 +145,30 @@ def sum_runner(nbytes: int, block: int = 4096, iters: int = 16, num_warps: int =
 FLOOR_SHAPES = ((1024, 1, 4), (2048, 1, 4), (4096, 1, 4), (4096, 4, 8))
 
 
+def fastest_sum(nbytes: int, shapes=FLOOR_SHAPES):
+    """Cold-L2 median us of the fastest of ``shapes`` reading nbytes, that shape, and its runner."""
+    from triton.testing import do_bench
+
+    best = None
+    for shape in shapes:
+        fn = sum_runner(nbytes, *shape)
+        us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        if best is None or us < best[0]:
+            best = (us, shape, fn)
+    return best
+
+
 def read_floor(nbytes: int, graphs: bool = True, shapes=FLOOR_SHAPES) -> dict:
     """The fastest streaming read of nbytes under the benchmark's own timing (best of a few
     program shapes): what any kernel that reads those bytes once pays, launch included. ``us``:
     cold L2 (do_bench, which flushes the L2 by writing a buffer, so the timed call also evicts
     dirty lines); ``graph_us``: CUDA-graph replay of the fastest shape (nan without graphs)."""
-    from triton.testing import do_bench
-
-    best = None
-    for block, iters, warps in shapes:
-        fn = sum_runner(nbytes, block, iters, warps)
-        us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-        if best is None or us < best[0]:
-            best = (us, f"{block}x{iters} floats, {warps} warps per program", fn)
-    us, shape, fn = best
-    return {"us": us, "graph_us": graph_time_us(fn) if graphs else float("nan"), "shape": shape}
+    us, (block, iters, warps), fn = fastest_sum(nbytes, shapes)
+    return {
+        "us": us,
+        "graph_us": graph_time_us(fn) if graphs else float("nan"),
+        "shape": f"{block}x{iters} floats, {warps} warps per program",
+    }
 
 
 # Program shapes the ceiling tries. Until the ninth session it used only the first; the read
@@ -412,6 +421,7 @@ def summarize(res: Result, ceiling: float) -> dict:
     gbs = cfg.step_bytes / (t * 1e-6) / 1e9
     g = res.graph_us.get("mmha", float("nan"))
     g_peer = min((v for k, v in res.graph_us.items() if k != "mmha"), default=float("nan"))
+    floor_us, floor_graph_us = res.floor.get("us", NAN), res.floor.get("graph_us", NAN)
     return {
         **asdict(cfg),
         "kv_mb": cfg.kv_bytes / 1e6,
@@ -425,12 +435,10 @@ def summarize(res: Result, ceiling: float) -> dict:
         "pct_ceiling": 100 * gbs / ceiling,
         "pct_ceiling_graph": 100 * cfg.step_bytes / (g * 1e-6) / 1e9 / ceiling,
         # A pure streaming read of the K/V bytes, timed the same ways (read_floor()).
-        "read_floor_us": res.floor.get("us", float("nan")),
-        "read_floor_graph_us": res.floor.get("graph_us", float("nan")),
-        "pct_ceiling_floor": 100 * cfg.kv_bytes / (res.floor.get("us", float("nan")) * 1e-6) / 1e9 / ceiling,
-        "pct_ceiling_floor_graph": (
-            100 * cfg.kv_bytes / (res.floor.get("graph_us", float("nan")) * 1e-6) / 1e9 / ceiling
-        ),
+        "read_floor_us": floor_us,
+        "read_floor_graph_us": floor_graph_us,
+        "pct_ceiling_floor": 100 * cfg.kv_bytes / (floor_us * 1e-6) / 1e9 / ceiling,
+        "pct_ceiling_floor_graph": 100 * cfg.kv_bytes / (floor_graph_us * 1e-6) / 1e9 / ceiling,
         "best_peer": peer,
         "best_peer_us": peer_t,
         "speedup": peer_t / t,
