@@ -26,6 +26,7 @@ from mmha.bench import (
     Problem,
     backend_context,
     graph_time_us,
+    launch_floor_us,
     mmha_fn,
     plan_str,
     read_ceiling_gbs,
@@ -69,8 +70,7 @@ def main() -> None:
 
     ceiling = args.ceiling or read_ceiling_gbs()[0]
     if args.floor:
-        one = torch.zeros(1, device="cuda")
-        floor_us = do_bench(lambda: one.add_(1), warmup=25, rep=100, return_mode="median") * 1e3
+        floor_us = launch_floor_us()
         print(f"{args.tag:>10} launch floor (one-element add, cold L2): {floor_us:.1f} us", flush=True)
     for spec in args.rows:
         shape, _, row_splits = spec.partition("@")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mmha.bench import fastest_sum, graph_time_us, read_ceiling_gbs
+from mmha.bench import fastest_sum, graph_time_us, launch_floor_us, read_ceiling_gbs
 
 SHAPES = [(b, i, w) for b in (1024, 2048, 4096, 8192) for i in (1, 2, 4, 8) for w in (4, 8)]
 
@@ -45,11 +45,8 @@ def main() -> None:
     p.add_argument("--ceiling", type=float, default=0.0, help="read ceiling in GB/s (measured if 0)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    from triton.testing import do_bench
-
     ceiling = args.ceiling or read_ceiling_gbs()[0]
-    one = torch.zeros(1, device="cuda")
-    launch_us = do_bench(lambda: one.add_(1), warmup=25, rep=100, return_mode="median") * 1e3
+    launch_us = launch_floor_us()
     print(f"read ceiling {ceiling:.0f} GB/s; launch floor (one-element add, cold L2) {launch_us:.1f} us")
     flush = torch.ones(256 * 2**20 // 4, device="cuda")  # same size as do_bench's write flush
     rows = []
