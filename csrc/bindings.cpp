@@ -7,14 +7,14 @@
 #include "mmha_ops.h"
 
 TORCH_LIBRARY(mmha, m) {
-  // Caches, outputs and the split workspace are mutated in place; lengths are only read
-  // (check_lengths: range-checked on the host first, one synchronisation).
+  // Caches, outputs, the split workspace and the status flags are mutated in place; lengths are
+  // only read (check_lengths: range-checked on the host first, one synchronisation).
   m.def(
       "decode_attention(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor lengths, "
       "Tensor? qkv_bias, Tensor(c!) out, Tensor(d!) lse, Tensor(e!) partials, "
-      "Tensor(f!) counters, int num_heads, int num_kv_heads, float scale, int rotary_dim, "
-      "float rotary_theta, bool rotary_interleaved, int num_splits, bool check_lengths=True, "
-      "int warps=4) -> ()");
+      "Tensor(f!) counters, Tensor(g!) status, int num_heads, int num_kv_heads, float scale, "
+      "int rotary_dim, float rotary_theta, bool rotary_interleaved, int num_splits, "
+      "bool check_lengths=True, int stages=2, int tile_source=0) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -27,14 +27,14 @@ PYBIND11_MODULE(_C, m) {
         "SM architectures this build holds device code for, e.g. '80 86 89 90'");
   m.def(
       "blocks_per_sm",
-      [](int dtype, int head_dim, int q_group_block, int warps) {
+      [](int dtype, int head_dim, int q_group_block, int stages, int tile_source) {
         return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype), head_dim, q_group_block,
-                                          warps);
+                                          stages, static_cast<mmha::TileSource>(tile_source));
       },
       pybind11::arg("dtype"), pybind11::arg("head_dim"), pybind11::arg("q_group_block"),
-      pybind11::arg("warps") = mmha::kWarps,
-      "Resident blocks of `warps` warps per SM of the decode kernel on the current device (dtype: "
-      "0 fp16, 1 bf16, 2 fp32); 0 when it cannot run there");
+      pybind11::arg("stages"), pybind11::arg("tile_source") = 1,
+      "Resident blocks per SM of the decode kernel with `stages` stages on the current device "
+      "(dtype: 0 fp16, 1 bf16, 2 fp32; tile_source: 1 cp.async, 2 tma); 0 when it cannot run there");
   pybind11::list head_dims;
   for (int d : mmha::kSupportedHeadDims) head_dims.append(d);
   m.attr("SUPPORTED_HEAD_DIMS") = pybind11::tuple(head_dims);
@@ -42,8 +42,12 @@ PYBIND11_MODULE(_C, m) {
   for (int qb : mmha::kQGroupBlocks) blocks.append(qb);
   m.attr("Q_GROUP_BLOCKS") = pybind11::tuple(blocks);
   m.attr("MAX_SPLITS") = mmha::kMaxSplits;
-  m.attr("WARPS") = mmha::kWarps;
-  pybind11::list warp_choices;
-  for (int w : mmha::kWarpChoices) warp_choices.append(w);
-  m.attr("WARP_CHOICES") = pybind11::tuple(warp_choices);
+  m.attr("TILE_KEYS") = mmha::kTileKeys;
+  m.attr("TILE_THREADS") = mmha::kTileThreads;
+  m.attr("MIN_STAGES") = mmha::kMinStages;
+  m.attr("MAX_STAGES") = mmha::kMaxStages;
+  m.attr("STATIC_SMEM_BOUND") = mmha::kStaticSmemBound;
+  m.def(
+      "tile_stage_bytes", [](int head_dim, int elem_bytes) { return mmha::tile_stage_bytes(head_dim, elem_bytes); },
+      "Shared memory of one stage of the tile loop (K and V of TILE_KEYS keys)");
 }

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -11,6 +12,7 @@
 
 #include "kernels/decode_launch.h"
 #include "kernels/mmha_params.h"
+#include "tma_maps.h"
 
 namespace mmha {
 namespace {
@@ -118,10 +120,10 @@ void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, cudaStr
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
-                      const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
-                      double scale, int64_t rotary_dim, double rotary_theta,
+                      const at::Tensor& counters, const at::Tensor& status, int64_t num_heads,
+                      int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
-                      int64_t warps) {
+                      int64_t stages, int64_t tile_source) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -132,6 +134,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   check_cuda(lse, "lse", device);
   check_cuda(partials, "partials", device);
   check_cuda(counters, "counters", device);
+  check_cuda(status, "status", device);
   if (qkv_bias.has_value()) check_cuda(*qkv_bias, "qkv_bias", device);
 
   // Dtypes.
@@ -146,6 +149,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   check_dtype(lse, "lse", at::kFloat);
   check_dtype(partials, "partials", at::kFloat);
   check_dtype(counters, "counters", at::kInt);
+  check_dtype(status, "status", at::kInt);
 
   // Heads.
   MMHA_CHECK(num_heads > 0, "num_heads must be positive, got ", num_heads);
@@ -227,12 +231,26 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     check_contiguous(counters, "counters");
   }
 
-  MMHA_CHECK(warps_supported(to_dtype(dtype), static_cast<int>(head_dim), static_cast<int>(warps)),
-             "warps must be ",
-             uses_tensor_cores(to_dtype(dtype), static_cast<int>(head_dim))
-                 ? "4, 8 or 16"
-                 : "4 for float32 caches and head_dim 256 (the CUDA-core loop)",
-             ", got ", warps);
+  MMHA_CHECK(status.numel() >= batch, "status must hold at least B = ", batch, " int32, got ",
+             status.numel());
+  check_contiguous(status, "status");
+
+  // Tile loop: stages and where tiles come from.
+  const bool tiles = uses_tensor_cores(to_dtype(dtype));
+  MMHA_CHECK(tile_source >= 0 && tile_source <= 2,
+             "tile_source must be 0 (auto), 1 (cp.async) or 2 (tma), got ", tile_source);
+  MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(dtype), static_cast<int>(head_dim)),
+             "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, got ",
+             dtype, " and head_dim ", head_dim);
+  int max_stages = kMaxStages;
+  if (tiles) {
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
+    const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()));
+    max_stages = std::min(kMaxStages, (optin - kStaticSmemBound - 1024) / stage);
+  }
+  MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
+             max_stages, "] for head_dim ", head_dim, " (shared memory of this GPU), got ", stages);
 
   const int64_t group = num_heads / num_kv_heads;
   const int q_group_block = pick_q_group_block(group);
@@ -253,10 +271,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.lengths = lengths.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  // Read by the kernel only when num_splits > 1; a build with -DMMHA_EXP_TRACE also stamps its
-  // per-block timings past the partials (bench/trace_blocks.py), single pass included.
-  p.partials = partials.numel() > 0 ? partials.data_ptr<float>() : nullptr;
+  p.partials = num_splits > 1 ? partials.data_ptr<float>() : nullptr;
   p.counters = num_splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  p.status = status.data_ptr<int32_t>();
   p.qkv_row_stride = qkv.stride(0);
   p.batch = static_cast<int32_t>(batch);
   p.num_heads = static_cast<int32_t>(num_heads);
@@ -266,12 +283,26 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.q_group_block = q_group_block;
   p.q_groups = static_cast<int32_t>(q_groups);
   p.num_splits = static_cast<int32_t>(num_splits);
-  p.warps = static_cast<int32_t>(warps);
+  p.stages = static_cast<int32_t>(stages);
   p.scale = static_cast<float>(scale);
   p.rotary_dim = static_cast<int32_t>(rotary_dim);
   p.rotary_theta = static_cast<float>(rotary_theta);
   p.rotary_interleaved = rotary_interleaved;
   p.dtype = to_dtype(dtype);
+  // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
+  p.tile_source = TileSource::kCpAsync;
+  if (tiles && tile_source != 1 && tma_head_dim(p.dtype, p.head_dim)) {
+    const bool forced = tile_source == 2;
+    const bool can = device_has_tma(device.index()) && cache_maps_fit(p);
+    MMHA_CHECK(can || !forced, "tile_source 2 (tma) needs a GPU of compute capability 9.0 or newer and "
+               "caches whose tensor-map coordinates fit in 32 bits");
+    if (can) {
+      const cudaError_t map_err = encode_cache_maps(p);
+      MMHA_CHECK(map_err == cudaSuccess || !forced, "tile_source 2 (tma): the caches' tensor maps could not "
+                 "be encoded: ", cudaGetErrorString(map_err));
+      if (map_err == cudaSuccess) p.tile_source = TileSource::kTma;
+    }
+  }
 
   const cudaError_t err = run_decode_attention(p, stream);
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {

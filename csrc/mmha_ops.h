@@ -12,15 +12,17 @@ namespace mmha {
 // lengths are read, never changed. partials / counters are the split-sequence workspace
 // (partials [>= B * Hq * num_splits * (D + 2)] fp32, counters [>= B * Hq] int32, all zero).
 // check_lengths reads lengths on the host (one synchronisation) and rejects values outside
-// [0, S_max - 1]; it is refused during CUDA graph capture. Without it an out-of-range row writes
-// nothing to the caches and gets NaN output and lse. warps: warps per block (4; on the
-// tensor-core loop, fp16 / bf16 with head_dim <= 128, also 8 or 16).
+// [0, S_max - 1]; it is refused during CUDA graph capture. Without it an out-of-range row reads
+// and writes nothing in the caches, gets NaN output and lse, and raises status[b] (int32 [>= B],
+// never cleared by the kernel). stages: shared-memory stages of the tile loop (fp16 / bf16);
+// tile_source: 0 auto (bulk tensor copies where the GPU and head dim allow), 1 cp.async, 2 bulk
+// tensor copies (an error where impossible).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
-                      const at::Tensor& counters, int64_t num_heads, int64_t num_kv_heads,
-                      double scale, int64_t rotary_dim, double rotary_theta,
+                      const at::Tensor& counters, const at::Tensor& status, int64_t num_heads,
+                      int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
-                      int64_t warps);
+                      int64_t stages, int64_t tile_source);
 
 }  // namespace mmha

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if cmd in ("generate", "demo"):
-        from . import generate
+        from .models import generate
 
         return generate.main([cmd, *rest])
     print(f"usage: python -m mmha {{info,demo,generate,bench}} [options]; unknown command {cmd!r}")

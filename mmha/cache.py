@@ -280,12 +280,15 @@ class KVCache:
         return_lse: bool = False,
         variant: str = "auto",
         num_splits: int | None = None,
-        warps: int | None = None,
+        stages: int | None = None,
+        tile_source: str = "auto",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``layer`` for rows ``0..B-1``: append the new K/V, attend.
 
         ``qkv [B, (Hq + 2 Hkv) D]`` with ``B <= max_batch``. Lengths are not changed: call
         ``advance()`` after the last layer. Returns ``out [B, Hq * D]`` (and fp32 ``lse [B, Hq]``).
+        ``variant``, ``num_splits``, ``stages`` and ``tile_source`` override the plan (see
+        ``mmha.ops.decode_attention``).
         """
         self._check_layer(layer)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -328,10 +331,10 @@ class KVCache:
         )
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
-        if num_splits is None:
+        if num_splits is None or stages is None:
             plan = self.plan(batch, variant)
-            num_splits = plan.num_splits
-            warps = plan.warps if warps is None else warps
+            num_splits = plan.num_splits if num_splits is None else num_splits
+            stages = plan.stages if stages is None else stages
         ws = self._workspace
         if ws is None or not ws.fits(batch, self.num_heads, self.head_dim, num_splits):
             # Sized for every row so later steps (and graph replays) reuse it; grows only.
@@ -344,11 +347,21 @@ class KVCache:
             vc,
             lengths,
             num_splits=num_splits,
-            warps=warps,
+            stages=stages,
+            tile_source=tile_source,
             workspace=ws,
             validate_lengths=False,
             **common,
         )
+
+    def check(self) -> None:
+        """Raise ``mmha.ops.LengthError`` if a step since the last check met a row whose device
+        length was outside ``[0, max_seq_len - 1]`` (lengths changed behind the cache's back, or a
+        replayed graph ran past the capacity): such a row wrote nothing and its output was NaN.
+        The kernel raises a per-row flag instead of failing; this reads the flags (one device
+        synchronisation, never inside a step) and clears them."""
+        if self._workspace is not None:
+            self._workspace.check()
 
     def advance(self) -> None:
         """Every active row's length moves on by one (after the last layer's ``step``).

@@ -1,7 +1,7 @@
 """Typed wrappers around ``torch.ops.mmha.*`` and their fake (meta) registrations.
 
-The operators write into caller-allocated tensors; these wrappers allocate them, choose the
-variant (``mmha.dispatch.choose_variant``) and provide the split-sequence workspace.
+The operators write into caller-allocated tensors; these wrappers allocate them, plan the launch
+(``mmha.dispatch.choose_variant`` with this GPU's numbers) and provide the workspace.
 """
 
 from __future__ import annotations
@@ -19,67 +19,56 @@ if _C is not None:
 
     @torch.library.register_fake("mmha::decode_attention")
     def _decode_attention_fake(
-        qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, num_heads,
+        qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
-        check_lengths=True, warps=4,
+        check_lengths=True, stages=2, tile_source=0,
     ):  # fmt: skip
         return None
 
 
-@functools.cache
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# tile_source argument of the raw operator.
+TILE_SOURCES = {"auto": 0, "cp_async": 1, "tma": 2}
 
 
 @functools.cache
-def _blocks_per_sm(device_index: int, dtype: torch.dtype, head_dim: int, qb: int, warps: int) -> int:
-    with torch.cuda.device(device_index):
-        return _C.blocks_per_sm(_DTYPE_CODES[dtype], head_dim, qb, warps)
+def device_spec(device_index: int) -> dispatch.Device:
+    """The dispatcher's view of a GPU (asked once per device)."""
+    return dispatch.Device.of(torch.cuda.get_device_properties(device_index))
 
 
-def blocks_per_sm(
-    device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, warps: int = dispatch.WARPS
-) -> int:
-    """Resident blocks of ``warps`` warps per SM of the kernel this shape runs (asked of the device
-    once, cached)."""
-    fallback = max(1, dispatch.DEFAULT_BLOCKS_PER_SM * dispatch.WARPS // warps)
-    if _C is None or head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
-        return fallback
+def _device_index(device) -> int:
     index = torch.device(device).index
-    qb = dispatch.q_group_block(num_heads // num_kv_heads)
-    n = _blocks_per_sm(torch.cuda.current_device() if index is None else index, dtype, head_dim, qb, warps)
-    return n if n > 0 else fallback
+    return torch.cuda.current_device() if index is None else index
 
 
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
     dtype: torch.dtype, variant: str = "auto",
 ) -> dispatch.Plan:  # fmt: skip
-    """``dispatch.choose_variant`` with this device's SM count and the kernel's occupancy (for
-    blocks of 4 and of ``dispatch.WIDE_WARPS`` warps)."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    """``dispatch.choose_variant`` with this device's numbers."""
     return dispatch.choose_variant(
-        batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, num_sms(index), variant,
-        blocks_per_sm(index, dtype, head_dim, num_heads, num_kv_heads),
-        blocks_per_sm(index, dtype, head_dim, num_heads, num_kv_heads, dispatch.WIDE_WARPS)
-        if dispatch.uses_tensor_cores(head_dim, dtype) else None,
-    )  # fmt: skip
+        batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant
+    )
+
+
+class LengthError(ValueError):
+    """A row reached the kernel with a length outside ``[0, S_max - 1]``: it wrote nothing to the
+    caches and returned NaN for that row."""
 
 
 @dataclass
 class Workspace:
-    """Split-sequence scratch: fp32 partials and int32 counters (zero between launches).
+    """Scratch of the operator: fp32 split partials, int32 merge counters (zero between launches)
+    and the int32 per-row status flags the kernel raises for out-of-range lengths.
 
     Counters are reset by the kernel itself, so one workspace serves any number of launches
-    ordered on one stream; launches on concurrent streams need one workspace each.
+    ordered on one stream; launches on concurrent streams need one workspace each. Status flags
+    stay raised until ``check()`` reads and clears them.
     """
 
     partials: torch.Tensor
     counters: torch.Tensor
+    status: torch.Tensor
     num_splits: int
 
     @classmethod
@@ -90,11 +79,27 @@ class Workspace:
             device=device,
         )
         counters = torch.zeros(batch * num_heads, dtype=torch.int32, device=device)
-        return cls(partials, counters, num_splits)
+        status = torch.zeros(batch, dtype=torch.int32, device=device)
+        return cls(partials, counters, status, num_splits)
 
     def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int) -> bool:
         need = batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0
-        return self.partials.numel() >= need and self.counters.numel() >= batch * num_heads
+        return (
+            self.partials.numel() >= need
+            and self.counters.numel() >= batch * num_heads
+            and self.status.numel() >= batch
+        )
+
+    def check(self) -> None:
+        """Raise ``LengthError`` naming the rows whose length was out of range in a launch since
+        the last check, and clear the flags. One device synchronisation."""
+        bad = torch.nonzero(self.status).flatten().tolist()
+        if bad:
+            self.status.zero_()
+            raise LengthError(
+                f"lengths of rows {bad} were outside [0, S_max - 1] when the kernel ran: nothing "
+                "was written to their cache slots and their output is NaN"
+            )
 
 
 def _require_extension() -> None:
@@ -120,7 +125,8 @@ def decode_attention(
     rotary_interleaved: bool = False,
     variant: str = "auto",
     num_splits: int | None = None,
-    warps: int | None = None,
+    stages: int | None = None,
+    tile_source: str = "auto",
     max_len: int | None = None,
     return_lse: bool = False,
     workspace: Workspace | None = None,
@@ -135,27 +141,31 @@ def decode_attention(
     v_cache : ``[B, Hkv, S_max, D]``, new v written at slot ``lengths[b]``.
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
-    warps : warps per block (``dispatch.WARP_CHOICES`` on the tensor-core loop, else 4); by
-        default the plan's, or 4 where ``num_splits`` is given.
+    stages : shared-memory stages of the tile loop (fp16 / bf16); by default the plan's.
+    tile_source : ``"auto"`` (bulk tensor copies on sm_90 where the head dim is a multiple of
+        64, else cp.async), ``"cp_async"`` or ``"tma"``.
     max_len : longest ``lengths[b] + 1`` the caller knows of (for dispatch); default capacity.
+    workspace : reused scratch (``Workspace.allocate``); its ``status`` flags record rows whose
+        length was out of range (``workspace.check()`` raises for them).
     validate_lengths : the operator reads ``lengths`` on the host and rejects values outside
         ``[0, S_max - 1]`` (one sync; skipped inside CUDA-graph capture); callers that track
-        lengths themselves (``KVCache``) pass ``False``.
+        lengths themselves (``KVCache``) pass ``False`` and rely on the status flags.
 
     Returns
     -------
     out ``[B, Hq * D]`` in the input dtype, and with ``return_lse`` the fp32 ``lse [B, Hq]``.
     """
     _require_extension()
+    if tile_source not in TILE_SOURCES:
+        raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
-    if num_splits is None:
+    if num_splits is None or stages is None:
         plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
             max_seq_len if max_len is None else max_len, qkv.dtype, variant,
         )  # fmt: skip
-        num_splits = plan.num_splits
-        warps = plan.warps if warps is None else warps
-    warps = dispatch.WARPS if warps is None else warps
+        num_splits = plan.num_splits if num_splits is None else num_splits
+        stages = plan.stages if stages is None else stages
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
@@ -163,8 +173,9 @@ def decode_attention(
     lse = torch.empty((batch, num_heads), dtype=torch.float32, device=qkv.device)
     torch.ops.mmha.decode_attention(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
-        workspace.counters, num_heads, num_kv_heads,
+        workspace.counters, workspace.status, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
-        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, warps,
+        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
+        TILE_SOURCES[tile_source],
     )  # fmt: skip
     return (out, lse) if return_lse else out

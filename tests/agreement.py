@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from mmha.generate import agree, random_prompts
-from mmha.model import PRESETS, TinyLlama
+from mmha.models.generate import agree, random_prompts
+from mmha.models.llama import PRESETS, TinyLlama
 
 
 def main(seeds: int = 3, new_tokens: int = 256) -> None:

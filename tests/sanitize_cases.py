@@ -1,6 +1,7 @@
-"""Small decode cases for compute-sanitizer (RELIABILITY.md row 20): ragged and empty rows, a row
-filled to capacity, NaN in unused slots, out-of-range lengths, single pass and split/merge, blocks
-of 4, 8 and 16 warps on the tensor-core loop."""
+"""Small decode cases for compute-sanitizer (RELIABILITY.md rows 20 and 27): ragged and empty
+rows, a row filled to capacity, NaN in unused slots, single pass and split/merge, both tile sources
+and several stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
+capacity, negative) on every variant: nothing may be read or written outside the caches."""
 
 import torch
 from helpers import make_case
@@ -14,24 +15,31 @@ def main() -> None:
         (torch.bfloat16, 64, (4, 4)),
         (torch.float32, 80, (16, 1)),
         (torch.float16, 256, (6, 2)),
+        (torch.bfloat16, 96, (8, 8)),
     ):
         lengths = [0, 1, 17, 127, 255]  # 255 + 1 fills S_max = 256
-        warps = dispatch.WARP_CHOICES if dispatch.uses_tensor_cores(head_dim, dtype) else (dispatch.WARPS,)
+        tiles = dispatch.uses_tensor_cores(dtype)
+        sources = (["cp_async", "tma"] if head_dim % 64 == 0 else ["cp_async"]) if tiles else ["auto"]
         for splits in (1, 2, 5):
-            for w in warps:
-                case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
-                                 rotary_dim=head_dim // 2)  # fmt: skip
-                out = ops.decode_attention(
-                    case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, warps=w,
-                    **case.kwargs(),
-                )  # fmt: skip
-                assert torch.isfinite(out).all()
-    # Out-of-range lengths reach the kernel only with validation off: nothing may be written.
-    case = make_case(3, 4, 2, 64, [3, 5, 7], 8, torch.float16, seed=0)
-    case.lengths.copy_(torch.tensor([8, -1, 7], dtype=torch.int32))
-    ops.decode_attention(case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=2,
-                         validate_lengths=False, **case.kwargs())  # fmt: skip
-    torch.cuda.synchronize()
+            for source in sources:
+                for stages in (2, 3) if tiles else (2,):
+                    case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
+                                     rotary_dim=head_dim // 2)  # fmt: skip
+                    out = ops.decode_attention(
+                        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
+                        tile_source=source, **case.kwargs(),
+                    )  # fmt: skip
+                    assert torch.isfinite(out).all()
+                    # Out-of-range lengths reach the kernel only with validation off.
+                    case.lengths.copy_(torch.tensor([256, -1, 7, 10**6, -(2**31)], dtype=torch.int32))
+                    ws = ops.Workspace.allocate("cuda", 5, heads[0], head_dim, splits)
+                    out = ops.decode_attention(
+                        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
+                        tile_source=source, validate_lengths=False, workspace=ws, **case.kwargs(),
+                    )  # fmt: skip
+                    torch.cuda.synchronize()
+                    assert ws.status.tolist() == [1, 1, 0, 1, 1], ws.status.tolist()
+                    assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
     print("sanitize cases done")
 
 

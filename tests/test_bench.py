@@ -1,101 +1,84 @@
-"""The benchmark's bookkeeping (mmha/bench.py summarize/table, bench/make_docs.py verdicts), on
-synthetic results: no GPU needed. The timing itself only runs on a device."""
+"""mmha.bench on the CPU: the grid, the decode timing's layer count, the summary of a row, the
+speed bar and the tables (timings themselves run on a GPU: bench/validate.sh)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-from mmha.bench import Config, Result, summarize, table
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-make_docs = pytest.importorskip("make_docs")
-
-CEILING = 4000.0  # GB/s
+from mmha.bench import report
+from mmha.bench.methods import PEERS
+from mmha.bench.problems import CANONICAL, Config, build_configs
 
 
-def result(cfg: Config, mmha_us: float, peer_us: float, floor: dict | None = None) -> Result:
-    res = Result(cfg)
-    res.times_us = {"mmha": mmha_us, "sdpa_cudnn": peer_us, "eager": 10 * peer_us}
-    res.graph_us = {"mmha": 0.8 * mmha_us, "sdpa_cudnn": 0.8 * peer_us}
-    res.plan = "split/4"
-    res.floor = floor or {}
-    return res
+def test_canonical_grid_is_the_documented_one():
+    cfgs = build_configs("canonical")
+    canon = [c for c in cfgs if c.head_dim == 128]
+    assert len(canon) == 2 * len(CANONICAL) == 36
+    assert {c.dtype for c in canon} == {"fp16", "bf16"}
+    assert {(c.batch, c.num_kv_heads, c.seq_len) for c in canon} == {(b, h, s) for _, b, h, s in CANONICAL}
+    assert all(c.num_heads == 32 for c in canon)
+    small = [c for c in cfgs if c.group.startswith("small-head")]
+    assert all(c.batch * c.seq_len == 16384 and c.head_dim == 64 and c.num_heads == 16 for c in small)
 
 
-def test_summarize_reports_the_read_floor_against_the_same_ceiling():
-    cfg = Config("t", 64, 32, 8, 128, 1024, "fp16")  # 268 MB of K/V
-    row = summarize(result(cfg, 80.0, 76.0, {"us": 71.5, "graph_us": 61.5, "shape": "x"}), CEILING)
-    assert row["best_peer"] == "sdpa_cudnn"
-    assert row["speedup"] == pytest.approx(76.0 / 80.0)
-    assert row["read_floor_us"] == 71.5
-    assert row["read_floor_graph_us"] == 61.5
-    kv_gbs = cfg.kv_bytes / 71.5e-6 / 1e9
-    assert row["pct_ceiling_floor"] == pytest.approx(100 * kv_gbs / CEILING)
-    assert row["pct_ceiling_floor_graph"] == pytest.approx(100 * cfg.kv_bytes / 61.5e-6 / 1e9 / CEILING)
-    assert row["pct_ceiling"] == pytest.approx(100 * cfg.step_bytes / 80e-6 / 1e9 / CEILING)
+@pytest.mark.parametrize(
+    "batch, hkv, seq, layers",
+    [(1, 32, 1024, 32), (1, 8, 4096, 32), (16, 32, 512, 8), (64, 32, 256, 4), (64, 32, 1024, 2), (1, 32, 65536, 2)],
+)
+def test_decode_timing_layers(batch, hkv, seq, layers):
+    # L = max(2, min(32, ceil(1 GiB / cache bytes))).
+    cfg = Config("t", batch, 32, hkv, 128, seq, "fp16")
+    assert cfg.layers == layers
+    assert cfg.layers * cfg.kv_bytes >= 2**30 or cfg.layers == 32
 
 
-def test_summarize_without_a_floor_leaves_it_unknown():
-    row = summarize(result(Config("t", 1, 32, 32, 128, 1024, "fp16"), 16.0, 16.4), CEILING)
-    assert math.isnan(row["read_floor_us"]) and math.isnan(row["pct_ceiling_floor"])
+def fake_result(cfg: Config, mmha_us: float, peers: dict, floor_us: float) -> dict:
+    return {
+        "config": cfg,
+        "plan": "8x3",
+        "decode": {"mmha": {"us": mmha_us, "p20": mmha_us, "p80": mmha_us}, **{k: {"us": v} for k, v in peers.items()}},
+        "errors": {},
+        "skipped": {"flashinfer": "not installed", "sdpa_flash": "RuntimeError: no kernel"},
+        "cold": {},
+        "graph": {},
+        "floor": {"us": floor_us, "shape": "1024x1 floats, 4 warps"},
+        "floor_cold_us": math.nan,
+    }
 
 
-def test_table_has_the_floor_columns():
-    cfg = Config("t", 64, 32, 8, 128, 1024, "fp16")
-    rows = [summarize(result(cfg, 80.0, 76.0, {"us": 71.5, "graph_us": 61.5, "shape": "x"}), CEILING)]
-    header = {"gpu": "G", "torch": "t", "cuda": "c", "ceiling_gbs": CEILING, "ceiling_how": "h"}
-    text = table(rows, header)
-    head, sep, body = text.split("\n")[2:5]
-    cols = [c.strip() for c in head.strip("|").split("|")]
-    vals = [c.strip() for c in body.strip("|").split("|")]
-    assert vals[cols.index("read floor")] == "71.5"
-    assert vals[cols.index("floor graph")] == "61.5"
-    # A JSON row from before the floor existed still renders.
-    old = {k: v for k, v in rows[0].items() if "floor" not in k}
-    assert "| -" in table([old], header).split("\n")[-1]
+def test_summary_ratios_and_floor():
+    cfg = Config("MHA latency", 1, 32, 32, 128, 1024, "fp16")
+    row = report.summarize(fake_result(cfg, 10.0, {"sdpa_cudnn": 12.5, "eager": 40.0}, 6.0), 4600.0)
+    assert row["best_peer_decode"] == "sdpa_cudnn" and row["best_peer_decode_us"] == 12.5
+    assert row["ratio"] == pytest.approx(0.8)
+    assert row["pct_floor"] == pytest.approx(60.0)
+    assert row["read_floor_decode_us"] == 6.0 and row["layers"] == 32
+    assert set(PEERS) <= {k[: -len("_decode_us")] for k in row if k.endswith("_decode_us")}
+    table = report.table([row])
+    assert "sdpa_cudnn" in table and "0.80" in table and "60.0" in table
+    assert len(table.splitlines()[0].split("|")) < 12  # the default table fits a terminal
+    assert "eager" in report.table([row], full=True)
+    assert report.skipped_line([row]) == "not timed: flashinfer (not installed, 1 row); sdpa_flash (RuntimeError, 1 row)"
 
 
-def row_for(cfg: Config, mmha_us: float, peer_us: float, floor_us: float, floor_graph_us: float) -> dict:
-    floor = {"us": floor_us, "graph_us": floor_graph_us, "shape": "x"}
-    return summarize(result(cfg, mmha_us, peer_us, floor), CEILING)
+def canonical_rows(ratio: float, pct: float) -> list[dict]:
+    rows = []
+    for g, b, hkv, s in CANONICAL:
+        cfg = Config(g, b, 32, hkv, 128, s, "fp16")
+        floor = 100.0
+        rows.append(report.summarize(fake_result(cfg, floor * 100 / pct, {"sdpa_cudnn": floor * 100 / pct / ratio}, floor), 1.0))
+    return rows
 
 
-def test_verdict_says_when_a_ceiling_target_is_beyond_a_pure_read():
-    cfg = Config("t", 64, 32, 8, 128, 1024, "fp16")  # 268 MB: >= 92 % of the ceiling asked
-    ideal_us = cfg.kv_bytes / (CEILING * 1e3)
-    below = row_for(cfg, ideal_us / 0.75, ideal_us / 0.74, ideal_us / 0.83, ideal_us / 0.96)
-    (line,) = make_docs.verdicts([below])
-    assert "< 92% of ceiling (a pure read of these bytes reaches 83%: beyond any kernel" in line
-    above = row_for(cfg, ideal_us / 0.75, ideal_us / 0.74, ideal_us / 0.95, ideal_us / 0.97)
-    (line,) = make_docs.verdicts([above])
-    assert "(a pure read reaches 95%)" in line and "beyond" not in line
-
-
-def test_verdict_on_small_rows_names_the_target_and_the_floor():
-    cfg = Config("t", 1, 32, 32, 128, 1024, "fp16")  # 16.8 MB: <= 0.7x the best peer asked
-    (line,) = make_docs.verdicts([row_for(cfg, 16.0, 16.0, 9.3, 3.6)])
-    assert "needs <= 0.7x best peer, is 1.00x (0.7x is 11.2 us; a pure read of these bytes takes 9.3)" in line
-
-
-def test_verdict_met_and_old_rows():
-    cfg = Config("t", 16, 32, 32, 128, 8192, "fp16")  # 2.1 GB
-    ideal_us = cfg.kv_bytes / (CEILING * 1e3)
-    row = row_for(cfg, ideal_us / 0.95, ideal_us / 0.94, ideal_us / 0.99, ideal_us / 0.995)
-    assert make_docs.verdicts([row]) == ["| fp16 B16 Hq32 Hkv32 D128 S8192 | met |"]
-    old = {k: v for k, v in row.items() if "floor" not in k}
-    old["pct_ceiling"] = 90.0
-    (line,) = make_docs.verdicts([old])
-    assert line.endswith("90.0% < 92% of ceiling |")
-
-
-def test_floor_sentence_comes_from_the_run():
-    cfg = Config("t", 64, 32, 8, 128, 1024, "fp16")
-    ideal_us = cfg.kv_bytes / (CEILING * 1e3)
-    row = row_for(cfg, 80.0, 76.0, ideal_us / 0.83, ideal_us / 0.963)
-    text = make_docs.floor_sentence([row])
-    assert text.startswith("In this run a pure read of 268 MB reached 83.0 % of the ceiling cold and 96.3 %")
-    assert make_docs.floor_sentence([]) == ""
+def test_speed_bar_holds_and_misses():
+    assert report.bar(canonical_rows(0.8, 98.0)) == []
+    misses = report.bar(canonical_rows(1.01, 98.0))
+    assert any("median mmha/best peer 1.010 > 0.97" in m for m in misses)
+    assert sum("x sdpa_cudnn" in m for m in misses) == len(CANONICAL)
+    misses = report.bar(canonical_rows(0.9, 90.0))
+    assert any("of the read floor < 97 %" in m for m in misses)  # the >= 1 GB rows
+    assert any("of the read floor < 94 %" in m for m in misses)  # 256 MB - 1 GB
+    assert not any("< 85 %" in m for m in misses)
+    assert any("small cache" in m for m in misses)  # 0.9x > 0.85x on the 17 MB rows

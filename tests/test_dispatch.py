@@ -1,4 +1,5 @@
-"""choose_variant on a table of cases; Python and C++ constants agree."""
+"""choose_variant on a table of cases; its occupancy model; Python and C++ constants agree (and,
+on a GPU, the occupancy the dispatcher counts on is what the compiled kernel gets)."""
 
 from pathlib import Path
 
@@ -8,98 +9,77 @@ import torch
 from mmha import dispatch
 from mmha._ext import _C
 
-H100_SMS = 132
-F16 = torch.float16
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+H100 = dispatch.H100
+A100 = dispatch.Device(108, 164 * 1024, 163 * 1024)
 
-# (batch, Hq, Hkv, D, seq_len, blocks_per_sm, expected); fp16, so head_dim <= 128 runs the
-# tensor-core loop ("grouped" where a block holds several query heads) and head_dim 256 the
-# CUDA-core loop.
+# (batch, Hq, Hkv, D, seq_len, dtype, device, expected)
 CASES = [
-    # The docstring's examples: small tensor-core grids run as 8-warp blocks.
-    (1, 32, 32, 128, 4096, 4, dispatch.Plan("split", 8, 8)),  # 264 // 32; 4096 // 256 allows 16
-    (1, 32, 8, 128, 4096, 4, dispatch.Plan("split", 16, 8)),  # 132 // 8 = 16; 4096 // 256 = 16
-    (64, 32, 32, 128, 4096, 4, dispatch.Plan("split", 2)),  # 2048 base blocks; 4096 // 2048
-    (64, 32, 32, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
-    (1, 32, 32, 128, 100, 4, dispatch.Plan("single_pass", 1, 8)),  # too short to split
-    (1, 32, 32, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # 8-warp splits keep 256 keys
-    (1, 32, 32, 128, 512, 4, dispatch.Plan("split", 2, 8)),
-    (1, 32, 8, 128, 256, 4, dispatch.Plan("single_pass", 1, 8)),  # grouped splits keep >= 256 keys
-    (1, 32, 4, 128, 65536, 4, dispatch.Plan("split", 33, 8)),  # grouped wide: one block per SM
-    (1, 32, 8, 128, 65536, 4, dispatch.Plan("split", 16, 16)),  # 4096 keys: 16 warps of >= 128
-    (16, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1, 16)),  # 128 blocks: one per SM
-    (16, 32, 8, 128, 1024, 4, dispatch.Plan("single_pass", 1, 8)),  # 1024 keys: 8 warps
-    (16, 32, 32, 128, 512, 4, dispatch.Plan("single_pass", 1)),  # 512 blocks: past a wide wave
-    (16, 32, 32, 128, 512, 2, dispatch.Plan("single_pass", 1)),
-    (4, 32, 32, 128, 8192, 2, dispatch.Plan("single_pass", 1, 8)),  # 128 <= 132 wide blocks
-    # MQA: 8 blocks of 8 heads; 132 // 8 = 16 splits of 8 warps.
-    (1, 64, 1, 128, 8192, 2, dispatch.Plan("split", 16, 8)),
-    (1, 32, 8, 128, 4096, 3, dispatch.Plan("split", 16, 8)),
-    (1, 32, 32, 128, 1024, 4, dispatch.Plan("split", 4, 8)),  # 1024 // 256: two steps per warp
-    (1, 32, 32, 256, 1024, 4, dispatch.Plan("split", 8)),  # CUDA-core loop: 4 warps, 1024 // 128
-    # Grouped grids between one and two blocks per SM stay on 4-warp blocks (2 per SM).
-    (32, 32, 8, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
-    # One head per block past a wide wave (264) but inside a 4-warp one (528): 4 warps, filled.
-    (9, 32, 32, 128, 2048, 4, dispatch.Plan("single_pass", 1)),
-    (9, 32, 32, 128, 4096, 4, dispatch.Plan("split", 2)),  # one-head 4-warp blocks: <= 2048 keys
-    (5, 32, 32, 128, 4096, 4, dispatch.Plan("single_pass", 1, 8)),  # 160 <= 264
-    # CUDA-core loop: one wave of 8192-key blocks is cut to 4096 keys per block.
-    (16, 32, 32, 256, 8192, 4, dispatch.Plan("split", 2)),
-    (16, 32, 32, 256, 32768, 4, dispatch.Plan("split", 8)),
-    (64, 32, 32, 256, 16384, 4, dispatch.Plan("split", 4)),
-    (64, 32, 32, 256, 4096, 4, dispatch.Plan("single_pass", 1)),
-    # Tensor cores: grouped blocks have no key cap, and a grid inside one wave runs as it is.
-    (16, 32, 32, 128, 8192, 4, dispatch.Plan("split", 4)),  # one head per block: 2048 keys
-    (64, 32, 8, 128, 8192, 4, dispatch.Plan("single_pass", 1)),
-    (16, 32, 8, 128, 32768, 3, dispatch.Plan("single_pass", 1, 16)),
-    # A grid past one wave: 512 blocks on a 396-block wave take 2 waves; 3 splits, 4 full ones.
-    (64, 32, 8, 128, 8192, 3, dispatch.Plan("split", 3)),
-    (16, 32, 32, 128, 8192, 3, dispatch.Plan("split", 4)),  # 3 for the waves, 4 for the key cap
-    (64, 32, 32, 128, 16384, 4, dispatch.Plan("split", 8)),
-    # 2048 blocks: 6 waves; 2 splits (all S=256 allows) only reach 5.5, short of 10 %.
-    (64, 32, 32, 256, 256, 3, dispatch.Plan("single_pass", 1)),
+    # The docstring's examples: 3 stages of 32 KB let two blocks share an SM; a 264-block wave.
+    (1, 32, 32, 128, 4096, F16, H100, dispatch.Plan("split", 8, 3, 2)),
+    (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 33, 3, 2)),
+    (64, 32, 32, 128, 4096, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    # Splits of at least one 64-key tile.
+    (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 3, 2)),
+    (1, 32, 32, 128, 64, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    (1, 32, 8, 128, 256, BF16, H100, dispatch.Plan("split", 4, 3, 2)),
+    # Long rows on a small grid: one wave.
+    (1, 32, 32, 128, 65536, F16, H100, dispatch.Plan("split", 8, 3, 2)),
+    (1, 32, 4, 128, 65536, F16, H100, dispatch.Plan("split", 64, 3, 2)),  # 264 // 4 = 66, capped
+    (16, 32, 8, 128, 2048, F16, H100, dispatch.Plan("split", 2, 3, 2)),  # 128 blocks: 264 // 128
+    (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 512 >= 264
+    # MQA: 4 blocks of 8 query heads per row; 264 // 4 = 66 -> 64.
+    (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 64, 3, 2)),
+    # A grid past one wave: 512 blocks on a 264-block wave are 2 waves, 1.94 full: no split.
+    (64, 32, 8, 128, 1024, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    # 300 blocks: 2 waves, the second 14 % full; 6 splits make 7 nearly full waves (7/6 vs 2).
+    (300, 8, 1, 128, 4096, F16, H100, dispatch.Plan("split", 6, 3, 2)),
+    # Other head dims: the deepest ring that keeps two blocks per SM (one at 256).
+    (16, 32, 8, 64, 2048, F16, H100, dispatch.Plan("split", 2, 6, 2)),
+    (16, 32, 8, 256, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 1)),  # 128 blocks, 132 slots
+    (16, 32, 32, 96, 2048, BF16, H100, dispatch.Plan("single_pass", 1, 4, 2)),  # padded V rows
+    # A GPU with less shared memory per SM (A100: 164 KB): two stages of 32 KB for two blocks.
+    (1, 32, 32, 128, 4096, F16, A100, dispatch.Plan("split", 6, 2, 2)),
+    # CUDA-core loop (fp32): 3 blocks per SM, splits of >= 128 keys, blocks of <= 4096 keys.
+    (1, 32, 32, 128, 1024, F32, H100, dispatch.Plan("split", 8, 2, 3)),
+    (16, 32, 32, 256, 32768, F32, H100, dispatch.Plan("split", 8, 2, 3)),
+    (64, 32, 32, 128, 4096, F32, H100, dispatch.Plan("split", 3, 2, 3)),  # 6 waves -> 16 / 3
 ]
 
 
-def test_uses_tensor_cores():
-    assert dispatch.uses_tensor_cores(128, torch.float16)
-    assert dispatch.uses_tensor_cores(64, torch.bfloat16)
-    assert dispatch.uses_tensor_cores(32, torch.float16)
-    assert not dispatch.uses_tensor_cores(256, torch.float16)
-    assert not dispatch.uses_tensor_cores(128, torch.float32)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_D{c[3]}_S{c[4]}_{c[5]}_{c[6].num_sms}")
+def test_choose_variant_table(case):
+    b, hq, hkv, d, s, dtype, dev, expected = case
+    assert dispatch.choose_variant(b, hq, hkv, d, s, dtype, dev) == expected
+
+
+def test_occupancy_model():
+    assert dispatch.tile_stage_bytes(128, 2) == 32768
+    assert dispatch.tile_stage_bytes(64, 2) == 16384
+    assert dispatch.tile_stage_bytes(80, 2) == 21504  # V rows of 88 elements, rounded to 1 KB
+    assert dispatch.max_stages(128, 2, H100) == 6
+    assert dispatch.max_stages(256, 2, H100) == 3
+    assert dispatch.max_stages(64, 2, H100) == dispatch.MAX_STAGES
+    assert [dispatch.tile_blocks_per_sm(128, 2, s, H100) for s in (2, 3, 4, 6)] == [2, 2, 1, 1]
+    assert dispatch.tile_stages(128, 2, H100) == (3, 2)
+    assert dispatch.tile_stages(256, 2, H100) == (3, 1)
 
 
 def test_wave_cost():
     assert [dispatch.wave_cost(n, 396) for n in (1, 396, 397, 512, 1536)] == [1, 1, 2, 2, 4]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_S{c[4]}_bps{c[5]}")
-def test_choose_variant_table(case):
-    b, hq, hkv, d, s, bps, expected = case
-    assert dispatch.choose_variant(b, hq, hkv, d, s, F16, H100_SMS, blocks_per_sm=bps) == expected
-
-
 def test_forced_variants():
-    assert dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "single_pass").num_splits == 1
-    forced = dispatch.choose_variant(64, 32, 32, 128, 4096, F16, 132, "split")
+    assert dispatch.choose_variant(64, 32, 32, 128, 4096, F16, H100, "single_pass").num_splits == 1
+    forced = dispatch.choose_variant(64, 32, 32, 128, 4096, F16, H100, "split")
     assert forced.variant == "split" and forced.num_splits >= 2
-    # A small grid: single pass keeps the wide blocks, a forced split runs 4-warp blocks.
-    assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "single_pass") == dispatch.Plan(
-        "single_pass", 1, 16
+    assert dispatch.choose_variant(1, 32, 32, 128, 4096, F16, H100, "single_pass") == dispatch.Plan(
+        "single_pass", 1, 3, 2
     )
-    assert dispatch.choose_variant(16, 32, 8, 128, 2048, F16, 132, "split") == dispatch.Plan("split", 2)
-
-
-def test_wide_blocks_per_sm_sets_the_wide_wave():
-    # One head per block, 160 base blocks: a wave of 132 wide blocks is too small, one of 264 not.
-    args = (5, 32, 32, 128, 4096, F16, 132, "auto", 4)
-    assert dispatch.choose_variant(*args, wide_blocks_per_sm=1) == dispatch.Plan("split", 3)  # 528 // 160
-    assert dispatch.choose_variant(*args, wide_blocks_per_sm=2) == dispatch.Plan("single_pass", 1, 8)
-    # No wide blocks off the tensor-core loop.
-    assert dispatch.choose_variant(1, 32, 8, 128, 4096, torch.float32, 132).warps == dispatch.WARPS
 
 
 def test_pure_function_of_its_arguments():
-    args = (3, 16, 4, 64, 3000, torch.bfloat16, 114)
+    args = (3, 16, 4, 64, 3000, torch.bfloat16, dispatch.Device(114, 228 * 1024, 227 * 1024))
     assert dispatch.choose_variant(*args) == dispatch.choose_variant(*args)
 
 
@@ -107,13 +87,13 @@ def test_rejects_bad_arguments():
     with pytest.raises(
         ValueError, match=r"Unsupported head_dim: 72 \(supported: \(32, 64, 80, 96, 128, 256\)\)"
     ):
-        dispatch.choose_variant(1, 8, 8, 72, 100, F16, 132)
+        dispatch.choose_variant(1, 8, 8, 72, 100, F16)
     with pytest.raises(ValueError, match=r"num_heads \(32\) must be divisible by num_kv_heads \(6\)"):
-        dispatch.choose_variant(1, 32, 6, 128, 100, F16, 132)
+        dispatch.choose_variant(1, 32, 6, 128, 100, F16)
     with pytest.raises(ValueError, match="variant must be one of"):
-        dispatch.choose_variant(1, 8, 8, 128, 100, F16, 132, "fast")
+        dispatch.choose_variant(1, 8, 8, 128, 100, F16, H100, "fast")
     with pytest.raises(ValueError, match="dtype must be one of"):
-        dispatch.choose_variant(1, 8, 8, 128, 100, torch.int8, 132)
+        dispatch.choose_variant(1, 8, 8, 128, 100, torch.int8)
 
 
 def test_q_group_block():
@@ -125,8 +105,30 @@ def test_python_and_cpp_constants_agree():
     assert tuple(_C.SUPPORTED_HEAD_DIMS) == dispatch.SUPPORTED_HEAD_DIMS
     assert tuple(_C.Q_GROUP_BLOCKS) == dispatch.Q_GROUP_BLOCKS
     assert _C.MAX_SPLITS == dispatch.MAX_SPLITS
-    assert _C.WARPS == dispatch.WARPS
-    assert tuple(_C.WARP_CHOICES) == dispatch.WARP_CHOICES
+    assert _C.TILE_KEYS == dispatch.TILE_KEYS
+    assert _C.TILE_THREADS == dispatch.TILE_THREADS
+    assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
+    assert _C.STATIC_SMEM_BOUND == dispatch.STATIC_SMEM_BOUND
+    for d in dispatch.SUPPORTED_HEAD_DIMS:
+        assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
+
+
+@pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("head_dim", dispatch.SUPPORTED_HEAD_DIMS)
+def test_planned_occupancy_is_what_the_kernel_gets(dtype, head_dim):
+    from mmha import ops
+
+    dev = ops.device_spec(torch.cuda.current_device())
+    stages, blocks = dispatch.tile_stages(head_dim, 2, dev)
+    code = {F16: 0, BF16: 1}[dtype]
+    sources = (1, 2) if head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9 else (1,)
+    for qb in dispatch.Q_GROUP_BLOCKS:
+        for source in sources:
+            got = _C.blocks_per_sm(code, head_dim, qb, stages, source)
+            assert got >= blocks, (qb, source, got, blocks)
+            # The deepest ring the operator accepts still launches.
+            assert _C.blocks_per_sm(code, head_dim, qb, dispatch.max_stages(head_dim, 2, dev), source) >= 1
 
 
 def test_every_dtype_and_head_dim_has_an_instantiation_file():

@@ -29,7 +29,7 @@ from helpers import (
 )
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from mmha import KVCache, dispatch, ops  # noqa: E402
@@ -80,6 +80,8 @@ def configs(draw):
         row_pad=draw(st.sampled_from([0, 8, 24])),
         variant=draw(st.sampled_from(["auto", "single_pass", "split", "count"])),
         splits=draw(st.integers(1, ops._C.MAX_SPLITS if ops._C is not None else 64)),
+        stages=draw(st.sampled_from([None, 2, 3, 4])),  # None: the plan's
+        source=draw(st.sampled_from(["auto", "cp_async", "tma"])),
     )
 
 
@@ -106,7 +108,23 @@ def num_splits_for(cfg: dict) -> int:
     ).num_splits  # fmt: skip
 
 
-def raw_args(case, num_splits: int, /, **over) -> dict:
+def stages_for(cfg: dict) -> int:
+    if cfg.get("stages") is not None:
+        return cfg["stages"]
+    return ops.plan_for(
+        "cuda", cfg["batch"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"],
+        max(cfg["lengths"]) + 1, cfg["dtype"],
+    ).stages  # fmt: skip
+
+
+def source_for(cfg: dict) -> int:
+    """The drawn tile source where it applies (bulk tensor copies need 16-bit, head_dim % 64 == 0)."""
+    tma_ok = cfg["dtype"] != torch.float32 and cfg["head_dim"] % 64 == 0
+    source = cfg.get("source", "auto")
+    return ops.TILE_SOURCES[source if source != "tma" or tma_ok else "auto"]
+
+
+def raw_args(case, num_splits: int, /, stages: int = 2, tile_source: int = 0, **over) -> dict:
     """Every argument of the raw operator; outputs poisoned with NaN."""
     b, hq = case.qkv.shape[0], case.num_heads
     d = case.v_cache.shape[-1]
@@ -116,10 +134,10 @@ def raw_args(case, num_splits: int, /, **over) -> dict:
         qkv=case.qkv, k_cache=case.k_cache, v_cache=case.v_cache, lengths=case.lengths,
         qkv_bias=case.bias, out=torch.full((b, hq * d), float("nan"), dtype=case.qkv.dtype, device=dev),
         lse=torch.full((b, hq), float("nan"), device=dev), partials=ws.partials, counters=ws.counters,
-        num_heads=hq, num_kv_heads=case.num_kv_heads, scale=1.0 / math.sqrt(d),
+        status=ws.status, num_heads=hq, num_kv_heads=case.num_kv_heads, scale=1.0 / math.sqrt(d),
         rotary_dim=case.rotary.get("rotary_dim", 0), rotary_theta=case.rotary.get("rotary_theta", 1e4),
         rotary_interleaved=case.rotary.get("rotary_interleaved", False), num_splits=num_splits,
-        check_lengths=True,
+        check_lengths=True, stages=stages, tile_source=tile_source,
     )  # fmt: skip
     a.update(over)
     return a
@@ -131,17 +149,23 @@ def raw_args(case, num_splits: int, /, **over) -> dict:
 def test_fuzz_kernel_matches_reference(cfg):
     case = build(cfg)
     _, _, ref_k, ref_v = run_reference(case)
-    a = raw_args(case, num_splits_for(cfg))
+    a = raw_args(case, num_splits_for(cfg), stages_for(cfg), source_for(cfg))
     torch.ops.mmha.decode_attention(**a)
     torch.cuda.synchronize()
     check_against_reference(case, a["out"], a["lse"])
     check_cache_writes(case, ref_k, ref_v)
+    assert not a["status"].any(), "a valid length raised its row's status flag"
 
 
 # --------------------------------------------------------------------------- invalid raw-op calls
 def nc(t: torch.Tensor) -> torch.Tensor:
-    """Same shape and values, not contiguous."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 1 else t.repeat(2)[::2]
+    """Same shape and values, not contiguous. Where no such layout exists (torch calls a tensor
+    contiguous whatever the strides of its size-1 dims: lengths of one row, or caches with
+    S_max = 1 whose last two dims are swapped), the mutation does not apply: the call it would
+    make is valid, and the operator rightly runs it."""
+    out = t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 1 else t.repeat(2)[::2]
+    assume(not out.is_contiguous())
+    return out
 
 
 def zeros_like_shape(t, *shape, dtype=None):
@@ -220,6 +244,12 @@ RAW_MUTATIONS = {
         lambda c, r: dict(out=torch.empty(1, device="cuda", dtype=torch.int8)),
         r"out must have dtype",
     ),
+    "stages": (lambda c, r: dict(stages=1 + 8 * (r % 2)), r"stages must be in \[2, \d+\] for head_dim \d+"),
+    "tile source": (lambda c, r: dict(tile_source=-1), r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2"),
+    "status short": (
+        lambda c, r: dict(status=torch.zeros(c.lengths.numel() - 1, dtype=torch.int32, device="cuda")),
+        r"status must hold at least B = \d+ int32",
+    ),
 }
 
 
@@ -237,6 +267,38 @@ def test_fuzz_raw_op_rejects_invalid(cfg, mutation, row):
     assert_bits_equal(case.k_cache, k0, "k_cache")
     assert_bits_equal(case.v_cache, v0, "v_cache")
     assert torch.equal(case.lengths, l0)
+
+
+@gpu
+@fuzz_settings(60)
+@given(cfg=configs(), bad=st.lists(st.sampled_from(["capacity", "past", "negative", "int32 min"]), min_size=1,
+                                   max_size=5))  # fmt: skip
+def test_fuzz_out_of_range_lengths_write_nothing(cfg, bad):
+    """The kernel's own guard (host check off): rows with a length outside [0, S_max - 1] read and
+    write nothing in the caches, get NaN, and raise their status flag; other rows are computed."""
+    case = build(cfg)
+    s_max = cfg["max_seq_len"]
+    value = {"capacity": s_max, "past": s_max + 12345, "negative": -1, "int32 min": -(2**31)}
+    rows = sorted({i % cfg["batch"] for i in range(len(bad))})
+    lengths = list(cfg["lengths"])
+    for i, r in enumerate(rows):
+        lengths[r] = value[bad[i]]
+    case.lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+    k0, v0 = case.k_cache.clone(), case.v_cache.clone()
+    a = raw_args(case, num_splits_for(cfg), stages_for(cfg), source_for(cfg), check_lengths=False)
+    torch.ops.mmha.decode_attention(**a)
+    torch.cuda.synchronize()
+    flagged = [int(x) for x in a["status"].tolist()]
+    assert flagged == [int(r in rows) for r in range(cfg["batch"])]
+    assert torch.isnan(a["out"][rows]).all() and torch.isnan(a["lse"][rows]).all()
+    good = [r for r in range(cfg["batch"]) if r not in rows]
+    for r in good:  # the valid rows wrote their new token's slot; nothing else changed
+        k0[r, :, :, lengths[r]] = case.k_cache[r, :, :, lengths[r]]
+        v0[r, :, lengths[r]] = case.v_cache[r, :, lengths[r]]
+    if good:
+        assert not torch.isnan(a["out"][good]).any()
+    assert_bits_equal(case.k_cache, k0, "k_cache")
+    assert_bits_equal(case.v_cache, v0, "v_cache")
 
 
 # --------------------------------------------------------------------------- invalid KVCache calls

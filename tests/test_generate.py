@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import gpu
 
-from mmha.generate import Request, agree, generate, random_prompts
-from mmha.model import PRESETS, ModelConfig, TinyLlama
+from mmha.models.generate import Request, agree, generate, random_prompts
+from mmha.models.llama import PRESETS, ModelConfig, TinyLlama
 
 
 @pytest.fixture(autouse=True)

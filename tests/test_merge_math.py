@@ -27,12 +27,17 @@ def merge(parts):
     return acc / total, m + math.log(total)
 
 
-def kernel_chunks(length: int, num_splits: int, keys_per_step: int):
-    """The kernel's chunking: ceil(L / splits) rounded up to whole warp steps; splits past L idle."""
-    chunk = -(-length // num_splits)
-    chunk = -(-chunk // keys_per_step) * keys_per_step
-    active = -(-length // chunk)
-    return [(s * chunk, min(length, (s + 1) * chunk)) for s in range(active)], active
+def kernel_chunks(length: int, num_splits: int, grain: int):
+    """The kernel's chunking (decode_attention.cuh): the row's ceil(L / grain) grains (tiles of the
+    tile loop, warp steps of the CUDA-core loop) go to min(splits, grains) active splits, split s
+    taking grains n * s // active .. n * (s + 1) // active; splits past them idle."""
+    n = -(-length // grain)
+    active = min(num_splits, n)
+    chunks = []
+    for s in range(active):
+        t0, t1 = s * n // active, (s + 1) * n // active
+        chunks.append((t0 * grain, min(length, t1 * grain)))
+    return chunks, active
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -81,6 +86,9 @@ def test_kernel_chunking_covers_every_key_once(length, num_splits, step):
     covered = [t for a, b in chunks for t in range(a, b)]
     assert covered == list(range(length))
     assert all(b > a for a, b in chunks)  # active splits are never empty
+    # Balanced: active splits differ by at most one grain.
+    sizes = [-(-(b - a) // step) for a, b in chunks]
+    assert max(sizes) - min(sizes) <= 1
     # Exactly one chunk owns the new token's slot (length - 1).
     assert sum(a <= length - 1 < b for a, b in chunks) == 1
     g = torch.Generator().manual_seed(length)

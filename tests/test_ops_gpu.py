@@ -60,49 +60,86 @@ def test_gqa_groups(heads, variant):
     check_case(case, SPLITS.get(variant), "auto")
 
 
-TC_HEAD_DIMS = [d for d in HEAD_DIMS if d <= 128]
+TILE_DTYPES = [torch.float16, torch.bfloat16]
+TMA_HEAD_DIMS = [d for d in HEAD_DIMS if d % 64 == 0]
 
 
-@pytest.mark.parametrize("warps", [8, 16])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", TC_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", TMA_HEAD_DIMS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_warps_per_block(warps, dtype, head_dim, splits):
-    # Blocks of 8 and 16 warps (tensor-core loop): rows with fewer keys than warps, with one
-    # 16-key step per warp (+-1), and long rows; the new token lands in every position class.
-    w = 16 * warps
-    lengths = [0, 5, w - 2, w - 1, w, 999, 4000]
-    case = make_case(len(lengths), 8, 2, head_dim, lengths, 4096, dtype, seed=warps * head_dim + splits)
-    check_case(case, splits, warps=warps)
+def test_tile_sources_agree_bit_for_bit(dtype, head_dim, splits):
+    # The bulk-tensor-copy source and the cp.async one (what sm_80/86/89 run) fill the same
+    # stage layout: same output bits, same cache writes; rows whose new token sits at the first,
+    # last and a middle key of a tile, and one that fills the cache to S_max.
+    lengths = [0, 63, 64, 100, 1000, 4095]
+    outs = []
+    for source in ("cp_async", "tma"):
+        case = make_case(len(lengths), 8, 2, head_dim, lengths, 4096, dtype, seed=head_dim + splits)
+        outs.append(check_case(case, splits, tile_source=source))
+    assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("warps", [8, 16])
-@pytest.mark.parametrize("heads", [(8, 8), (8, 1), (12, 4), (32, 8)], ids=str)
-@pytest.mark.parametrize("splits", [1, 2, 7])
-def test_warps_per_block_groups(warps, heads, splits):
+@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+def test_padded_head_dims_on_cp_async(dtype, head_dim):
+    # Head dims that are not a multiple of 64 run the cp.async source everywhere (padded V rows).
+    lengths = [0, 64, 500, 1023]
+    case = make_case(len(lengths), 8, 4, head_dim, lengths, 1024, dtype, seed=head_dim)
+    check_case(case, 3)
+    with pytest.raises(RuntimeError, match="tile_source 2 \\(tma\\) needs float16 or bfloat16 caches"):
+        run_kernel(case, 3, tile_source="tma")
+
+
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_stage_count(source, head_dim):
+    # Rings of 2 stages up to what one block may hold: the same bits (only the depth of the
+    # pipeline changes), including walks longer than the ring and shorter than it.
+    lengths = [10, 200, 3000]
+    dev = ops.device_spec(torch.cuda.current_device())
+    most = dispatch.max_stages(head_dim, 2, dev)
+    outs = []
+    for stages in range(dispatch.MIN_STAGES, most + 1):
+        case = make_case(3, 8, 2, head_dim, lengths, 3072, torch.float16, seed=head_dim)
+        outs.append(check_case(case, 2, stages=stages, tile_source=source))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_stages_past_shared_memory_rejected():
+    case = make_case(2, 8, 2, 256, [10, 20], 64, torch.float16, seed=1)
+    most = dispatch.max_stages(256, 2, ops.device_spec(torch.cuda.current_device()))
+    with pytest.raises(RuntimeError, match=rf"stages must be in \[2, {most}\] for head_dim 256"):
+        run_kernel(case, 1, stages=most + 1)
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1), (12, 4), (32, 8), (64, 1)], ids=str)
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_query_groups_on_tiles(heads, splits):
+    # 1, 2, 4 and 8 query heads per block, MQA with several blocks per kv head (64:1).
     hq, hkv = heads
-    case = make_case(3, hq, hkv, 128, [3, 700, 2047], 2048, torch.float16, seed=hq * 7 + hkv + warps)
-    check_case(case, splits, warps=warps)
+    case = make_case(3, hq, hkv, 128, [3, 700, 2047], 2048, torch.float16, seed=hq * 7 + hkv + splits)
+    check_case(case, splits)
 
 
-def test_warps_per_block_repeat_bit_equal():
+def test_tiles_repeat_bit_equal():
     case = make_case(4, 32, 8, 128, [100, 1500, 4095, 2222], 4096, torch.bfloat16, seed=9)
     k0, v0 = case.clone_caches()
     outs = []
     for _ in range(5):
         case.k_cache, case.v_cache = k0.clone(), v0.clone()
-        outs.append(run_kernel(case, 4, warps=16))
+        outs.append(run_kernel(case, 4))
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
-STRADDLE = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 239, 255, 256, 257, 3577, 16385]
+STRADDLE = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 191, 192, 193, 239, 255, 256, 257, 3577, 16385]
 
 
 @pytest.mark.parametrize("variant", ["single_pass", "split7", "split64", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_lengths_straddle_tiles_and_thresholds(variant, dtype):
-    # Lengths around the warp step (8/16/32 keys), the block step (x4) and the split threshold.
+    # Lengths around a consumer warp's 16 keys, the 64-key tile, and split boundaries.
     lengths = [n - 1 for n in STRADDLE]  # the new token makes n keys
     case = make_case(len(lengths), 8, 2, 128, lengths, 16400, dtype, seed=7)
     check_case(case, SPLITS.get(variant))
@@ -265,22 +302,39 @@ def test_extreme_scale():
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_out_of_range_length_writes_nothing_and_poisons_row():
-    case = make_case(3, 4, 2, 64, [5, 10, 20], 64, torch.float16, seed=3)
-    case.lengths[1] = 64  # == S_max: no slot; the raw op without validation must not write
-    case.lengths[2] = -3
+OUT_OF_RANGE = {"capacity": 64, "past": 1000, "negative": -3, "very negative": -(2**31)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("bad", sorted(OUT_OF_RANGE))
+def test_out_of_range_length_writes_nothing_and_flags_the_row(dtype, source, splits, bad):
+    # The device-side guard (RELIABILITY.md row 27): with the host check bypassed, a row whose
+    # length is outside [0, S_max - 1] reads and writes nothing in the caches, gets NaN output
+    # and lse, and raises its status flag; the other rows are computed as usual.
+    case = make_case(3, 4, 2, 64, [5, 10, 20], 64, dtype, seed=3)
+    case.lengths[1] = OUT_OF_RANGE[bad]
     k0, v0 = case.clone_caches()
-    out = ops.decode_attention(
-        case.qkv, case.k_cache, case.v_cache, case.lengths, validate_lengths=False, num_splits=2,
-        **case.kwargs(),
+    ws = ops.Workspace.allocate("cuda", 3, 4, 64, splits)
+    source = source if dtype != torch.float32 else "auto"
+    out, lse = ops.decode_attention(
+        case.qkv, case.k_cache, case.v_cache, case.lengths, validate_lengths=False, num_splits=splits,
+        workspace=ws, return_lse=True, tile_source=source, **case.kwargs(),
     )  # fmt: skip
-    assert torch.isnan(out[1:]).all()
-    assert torch.isfinite(out[0]).all()
-    pos0 = 5
-    k0[0, :, :, pos0, :] = case.k_cache[0, :, :, pos0, :]
-    v0[0, :, pos0, :] = case.v_cache[0, :, pos0, :]
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.isfinite(out[[0, 2]]).all()
+    assert ws.status.tolist() == [0, 1, 0]
+    for row, pos in ((0, 5), (2, 20)):
+        k0[row, :, :, pos, :] = case.k_cache[row, :, :, pos, :]
+        v0[row, :, pos, :] = case.v_cache[row, :, pos, :]
     assert_bits_equal(case.k_cache, k0, "k_cache")
     assert_bits_equal(case.v_cache, v0, "v_cache")
+    with pytest.raises(ops.LengthError, match=r"lengths of rows \[1\] were outside \[0, S_max - 1\]"):
+        ws.check()
+    assert ws.status.tolist() == [0, 0, 0]
+    ws.check()  # cleared
 
 
 def test_non_default_stream():
@@ -341,6 +395,6 @@ def test_opcheck():
         ws = ops.Workspace.allocate("cuda", 3, 8, 64, splits)
         args = (
             case.qkv, case.k_cache, case.v_cache, case.lengths, None, out, lse, ws.partials,
-            ws.counters, 8, 2, 0.125, 0, 10000.0, False, splits,
+            ws.counters, ws.status, 8, 2, 0.125, 0, 10000.0, False, splits,
         )  # fmt: skip
         torch.library.opcheck(torch.ops.mmha.decode_attention.default, args)

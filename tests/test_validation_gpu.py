@@ -21,9 +21,10 @@ def call(case, **over):
         qkv=case.qkv, k_cache=case.k_cache, v_cache=case.v_cache, lengths=case.lengths, qkv_bias=None,
         out=torch.empty(b, HQ * D, dtype=case.qkv.dtype, device="cuda"),
         lse=torch.empty(b, HQ, device="cuda"), partials=torch.empty(b * HQ * 4 * (D + 2), device="cuda"),
-        counters=torch.zeros(b * HQ, dtype=torch.int32, device="cuda"), num_heads=HQ, num_kv_heads=HKV,
+        counters=torch.zeros(b * HQ, dtype=torch.int32, device="cuda"),
+        status=torch.zeros(b, dtype=torch.int32, device="cuda"), num_heads=HQ, num_kv_heads=HKV,
         scale=0.125, rotary_dim=0, rotary_theta=1e4, rotary_interleaved=False, num_splits=2,
-        check_lengths=True, warps=4,
+        check_lengths=True, stages=2, tile_source=0,
     )  # fmt: skip
     a.update(over)
     torch.ops.mmha.decode_attention(**a)
@@ -96,19 +97,23 @@ BAD = [
         lambda c: dict(partials=torch.empty(10, device="cuda")),
         r"partials must hold at least B \* Hq \* num_splits \* \(D \+ 2\)",
     ),
-    ("warps", lambda c: dict(warps=5), r"warps must be 4, 8 or 16, got 5"),
-    ("warps zero", lambda c: dict(warps=0), r"warps must be 4, 8 or 16, got 0"),
+    ("stages", lambda c: dict(stages=1), r"stages must be in \[2, \d\] for head_dim 64 \(shared memory"),
+    ("stages many", lambda c: dict(stages=9), r"stages must be in \[2, \d\] for head_dim 64"),
+    ("tile source", lambda c: dict(tile_source=3), r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2 \(tma\), got 3"),
     (
-        "warps fp32",
+        "tma fp32",
         lambda c: dict(
             qkv=c.qkv.float(),
             v_cache=c.v_cache.float(),
             out=torch.empty(3, HQ * D, device="cuda"),
             k_cache=torch.zeros(3, HKV, D // 4, 16, 4, device="cuda"),
-            warps=8,
+            tile_source=2,
         ),  # fmt: skip
-        r"warps must be 4 for float32 caches and head_dim 256 \(the CUDA-core loop\), got 8",
+        r"tile_source 2 \(tma\) needs float16 or bfloat16 caches with head_dim a multiple of 64, got Float",
     ),
+    ("status short", lambda c: dict(status=torch.zeros(2, dtype=torch.int32, device="cuda")), r"status must hold at least B = 3 int32, got 2"),
+    ("status dtype", lambda c: dict(status=torch.zeros(3, dtype=torch.int64, device="cuda")), r"status must have dtype Int, got Long"),
+    ("status on cpu", lambda c: dict(status=torch.zeros(3, dtype=torch.int32)), r"status must be a CUDA tensor"),
     (
         "out shape",
         lambda c: dict(out=torch.empty(3, 10, dtype=torch.float16, device="cuda")),

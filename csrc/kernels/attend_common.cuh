@@ -1,4 +1,4 @@
-// What the decode kernel hands to its tensor-core main loop (attend_mma.cuh). Torch-free.
+// What the decode kernel hands to its CUDA-core main loop (attend_simt.cuh). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +23,7 @@ struct AttendArgs {
   int start;
   int end;
   int pos;
-  int nh;            // query heads of this block that exist (<= QB)
   float scale_log2;  // softmax scale * log2(e)
-  int64_t kv_head;   // row * Hkv + kv head: where the tensor-core loop starts its walk
-  int warps;         // warps of the block (blockDim.x / 32)
 };
 
 }  // namespace mmha

@@ -12,29 +12,30 @@
 #include <atomic>
 #include <type_traits>
 
-#include "attend_mma.cuh"
 #include "attend_simt.cuh"
+#include "attend_tiles.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
+#include "tile_source.cuh"
 #include "vec.cuh"
 
 namespace mmha {
 
-// The main loop. Tensor cores for fp16/bf16 caches with head_dim <= 128, whatever the query
-// group (with one query head per kv head, 7 of the 8 mma columns are idle, but it measured
-// faster than the CUDA-core loop once the ring let 4 blocks share an SM: docs/design.md); the
-// CUDA-core loop for fp32 caches and head_dim 256 (whose two-buffer pipeline would leave one
-// block per SM).
-// Only float against 16-bit matters for the choice of loop.
+// The main loop: the tile loop (tensor cores, attend_tiles.cuh) for fp16 / bf16 caches, the
+// CUDA-core loop (attend_simt.cuh) for fp32 caches. Mirrored by uses_tensor_cores() in
+// mmha/dispatch.py.
 template <typename T>
-constexpr DType kLoopDType = std::is_same_v<T, float> ? DType::kFloat32 : DType::kFloat16;
+constexpr bool kTiles = !std::is_same_v<T, float>;
 
-template <typename T, int HEAD_DIM, int QB>
-constexpr bool kUseTensorCores = uses_tensor_cores(kLoopDType<T>, HEAD_DIM);
+template <typename T>
+constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
+// Tile-loop blocks of head_dim <= 128 run two per SM (the dispatcher sizes their stages for
+// it), so registers are capped at 65536 / (2 * 160) = 204; at head_dim 256 one block per SM.
+template <typename T, int HEAD_DIM>
+constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
-template <typename T, int HEAD_DIM, int QB>
-using AttendPath = std::conditional_t<kUseTensorCores<T, HEAD_DIM, QB>, MmaAttend<T, HEAD_DIM, QB>,
-                                      SimtAttend<T, HEAD_DIM, QB>>;
+template <typename T, int HEAD_DIM, TileSource SRC>
+using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<T, HEAD_DIM>, CpAsyncTiles<T, HEAD_DIM>>;
 
 // Element d of a q or k head after bias and rotary embedding at position pos, in fp32.
 template <typename T>
@@ -45,8 +46,7 @@ __device__ __forceinline__ float load_biased(const T* row, const T* bias, int i)
 }
 
 template <typename T>
-__device__ float load_rotated(const T* row, const T* bias, int offset, int d, int pos,
-                              const MmhaParams& p) {
+__device__ float load_rotated(const T* row, const T* bias, int offset, int d, int pos, const MmhaParams& p) {
   const float x = load_biased(row, bias, offset + d);
   const int rd = p.rotary_dim;
   if (d >= rd) return x;
@@ -69,47 +69,49 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
   return x * c + sign * y * s;
 }
 
-// __launch_bounds__: the tensor-core kernel takes blocks of up to kMaxWarps warps, which caps
-// it at 65536 / 512 = 128 registers per thread; at head_dim 128 that is also what 4 blocks of 4
-// warps per SM (its shared-memory occupancy) allow, so registers cost no occupancy (128, no
-// spill). The CUDA-core kernel runs kWarps warps and ptxas picks its registers.
+// The block's query heads in fp32 (bias, rotary at position pos) into s_q; for the block whose
+// chunk holds the new token, its k (bias, rotary, rounded to T) and v into s_new_k / s_new_v,
+// and (query group 0 only, so exactly once per row and kv head) into slot pos of both caches.
+// Threads tid < nthreads take part.
 template <typename T, int HEAD_DIM, int QB>
-constexpr int kMaxThreads = kUseTensorCores<T, HEAD_DIM, QB> ? kMaxWarps * 32 : kThreads;
-template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks = kUseTensorCores<T, HEAD_DIM, QB> ? 1 : 0;
-
-#ifdef MMHA_EXP_TRACE
-// Diagnostic (bench/trace.sh, bench/trace_blocks.py): thread 0 of each block stamps %globaltimer
-// at events 0-4 and its SM id into p.partials past the split partials, 12 words per block (the
-// caller allocates room for them). Off unless built with -DMMHA_EXP_TRACE.
-__device__ __forceinline__ void trace_stamp(const MmhaParams& p, int head_dim, int event) {
-  if (threadIdx.x != 0 || p.partials == nullptr) return;
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  uint32_t sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  const int64_t blk = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-  const int64_t base = static_cast<int64_t>(p.batch) * p.num_heads * p.num_splits * (head_dim + 2);
-  uint32_t* rec = reinterpret_cast<uint32_t*>(p.partials + base) + blk * 12;
-  rec[2 * event] = static_cast<uint32_t>(t);
-  rec[2 * event + 1] = static_cast<uint32_t>(t >> 32);
-  rec[11] = sm;
-}
-#define MMHA_TRACE(e) trace_stamp(p, HEAD_DIM, e)
-#else
-#define MMHA_TRACE(e)
-#endif
-
-template <typename T, int HEAD_DIM, int QB>
-__global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T, HEAD_DIM, QB>))
-    decode_attention_kernel(const MmhaParams p) {
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const T* qkv_row, int h0, int nh,
+                                                         int kvh, int qg, int pos, bool owner, T* k_head,
+                                                         T* v_head, float (&s_q)[QB][HEAD_DIM],
+                                                         T (&s_new_k)[HEAD_DIM], T (&s_new_v)[HEAD_DIM],
+                                                         int tid, int nthreads) {
   constexpr int VEC = kVec<T>;
-  constexpr bool TC = kUseTensorCores<T, HEAD_DIM, QB>;
-  constexpr int KEYS = AttendPath<T, HEAD_DIM, QB>::KEYS;
-  constexpr int ACC_ROWS = AttendPath<T, HEAD_DIM, QB>::ACC_ROWS;
-  MMHA_TRACE(0);
-  const int warps = TC ? p.warps : kWarps;  // == blockDim.x / 32
-  const int nthreads = warps * 32;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
+    const int g = idx / HEAD_DIM;
+    const int d = idx % HEAD_DIM;
+    s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
+  }
+  if (owner) {
+    const int k_off = (p.num_heads + kvh) * HEAD_DIM;
+    const int v_off = (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
+    const int64_t smax = p.max_seq_len;
+    for (int d = tid; d < HEAD_DIM; d += nthreads) {
+      const T k = from_float<T>(load_rotated(qkv_row, bias, k_off, d, pos, p));
+      const T v = from_float<T>(load_biased(qkv_row, bias, v_off + d));
+      s_new_k[d] = k;
+      s_new_v[d] = v;
+      if (qg == 0) {  // blocks of other query groups of this kv head read the same slot
+        k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
+        v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
+      }
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+__global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
+    decode_attention_kernel(const __grid_constant__ MmhaParams p) {
+  constexpr bool TILES = kTiles<T>;
+  // Chunks are whole tiles (tile loop) or whole warp steps (CUDA-core loop).
+  constexpr int GRAIN = TILES ? kTileKeys : SimtAttend<T, HEAD_DIM, QB>::KEYS;
+  constexpr int LOOP_WARPS = TILES ? kConsumerWarps : kSimtWarps;
+  constexpr int ACC_ROWS = TILES ? 1 : SimtAttend<T, HEAD_DIM, QB>::ACC_ROWS;
+  const int nthreads = blockDim.x;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -128,262 +130,101 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;
   float* lse = p.lse + static_cast<int64_t>(b) * p.num_heads;
   if (pos < 0 || pos >= smax) {
-    // Out-of-range length: write nothing to the cache, poison this row's output instead.
+    // Out-of-range length (the host checks were bypassed or raced): nothing is read from or
+    // written to the caches; the row's output is NaN and its status flag is raised.
     if (split == 0) {
       for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
         out[(h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
         if (idx % HEAD_DIM == 0) lse[h0 + idx / HEAD_DIM] = NAN;
       }
+      if (blockIdx.y == 0 && tid == 0) p.status[b] = 1;
     }
     return;
   }
 
-  // Keys [start, end) of this block. Chunks are rounded to whole warp steps; splits past the
-  // row's length have nothing to do and do not take part in the merge.
+  // Keys [start, end) of this block: the row's len = pos + 1 keys are ntiles grains; active
+  // splits take ntiles * s / active .. ntiles * (s + 1) / active of them (equal to one grain).
+  // Splits past the row's grains have nothing to do and take no part in the merge.
   const int len = pos + 1;
-  int chunk = (len + num_splits - 1) / num_splits;
-  chunk = (chunk + KEYS - 1) / KEYS * KEYS;
-  const int start = split * chunk;
-  if (start >= len) return;
-  const int end = min(len, start + chunk);
-  const int active_splits = (len + chunk - 1) / chunk;
+  const int ntiles = (len + GRAIN - 1) / GRAIN;
+  const int active_splits = min(num_splits, ntiles);
+  if (split >= active_splits) return;
+  const int t0 = split * ntiles / active_splits;
+  const int t1 = (split + 1) * ntiles / active_splits;
+  const int start = t0 * GRAIN;
+  const int end = min(len, t1 * GRAIN);
+  const bool owner = pos < end;  // this block's chunk holds the new token's slot
 
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];
   __shared__ __align__(16) T s_new_k[HEAD_DIM];
   __shared__ __align__(16) T s_new_v[HEAD_DIM];
-  __shared__ float s_m[kMaxWarps][QB];
-  __shared__ float s_l[kMaxWarps][QB];
+  __shared__ float s_m[LOOP_WARPS][QB];
+  __shared__ float s_l[LOOP_WARPS][QB];
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
 
   const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
-  const T* bias = static_cast<const T*>(p.qkv_bias);
   const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
-
   const float scale_log2 = p.scale * kLog2e;
-  const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, nh, scale_log2, kv_head, warps};
-  extern __shared__ __align__(16) unsigned char s_dyn[];
-  if constexpr (TC) MmaAttend<T, HEAD_DIM, QB>::prefetch(args, s_dyn);
 
-  for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
-    const int g = idx / HEAD_DIM;
-    const int d = idx % HEAD_DIM;
-    s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
-  }
-  const bool owner = pos < end;  // this block's chunk holds the new token's slot
-  if (owner) {
-    const int k_off = (p.num_heads + kvh) * HEAD_DIM;
-    const int v_off = (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
-    for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      const T k = from_float<T>(load_rotated(qkv_row, bias, k_off, d, pos, p));
-      const T v = from_float<T>(load_biased(qkv_row, bias, v_off + d));
-      s_new_k[d] = k;
-      s_new_v[d] = v;
-      if (qg == 0) {  // blocks of other query groups of this kv head read the same slot
-        k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
-        v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
-      }
-    }
-  }
-  __syncthreads();
-  MMHA_TRACE(1);
-
-  // Main loop: each warp leaves its (max, sum, acc) in s_m, s_l and s_acc
-  // ([warps * ACC_ROWS][QB][HEAD_DIM]), then the block meets at a barrier.
+  // Main loop: each loop warp leaves its (max, sum) in s_m, s_l and its accumulators in s_acc
+  // ([LOOP_WARPS * ACC_ROWS][QB][HEAD_DIM]); then the block meets at a barrier.
   const float* s_acc;
-  if constexpr (TC) {
-    s_acc = MmaAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_dyn, s_q, s_new_k, s_new_v);
-    MMHA_TRACE(2);
-  } else {
-    // CUDA-core loop, written out here rather than behind a function: behind one (same code,
-    // arguments in a struct) ptxas wanted 149 instead of 128 registers for one head per block;
-    // bounded to 128 it spilled and the MHA rows ran up to 8 % slower on the H200.
-    using W = WarpTiling<T, HEAD_DIM, QB>;
-    __shared__ __align__(16) float s_p[kWarps][W::KEYS][QB];
-    __shared__ __align__(16) float s_acc_simt[kWarps * W::ROWS][QB][HEAD_DIM];
-    const int ti = lane / W::KPW;
-    const int kj = lane % W::KPW;
-    const int vr = lane / W::VLPR;
-    const int vc = lane % W::VLPR;
-    const bool v_lane = vr < W::ROWS;
-
-    float m[QB], l[QB];
-    float acc[QB][W::VCPL * VEC];
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-      m[g] = -INFINITY;
-      l[g] = 0.f;
-#pragma unroll
-      for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] = 0.f;
-    }
-
-    for (int it = start + warp * W::KEYS; it < end; it += kWarps * W::KEYS) {
-      // Issue every K and V load of this step before any math: ~16 x 16 B in flight per lane.
-      uint4 kraw[W::U][W::CPT];
-      uint4 vraw[W::V_STEPS][W::VCPL];
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-        const int t = it + u * W::KPW + kj;
-#pragma unroll
-        for (int c = 0; c < W::CPT; ++c) {
-          const int ch = c * W::TPK + ti;
-          if (t >= end) {
-            kraw[u][c] = make_uint4(0, 0, 0, 0);
-          } else if (t == pos) {
-            kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
-          } else {
-            kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
-          }
-        }
+  if constexpr (TILES) {
+    using Source = SourceOf<T, HEAD_DIM, SRC>;
+    __shared__ TileRing ring;
+    extern __shared__ __align__(16) unsigned char s_dyn[];
+    unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+    if (tid == 0) {
+      for (int s = 0; s < p.stages; ++s) {
+        mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
+        mbar_init(&ring.empty[s], kConsumerWarps);
       }
-#pragma unroll
-      for (int st = 0; st < W::V_STEPS; ++st) {
-        const int kk = st * W::ROWS + vr;
-        const int t = it + kk;
-        const bool valid = v_lane && kk < W::KEYS && t < end;
-#pragma unroll
-        for (int n = 0; n < W::VCPL; ++n) {
-          const int ch = n * W::VLPR + vc;
-          if (!valid) {
-            vraw[st][n] = make_uint4(0, 0, 0, 0);
-          } else if (t == pos) {
-            vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
-          } else {
-            vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
-          }
-        }
-      }
-
-      // Q.K: partial dots over this lane's chunks, then a reduction over the TPK lanes of a key.
-      float logit[W::U][QB];
-#pragma unroll
-      for (int u = 0; u < W::U; ++u) {
-#pragma unroll
-        for (int g = 0; g < QB; ++g) logit[u][g] = 0.f;
-#pragma unroll
-        for (int c = 0; c < W::CPT; ++c) {
-          const int ch = c * W::TPK + ti;
-          float kf[VEC];
-          convert16<T>(kraw[u][c], kf);
-#pragma unroll
-          for (int g = 0; g < QB; ++g) {
-#pragma unroll
-            for (int e = 0; e < VEC; e += 4) {
-              const float4 q4 = *reinterpret_cast<const float4*>(&s_q[g][ch * VEC + e]);
-              logit[u][g] += q4.x * kf[e] + q4.y * kf[e + 1] + q4.z * kf[e + 2] + q4.w * kf[e + 3];
-            }
-          }
-        }
-        const int t = it + u * W::KPW + kj;
-#pragma unroll
-        for (int g = 0; g < QB; ++g) {
-#pragma unroll
-          for (int off = W::KPW; off < 32; off *= 2) {
-            logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
-          }
-          logit[u][g] = t < end ? logit[u][g] * scale_log2 : -INFINITY;
-        }
-      }
-
-      // Online softmax over this warp's keys (log2 domain).
-      float alpha[QB];
-#pragma unroll
-      for (int g = 0; g < QB; ++g) {
-        float mx = logit[0][g];
-#pragma unroll
-        for (int u = 1; u < W::U; ++u) mx = fmaxf(mx, logit[u][g]);
-#pragma unroll
-        for (int off = 1; off < W::KPW; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-        const float m_new = fmaxf(m[g], mx);
-        const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-        alpha[g] = exp2f(m[g] - m_ref);
-        float sum = 0.f;
-#pragma unroll
-        for (int u = 0; u < W::U; ++u) {
-          logit[u][g] = exp2f(logit[u][g] - m_ref);
-          sum += logit[u][g];
-        }
-        l[g] = l[g] * alpha[g] + sum;
-        m[g] = m_new;
-      }
-      if (ti == 0) {
-#pragma unroll
-        for (int u = 0; u < W::U; ++u) {
-#pragma unroll
-          for (int g = 0; g < QB; ++g) s_p[warp][u * W::KPW + kj][g] = logit[u][g];
-        }
-      }
-      __syncwarp();
-
-      // P.V
-#pragma unroll
-      for (int g = 0; g < QB; ++g) {
-#pragma unroll
-        for (int e = 0; e < W::VCPL * VEC; ++e) acc[g][e] *= alpha[g];
-      }
-#pragma unroll
-      for (int st = 0; st < W::V_STEPS; ++st) {
-        const int kk = st * W::ROWS + vr;
-        float pg[QB];
-#pragma unroll
-        for (int g = 0; g < QB; ++g) pg[g] = (v_lane && kk < W::KEYS) ? s_p[warp][kk][g] : 0.f;
-#pragma unroll
-        for (int n = 0; n < W::VCPL; ++n) {
-          float vf[VEC];
-          convert16<T>(vraw[st][n], vf);
-#pragma unroll
-          for (int g = 0; g < QB; ++g) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[g][n * VEC + e] += pg[g] * vf[e];
-          }
-        }
-      }
-      __syncwarp();  // s_p is rewritten by the next step
-    }
-
-    // Per-warp (max, sum, acc) to shared memory for the block combine.
-#pragma unroll
-    for (int g = 0; g < QB; ++g) {
-#pragma unroll
-      for (int off = 1; off < W::KPW; off *= 2) l[g] += __shfl_xor_sync(kFullMask, l[g], off);
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int g = 0; g < QB; ++g) {
-        s_m[warp][g] = m[g];
-        s_l[warp][g] = l[g];
-      }
-    }
-    if (v_lane) {
-#pragma unroll
-      for (int g = 0; g < QB; ++g) {
-#pragma unroll
-        for (int n = 0; n < W::VCPL; ++n) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            s_acc_simt[warp * W::ROWS + vr][g][(n * W::VLPR + vc) * VEC + e] = acc[g][n * VEC + e];
-          }
-        }
-      }
+      mbar_init_fence();
     }
     __syncthreads();
-    s_acc = &s_acc_simt[0][0][0];
+    const TileArgs<T> ta{k_head, v_head, smax, end, pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+    const int nt = t1 - t0;
+    const TileWalk walk{t0, nt, static_cast<int>(kv_head * 37 % nt)};
+    TileConsumer<T, HEAD_DIM, QB> consumer;
+    if (warp == kConsumerWarps) {
+      // The producer starts while the consumers build q: its first copies need only the walk.
+      tile_produce<T, HEAD_DIM, Source>(ta, ring, stages, p.stages, walk, lane);
+    } else {
+      load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, h0, nh, kvh, qg, pos, owner, k_head, v_head, s_q,
+                                                s_new_k, s_new_v, tid, kConsumerWarps * 32);
+      named_barrier(1, kConsumerWarps * 32);
+      consumer.init(s_q, nh, scale_log2, lane);
+      tile_consume<T, HEAD_DIM, QB>(consumer, ring, stages, p.stages, walk, end, pos, s_new_k, s_new_v, warp,
+                                    lane);
+    }
+    __syncthreads();  // every consumer is done with the stages: their space becomes s_acc
+    float* acc_out = reinterpret_cast<float*>(stages);
+    if (warp < kConsumerWarps) consumer.store(s_m, s_l, acc_out, warp, lane);
+    __syncthreads();
+    s_acc = acc_out;
+  } else {
+    load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, h0, nh, kvh, qg, pos, owner, k_head, v_head, s_q,
+                                              s_new_k, s_new_v, tid, nthreads);
+    __syncthreads();
+    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, scale_log2};
+    s_acc = SimtAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
   }
 
-
+  // Block combine: max, sum and accumulators of the loop warps, rescaled to the block's max.
   const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
   for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     float mb = -INFINITY;
-#pragma unroll 4
-    for (int w = 0; w < warps; ++w) mb = fmaxf(mb, s_m[w][g]);
+#pragma unroll
+    for (int w = 0; w < LOOP_WARPS; ++w) mb = fmaxf(mb, s_m[w][g]);
     const float m_ref = mb == -INFINITY ? 0.f : mb;
     float sum = 0.f, a = 0.f;
-#pragma unroll 4
-    for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int w = 0; w < LOOP_WARPS; ++w) {
       const float sc = exp2f(s_m[w][g] - m_ref);
       float aw = 0.f;
 #pragma unroll
@@ -404,10 +245,10 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
       }
     }
   }
-  MMHA_TRACE(3);
   if (num_splits == 1) return;
 
-  // Split sequence: the last block of this (row, query-head group) to finish merges the partials.
+  // Split sequence: the last block of this (row, query-head group) to finish merges the partials
+  // in split order (bit-identical run to run).
   __threadfence();
   __syncthreads();
   if (tid == 0) {
@@ -420,6 +261,7 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
   if (!s_last) return;
   __threadfence();
 
+  const int warps = nthreads / 32;
   for (int g = warp; g < nh; g += warps) {
     const float* part = p.partials + (head_row + h0 + g) * num_splits * (HEAD_DIM + 2);
     float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
@@ -458,54 +300,87 @@ __global__ void __launch_bounds__((kMaxThreads<T, HEAD_DIM, QB>), (kMinBlocks<T,
     for (int s = 0; s < active_splits; ++s) a += s_w[g][s] * __ldcg(part + s * (HEAD_DIM + 2));
     out[(h0 + g) * HEAD_DIM + d] = from_float<T>(a);
   }
-  MMHA_TRACE(4);
 }
 
-// Dynamic shared memory of one instantiation at `warps` warps per block; above the default
-// 48 KB limit the kernel must opt in, once per device (the attribute is per device), for the
-// largest block it may run.
-template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
-cudaError_t prepare_decode_attention(int warps, int& smem_bytes) {
-  using Path = AttendPath<T, HEAD_DIM, Q_GROUP_BLOCK>;
-  if (!warps_supported(kLoopDType<T>, HEAD_DIM, warps)) return cudaErrorInvalidValue;
-  smem_bytes = Path::smem_bytes(warps);
-  const int max_smem = Path::smem_bytes(kUseTensorCores<T, HEAD_DIM, Q_GROUP_BLOCK> ? kMaxWarps : kWarps);
-  if (max_smem <= 48 * 1024) return cudaSuccess;
-  static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit != 0 && (opted_in.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
-  if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  return err;
+// Dynamic shared memory of one launch (the tile loop's stages; the CUDA-core loop has static
+// arrays only). Above the default 48 KB the kernel must opt in, once per device (the attribute
+// is per device), for the largest launch it may see: kMaxStages, or what the device allows.
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
+  if constexpr (!kTiles<T>) {
+    smem_bytes = 0;
+    return cudaSuccess;
+  } else {
+    if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
+    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(T)), stages);
+    static std::atomic<uint64_t> opted_in{0};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if (bit != 0 && (opted_in.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+    int optin = 0;
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes attr{};
+    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, HEAD_DIM, QB, SRC>);
+    if (err != cudaSuccess) return err;
+    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(T)), kMaxStages);
+    const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
+    err = cudaFuncSetAttribute(decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
+    if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
+    return err;
+  }
 }
 
-template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
-int decode_attention_blocks_per_sm(int warps) {
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+int blocks_per_sm_of(int stages) {
   int smem_bytes = 0;
   int blocks = 0;
-  if (prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(warps, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks, decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>, warps * 32, smem_bytes) !=
-          cudaSuccess) {
+  if (prepare_decode_attention<T, HEAD_DIM, QB, SRC>(stages, smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+                                                    kBlockThreads<T>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   return blocks;
 }
 
-template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
-cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, Q_GROUP_BLOCK>(params.warps, smem_bytes);
+  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages,
+                                                                          smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(params.num_splits, params.num_kv_heads * params.q_groups, params.batch);
-  decode_attention_kernel<T, HEAD_DIM, Q_GROUP_BLOCK>
-      <<<grid, params.warps * 32, smem_bytes, stream>>>(params);
+  const dim3 grid(p.num_splits, p.num_kv_heads * p.q_groups, p.batch);
+  decode_attention_kernel<T, HEAD_DIM, QB, SRC><<<grid, kBlockThreads<T>, smem_bytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// Bulk tensor copies exist for 16-bit head dims that are a multiple of 64.
+template <typename T, int HEAD_DIM>
+constexpr bool kHasTma = kTiles<T> && HEAD_DIM % 64 == 0;
+
+template <typename T, int HEAD_DIM, int QB>
+cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  if (params.tile_source == TileSource::kTma) {
+    if constexpr (kHasTma<T, HEAD_DIM>) {
+      return launch_kernel<T, HEAD_DIM, QB, TileSource::kTma>(params, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  }
+  return launch_kernel<T, HEAD_DIM, QB, TileSource::kCpAsync>(params, stream);
+}
+
+template <typename T, int HEAD_DIM, int QB>
+int decode_attention_blocks_per_sm(int stages, TileSource source) {
+  if (source == TileSource::kTma) {
+    if constexpr (kHasTma<T, HEAD_DIM>) return blocks_per_sm_of<T, HEAD_DIM, QB, TileSource::kTma>(stages);
+    return 0;
+  }
+  return blocks_per_sm_of<T, HEAD_DIM, QB, TileSource::kCpAsync>(stages);
 }
 
 }  // namespace mmha

@@ -35,36 +35,36 @@ cudaError_t dispatch_head_dim(const MmhaParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int HEAD_DIM>
-int occupancy_q_group_block(int q_group_block, int warps) {
+int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
   switch (q_group_block) {
-    case 1: return decode_attention_blocks_per_sm<T, HEAD_DIM, 1>(warps);
-    case 2: return decode_attention_blocks_per_sm<T, HEAD_DIM, 2>(warps);
-    case 4: return decode_attention_blocks_per_sm<T, HEAD_DIM, 4>(warps);
-    case 8: return decode_attention_blocks_per_sm<T, HEAD_DIM, 8>(warps);
+    case 1: return decode_attention_blocks_per_sm<T, HEAD_DIM, 1>(stages, source);
+    case 2: return decode_attention_blocks_per_sm<T, HEAD_DIM, 2>(stages, source);
+    case 4: return decode_attention_blocks_per_sm<T, HEAD_DIM, 4>(stages, source);
+    case 8: return decode_attention_blocks_per_sm<T, HEAD_DIM, 8>(stages, source);
     default: return 0;
   }
 }
 
 template <typename T>
-int occupancy_head_dim(int head_dim, int q_group_block, int warps) {
+int occupancy_head_dim(int head_dim, int q_group_block, int stages, TileSource source) {
   switch (head_dim) {
-    case 32: return occupancy_q_group_block<T, 32>(q_group_block, warps);
-    case 64: return occupancy_q_group_block<T, 64>(q_group_block, warps);
-    case 80: return occupancy_q_group_block<T, 80>(q_group_block, warps);
-    case 96: return occupancy_q_group_block<T, 96>(q_group_block, warps);
-    case 128: return occupancy_q_group_block<T, 128>(q_group_block, warps);
-    case 256: return occupancy_q_group_block<T, 256>(q_group_block, warps);
+    case 32: return occupancy_q_group_block<T, 32>(q_group_block, stages, source);
+    case 64: return occupancy_q_group_block<T, 64>(q_group_block, stages, source);
+    case 80: return occupancy_q_group_block<T, 80>(q_group_block, stages, source);
+    case 96: return occupancy_q_group_block<T, 96>(q_group_block, stages, source);
+    case 128: return occupancy_q_group_block<T, 128>(q_group_block, stages, source);
+    case 256: return occupancy_q_group_block<T, 256>(q_group_block, stages, source);
     default: return 0;
   }
 }
 
 }  // namespace
 
-int decode_blocks_per_sm(DType dtype, int head_dim, int q_group_block, int warps) {
+int decode_blocks_per_sm(DType dtype, int head_dim, int q_group_block, int stages, TileSource source) {
   switch (dtype) {
-    case DType::kFloat16: return occupancy_head_dim<__half>(head_dim, q_group_block, warps);
-    case DType::kBFloat16: return occupancy_head_dim<__nv_bfloat16>(head_dim, q_group_block, warps);
-    case DType::kFloat32: return occupancy_head_dim<float>(head_dim, q_group_block, warps);
+    case DType::kFloat16: return occupancy_head_dim<__half>(head_dim, q_group_block, stages, source);
+    case DType::kBFloat16: return occupancy_head_dim<__nv_bfloat16>(head_dim, q_group_block, stages, source);
+    case DType::kFloat32: return occupancy_head_dim<float>(head_dim, q_group_block, stages, source);
     default: return 0;
   }
 }

@@ -28,7 +28,7 @@ def main() -> None:
             lines = "\n".join(
                 f"template cudaError_t launch_decode_attention<{ctype}, {head_dim}, {qb}>("
                 "const MmhaParams&, cudaStream_t);\n"
-                f"template int decode_attention_blocks_per_sm<{ctype}, {head_dim}, {qb}>(int);"
+                f"template int decode_attention_blocks_per_sm<{ctype}, {head_dim}, {qb}>(int, TileSource);"
                 for qb in Q_GROUP_BLOCKS
             )
             path = out_dir / f"decode_{name}_hd{head_dim}.cu"

@@ -1,11 +1,20 @@
 // Plain parameter block shared by the host launcher and the kernels. Torch-free.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a 128-byte descriptor; no driver call is made from here)
+
 #include <cstdint>
 
 namespace mmha {
 
 enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+
+// Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
+enum class TileSource : int32_t {
+  kAuto = 0,     // the host picks: bulk tensor copies where tma_supported(), else cp.async
+  kCpAsync = 1,  // 16-byte cp.async by the producer warp (sm_80 and newer, every head dim)
+  kTma = 2,      // Hopper bulk tensor copies (sm_90, head_dim a multiple of 64)
+};
 
 // Supported configuration, mirrored in mmha/dispatch.py (tests/test_dispatch.py checks both agree).
 constexpr int kSupportedHeadDims[] = {32, 64, 80, 96, 128, 256};
@@ -16,29 +25,45 @@ constexpr int kQGroupBlocks[] = {1, 2, 4, 8};
 constexpr int kNumQGroupBlocks = sizeof(kQGroupBlocks) / sizeof(int);
 // Upper bound on sequence splits: the merge keeps one weight per split in shared memory.
 constexpr int kMaxSplits = 64;
-// Warps per block. Each warp runs its own online softmax over its keys (no block barrier in the
-// loop). The CUDA-core loop always runs kWarps; the tensor-core loop runs any of kWarpChoices
-// (params.warps, picked by mmha/dispatch.py): bigger blocks put more of a (row, kv head)'s keys
-// in flight at once on a small grid without cutting it into more splits.
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kWarpChoices[] = {4, 8, 16};
-constexpr int kNumWarpChoices = sizeof(kWarpChoices) / sizeof(int);
-constexpr int kMaxWarps = 16;
 
-// Whether the kernel runs its tensor-core loop (fp16 / bf16 caches, head_dim <= 128) rather
-// than the CUDA-core one; mirrored by uses_tensor_cores in mmha/dispatch.py.
-constexpr bool uses_tensor_cores(DType dtype, int head_dim) {
-  return dtype != DType::kFloat32 && head_dim <= 128;
+// The tile loop (fp16 / bf16 caches, every head dim): a block is kConsumerWarps warps that
+// compute and one producer warp that fills a ring of `stages` shared-memory stages, each
+// holding K and V of kTileKeys consecutive keys. Each consumer warp takes 16 keys of a tile
+// (the M of its m16n8k16 products), so a tile is 16 * kConsumerWarps keys.
+constexpr int kConsumerWarps = 4;
+constexpr int kTileKeys = 16 * kConsumerWarps;
+constexpr int kTileThreads = (kConsumerWarps + 1) * 32;
+constexpr int kMinStages = 2;
+constexpr int kMaxStages = 8;
+// An upper bound on the kernel's static shared memory (q in fp32, the new token, per-warp maxima
+// and sums, merge weights, barriers: 11.4 KB at 8 query heads of head_dim 256), so that host and
+// dispatcher can size stages without asking the compiled kernel.
+constexpr int kStaticSmemBound = 12 * 1024;
+// The CUDA-core loop (fp32 caches): blocks of kSimtWarps warps, each walking its own keys.
+constexpr int kSimtWarps = 4;
+constexpr int kSimtThreads = kSimtWarps * 32;
+
+// Whether the kernel runs the tile loop (tensor cores) rather than the CUDA-core one; mirrored
+// by uses_tensor_cores in mmha/dispatch.py.
+constexpr bool uses_tensor_cores(DType dtype) { return dtype != DType::kFloat32; }
+
+// Whether bulk tensor copies can bring this head dim's tiles: V rows are copied as boxes of 64
+// elements (128 bytes) with the 128-byte swizzle, so the head dim must be a multiple of 64.
+constexpr bool tma_head_dim(DType dtype, int head_dim) {
+  return uses_tensor_cores(dtype) && head_dim % 64 == 0;
 }
 
-// Whether blocks of `warps` warps can run for this dtype and head dim.
-constexpr bool warps_supported(DType dtype, int head_dim, int warps) {
-  if (!uses_tensor_cores(dtype, head_dim)) return warps == kWarps;
-  for (int i = 0; i < kNumWarpChoices; ++i) {
-    if (kWarpChoices[i] == warps) return true;
-  }
-  return false;
+// Shared memory of one stage of the tile loop (K and V of kTileKeys keys, 16-bit elements);
+// tile_layout.cuh lays it out, mmha/dispatch.py mirrors it. V rows of head dims that are not a
+// multiple of 64 carry 16 bytes of padding; stages are 1024-byte aligned.
+constexpr int tile_stage_bytes(int head_dim, int elem_bytes) {
+  const int k = kTileKeys * head_dim * elem_bytes;
+  const int v = kTileKeys * (head_dim % 64 == 0 ? head_dim : head_dim + 16 / elem_bytes) * elem_bytes;
+  return (k + v + 1023) / 1024 * 1024;
+}
+// Dynamic shared memory of a tile-loop block: its stages plus slack to align them to 1024 bytes.
+constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
+  return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024;
 }
 
 struct MmhaParams {
@@ -51,6 +76,7 @@ struct MmhaParams {
   float* lse;                // [B, Hq], natural-log log-sum-exp of the scaled logits
   float* partials;           // [B, Hq, num_splits, D + 2]: (acc[D], max, sum); num_splits > 1 only
   int32_t* counters;         // [B, Hkv * q_groups]: zero on entry, left zero on exit
+  int32_t* status;           // [B]: set to 1 for a row whose length is outside [0, S_max - 1]
 
   int64_t qkv_row_stride;    // elements between rows of qkv
   int32_t batch;
@@ -61,12 +87,18 @@ struct MmhaParams {
   int32_t q_group_block;     // query heads per block (one of kQGroupBlocks)
   int32_t q_groups;          // ceil((Hq / Hkv) / q_group_block)
   int32_t num_splits;        // 1: single pass; > 1: split sequence with in-kernel merge
-  int32_t warps;             // warps per block: kWarps, or any of kWarpChoices on tensor cores
+  int32_t stages;            // tile loop: shared-memory stages (kMinStages..kMaxStages)
+  TileSource tile_source;    // tile loop: kCpAsync or kTma (never kAuto at launch)
   float scale;               // softmax scale, usually 1 / sqrt(D)
   int32_t rotary_dim;        // 0: no rotary embedding; else even, <= D
   float rotary_theta;
   bool rotary_interleaved;   // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + rd / 2)
   DType dtype;
+
+  // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them):
+  // K as 2-d [B * Hkv * D/x rows][S_max * x], V as 3-d [B * Hkv][S_max][D].
+  CUtensorMap k_map;
+  CUtensorMap v_map;
 };
 
 }  // namespace mmha

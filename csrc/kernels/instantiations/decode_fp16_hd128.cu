@@ -3,11 +3,11 @@
 
 namespace mmha {
 template cudaError_t launch_decode_attention<__half, 128, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 1>(int);
+template int decode_attention_blocks_per_sm<__half, 128, 1>(int, TileSource);
 template cudaError_t launch_decode_attention<__half, 128, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 2>(int);
+template int decode_attention_blocks_per_sm<__half, 128, 2>(int, TileSource);
 template cudaError_t launch_decode_attention<__half, 128, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 4>(int);
+template int decode_attention_blocks_per_sm<__half, 128, 4>(int, TileSource);
 template cudaError_t launch_decode_attention<__half, 128, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 8>(int);
+template int decode_attention_blocks_per_sm<__half, 128, 8>(int, TileSource);
 }  // namespace mmha

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import PRESETS, ReferenceDecoder, TinyLlama
+from .llama import PRESETS, ReferenceDecoder, TinyLlama
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -230,7 +230,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(rest)
     has_gpu = torch.cuda.is_available()
-    from ._ext import extension_available
+    from .._ext import extension_available
 
     if not has_gpu or not extension_available():
         why = "no CUDA GPU" if not has_gpu else "the CUDA extension is not built"
@@ -273,9 +273,9 @@ def main(argv: list[str]) -> int:
         rc = 0 if ok else 1
     if cmd == "demo":
         if has_gpu:
-            from .bench import main as bench_main
+            from ..bench import main as bench_main
 
-            bench_main(["--quick", "--no-graph", "--out", "bench_out"])
+            bench_main(["--quick", "--no-secondary", "--out", "bench_out"])
         else:
             print("mmha demo: benchmark skipped (no CUDA GPU).")
     return rc

@@ -11,7 +11,7 @@ the cuDNN backend rebuild its plan each step (measured: 40-65 ms per step on an 
 
 Before timing, the first step's logits of both paths are compared. Usage::
 
-    python -m mmha.step_bench [--model medium] [--batch 8] [--contexts 1024 8192 32768] [--out DIR]
+    python -m mmha.bench.step [--model medium] [--batch 8] [--contexts 1024 8192 32768] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .generate import DTYPES
-from .model import PRESETS, TinyLlama
+from ..models.generate import DTYPES
+from ..models.llama import PRESETS, TinyLlama
 
 
 class SdpaDecoder:
@@ -169,7 +169,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mmha.step_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mmha.bench.step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", choices=list(PRESETS), default=["small", "medium"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
-from .reference import apply_rotary, rotary_inv_freq
+from ..cache import KVCache
+from ..reference import apply_rotary, rotary_inv_freq
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,257 @@
+// The tile loop of the decode kernel (fp16 / bf16 caches, every head dim). Torch-free.
+//
+// A block is kConsumerWarps consumer warps and one producer warp around a ring of `stages`
+// shared-memory stages (mbarriers "full" and "empty" per stage). The producer walks the block's
+// tiles of kTileKeys keys and has a tile source (tile_source.cuh) bring each one into the next
+// free stage. Consumer warp w takes keys [16 w, 16 w + 16) of every tile, with its own online
+// softmax (no block barrier inside the loop), for up to 8 query heads of one kv head:
+//   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (ldmatrix), B = q (registers)
+//   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
+//   O^T += V^T P^T m16n8k16: A = V^T (ldmatrix.trans), B = P^T (movmatrix of the S^T fragment)
+// q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so the products keep
+// about fp32 precision; K and V are used exactly as cached.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attend_common.cuh"
+#include "ptx.cuh"
+#include "tile_layout.cuh"
+#include "tile_source.cuh"
+
+namespace mmha {
+
+// The barriers of a block's tile ring.
+struct TileRing {
+  uint64_t full[kMaxStages];   // completes when stage s holds its tile (Source::FULL_ARRIVALS)
+  uint64_t empty[kMaxStages];  // completes when every consumer warp is done with stage s
+};
+
+// A block's tiles: t0 .. t0 + nt - 1 of its (row, kv head), walked from tile t0 + rot and
+// wrapping around. Blocks of different (row, kv head) start at different offsets: with
+// power-of-two cache strides, blocks reading the same offsets of different heads at the same
+// time contend for the same DRAM banks (H200, per-warp loop: B=16 Hkv=8 S=32768 500.5 -> 490.6 us).
+struct TileWalk {
+  int t0;
+  int nt;
+  int rot;
+  __device__ __forceinline__ int key(int i) const {
+    int j = i + rot;
+    j = j >= nt ? j - nt : j;
+    return (t0 + j) * kTileKeys;
+  }
+};
+
+// One consumer warp: its q fragments and running (max, sum, acc) over its keys.
+template <typename T, int HEAD_DIM, int QB>
+struct TileConsumer {
+  static_assert(QB <= 8, "one m16n8k16 tile holds at most 8 query heads");
+  static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16 on tensor cores");
+  using L = TileLayout<T, HEAD_DIM>;
+  static constexpr int KSTEPS = HEAD_DIM / 16;  // mma K steps over the head dim / M tiles of O^T
+  // The online softmax's reference max trails the running max by up to this many log2 units.
+  static constexpr float kRescaleSlack = 8.f;
+
+  uint32_t qh[KSTEPS][2], ql[KSTEPS][2];  // B fragments of q^T (hi and lo parts)
+  float m[2], l[2];                        // heads 2tq, 2tq + 1 (the fragment columns of this lane)
+  float acc[KSTEPS][4];                    // O^T: dims 16i + g (+ 8), heads 2tq (+ 1)
+
+  // q^T as B fragments (16 dims x 8 heads per K step), pre-scaled into the log2 domain: lane
+  // holds head g, dims 16j + 2tq + {0, 1} (b0) and + 8 (b1), as hi and lo parts.
+  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d = 16 * j + 2 * tq + 8 * h;
+        const float x = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
+        const float y = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
+        split_pack<T>(x, y, qh[j][h], ql[j][h]);
+      }
+    }
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    }
+  }
+
+  // Keys [key0, key0 + 16) of a stage are the cache's keys [it, it + 16). The new token's slot
+  // (pos) takes its K/V from shared memory; V rows at or past end are zeroed (whatever the source
+  // left there, e.g. NaN from unused slots). Only the warp's own rows are touched; the fence
+  // orders these writes before the copy engine refills the stage.
+  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int end, int pos,
+                                               const T* s_new_k, const T* s_new_v, int lane) {
+    for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
+      const int kk = idx / L::CHUNKS;
+      const int c = idx % L::CHUNKS;
+      const int t = it + kk;
+      if (t == pos) {
+        *reinterpret_cast<uint4*>(stage + L::k_off(key0 + kk, c)) =
+            *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
+        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) =
+            *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
+      } else if (t >= end) {
+        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    fence_proxy_async_smem();
+    __syncwarp();
+  }
+
+  // Attend over keys [key0, key0 + 16) of a stage (the cache's keys [it, it + 16); those at or
+  // past end are masked).
+  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int end, int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+    // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+      uint32_t k[4];
+      ldmatrix_x4<false>(k, stage + L::k_off(key0 + lane % 16, 2 * j + lane / 16));
+      mma_16816<T>(s, k, qh[j][0], qh[j][1]);
+      mma_16816<T>(s, k, ql[j][0], ql[j][1]);
+    }
+    if (it + g >= end) s[0] = s[1] = -INFINITY;
+    if (it + g + 8 >= end) s[2] = s[3] = -INFINITY;
+
+    // Online softmax per head over the 16 keys (8 lanes share a column pair). The reference max m
+    // is raised only when some head of the warp has outgrown it by more than kRescaleSlack (log2
+    // units): most steps then skip rescaling acc, and P = 2^(s - m) stays below 2^kRescaleSlack
+    // (acc and l share m, so the result is the same in exact arithmetic).
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(s[h], s[h + 2]);
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
+    }
+    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+        l[h] *= alpha[h];
+        m[h] = m_new;
+      }
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[1];
+        acc[i][2] *= alpha[0];
+        acc[i][3] *= alpha[1];
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
+      s[h] = exp2f(s[h] - m_ref);
+      s[h + 2] = exp2f(s[h + 2] - m_ref);
+      l[h] += s[h] + s[h + 2];
+    }
+
+    // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
+    uint32_t ph0, pl0, ph1, pl1;
+    split_pack<T>(s[0], s[1], ph0, pl0);
+    split_pack<T>(s[2], s[3], ph1, pl1);
+    ph0 = movmatrix_trans(ph0);
+    pl0 = movmatrix_trans(pl0);
+    ph1 = movmatrix_trans(ph1);
+    pl1 = movmatrix_trans(pl1);
+
+    // O^T += V^T P^T over 16-dim tiles: ldmatrix.trans of keys v_row (+ 8), chunks 2i + v_half.
+    const int v_row = key0 + lane % 8 + (lane / 16) * 8;
+    const int v_half = (lane / 8) % 2;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+      uint32_t vt[4];
+      ldmatrix_x4<true>(vt, stage + L::v_off(v_row, 2 * i + v_half));
+      mma_16816<T>(acc[i], vt, ph0, ph1);
+      mma_16816<T>(acc[i], vt, pl0, pl1);
+    }
+  }
+
+  // Lane sums over the 8 lanes of a column pair, then (max, sum, acc) of heads < QB to shared
+  // memory: s_acc is [kConsumerWarps][QB][HEAD_DIM].
+  __device__ __forceinline__ void store(float (*s_m)[QB], float (*s_l)[QB], float* s_acc, int warp, int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = 2 * tq + h;
+      if (head < QB) {
+        if (g == 0) {
+          s_m[warp][head] = m[h];
+          s_l[warp][head] = l[h];
+        }
+        float* dst = s_acc + (warp * QB + head) * HEAD_DIM + g;
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+          dst[16 * i] = acc[i][h];
+          dst[16 * i + 8] = acc[i][h + 2];
+        }
+      }
+    }
+  }
+};
+
+// Producer warp: every tile of the walk into the ring (stage s of use n waits for the
+// consumers' release of use n - 1).
+template <typename T, int HEAD_DIM, class Source>
+__device__ __forceinline__ void tile_produce(const TileArgs<T>& a, TileRing& ring, unsigned char* stages_base,
+                                             int stages, const TileWalk& w, int lane) {
+  using L = TileLayout<T, HEAD_DIM>;
+  int s = 0, n = 0;
+  for (int i = 0; i < w.nt; ++i) {
+    if (n > 0) mbar_wait(&ring.empty[s], (n - 1) & 1);
+    Source::load(a, stages_base + s * L::STAGE_BYTES, w.key(i), &ring.full[s], lane);
+    if (++s == stages) {
+      s = 0;
+      ++n;
+    }
+  }
+}
+
+// Consumer warp: its 16 keys of every tile of the walk, releasing each stage when done.
+template <typename T, int HEAD_DIM, int QB>
+__device__ __forceinline__ void tile_consume(TileConsumer<T, HEAD_DIM, QB>& c, TileRing& ring,
+                                             unsigned char* stages_base, int stages, const TileWalk& w,
+                                             int end, int pos, const T* s_new_k, const T* s_new_v,
+                                             int warp, int lane) {
+  using L = TileLayout<T, HEAD_DIM>;
+  const int key0 = 16 * warp;
+  int s = 0, n = 0;
+  for (int i = 0; i < w.nt; ++i) {
+    mbar_wait(&ring.full[s], n & 1);
+    unsigned char* stage = stages_base + s * L::STAGE_BYTES;
+    const int it = w.key(i) + key0;
+    if (it < end) {
+      if ((it <= pos && pos < it + 16) || it + 16 > end) {
+        TileConsumer<T, HEAD_DIM, QB>::patch(stage, key0, it, end, pos, s_new_k, s_new_v, lane);
+      }
+      c.step(stage, key0, it, end, lane);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[s]);
+    if (++s == stages) {
+      s = 0;
+      ++n;
+    }
+  }
+}
+
+}  // namespace mmha

@@ -1,0 +1,107 @@
+// Tile sources: where the tile loop's K/V tiles come from. The producer warp of a block calls
+// Source::load for each tile of its walk; the tile lands in one stage (tile_layout.cuh) and its
+// arrival completes the stage's "full" barrier. The consumers (attend_tiles.cuh), the softmax,
+// the merge and the append never see how it got there. Torch-free.
+//
+// A source provides:
+//   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
+//   load(args, stage, k0, full, lane)   bring keys [k0, k0 + kTileKeys) (all 32 producer lanes call it)
+// and leaves to the consumers only two patches of the tile: the new token's slot (always taken
+// from shared memory) and V rows at or past the block's end (zeroed, so NaN or Inf in unused
+// cache slots cannot reach the output; K rows there are masked by their scores).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ptx.cuh"
+#include "tile_layout.cuh"
+
+namespace mmha {
+
+// One block's (row, kv head) of the contiguous caches.
+template <typename T>
+struct TileArgs {
+  const T* k_head;  // [D/x, S_max, x]
+  const T* v_head;  // [S_max, D]
+  int smax;
+  int end;          // keys at or past end are never needed
+  int pos;          // the new token's slot (its K/V come from shared memory)
+  int kv_head;      // row * Hkv + kv head: the tensor maps' head coordinate
+  const CUtensorMap* k_map;
+  const CUtensorMap* v_map;
+};
+
+// 16-byte cp.async by the 32 lanes of the producer warp (sm_80 and newer, every head dim). Keys
+// at or past end and the new token's slot are zero-filled without being read; each lane's copies
+// arrive on the full barrier when they land.
+template <typename T, int HEAD_DIM>
+struct CpAsyncTiles {
+  using L = TileLayout<T, HEAD_DIM>;
+  static constexpr int FULL_ARRIVALS = 32;
+  static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
+
+  __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
+                                              uint64_t* full, int lane) {
+    // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
+    // chunk (512 contiguous bytes of the cache) at a time.
+#pragma unroll 4
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int key = i % L::KEYS;
+      const int c = i / L::KEYS;
+      const int t = k0 + key;
+      const bool ok = t < a.end && t != a.pos;
+      const T* src = ok ? a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC : a.k_head;
+      cp_async16(stage + L::k_off(key, c), src, ok);
+    }
+    // V: piece i is chunk i % CHUNKS of key i / CHUNKS (rows are contiguous in the cache).
+#pragma unroll 4
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int r = i / L::CHUNKS;
+      const int c = i % L::CHUNKS;
+      const int t = k0 + r;
+      const bool ok = t < a.end && t != a.pos;
+      const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC : a.v_head;
+      cp_async16(stage + L::v_off(r, c), src, ok);
+    }
+    cp_async_arrive(full);
+  }
+};
+
+// Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues KEYS / 32 K boxes
+// (CHUNKS runs of 512 bytes each) and HEAD_DIM / 64 V boxes (KEYS lines of 128 bytes, swizzled)
+// per tile, and the copy engine completes the full barrier. Keys past S_max are zero-filled by
+// the copy engine; the slot of the new token and keys in [end, S_max) are read and then patched
+// by the consumers.
+template <typename T, int HEAD_DIM>
+struct TmaTiles {
+  using L = TileLayout<T, HEAD_DIM>;
+  static_assert(L::V_SWIZZLE, "bulk tensor copies need V rows of whole 128-byte lines");
+  static constexpr int FULL_ARRIVALS = 1;
+  static constexpr uint32_t TX_BYTES = L::K_BYTES + L::V_BYTES;
+
+  __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
+                                              uint64_t* full, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane == 0) {
+      mbar_arrive_expect_tx(full, TX_BYTES);
+#pragma unroll
+      for (int g = 0; g < L::KEYS / L::K_GROUP; ++g) {
+        tma_load_2d(stage + g * L::K_BOX_BYTES, a.k_map, (k0 + g * L::K_GROUP) * L::VEC,
+                    a.kv_head * L::CHUNKS, full);
+      }
+#pragma unroll
+      for (int j = 0; j < HEAD_DIM / 64; ++j) {
+        tma_load_3d(stage + L::K_BYTES + j * L::KEYS * L::V_LINE_BYTES, a.v_map, 64 * j, k0, a.kv_head, full);
+      }
+    }
+#else
+    __trap();  // the host launches this source on sm_90 devices only
+#endif
+  }
+};
+
+}  // namespace mmha

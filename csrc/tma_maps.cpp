@@ -1,0 +1,83 @@
+#include "tma_maps.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+
+namespace mmha {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  // The driver entry point through the runtime: no link against libcuda.
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+bool device_has_tma(int device) {
+  // 0: not asked yet, 1: no, 2: yes (one entry per device index below 64).
+  static std::atomic<uint8_t> known[64] = {};
+  if (device < 0 || device >= 64) return false;
+  uint8_t v = known[device].load(std::memory_order_acquire);
+  if (v == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    v = major >= 9 ? 2 : 1;
+    known[device].store(v, std::memory_order_release);
+  }
+  return v == 2;
+}
+
+bool cache_maps_fit(const MmhaParams& p) {
+  const int64_t x = 8;  // 16-bit elements per 16-byte chunk
+  const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  return p.head_dim % 64 == 0 && static_cast<int64_t>(p.max_seq_len) * x < INT_MAX &&
+         heads * (p.head_dim / x) < INT_MAX;
+}
+
+cudaError_t encode_cache_maps(MmhaParams& p) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t x = 8, elem = 2;
+  const cuuint64_t d = static_cast<cuuint64_t>(p.head_dim);
+  const cuuint64_t smax = static_cast<cuuint64_t>(p.max_seq_len);
+  const cuuint64_t heads = static_cast<cuuint64_t>(p.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
+  const cuuint32_t ones[3] = {1, 1, 1};
+
+  // K [B, Hkv, D/x, S_max, x]: each (row, kv head, chunk) is S_max * x contiguous elements.
+  const cuuint64_t k_dims[2] = {smax * x, heads * (d / x)};
+  const cuuint64_t k_strides[1] = {smax * x * elem};
+  const cuuint32_t k_box[2] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(d / x)};
+  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.k_cache, k_dims, k_strides, k_box, ones,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+
+  // V [B, Hkv, S_max, D]: keys past S_max fall outside dim 1 and are zero-filled.
+  const cuuint64_t v_dims[3] = {d, smax, heads};
+  const cuuint64_t v_strides[2] = {d * elem, smax * d * elem};
+  const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(kTileKeys), 1};
+  r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.v_cache, v_dims, v_strides, v_box, ones,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace mmha

@@ -1,0 +1,25 @@
+// Bulk-tensor-copy descriptors of the caches for the tile loop's TMA source. Host code,
+// torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/mmha_params.h"
+
+namespace mmha {
+
+// Whether the device can run the TMA source (compute capability 9.0 or newer), asked once per
+// device.
+bool device_has_tma(int device);
+
+// Whether the caches of p (16-bit, p.head_dim a multiple of 64) fit tensor maps whose
+// coordinates the kernel passes as 32-bit ints.
+bool cache_maps_fit(const MmhaParams& p);
+
+// Fills p.k_map (K as 2-d: B * Hkv * D/x rows of S_max * x elements, boxes of 32 keys x D/x
+// chunks) and p.v_map (V as 3-d [B * Hkv][S_max][D], boxes of 64 elements x kTileKeys keys,
+// 128-byte swizzle) from p's cache pointers and sizes. cudaErrorNotSupported when the driver has
+// no cuTensorMapEncodeTiled, cudaErrorInvalidValue when it rejects the maps.
+cudaError_t encode_cache_maps(MmhaParams& p);
+
+}  // namespace mmha

@@ -1,0 +1,186 @@
+"""``python -m mmha.bench``: decode attention, mmha next to the peers, on one GPU.
+
+``--grid canonical`` runs the grid of ``shared/BENCHMARK.md`` in fp16 and bf16 (plus head dims
+64 and 256 and the small-head rows in fp16); ``--quick`` a short subset;
+``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep. Every method is checked
+against an fp32 reference before it is timed. The primary time is the decode timing (one layer of
+a decode step: ``mmha.bench.timing``), next to the read floor timed the same way; the cold-L2
+single call and a repeated-call graph are secondary (mmha and the best peer). Output: a short
+table (``--full``: every peer and the secondary times), bench.json / bench.csv / bench.md, and
+PNG plots where matplotlib is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import ops
+from . import floor, report, timing
+from .methods import MMHA, PEERS, kind, make_fn, method_context, plan_str, unavailable
+from .problems import DTYPES, TOLERANCE, Config, Problem, build_configs
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
+
+
+def time_method(cfg: Config, method: str, plan, res: dict) -> None:
+    """Decode timing of one method on ``cfg.layers`` distinct problems, after a reference check."""
+    rows = sorted({0, cfg.batch - 1})
+    probs = fns = None
+    try:
+        with method_context(method):
+            probs = [Problem(cfg, kind(method), seed=i) for i in range(cfg.layers)]
+            fns = [make_fn(method, p, plan) for p in probs]
+            out = fns[0]()
+            torch.cuda.synchronize()
+            err = (out[rows].float() - probs[0].reference(rows)).abs().max().item()
+            res["errors"][method] = err
+            if not math.isfinite(err) or err > TOLERANCE[cfg.dtype]:
+                res["skipped"][method] = f"wrong result: max error {err:.3g} > {TOLERANCE[cfg.dtype]}"
+                return
+            res["decode"][method] = timing.decode_us(fns)
+    except Exception as exc:  # a peer backend that does not support this shape
+        res["skipped"][method] = _first_line(exc)
+    finally:
+        del probs, fns
+        torch.cuda.empty_cache()
+
+
+def time_secondary(cfg: Config, method: str, plan, res: dict) -> None:
+    """Cold-L2 single call and repeated-call graph of one problem."""
+    try:
+        with method_context(method):
+            prob = Problem(cfg, kind(method))
+            fn = make_fn(method, prob, plan)
+            res["cold"][method] = timing.cold_us(fn)
+            res["graph"][method] = timing.repeat_graph_us(fn)
+    except Exception as exc:
+        res["skipped"].setdefault(f"{method} (secondary)", _first_line(exc))
+    finally:
+        prob = fn = None
+        torch.cuda.empty_cache()
+
+
+def run_config(cfg: Config, peers=PEERS, secondary: bool = True, floors: dict | None = None) -> dict:
+    """Every method's timings on one configuration, and the read floor of its K/V bytes (kept in
+    ``floors`` by size, so rows of one cache size share one measurement)."""
+    floors = {} if floors is None else floors
+    res = {"config": cfg, "decode": {}, "errors": {}, "skipped": {}, "cold": {}, "graph": {}}
+    plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
+                        cfg.torch_dtype)  # fmt: skip
+    res["plan"] = plan_str(plan)
+    for method in (MMHA, *peers):
+        why = unavailable(method)
+        if why:
+            res["skipped"][method] = why
+            continue
+        time_method(cfg, method, plan, res)
+    key = (cfg.kv_bytes, cfg.layers)
+    if key not in floors:
+        floors[key] = floor.read_floor_decode(cfg.kv_bytes, cfg.layers)
+        floors[key]["cold_us"] = floor.read_floor_cold(cfg.kv_bytes) if secondary else math.nan
+    res["floor"] = floors[key]
+    res["floor_cold_us"] = floors[key]["cold_us"]
+    if secondary:
+        timed_peers = {m: v["us"] for m, v in res["decode"].items() if m in peers}
+        for method in (MMHA, min(timed_peers, key=timed_peers.get, default=None)):
+            if method is not None and method in res["decode"]:
+                time_secondary(cfg, method, plan, res)
+    return res
+
+
+def gpu_header() -> dict:
+    dev = torch.cuda.current_device()
+    ceiling, how = floor.read_ceiling_gbs()
+    return {
+        "gpu": torch.cuda.get_device_name(dev),
+        "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "ceiling_gbs": ceiling,
+        "ceiling_how": how,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_outputs(rows: list[dict], header: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("errors", "skipped")],
+                           extrasaction="ignore")  # fmt: skip
+        w.writeheader()
+        w.writerows(rows)
+    (out / "bench.md").write_text(report.header_line(header) + "\n\n" + report.table(rows, full=True) + "\n")
+
+
+def progress(items, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr)
+    except ImportError:
+        return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmha.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--grid", choices=["canonical", "quick", "custom"], default="custom")
+    p.add_argument("--quick", action="store_true", help="a short subset (same as --grid quick)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--dtype", choices=list(DTYPES), nargs="+")
+    p.add_argument("--peers", nargs="*", choices=list(PEERS), default=list(PEERS), help="peers to time")
+    p.add_argument("--no-secondary", action="store_true", help="skip the cold-L2 and repeated-graph times")
+    p.add_argument("--no-extras", action="store_true", help="canonical grid without the extra rows")
+    p.add_argument("--full", action="store_true", help="print every column (the files always have them)")
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.grid = "quick"
+    if not torch.cuda.is_available():
+        print("mmha.bench: no CUDA GPU here; nothing to time (the reference path runs on the CPU).")
+        return 0
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("mmha.bench needs triton (the read floor's kernel and do_bench)")
+        return 1
+    cfgs = build_configs(args.grid, args.dtype, not args.no_extras,
+                         (args.batch, args.seq, args.heads, args.kv_heads, args.head_dim))  # fmt: skip
+    header = {**gpu_header(), "grid": args.grid}
+    print(report.header_line(header), flush=True)
+    rows, floors = [], {}
+    for cfg in progress(cfgs, "mmha.bench"):
+        res = run_config(cfg, peers=args.peers, secondary=not args.no_secondary, floors=floors)
+        rows.append(report.summarize(res, header["ceiling_gbs"]))
+    write_outputs(rows, header, args.out)
+    print()
+    print(report.table(rows, full=args.full))
+    line = report.skipped_line(rows)
+    if line:
+        print(line)
+    if args.grid == "canonical":
+        misses = report.bar(rows)
+        print("speed bar: " + ("holds on every canonical row" if not misses else f"{len(misses)} misses"))
+        for m in misses:
+            print("  " + m)
+    print(f"wrote {args.out}/bench.json, bench.csv, bench.md", end="")
+    paths = report.plot(rows, header, args.out)
+    print("".join(f", {p.name}" for p in paths))
+    return 0

@@ -1,0 +1,157 @@
+"""What the benchmark times: configurations, the tensors of one call of each method, and the
+fp32 reference every method is checked against before it is timed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# (group, B, Hkv, S) of shared/BENCHMARK.md; Hq = 32, D = 128.
+CANONICAL = [
+    ("MHA latency", 1, 32, 1024), ("MHA latency", 1, 32, 4096), ("MHA latency", 1, 32, 16384),
+    ("MHA latency", 1, 32, 65536),
+    ("MHA b16", 16, 32, 512), ("MHA b16", 16, 32, 2048), ("MHA b16", 16, 32, 8192),
+    ("MHA b16", 16, 32, 32768),
+    ("MHA b64", 64, 32, 256), ("MHA b64", 64, 32, 1024), ("MHA b64", 64, 32, 4096),
+    ("MHA b64", 64, 32, 16384),
+    ("GQA b1", 1, 8, 4096), ("GQA b1", 1, 8, 65536),
+    ("GQA b16", 16, 8, 2048), ("GQA b16", 16, 8, 32768),
+    ("GQA b64", 64, 8, 1024), ("GQA b64", 64, 8, 8192),
+]  # fmt: skip
+QUICK = [
+    ("MHA latency", 1, 32, 1024), ("MHA latency", 1, 32, 65536), ("MHA b16", 16, 32, 512),
+    ("MHA b64", 64, 32, 256), ("GQA b1", 1, 8, 4096), ("GQA b16", 16, 8, 2048),
+    ("GQA b64", 64, 8, 1024),
+]  # fmt: skip
+# Off the fp16 D=128 grid: head dims 64 and 256 on a few rows, and the small-head configuration
+# (D = 64, Hq = 16, B * S = 16384 tokens).
+EXTRA_ROWS = (("MHA latency", 1, 32, 4096), ("MHA b16", 16, 32, 2048), ("GQA b16", 16, 8, 2048))
+SMALL_HEAD_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+
+# Largest max-abs error against the fp32 reference a method may have and still be timed.
+TOLERANCE = {"fp16": 2e-2, "bf16": 6e-2, "fp32": 2e-4}
+
+# Decode timing: as many distinct caches per timed graph as make >= 1 GiB, 2 to 32 of them.
+LAYER_BYTES = 1 << 30
+MIN_LAYERS, MAX_LAYERS = 2, 32
+
+
+@dataclass(frozen=True)
+class Config:
+    group: str
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    seq_len: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def elem(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * self.elem
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes one decode step must move (shared/BENCHMARK.md)."""
+        b, hq, hkv, d, e = self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.elem
+        return (
+            self.kv_bytes  # K and V cache, read once
+            + b * (hq + 2 * hkv) * d * e  # qkv in
+            + b * hq * d * e  # out
+            + 2 * b * hkv * d * e  # new K/V written
+        )
+
+    @property
+    def layers(self) -> int:
+        """Calls per timed graph in the decode timing, each on its own cache:
+        max(2, min(32, ceil(1 GiB / cache bytes)))."""
+        return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} S={self.seq_len}"
+
+
+class Problem:
+    """One call's tensors, random (never zeros). ``kind`` "mmha": qkv and the packed caches, the
+    new token appended at slot S - 1 (so the call reads S keys); "sdpa": q and the same-sized
+    K/V in ``[B, H, S, D]`` with the new token already at slot S - 1."""
+
+    def __init__(self, cfg: Config, kind: str, seed: int = 0):
+        from .. import layout
+
+        self.cfg, self.kind = cfg, kind
+        dt, dev = cfg.torch_dtype, "cuda"
+        b, hq, hkv, d, s = cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.scale = 1.0 / math.sqrt(d)
+        self.qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(dt)
+        if kind == "mmha":
+            self.k_cache = torch.randn(layout.k_cache_shape(b, hkv, s, d, dt), generator=g, device=dev, dtype=dt)
+            self.v_cache = torch.randn(layout.v_cache_shape(b, hkv, s, d), generator=g, device=dev, dtype=dt)
+            self.lengths = torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+        elif kind == "sdpa":
+            self.q = self.qkv[:, : hq * d].reshape(b, hq, 1, d).contiguous()
+            self.k = torch.randn(b, hkv, s, d, generator=g, device=dev, dtype=dt)
+            self.v = torch.randn(b, hkv, s, d, generator=g, device=dev, dtype=dt)
+            self.k[:, :, s - 1] = self.qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
+            self.v[:, :, s - 1] = self.qkv[:, (hq + hkv) * d :].view(b, hkv, d)
+        else:
+            raise ValueError(f"kind must be 'mmha' or 'sdpa', got {kind!r}")
+
+    def kv_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[n, Hq, D]``, k and v ``[n, Hkv, S, D]`` of the given rows, as the call sees them
+        (the new token at slot S - 1)."""
+        from .. import layout
+
+        cfg = self.cfg
+        hq, hkv, d, s = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len
+        q = self.qkv[rows, : hq * d].reshape(len(rows), hq, d)
+        if self.kind == "sdpa":
+            return q, self.k[rows], self.v[rows]
+        k = layout.unpack_k(self.k_cache[rows], layout="bhsd").clone()
+        v = layout.unpack_v(self.v_cache[rows], layout="bhsd").clone()
+        k[:, :, s - 1] = self.qkv[rows, hq * d : (hq + hkv) * d].view(len(rows), hkv, d)
+        v[:, :, s - 1] = self.qkv[rows, (hq + hkv) * d :].view(len(rows), hkv, d)
+        return q, k, v
+
+    def reference(self, rows: list[int]) -> torch.Tensor:
+        """fp32 attention for the given rows: ``[len(rows), Hq * D]``."""
+        q, k, v = (t.float() for t in self.kv_rows(rows))
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("nhd,nhsd->nhs", q, k) * self.scale, -1)
+        return torch.einsum("nhs,nhsd->nhd", p, v).reshape(len(rows), -1)
+
+
+def build_configs(grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None) -> list[Config]:
+    """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
+    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim)."""
+    if grid in ("canonical", "quick"):
+        dtypes = dtypes or (["fp16", "bf16"] if grid == "canonical" else ["fp16"])
+        rows = CANONICAL if grid == "canonical" else QUICK
+        cfgs = [Config(g, b, 32, hkv, 128, s, dt) for dt in dtypes for g, b, hkv, s in rows]
+        if grid == "canonical" and extras:
+            for d in (64, 256):
+                cfgs += [Config(g, b, 32, hkv, d, s, "fp16") for g, b, hkv, s in EXTRA_ROWS]
+            cfgs += [Config("small-head B*S=16K", 16384 // s, 16, 16, 64, s, "fp16") for s in SMALL_HEAD_SEQS]
+        return cfgs
+    batches, seqs, heads, kv_heads, head_dim = custom
+    return [
+        Config("custom", b, heads, kv_heads, head_dim, s, dt)
+        for dt in (dtypes or ["fp16"])
+        for b in batches
+        for s in seqs
+    ]

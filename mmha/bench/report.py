@@ -1,0 +1,203 @@
+"""What a benchmark run reports: one summary per row, the bar it is held to, tables, plots."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from .methods import MMHA, PEERS
+
+NAN = float("nan")
+
+# The speed bar (docs/benchmarks.md), on the canonical rows (D = 128) of each dtype and GPU:
+# % of the decode-timed read floor by cache size, the small caches against the best peer.
+FLOOR_BAR = ((1e9, 97.0), (256e6, 94.0), (64e6, 85.0))  # (from this many KV bytes, min % of floor)
+SMALL_CACHE_BYTES = 20e6
+SMALL_CACHE_RATIO = 0.85
+MEDIAN_RATIO = 0.97
+GQA_POINTS = 3.0
+
+
+def summarize(res: dict, ceiling_gbs: float) -> dict:
+    """One JSON row: the configuration, every method's decode time, the read floor and ratios."""
+    cfg = res["config"]
+    dec = res["decode"]
+    t = dec.get(MMHA, {}).get("us", NAN)
+    peers = {m: v["us"] for m, v in dec.items() if m in PEERS}
+    best = min(peers, key=peers.get) if peers else None
+    peer_t = peers[best] if best else NAN
+    floor = res["floor"]
+    floor_t = floor.get("us", NAN)
+    row = {
+        "group": cfg.group, "batch": cfg.batch, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "seq_len": cfg.seq_len, "dtype": cfg.dtype,
+        "kv_mb": cfg.kv_bytes / 1e6, "layers": cfg.layers, "plan": res["plan"],
+        # Primary: decode timing (module mmha.bench.timing).
+        "mmha_decode_us": t,
+        "mmha_decode_p20_us": dec.get(MMHA, {}).get("p20", NAN),
+        "mmha_decode_p80_us": dec.get(MMHA, {}).get("p80", NAN),
+        **{f"{m}_decode_us": dec.get(m, {}).get("us", NAN) for m in PEERS},
+        "best_peer_decode": best,
+        "best_peer_decode_us": peer_t,
+        "ratio": t / peer_t,  # mmha time / best peer time: < 1 is faster
+        "read_floor_decode_us": floor_t,
+        "read_floor_shape": floor.get("shape", ""),
+        "pct_floor": 100 * floor_t / t,
+        "peer_pct_floor": 100 * floor_t / peer_t,
+        "gbs": cfg.step_bytes / (t * 1e-6) / 1e9,
+        "pct_ceiling": 100 * cfg.step_bytes / (t * 1e-6) / 1e9 / ceiling_gbs,
+        # Secondary: one cold-L2 call (do_bench), and 20 calls of one problem in a graph.
+        "mmha_cold_us": res["cold"].get(MMHA, NAN),
+        "best_peer_cold_us": res["cold"].get(best, NAN),
+        "read_floor_cold_us": res.get("floor_cold_us", NAN),
+        "mmha_graph_us": res["graph"].get(MMHA, NAN),
+        "best_peer_graph_us": res["graph"].get(best, NAN),
+        "errors": res["errors"],
+        "skipped": res["skipped"],
+    }  # fmt: skip
+    return row
+
+
+def fmt(x, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def row_label(r: dict) -> str:
+    return f"{r['dtype']} B={r['batch']} Hq={r['num_heads']} Hkv={r['num_kv_heads']} D={r['head_dim']} S={r['seq_len']}"
+
+
+def header_line(h: dict) -> str:
+    return (
+        f"GPU: {h['gpu']} | torch {h['torch']} | CUDA {h['cuda']} | read ceiling {h['ceiling_gbs']:.0f} GB/s "
+        f"({h['ceiling_how']}) | decode timing: per-call median of a graph of L calls on distinct caches"
+    )
+
+
+def table(rows: list[dict], full: bool = False) -> str:
+    """The default table: what a user came for. ``full``: every peer and the secondary timings."""
+    from tabulate import tabulate
+
+    cols = ["row", "KV MB", "plan", "mmha us", "best peer", "peer us", "mmha/peer", "% floor", "floor us"]
+    if full:
+        cols += ["cudnn", "flash", "effic.", "default", "flashinfer", "eager", "L", "mmha cold", "peer cold",
+                 "floor cold", "mmha graph", "peer graph", "GB/s", "% ceil"]  # fmt: skip
+    body = []
+    for r in rows:
+        line = [row_label(r), fmt(r["kv_mb"]), r["plan"], fmt(r["mmha_decode_us"]), r["best_peer_decode"] or "-",
+                fmt(r["best_peer_decode_us"]), fmt(r["ratio"], 2), fmt(r["pct_floor"]),
+                fmt(r["read_floor_decode_us"])]  # fmt: skip
+        if full:
+            line += [fmt(r[f"{m}_decode_us"]) for m in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
+                                                        "sdpa_default", "flashinfer", "eager")]  # fmt: skip
+            line += [r["layers"], fmt(r["mmha_cold_us"]), fmt(r["best_peer_cold_us"]),
+                     fmt(r["read_floor_cold_us"]), fmt(r["mmha_graph_us"]), fmt(r["best_peer_graph_us"]),
+                     fmt(r["gbs"], 0), fmt(r["pct_ceiling"])]  # fmt: skip
+        body.append(line)
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
+
+
+def skipped_line(rows: list[dict]) -> str:
+    """One line for what was not timed and why (the JSON has every reason per row)."""
+    why: dict[tuple[str, str], int] = {}
+    for r in rows:
+        for m, reason in r["skipped"].items():
+            key = (m, reason.split(":")[0] if "wrong result" not in reason else reason[:40])
+            why[key] = why.get(key, 0) + 1
+    if not why:
+        return ""
+    parts = [f"{m} ({reason}, {n} row{'s' if n > 1 else ''})" for (m, reason), n in sorted(why.items())]
+    return "not timed: " + "; ".join(parts)
+
+
+def is_canonical(r: dict) -> bool:
+    return r["head_dim"] == 128 and r["num_heads"] == 32 and r["group"] != "custom"
+
+
+def bar(rows: list[dict]) -> list[str]:
+    """Where the run misses the speed bar, one line each (empty: the bar holds)."""
+    misses = []
+    canon = [r for r in rows if is_canonical(r) and not math.isnan(r["ratio"])]
+    for dt in sorted({r["dtype"] for r in canon}):
+        sel = [r for r in canon if r["dtype"] == dt]
+        med = statistics.median(r["ratio"] for r in sel)
+        if med > MEDIAN_RATIO:
+            misses.append(f"{dt}: median mmha/best peer {med:.3f} > {MEDIAN_RATIO}")
+        mha = {round(r["kv_mb"]): r for r in sel if r["num_heads"] == r["num_kv_heads"]}
+        for r in sel:
+            label = row_label(r)
+            if r["ratio"] > 1:
+                misses.append(f"{label}: {r['ratio']:.3f}x {r['best_peer_decode']}")
+            kv = r["kv_mb"] * 1e6
+            if kv < SMALL_CACHE_BYTES and r["ratio"] > SMALL_CACHE_RATIO:
+                misses.append(f"{label}: {r['ratio']:.3f}x the best peer > {SMALL_CACHE_RATIO}x (small cache)")
+            for least, pct in FLOOR_BAR:
+                if kv >= least:
+                    if r["pct_floor"] < pct:
+                        misses.append(f"{label}: {r['pct_floor']:.1f} % of the read floor < {pct:.0f} %")
+                    break
+            twin = mha.get(round(r["kv_mb"]))
+            if r["num_heads"] != r["num_kv_heads"] and twin and twin["pct_floor"] - r["pct_floor"] > GQA_POINTS:
+                misses.append(
+                    f"{label}: {r['pct_floor']:.1f} % of floor, {twin['pct_floor'] - r['pct_floor']:.1f} points "
+                    f"under the MHA row of {r['kv_mb']:.0f} MB"
+                )
+    for r in rows:
+        if (r["head_dim"], r["num_kv_heads"], r["batch"], r["seq_len"], r["dtype"]) == (256, 8, 16, 2048, "fp16"):
+            if r["ratio"] > 1:
+                misses.append(f"{row_label(r)}: {r['ratio']:.3f}x {r['best_peer_decode']} (head_dim 256)")
+    return misses
+
+
+def plot(rows: list[dict], header: dict, out_dir: Path) -> list[Path]:
+    """latency.png (decode us against S per group) and pct_floor.png; nothing without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    groups = sorted({(r["dtype"], r["group"], r["head_dim"]) for r in rows})
+    ncols = min(3, len(groups))
+    nrows = math.ceil(len(groups) / 3)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(15, 4 * nrows), squeeze=False)
+    for ax, (dt, grp, d) in zip(axes.flat, groups, strict=False):
+        sel = sorted((r for r in rows if (r["dtype"], r["group"], r["head_dim"]) == (dt, grp, d)),
+                     key=lambda r: r["seq_len"])  # fmt: skip
+        xs = [r["seq_len"] for r in sel]
+        for m, key in (("mmha", "mmha_decode_us"), ("read floor", "read_floor_decode_us"),
+                       *((p, f"{p}_decode_us") for p in PEERS)):  # fmt: skip
+            ys = [r[key] for r in sel]
+            if any(not math.isnan(y) for y in ys):
+                style = {"linewidth": 2.5} if m == "mmha" else {"linestyle": ":"} if m == "read floor" else {}
+                ax.plot(xs, ys, marker="o", label=m, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{grp} {dt} D={d}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("us per call (decode timing)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{header['gpu']}: decode attention, one layer of a decode step")
+    fig.tight_layout()
+    p = out_dir / "latency.png"
+    fig.savefig(p, dpi=80)
+    paths.append(p)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(12, 4))
+    xs = range(len(rows))
+    ax.bar(xs, [r["pct_floor"] for r in rows], label="mmha")
+    ax.plot(xs, [r["peer_pct_floor"] for r in rows], "r.", label="best peer")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([row_label(r) for r in rows], rotation=90, fontsize=6)
+    ax.set_ylabel("% of the read floor (decode timing)")
+    ax.axhline(100, color="k", linewidth=0.5)
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "pct_floor.png"
+    fig.savefig(p, dpi=80)
+    paths.append(p)
+    plt.close(fig)
+    return paths

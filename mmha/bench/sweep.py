@@ -1,0 +1,106 @@
+"""``python -m mmha.bench.sweep``: mmha on the canonical rows at many split counts and stage
+counts, under the decode timing, next to the dispatcher's pick. The dispatcher's thresholds are
+checked against its table (docs/design.md quotes it).
+
+Plans read ``SxT``: S splits, T stages. Each row times every split count at the dispatcher's
+stages and every stage count at the dispatcher's splits, after checking the dispatcher's plan
+against the fp32 reference.
+
+    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import dispatch, ops
+from . import timing
+from .methods import mmha_fn, plan_str
+from .problems import CANONICAL, TOLERANCE, Config, Problem
+
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64)
+# Rows off the canonical grid (B, Hq, Hkv, D, S): head_dims 64 and 256.
+EXTRAS = ((16, 32, 8, 64, 2048), (16, 16, 16, 64, 1024), (1, 16, 16, 64, 16384), (16, 32, 8, 256, 2048))
+
+
+def candidates(cfg: Config, plan: dispatch.Plan) -> list[dispatch.Plan]:
+    dev = ops.device_spec(torch.cuda.current_device())
+    tiles = -(-cfg.seq_len // dispatch.TILE_KEYS)
+    out = [plan]
+    for s in SPLITS:
+        if s <= tiles:
+            out.append(dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm))
+    most = dispatch.max_stages(cfg.head_dim, cfg.elem, dev)
+    for st in range(dispatch.MIN_STAGES, most + 1):
+        bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
+        out.append(dispatch.Plan(plan.variant, plan.num_splits, st, bps))
+    return list(dict.fromkeys(out))
+
+
+def sweep_row(cfg: Config) -> dict:
+    probs = [Problem(cfg, "mmha", seed=i) for i in range(cfg.layers)]
+    plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
+                        cfg.torch_dtype)  # fmt: skip
+    rows = sorted({0, cfg.batch - 1})
+    out = mmha_fn(probs[0], plan)()
+    err = (out[rows].float() - probs[0].reference(rows)).abs().max().item()
+    assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
+    times = {}
+    for cand in candidates(cfg, plan):
+        times[plan_str(cand)] = timing.decode_us([mmha_fn(p, cand) for p in probs], replays=15)["us"]
+    del probs
+    torch.cuda.empty_cache()
+    best = min(times, key=times.get)
+    return {
+        "row": cfg.label, "kv_mb": cfg.kv_bytes / 1e6, "layers": cfg.layers, "plan": plan_str(plan),
+        "plan_us": times[plan_str(plan)], "best": best, "best_us": times[best], "times_us": times,
+    }  # fmt: skip
+
+
+def render(results: list[dict]) -> str:
+    from tabulate import tabulate
+
+    body = []
+    for r in results:
+        top = sorted(r["times_us"].items(), key=lambda kv: kv[1])[:4]
+        body.append([r["row"], f"{r['kv_mb']:.0f}", r["plan"], f"{r['plan_us']:.1f}", r["best"],
+                     f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.3f}",
+                     ", ".join(f"{k}: {v:.1f}" for k, v in top)])  # fmt: skip
+    cols = ["row", "KV MB", "plan", "plan us", "best", "best us", "plan/best", "fastest four (splits x stages: us)"]
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmha.bench.sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    p.add_argument("--rows", type=int, nargs="*", help="indices into the canonical grid (default: all)")
+    p.add_argument("--extras", action="store_true", help="add head_dim 64 and 256 rows")
+    p.add_argument("--out", type=Path, default=Path("sweep_out"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mmha.bench.sweep: no CUDA GPU here")
+        return 0
+    grid = [CANONICAL[i] for i in args.rows] if args.rows else CANONICAL
+    cfgs = [Config(g, b, 32, hkv, 128, s, args.dtype) for g, b, hkv, s in grid]
+    if args.extras:
+        cfgs += [Config("extra", b, hq, hkv, d, s, args.dtype) for b, hq, hkv, d, s in EXTRAS]
+    results = []
+    for cfg in cfgs:
+        results.append(sweep_row(cfg))
+        print(f"{cfg.label}: plan {results[-1]['plan']} {results[-1]['plan_us']:.1f} us, best "
+              f"{results[-1]['best']} {results[-1]['best_us']:.1f} us", file=sys.stderr, flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = render(results)
+    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
+    (args.out / "sweep.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

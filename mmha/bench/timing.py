@@ -1,0 +1,78 @@
+"""How the benchmark times a call.
+
+- ``decode_us`` (primary): one layer of a decode step. ``layers`` calls, each on its own tensors
+  (cache, qkv, output), are captured back to back in one CUDA graph; the per-call time is the
+  median replay time over ``layers`` (>= 20 replays). No call finds its cache in L2 (the caches
+  together are >= 1 GiB), none pays a flush's write-back, none waits on the CPU, and nothing
+  overlaps across calls.
+- ``cold_us`` (secondary): ``triton.testing.do_bench``, which flushes the L2 by writing a buffer
+  before each call, so each call also pays that buffer's write-back.
+- ``repeat_graph_us`` (secondary): 20 calls of the same function in one graph (a cache smaller
+  than the L2 stays there).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+REPLAYS = 25
+
+
+def capture(fns: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """One graph of the calls back to back, after one eager round (plans, workspaces)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int = REPLAYS) -> dict:
+    """Per-call us of a graph of ``calls`` calls: median, 20th and 80th percentile of replays."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    q = statistics.quantiles(times, n=5)
+    return {"us": statistics.median(times), "p20": q[0], "p80": q[3]}
+
+
+def decode_us(fns: list[Callable[[], object]], replays: int = REPLAYS) -> dict:
+    """Decode timing of calls that each work on their own tensors (see the module docstring)."""
+    graph = capture(fns)
+    try:
+        return {**replay_us(graph, len(fns), replays), "layers": len(fns)}
+    finally:
+        del graph
+
+
+def cold_us(fn: Callable[[], object]) -> float:
+    """Median us of single calls after an L2 flush (``do_bench``)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def repeat_graph_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """Median per-call us of ``calls`` calls of the same function in one graph."""
+    graph = capture([fn] * calls)
+    try:
+        return replay_us(graph, calls)["us"]
+    finally:
+        del graph

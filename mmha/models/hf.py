@@ -1,0 +1,167 @@
+"""Run a Hugging Face Llama-family causal LM's decode steps through mmha.
+
+``HFDecoder(model, max_batch, max_seq_len)`` takes a ``transformers`` ``LlamaForCausalLM`` (or
+Mistral / Qwen2: the same decoder layer, Qwen2 with a qkv bias) and keeps its K/V in a
+``KVCache``. Prompts are prefilled by the model's own forward (its rotated K/V are copied into
+the cache); each decode step then runs the model's own norms, MLPs and projections around
+``KVCache.step``, which appends the new K/V and attends in one kernel. The model's q/k/v
+projection weights are concatenated once so each layer needs one matmul for ``qkv``.
+
+Only what the kernel computes exactly is accepted: default rotary over the whole head (GPT-NeoX
+halves), no sliding window shorter than the cache, and head dims the kernel
+supports. Anything else is rejected with the setting named. Nothing is downloaded: build the
+model from a config (``AutoModelForCausalLM.from_config``) or load your own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _rope_theta(config) -> float:
+    """Rotary base; rejects rotary variants the kernel does not compute."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(
+            f"config.rope_parameters['rope_type'] must be 'default' (plain rotary), got {rope_type!r}"
+        )
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config must give rope_theta (config.rope_parameters['rope_theta'])")
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ValueError(
+            f"config partial_rotary_factor must be 1.0 (rotary over the whole head), got {factor}"
+        )
+    return float(theta)
+
+
+def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated keys and values ``[1, Hkv, L, D]`` of one layer from a transformers cache."""
+    if hasattr(past, "layers"):  # transformers >= 4.56
+        return past.layers[layer].keys, past.layers[layer].values
+    return past.key_cache[layer], past.value_cache[layer]
+
+
+class HFDecoder:
+    """Greedy/step decoding of a Hugging Face Llama-family model with mmha's decode kernel."""
+
+    def __init__(self, model, max_batch: int, max_seq_len: int, *, dispatch_on: str = "length"):
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
+            )
+        window = getattr(config, "sliding_window", None)
+        if (
+            getattr(config, "use_sliding_window", window is not None)
+            and window is not None
+            and window < max_seq_len
+        ):
+            raise ValueError(
+                f"config.sliding_window ({window}) must be None or >= max_seq_len ({max_seq_len}): "
+                "mmha attends over the whole cache"
+            )
+        theta = _rope_theta(config)
+        self.model = model
+        self.body = model.model
+        attn = self.body.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        param = next(model.parameters())
+        self.cache = KVCache(
+            config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
+            self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
+            scale=float(attn.scaling), dispatch_on=dispatch_on,
+        )  # fmt: skip
+        # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
+        self.qkv_weight, self.qkv_bias = [], []
+        with torch.no_grad():
+            for layer in self.body.layers:
+                a = layer.self_attn
+                self.qkv_weight.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                if all(b is None for b in biases):
+                    self.qkv_bias.append(None)
+                else:
+                    self.qkv_bias.append(
+                        torch.cat([b if b is not None else torch.zeros_like(p.weight[:, 0])
+                                   for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj), strict=True)])
+                    )  # fmt: skip
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Run each prompt through the model's own forward and copy its K/V into cache ``rows``
+        (default ``0..n-1``; they must be free, e.g. released). Returns the logits at each
+        prompt's last token ``[n, vocab]``."""
+        rows = list(range(len(prompts))) if rows is None else list(rows)
+        if len(rows) != len(prompts):
+            raise ValueError(f"rows must name {len(prompts)} rows (one per prompt), got {len(rows)}")
+        dev = self.cache.device
+        for r, prompt in zip(rows, prompts, strict=True):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts must be non-empty, got an empty prompt for row {r}")
+            if len(prompt) >= self.cache.max_seq_len:
+                raise ValueError(
+                    f"prompt for row {r} has {len(prompt)} tokens; the cache holds max_seq_len "
+                    f"{self.cache.max_seq_len} including the tokens still to generate"
+                )
+        self.cache.admit(rows)
+        logits = []
+        for r, prompt in zip(rows, prompts, strict=True):
+            ids = torch.tensor([list(prompt)], device=dev)
+            res = self.model(input_ids=ids, use_cache=True)
+            for i in range(len(self.body.layers)):
+                k, v = _layer_kv(res.past_key_values, i)
+                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [ids.shape[1]], [r])
+            logits.append(res.logits[0, -1].float())
+        return torch.stack(logits)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row ``tokens [B]`` through every layer; lengths advance. Returns fp32
+        logits ``[B, vocab]``."""
+        x = self.body.embed_tokens(tokens)
+        for i, layer in enumerate(self.body.layers):
+            qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
+            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i])
+            x = x + layer.self_attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.cache.advance()
+        return self.model.lm_head(self.body.norm(x)).float()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding of a ragged batch (``len(prompts) <= max_batch``): ``max_new_tokens``
+        new tokens per prompt (the first from the prefill logits, the rest from mmha steps)."""
+        if not 1 <= len(prompts) <= self.cache.max_batch:
+            raise ValueError(
+                f"prompts must hold 1..{self.cache.max_batch} prompts (max_batch), got {len(prompts)}"
+            )
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cache.max_seq_len:
+            raise ValueError(
+                f"max_new_tokens ({max_new_tokens}) plus the longest prompt ({longest}) must fit in "
+                f"max_seq_len ({self.cache.max_seq_len})"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.cache.release(range(self.cache.max_batch))
+        tok = self.prefill(prompts).argmax(-1)
+        out = [[int(t)] for t in tok.tolist()]
+        for _ in range(max_new_tokens - 1):
+            tok = self.step(tok).argmax(-1)
+            for r, t in enumerate(tok.tolist()):
+                out[r].append(t)
+        return out
