@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -225,6 +226,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * Hq * num_splits * (D + 2) = ",
                need, " floats, got ", partials.numel());
     check_contiguous(partials, "partials");
+    MMHA_CHECK(reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
+               "partials must start 16-byte aligned (the merge reads it in 16-byte vectors)");
     MMHA_CHECK(counters.numel() >= batch * num_heads,
                "counters must hold at least B * Hq = ", batch * num_heads, " int32, got ",
                counters.numel());

@@ -21,8 +21,9 @@ fi
 echo "build: ok in $(($(date +%s) - start)) s" | tee -a "$summary"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/junit.xml" "$@" \
-    2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  # A hung kernel must not eat the whole device call: every test gets TEST_TIMEOUT seconds.
+  python -m pytest tests -q -rfEs -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
+    --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 40
   echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >>"$summary"
 fi
 
@@ -34,7 +35,7 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
     # count as initialisation (with a kernel filter it reports false positives).
     filter=(--kernel-name kns=decode_attention)
     [ "$tool" = initcheck ] && filter=()
-    env "${env[@]}" PYTHONPATH="$PWD:$PWD/tests" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    env "${env[@]}" PYTHONPATH="$PWD:$PWD/tests" timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       "${filter[@]}" python tests/sanitize_cases.py >"$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     echo "sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)" \

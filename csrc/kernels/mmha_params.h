@@ -74,7 +74,7 @@ struct MmhaParams {
   const int32_t* lengths;    // [B]: tokens already cached; the new token goes to slot lengths[b]
   void* out;                 // [B, Hq * D]
   float* lse;                // [B, Hq], natural-log log-sum-exp of the scaled logits
-  float* partials;           // [B, Hq, num_splits, D + 2]: (acc[D], max, sum); num_splits > 1 only
+  float* partials;           // num_splits > 1: acc [B, Hq, num_splits, D], then (max, sum) [B, Hq, num_splits, 2]
   int32_t* counters;         // [B, Hkv * q_groups]: zero on entry, left zero on exit
   int32_t* status;           // [B]: set to 1 for a row whose length is outside [0, S_max - 1]
 

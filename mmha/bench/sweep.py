@@ -2,9 +2,10 @@
 counts, under the decode timing, next to the dispatcher's pick. The dispatcher's thresholds are
 checked against its table (docs/design.md quotes it).
 
-Plans read ``SxT``: S splits, T stages. Each row times every split count at the dispatcher's
-stages and every stage count at the dispatcher's splits, after checking the dispatcher's plan
-against the fp32 reference.
+Plans read ``SxT``: S splits, T stages (``SxT cp``: with the cp.async tile source where the
+plan would use bulk tensor copies). Each row times every split count at the dispatcher's stages
+and every stage count at the dispatcher's splits, and the cp.async source at the dispatcher's
+plan, after checking the dispatcher's plan against the fp32 reference.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
 """
@@ -28,18 +29,25 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64)
 EXTRAS = ((16, 32, 8, 64, 2048), (16, 16, 16, 64, 1024), (1, 16, 16, 64, 16384), (16, 32, 8, 256, 2048))
 
 
-def candidates(cfg: Config, plan: dispatch.Plan) -> list[dispatch.Plan]:
+def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, str]]:
+    """(plan, tile source) pairs to time on this row, the dispatcher's own pick first."""
     dev = ops.device_spec(torch.cuda.current_device())
     tiles = -(-cfg.seq_len // dispatch.TILE_KEYS)
-    out = [plan]
+    out = [(plan, "auto")]
     for s in SPLITS:
         if s <= tiles:
-            out.append(dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm))
+            out.append((dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm), "auto"))
     most = dispatch.max_stages(cfg.head_dim, cfg.elem, dev)
     for st in range(dispatch.MIN_STAGES, most + 1):
         bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
-        out.append(dispatch.Plan(plan.variant, plan.num_splits, st, bps))
+        out.append((dispatch.Plan(plan.variant, plan.num_splits, st, bps), "auto"))
+    if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9:
+        out.append((plan, "cp_async"))
     return list(dict.fromkeys(out))
+
+
+def name(plan: dispatch.Plan, source: str) -> str:
+    return plan_str(plan) + (" cp" if source == "cp_async" else "")
 
 
 def sweep_row(cfg: Config) -> dict:
@@ -51,8 +59,8 @@ def sweep_row(cfg: Config) -> dict:
     err = (out[rows].float() - probs[0].reference(rows)).abs().max().item()
     assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
     times = {}
-    for cand in candidates(cfg, plan):
-        times[plan_str(cand)] = timing.decode_us([mmha_fn(p, cand) for p in probs], replays=15)["us"]
+    for cand, source in candidates(cfg, plan):
+        times[name(cand, source)] = timing.decode_us([mmha_fn(p, cand, source) for p in probs], replays=15)["us"]
     del probs
     torch.cuda.empty_cache()
     best = min(times, key=times.get)
@@ -79,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mmha.bench.sweep", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--rows", type=int, nargs="*", help="indices into the canonical grid (default: all)")
+    p.add_argument("--no-canonical", action="store_true", help="only the extra rows")
     p.add_argument("--extras", action="store_true", help="add head_dim 64 and 256 rows")
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("mmha.bench.sweep: no CUDA GPU here")
         return 0
-    grid = [CANONICAL[i] for i in args.rows] if args.rows else CANONICAL
+    grid = [] if args.no_canonical else [CANONICAL[i] for i in args.rows] if args.rows else CANONICAL
     cfgs = [Config(g, b, 32, hkv, 128, s, args.dtype) for g, b, hkv, s in grid]
     if args.extras:
         cfgs += [Config("extra", b, hq, hkv, d, s, args.dtype) for b, hq, hkv, d, s in EXTRAS]
