@@ -298,7 +298,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     const bool forced = tile_source == 2;
     const bool can = device_has_tma(device.index()) && cache_maps_fit(p);
     MMHA_CHECK(can || !forced, "tile_source 2 (tma) needs a GPU of compute capability 9.0 or newer and "
-               "caches whose tensor-map coordinates fit in 32 bits");
+               "caches with S_max a multiple of 32, got S_max ", max_seq_len);
     if (can) {
       const cudaError_t map_err = encode_cache_maps(p);
       MMHA_CHECK(map_err == cudaSuccess || !forced, "tile_source 2 (tma): the caches' tensor maps could not "

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 
 namespace mmha {
 namespace {
@@ -48,11 +49,18 @@ bool device_has_tma(int device) {
 bool cache_maps_fit(const MmhaParams& p) {
   const int64_t x = 8;  // 16-bit elements per 16-byte chunk
   const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
-  return p.head_dim % 64 == 0 && static_cast<int64_t>(p.max_seq_len) * x < INT_MAX &&
+  return p.head_dim % 64 == 0 && p.max_seq_len % 32 == 0 && static_cast<int64_t>(p.max_seq_len) * x < INT_MAX &&
          heads * (p.head_dim / x) < INT_MAX;
 }
 
 cudaError_t encode_cache_maps(MmhaParams& p) {
+  static const CUtensorMapL2promotion promo = [] {
+    const char* v = std::getenv("MMHA_EXP_L2_PROMOTION");
+    const int n = v ? std::atoi(v) : 128;
+    return n == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+         : n == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+         : n == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  }();
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t x = 8, elem = 2;
@@ -61,12 +69,15 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint64_t heads = static_cast<cuuint64_t>(p.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
   const cuuint32_t ones[3] = {1, 1, 1};
 
-  // K [B, Hkv, D/x, S_max, x]: each (row, kv head, chunk) is S_max * x contiguous elements.
-  const cuuint64_t k_dims[2] = {smax * x, heads * (d / x)};
-  const cuuint64_t k_strides[1] = {smax * x * elem};
-  const cuuint32_t k_box[2] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(d / x)};
-  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.k_cache, k_dims, k_strides, k_box, ones,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  // K [B, Hkv, D/x, S_max, x]: each (row, kv head, chunk) is S_max * x contiguous elements, seen
+  // as S_max / 32 groups of 32 keys (S_max % 32 == 0: cache_maps_fit), so one box of 2 groups x
+  // all chunks is a whole tile, each chunk's 1 KB contiguous. Groups past S_max are zero-filled.
+  const cuuint64_t k_dims[3] = {32 * x, smax / 32, heads * (d / x)};
+  const cuuint64_t k_strides[2] = {32 * x * elem, smax * x * elem};
+  const cuuint32_t k_box[3] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(kTileKeys / 32),
+                               static_cast<cuuint32_t>(d / x)};
+  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.k_cache, k_dims, k_strides, k_box, ones,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, promo,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
 
@@ -75,7 +86,7 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint64_t v_strides[2] = {d * elem, smax * d * elem};
   const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(kTileKeys), 1};
   r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.v_cache, v_dims, v_strides, v_box, ones,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }

@@ -12,13 +12,13 @@ namespace mmha {
 // device.
 bool device_has_tma(int device);
 
-// Whether the caches of p (16-bit, p.head_dim a multiple of 64) fit tensor maps whose
-// coordinates the kernel passes as 32-bit ints.
+// Whether the caches of p fit the tensor maps: head_dim a multiple of 64, S_max a multiple of 32
+// (K is seen as groups of 32 keys), coordinates the kernel passes as 32-bit ints.
 bool cache_maps_fit(const MmhaParams& p);
 
-// Fills p.k_map (K as 2-d: B * Hkv * D/x rows of S_max * x elements, boxes of 32 keys x D/x
-// chunks) and p.v_map (V as 3-d [B * Hkv][S_max][D], boxes of 64 elements x kTileKeys keys,
-// 128-byte swizzle) from p's cache pointers and sizes. cudaErrorNotSupported when the driver has
+// Fills p.k_map (K as 3-d [B * Hkv * D/x chunks][S_max / 32][32 * x], boxes of a whole tile)
+// and p.v_map (V as 3-d [B * Hkv][S_max][D], boxes of 64 elements x kTileKeys keys, 128-byte
+// swizzle) from p's cache pointers and sizes. cudaErrorNotSupported when the driver has
 // no cuTensorMapEncodeTiled, cudaErrorInvalidValue when it rejects the maps.
 cudaError_t encode_cache_maps(MmhaParams& p);
 

@@ -79,6 +79,16 @@ def test_tile_sources_agree_bit_for_bit(dtype, head_dim, splits):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_capacity_not_a_multiple_of_32_runs_cp_async():
+    # The K tensor map sees each chunk as groups of 32 keys: other capacities take cp.async (auto),
+    # and asking for bulk copies says why not.
+    lengths = [0, 64, 500, 1022]
+    case = make_case(len(lengths), 8, 2, 128, lengths, 1023, torch.float16, seed=5)
+    check_case(case, 3)
+    with pytest.raises(RuntimeError, match=r"tile_source 2 \(tma\) needs .* S_max a multiple of 32, got S_max 1023"):
+        run_kernel(case, 3, tile_source="tma")
+
+
 @pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 80, 96])
 def test_padded_head_dims_on_cp_async(dtype, head_dim):

@@ -125,6 +125,11 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
   const int split = blockIdx.x;
   const int num_splits = gridDim.x;
   const int smax = p.max_seq_len;
+  if constexpr (kTiles<T>) {
+    if (warp == kConsumerWarps && lane == 0) {  // descriptors on their way while the length loads
+      SourceOf<T, HEAD_DIM, SRC>::prefetch(TileArgs<T>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
+    }
+  }
   const int pos = p.lengths[b];
 
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;

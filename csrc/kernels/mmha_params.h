@@ -95,8 +95,7 @@ struct MmhaParams {
   bool rotary_interleaved;   // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + rd / 2)
   DType dtype;
 
-  // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them):
-  // K as 2-d [B * Hkv * D/x rows][S_max * x], V as 3-d [B * Hkv][S_max][D].
+  // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;
   CUtensorMap v_map;
 };

@@ -15,11 +15,9 @@ struct TileLayout {
   static constexpr int VEC = kVec<T>;            // elements per 16-byte chunk
   static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
   static constexpr int KEYS = kTileKeys;
-  // K: boxes of K_GROUP keys, each [CHUNKS][K_GROUP][VEC] as in the cache ([D/x, S, x]), so the
-  // 8 keys an ldmatrix phase reads for one chunk are 128 contiguous bytes (conflict-free), and a
-  // bulk copy of one box reads CHUNKS runs of 512 contiguous bytes.
-  static constexpr int K_GROUP = 32;
-  static constexpr int K_BOX_BYTES = CHUNKS * K_GROUP * 16;
+  // K: [CHUNKS][KEYS][VEC] as in the cache ([D/x, S, x]): the 8 keys an ldmatrix phase reads for
+  // one chunk are 128 contiguous bytes (conflict-free), and each chunk of a tile is KEYS * 16
+  // contiguous bytes of the cache, read in one go.
   static constexpr int K_BYTES = KEYS * HEAD_DIM * static_cast<int>(sizeof(T));
   // V: where a row is a whole number of 128-byte lines (head_dim a multiple of 64 at 16 bits),
   // lines of 64 elements, [HEAD_DIM / 64][KEYS][64], with chunk c of key r at chunk c ^ (r % 8)
@@ -35,9 +33,7 @@ struct TileLayout {
   static_assert(K_BYTES % 1024 == 0, "V lines must start 1024-byte aligned (128-byte swizzle atom)");
 
   // Byte offset of chunk c of tile key k in the K part.
-  __device__ __forceinline__ static int k_off(int k, int c) {
-    return ((k / K_GROUP) * CHUNKS * K_GROUP + c * K_GROUP + k % K_GROUP) * 16;
-  }
+  __device__ __forceinline__ static int k_off(int k, int c) { return (c * KEYS + k) * 16; }
   // Byte offset of chunk c of tile key r in the stage (V follows K).
   __device__ __forceinline__ static int v_off(int r, int c) {
     if constexpr (V_SWIZZLE) {

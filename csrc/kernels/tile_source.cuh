@@ -5,6 +5,7 @@
 //
 // A source provides:
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
+//   prefetch(args)                      anything worth fetching at block entry (lane 0)
 //   load(args, stage, k0, full, lane)   bring keys [k0, k0 + kTileKeys) (all 32 producer lanes call it)
 // and leaves to the consumers only two patches of the tile: the new token's slot (always taken
 // from shared memory) and V rows at or past the block's end (zeroed, so NaN or Inf in unused
@@ -40,12 +41,13 @@ template <typename T, int HEAD_DIM>
 struct CpAsyncTiles {
   using L = TileLayout<T, HEAD_DIM>;
   static constexpr int FULL_ARRIVALS = 32;
+  __device__ __forceinline__ static void prefetch(const TileArgs<T>&) {}
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
 
   __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
                                               uint64_t* full, int lane) {
     // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
-    // chunk (512 contiguous bytes of the cache) at a time.
+    // chunk (512 contiguous bytes of the cache) at a time, chunk after chunk.
 #pragma unroll 4
     for (int j = 0; j < PIECES; ++j) {
       const int i = lane + 32 * j;
@@ -71,11 +73,13 @@ struct CpAsyncTiles {
   }
 };
 
-// Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues KEYS / 32 K boxes
-// (CHUNKS runs of 512 bytes each) and HEAD_DIM / 64 V boxes (KEYS lines of 128 bytes, swizzled)
-// per tile, and the copy engine completes the full barrier. Keys past S_max are zero-filled by
-// the copy engine; the slot of the new token and keys in [end, S_max) are read and then patched
-// by the consumers.
+// Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
+// KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and HEAD_DIM / 64 V
+// boxes (KEYS lines of 128 bytes, swizzled) per tile, and the copy engine completes the full
+// barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token and keys
+// in [end, S_max) are read and then patched by the consumers. Measured on the H200 (decode
+// timing): K fetched as two 512-byte halves per chunk 16 requests apart ran B=16 Hkv=32 S=8192 at
+// 517 us, 32 boxes of one half-chunk each slowed blocks of few tiles (B=64 S=256: 81 -> 89 us).
 template <typename T, int HEAD_DIM>
 struct TmaTiles {
   using L = TileLayout<T, HEAD_DIM>;
@@ -83,16 +87,21 @@ struct TmaTiles {
   static constexpr int FULL_ARRIVALS = 1;
   static constexpr uint32_t TX_BYTES = L::K_BYTES + L::V_BYTES;
 
+  // Lane 0 of the producer warp, at block entry: the descriptors into the copy engine's cache.
+  __device__ __forceinline__ static void prefetch(const TileArgs<T>& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    tma_prefetch_map(a.k_map);
+    tma_prefetch_map(a.v_map);
+#endif
+  }
+
   __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
                                               uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lane == 0) {
       mbar_arrive_expect_tx(full, TX_BYTES);
-#pragma unroll
-      for (int g = 0; g < L::KEYS / L::K_GROUP; ++g) {
-        tma_load_2d(stage + g * L::K_BOX_BYTES, a.k_map, (k0 + g * L::K_GROUP) * L::VEC,
-                    a.kv_head * L::CHUNKS, full);
-      }
+      // K map: [B * Hkv * CHUNKS rows][S_max / 32 groups][32 keys * VEC elements] (tma_maps.cpp).
+      tma_load_3d(stage, a.k_map, 0, k0 / 32, a.kv_head * L::CHUNKS, full);
 #pragma unroll
       for (int j = 0; j < HEAD_DIM / 64; ++j) {
         tma_load_3d(stage + L::K_BYTES + j * L::KEYS * L::V_LINE_BYTES, a.v_map, 64 * j, k0, a.kv_head, full);
