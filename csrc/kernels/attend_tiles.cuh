@@ -1,10 +1,11 @@
 // The tile loop of the decode kernel (fp16 / bf16 caches, every head dim). Torch-free.
 //
 // A block is kConsumerWarps consumer warps and one producer warp around a ring of `stages`
-// shared-memory stages (mbarriers "full" and "empty" per stage). The producer walks the block's
-// tiles of kTileKeys keys and has a tile source (tile_source.cuh) bring each one into the next
-// free stage. Consumer warp w takes keys [16 w, 16 w + 16) of every tile, with its own online
-// softmax (no block barrier inside the loop), for up to 8 query heads of one kv head:
+// shared-memory stages (mbarriers "full" and "empty" per stage). The producer walks the tiles of
+// kTileKeys keys of the block's work items, one item after the other without a gap, and has a
+// tile source (tile_source.cuh) bring each one into the next free stage. Consumer warp w takes
+// keys [16 w, 16 w + 16) of every tile, with its own online softmax (no block barrier inside an
+// item), for up to 8 query heads of one kv head:
 //   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (ldmatrix), B = q (registers)
 //   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
 //   O^T += V^T P^T m16n8k16: A = V^T (ldmatrix.trans), B = P^T (movmatrix of the S^T fragment)
@@ -28,6 +29,19 @@ namespace mmha {
 struct TileRing {
   uint64_t full[kMaxStages];   // completes when stage s holds its tile (Source::FULL_ARRIVALS)
   uint64_t empty[kMaxStages];  // completes when every consumer warp is done with stage s
+};
+
+// Where a warp is in the ring: stage s, in its n-th use. Producer and consumers step through
+// the same tiles in the same order, item after item, so their cursors agree.
+struct RingCursor {
+  int s = 0;
+  int n = 0;
+  __device__ __forceinline__ void next(int stages) {
+    if (++s == stages) {
+      s = 0;
+      ++n;
+    }
+  }
 };
 
 // A block's tiles: t0 .. t0 + nt - 1 of its (row, kv head), walked from tile t0 + rot and
@@ -110,7 +124,6 @@ struct TileConsumer {
   // past end are masked).
   __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int end, int lane) {
     const int g = lane / 4;
-    const int tq = lane % 4;
     // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
     float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -180,64 +193,79 @@ struct TileConsumer {
     }
   }
 
-  // Lane sums over the 8 lanes of a column pair, then (max, sum, acc) of heads < QB to shared
-  // memory: s_acc is [kConsumerWarps][QB][HEAD_DIM].
-  __device__ __forceinline__ void store(float (*s_m)[QB], float (*s_l)[QB], float* s_acc, int warp, int lane) {
+  // The block combine of an item, by the consumer warps (named barrier 1): their (max, sum) to
+  // s_m / s_l, then sum_w acc_w * 2^(m_w - M) into buf ([QB][HEAD_DIM] fp32: the q staging area,
+  // free once every warp holds its q fragments), warp after warp in a fixed order so results are
+  // bit-identical run to run. The sum of the block is sum_w s_l[w] * 2^(s_m[w] - M).
+  __device__ __forceinline__ void combine(float (*s_m)[QB], float (*s_l)[QB], float* buf, int warp, int lane) {
     const int g = lane / 4;
     const int tq = lane % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+      if (g == 0 && 2 * tq + h < QB) {
+        s_m[warp][2 * tq + h] = m[h];
+        s_l[warp][2 * tq + h] = l[h];
+      }
     }
+    named_barrier(1, kConsumerWarps * 32);
+    float sc[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int head = 2 * tq + h;
-      if (head < QB) {
-        if (g == 0) {
-          s_m[warp][head] = m[h];
-          s_l[warp][head] = l[h];
-        }
-        float* dst = s_acc + (warp * QB + head) * HEAD_DIM + g;
+      const int head = 2 * tq + h < QB ? 2 * tq + h : 0;
+      float mb = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < KSTEPS; ++i) {
-          dst[16 * i] = acc[i][h];
-          dst[16 * i + 8] = acc[i][h + 2];
+      for (int w = 0; w < kConsumerWarps; ++w) mb = fmaxf(mb, s_m[w][head]);
+      sc[h] = exp2f(m[h] - (mb == -INFINITY ? 0.f : mb));
+    }
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int head = 2 * tq + h;
+          if (head < QB) {
+            float* dst = buf + head * HEAD_DIM + g;
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+              const float a0 = acc[i][h] * sc[h];
+              const float a1 = acc[i][h + 2] * sc[h];
+              dst[16 * i] = w == 0 ? a0 : dst[16 * i] + a0;
+              dst[16 * i + 8] = w == 0 ? a1 : dst[16 * i + 8] + a1;
+            }
+          }
         }
       }
+      named_barrier(1, kConsumerWarps * 32);
     }
   }
 };
 
-// Producer warp: every tile of the walk into the ring (stage s of use n waits for the
+// Producer warp: every tile of one item's walk into the ring (stage s of use n waits for the
 // consumers' release of use n - 1).
 template <typename T, int HEAD_DIM, class Source>
 __device__ __forceinline__ void tile_produce(const TileArgs<T>& a, TileRing& ring, unsigned char* stages_base,
-                                             int stages, const TileWalk& w, int lane) {
+                                             int stages, const TileWalk& w, RingCursor& cur, int lane) {
   using L = TileLayout<T, HEAD_DIM>;
-  int s = 0, n = 0;
   for (int i = 0; i < w.nt; ++i) {
-    if (n > 0) mbar_wait(&ring.empty[s], (n - 1) & 1);
-    Source::load(a, stages_base + s * L::STAGE_BYTES, w.key(i), &ring.full[s], lane);
-    if (++s == stages) {
-      s = 0;
-      ++n;
-    }
+    if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+    Source::load(a, stages_base + cur.s * L::STAGE_BYTES, w.key(i), &ring.full[cur.s], lane);
+    cur.next(stages);
   }
 }
 
-// Consumer warp: its 16 keys of every tile of the walk, releasing each stage when done.
+// Consumer warp: its 16 keys of every tile of one item's walk, releasing each stage when done.
 template <typename T, int HEAD_DIM, int QB>
 __device__ __forceinline__ void tile_consume(TileConsumer<T, HEAD_DIM, QB>& c, TileRing& ring,
                                              unsigned char* stages_base, int stages, const TileWalk& w,
                                              int end, int pos, const T* s_new_k, const T* s_new_v,
-                                             int warp, int lane) {
+                                             RingCursor& cur, int warp, int lane) {
   using L = TileLayout<T, HEAD_DIM>;
   const int key0 = 16 * warp;
-  int s = 0, n = 0;
   for (int i = 0; i < w.nt; ++i) {
-    mbar_wait(&ring.full[s], n & 1);
-    unsigned char* stage = stages_base + s * L::STAGE_BYTES;
+    mbar_wait(&ring.full[cur.s], cur.n & 1);
+    unsigned char* stage = stages_base + cur.s * L::STAGE_BYTES;
     const int it = w.key(i) + key0;
     if (it < end) {
       if ((it <= pos && pos < it + 16) || it + 16 > end) {
@@ -246,11 +274,8 @@ __device__ __forceinline__ void tile_consume(TileConsumer<T, HEAD_DIM, QB>& c, T
       c.step(stage, key0, it, end, lane);
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(&ring.empty[s]);
-    if (++s == stages) {
-      s = 0;
-      ++n;
-    }
+    if (lane == 0) mbar_arrive(&ring.empty[cur.s]);
+    cur.next(stages);
   }
 }
 

@@ -1,6 +1,9 @@
 // Fused decode step: append the new token's K/V to the cache and attend over slots 0..lengths[b].
-// One kernel body serves both variants: num_splits == 1 walks the whole sequence in one block
-// (single pass); num_splits > 1 cuts it into chunks whose partials the last block merges.
+// The step is cut into work items, one per (row, kv head, query-head block, split); one kernel
+// body serves both variants: num_splits == 1 walks a row in one item (single pass), num_splits >
+// 1 cuts it into chunks whose partials the last item to finish merges. The tile loop runs a grid
+// of resident blocks that walk the items (persistent: a block's producer streams the next item's
+// tiles while its consumers finish the current one); the CUDA-core loop runs one block per item.
 // Torch-free: raw pointers and MmhaParams only.
 #pragma once
 
@@ -29,8 +32,8 @@ constexpr bool kTiles = !std::is_same_v<T, float>;
 
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
-// Tile-loop blocks of head_dim <= 128 run two per SM (the dispatcher sizes their stages for
-// it), so registers are capped at 65536 / (2 * 160) = 204; at head_dim 256 one block per SM.
+// Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting), so registers are
+// capped at 65536 / (2 * 160) = 204; at head_dim 256 one block per SM.
 template <typename T, int HEAD_DIM>
 constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
@@ -103,181 +106,136 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
   }
 }
 
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
-__global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
-    decode_attention_kernel(const __grid_constant__ MmhaParams p) {
-  constexpr bool TILES = kTiles<T>;
-  // Chunks are whole tiles (tile loop) or whole warp steps (CUDA-core loop).
-  constexpr int GRAIN = TILES ? kTileKeys : SimtAttend<T, HEAD_DIM, QB>::KEYS;
-  constexpr int LOOP_WARPS = TILES ? kConsumerWarps : kSimtWarps;
-  constexpr int ACC_ROWS = TILES ? 1 : SimtAttend<T, HEAD_DIM, QB>::ACC_ROWS;
-  const int nthreads = blockDim.x;
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
+// One work item of the step: a (row, kv head, query-head block, split) and its keys [start, end).
+// Items are numbered split fastest, then head block, then row.
+struct WorkItem {
+  int b, kvh, qg, split;
+  int h0, nh;        // first query head of the item, query heads it holds (<= QB)
+  int pos;           // lengths[b]: the new token's slot
+  bool bad;          // pos outside [0, S_max): nothing is read or written for this row
+  int active;        // splits of this row that hold keys
+  int t0, t1;        // grains [t0, t1) of the row
+  int start, end;    // keys [start, end)
+  __device__ __forceinline__ bool busy() const { return !bad && split < active; }
+  __device__ __forceinline__ bool owner() const { return pos < end; }  // holds the new token's slot
+  __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
+    return static_cast<int64_t>(b) * num_kv_heads + kvh;
+  }
+};
 
-  const int b = blockIdx.z;
-  const int kvh = blockIdx.y / p.q_groups;
-  const int qg = blockIdx.y % p.q_groups;
+__device__ __forceinline__ int num_items(const MmhaParams& p) {
+  return p.batch * p.num_kv_heads * p.q_groups * p.num_splits;
+}
+
+// The row's len = pos + 1 keys are ntiles grains (tiles, or warp steps of the CUDA-core loop);
+// active splits take ntiles * s / active .. ntiles * (s + 1) / active of them (equal to one
+// grain). Splits past the row's grains have nothing to do and take no part in the merge.
+template <int QB>
+__device__ __forceinline__ WorkItem work_item(const MmhaParams& p, int index, int grain) {
+  WorkItem w;
+  const int per_row = p.num_kv_heads * p.q_groups * p.num_splits;
+  w.b = index / per_row;
+  const int r = index - w.b * per_row;
+  const int head_block = r / p.num_splits;
+  w.split = r - head_block * p.num_splits;
+  w.kvh = head_block / p.q_groups;
+  w.qg = head_block - w.kvh * p.q_groups;
   const int group = p.num_heads / p.num_kv_heads;
-  const int h0 = kvh * group + qg * QB;  // first query head of this block
-  const int nh = min(QB, group - qg * QB);
-  const int split = blockIdx.x;
-  const int num_splits = gridDim.x;
-  const int smax = p.max_seq_len;
-  if constexpr (kTiles<T>) {
-    if (warp == kConsumerWarps && lane == 0) {  // descriptors on their way while the length loads
-      SourceOf<T, HEAD_DIM, SRC>::prefetch(TileArgs<T>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
-    }
+  w.h0 = w.kvh * group + w.qg * QB;
+  w.nh = min(QB, group - w.qg * QB);
+  w.pos = p.lengths[w.b];
+  w.bad = w.pos < 0 || w.pos >= p.max_seq_len;
+  const int len = w.bad ? 1 : w.pos + 1;
+  const int ntiles = (len + grain - 1) / grain;
+  w.active = w.bad ? 0 : min(p.num_splits, ntiles);
+  const int act = max(w.active, 1);
+  w.t0 = w.split * ntiles / act;
+  w.t1 = (w.split + 1) * ntiles / act;
+  w.start = w.t0 * grain;
+  w.end = min(len, w.t1 * grain);
+  return w;
+}
+
+// An out-of-range length (the host checks were bypassed or raced): nothing is read from or
+// written to the caches; the row's output is NaN and its status flag is raised.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int tid, int nthreads) {
+  if (w.split != 0) return;
+  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(w.b) * p.num_heads * HEAD_DIM;
+  float* lse = p.lse + static_cast<int64_t>(w.b) * p.num_heads;
+  for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
+    out[(w.h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
+    if (idx % HEAD_DIM == 0) lse[w.h0 + idx / HEAD_DIM] = NAN;
   }
-  const int pos = p.lengths[b];
+  if (w.kvh == 0 && w.qg == 0 && tid == 0) p.status[w.b] = 1;
+}
 
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(b) * p.num_heads * HEAD_DIM;
-  float* lse = p.lse + static_cast<int64_t>(b) * p.num_heads;
-  if (pos < 0 || pos >= smax) {
-    // Out-of-range length (the host checks were bypassed or raced): nothing is read from or
-    // written to the caches; the row's output is NaN and its status flag is raised.
-    if (split == 0) {
-      for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
-        out[(h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
-        if (idx % HEAD_DIM == 0) lse[h0 + idx / HEAD_DIM] = NAN;
-      }
-      if (blockIdx.y == 0 && tid == 0) p.status[b] = 1;
-    }
-    return;
-  }
-
-  // Keys [start, end) of this block: the row's len = pos + 1 keys are ntiles grains; active
-  // splits take ntiles * s / active .. ntiles * (s + 1) / active of them (equal to one grain).
-  // Splits past the row's grains have nothing to do and take no part in the merge.
-  const int len = pos + 1;
-  const int ntiles = (len + GRAIN - 1) / GRAIN;
-  const int active_splits = min(num_splits, ntiles);
-  if (split >= active_splits) return;
-  const int t0 = split * ntiles / active_splits;
-  const int t1 = (split + 1) * ntiles / active_splits;
-  const int start = t0 * GRAIN;
-  const int end = min(len, t1 * GRAIN);
-  const bool owner = pos < end;  // this block's chunk holds the new token's slot
-
-  __shared__ __align__(16) float s_q[QB][HEAD_DIM];
-  __shared__ __align__(16) T s_new_k[HEAD_DIM];
-  __shared__ __align__(16) T s_new_v[HEAD_DIM];
-  __shared__ float s_m[LOOP_WARPS][QB];
-  __shared__ float s_l[LOOP_WARPS][QB];
-  __shared__ float s_w[QB][kMaxSplits];
-  __shared__ bool s_last;
-
-  const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
-  const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
-  T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
-  T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
-  const float scale_log2 = p.scale * kLog2e;
-
-  // Main loop: each loop warp leaves its (max, sum) in s_m, s_l and its accumulators in s_acc
-  // ([LOOP_WARPS * ACC_ROWS][QB][HEAD_DIM]); then the block meets at a barrier.
-  const float* s_acc;
-  if constexpr (TILES) {
-    using Source = SourceOf<T, HEAD_DIM, SRC>;
-    __shared__ TileRing ring;
-    extern __shared__ __align__(16) unsigned char s_dyn[];
-    unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
-    if (tid == 0) {
-      for (int s = 0; s < p.stages; ++s) {
-        mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
-        mbar_init(&ring.empty[s], kConsumerWarps);
-      }
-      mbar_init_fence();
-    }
-    __syncthreads();
-    const TileArgs<T> ta{k_head, v_head, smax, end, pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
-    const int nt = t1 - t0;
-    const TileWalk walk{t0, nt, static_cast<int>(kv_head * 37 % nt)};
-    TileConsumer<T, HEAD_DIM, QB> consumer;
-    if (warp == kConsumerWarps) {
-      // The producer starts while the consumers build q: its first copies need only the walk.
-      tile_produce<T, HEAD_DIM, Source>(ta, ring, stages, p.stages, walk, lane);
-    } else {
-      load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, h0, nh, kvh, qg, pos, owner, k_head, v_head, s_q,
-                                                s_new_k, s_new_v, tid, kConsumerWarps * 32);
-      named_barrier(1, kConsumerWarps * 32);
-      consumer.init(s_q, nh, scale_log2, lane);
-      tile_consume<T, HEAD_DIM, QB>(consumer, ring, stages, p.stages, walk, end, pos, s_new_k, s_new_v, warp,
-                                    lane);
-    }
-    __syncthreads();  // every consumer is done with the stages: their space becomes s_acc
-    float* acc_out = reinterpret_cast<float*>(stages);
-    if (warp < kConsumerWarps) consumer.store(s_m, s_l, acc_out, warp, lane);
-    __syncthreads();
-    s_acc = acc_out;
-  } else {
-    load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, h0, nh, kvh, qg, pos, owner, k_head, v_head, s_q,
-                                              s_new_k, s_new_v, tid, nthreads);
-    __syncthreads();
-    const AttendArgs<T> args{k_head, v_head, smax, start, end, pos, scale_log2};
-    s_acc = SimtAttend<T, HEAD_DIM, QB>::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
-  }
-
-  // Block combine: max, sum and accumulators of the loop warps, rescaled to the block's max.
-  // Split partials: acc at [(row, head), split][D], then (max, sum) at [(row, head), split][2]
-  // past all of them, so every acc row starts 16-byte aligned for the merge's vector loads.
-  const int64_t head_row = static_cast<int64_t>(b) * p.num_heads;
+// The item's result: out and lse (single pass) or its partial (split): acc at
+// [(row, head), split][D], then (max, sum) at [(row, head), split][2] past all of them, so every
+// acc row starts 16-byte aligned for the merge's vector loads. Per head g: max m[g], sum l[g], and
+// acc(g, d), the block's accumulator already rescaled to m[g].
+template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
+__device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc, int tid,
+                                           int nthreads) {
+  const int num_splits = p.num_splits;
+  const int64_t head_row = static_cast<int64_t>(w.b) * p.num_heads;
+  T* out = static_cast<T*>(p.out) + head_row * HEAD_DIM;
+  float* lse = p.lse + head_row;
   float* part_acc = p.partials;
   float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.num_heads * num_splits * HEAD_DIM;
-  for (int idx = tid; idx < nh * HEAD_DIM; idx += nthreads) {
+  for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < LOOP_WARPS; ++w) mb = fmaxf(mb, s_m[w][g]);
-    const float m_ref = mb == -INFINITY ? 0.f : mb;
-    float sum = 0.f, a = 0.f;
-#pragma unroll
-    for (int w = 0; w < LOOP_WARPS; ++w) {
-      const float sc = exp2f(s_m[w][g] - m_ref);
-      float aw = 0.f;
-#pragma unroll
-      for (int r = 0; r < ACC_ROWS; ++r) aw += s_acc[((w * ACC_ROWS + r) * QB + g) * HEAD_DIM + d];
-      sum += s_l[w][g] * sc;
-      a += aw * sc;
-    }
-    const int h = h0 + g;
+    const int h = w.h0 + g;
+    const float a = acc(g, d);
     if (num_splits == 1) {
+      const float sum = l(g);
       out[h * HEAD_DIM + d] = from_float<T>(a / sum);
-      if (d == 0) lse[h] = (mb + log2f(sum)) * kLn2;
+      if (d == 0) lse[h] = (m(g) + log2f(sum)) * kLn2;
     } else {
-      const int64_t slot = (head_row + h) * num_splits + split;
+      const int64_t slot = (head_row + h) * num_splits + w.split;
       part_acc[slot * HEAD_DIM + d] = a;
-      if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(mb, sum);
+      if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(m(g), l(g));
     }
   }
-  if (num_splits == 1) return;
+}
 
-  // Split sequence: the last block of this (row, query-head group) to finish merges the partials
-  // in split order (bit-identical run to run).
+// Split sequence: the last item of this (row, query-head block) to finish merges the partials in
+// split order (bit-identical run to run). `sync` is a barrier of the nthreads taking part.
+template <typename T, int HEAD_DIM, int QB, class Sync>
+__device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
+                                              bool& s_last, int tid, int nthreads, Sync sync) {
+  const int num_splits = p.num_splits;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
   __threadfence();
-  __syncthreads();
+  sync();
   if (tid == 0) {
-    int32_t* counter = p.counters + static_cast<int64_t>(b) * gridDim.y + blockIdx.y;
+    int32_t* counter = p.counters + (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.q_groups + w.qg;
     const int arrived = atomicAdd(counter, 1);
-    s_last = arrived == active_splits - 1;
-    if (s_last) *counter = 0;  // every active block has arrived: ready for the next launch
+    s_last = arrived == w.active - 1;
+    if (s_last) *counter = 0;  // every active split has arrived: ready for the next launch
   }
-  __syncthreads();
+  sync();
   if (!s_last) return;
   __threadfence();
 
+  const int64_t head_row = static_cast<int64_t>(w.b) * p.num_heads;
+  T* out = static_cast<T*>(p.out) + head_row * HEAD_DIM;
+  float* lse = p.lse + head_row;
+  const float* part_acc = p.partials;
+  const float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.num_heads * num_splits * HEAD_DIM;
   // Weights exp2(m_s - M) / sum: one warp per head, lanes over splits.
   const int warps = nthreads / 32;
-  for (int g = warp; g < nh; g += warps) {
-    const float* ml = part_ml + (head_row + h0 + g) * num_splits * 2;
+  for (int g = warp; g < w.nh; g += warps) {
+    const float* ml = part_ml + (head_row + w.h0 + g) * num_splits * 2;
     float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kMaxSplits / 32; ++i) {
       const int s = lane + 32 * i;
-      const float2 v = s < active_splits ? __ldcg(reinterpret_cast<const float2*>(ml) + s)
-                                         : make_float2(-INFINITY, 0.f);
+      const float2 v =
+          s < w.active ? __ldcg(reinterpret_cast<const float2*>(ml) + s) : make_float2(-INFINITY, 0.f);
       ms[i] = v.x;
       ls[i] = v.y;
       mx = fmaxf(mx, ms[i]);
@@ -296,47 +254,215 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
 #pragma unroll
     for (int i = 0; i < kMaxSplits / 32; ++i) {
       const int s = lane + 32 * i;
-      if (s < active_splits) s_w[g][s] = ms[i] / sum;
+      if (s < w.active) s_w[g][s] = ms[i] / sum;
     }
-    if (lane == 0) lse[h0 + g] = (mx + log2f(sum)) * kLn2;
+    if (lane == 0) lse[w.h0 + g] = (mx + log2f(sum)) * kLn2;
   }
-  __syncthreads();
+  sync();
   // Weighted sum of the partial accumulators: a thread per (head, 4 dims), its loads of 8 splits
   // issued together (a loop of dependent L2 round trips cost ~0.3 us per split).
   constexpr int C4 = HEAD_DIM / 4;
-  for (int idx = tid; idx < nh * C4; idx += nthreads) {
+  for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
     const int g = idx / C4;
     const int c = idx % C4;
     const float4* acc4 =
-        reinterpret_cast<const float4*>(part_acc + (head_row + h0 + g) * num_splits * HEAD_DIM) + c;
+        reinterpret_cast<const float4*>(part_acc + (head_row + w.h0 + g) * num_splits * HEAD_DIM) + c;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     int s = 0;
-    for (; s + 8 <= active_splits; s += 8) {
+    for (; s + 8 <= w.active; s += 8) {
       float4 v[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) v[u] = __ldcg(acc4 + (s + u) * C4);
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const float w = s_w[g][s + u];
-        a.x += w * v[u].x;
-        a.y += w * v[u].y;
-        a.z += w * v[u].z;
-        a.w += w * v[u].w;
+        const float wt = s_w[g][s + u];
+        a.x += wt * v[u].x;
+        a.y += wt * v[u].y;
+        a.z += wt * v[u].z;
+        a.w += wt * v[u].w;
       }
     }
-    for (; s < active_splits; ++s) {
+    for (; s < w.active; ++s) {
       const float4 v = __ldcg(acc4 + s * C4);
-      const float w = s_w[g][s];
-      a.x += w * v.x;
-      a.y += w * v.y;
-      a.z += w * v.z;
-      a.w += w * v.w;
+      const float wt = s_w[g][s];
+      a.x += wt * v.x;
+      a.y += wt * v.y;
+      a.z += wt * v.z;
+      a.w += wt * v.w;
     }
-    T* o = out + (h0 + g) * HEAD_DIM + 4 * c;
+    T* o = out + (w.h0 + g) * HEAD_DIM + 4 * c;
     o[0] = from_float<T>(a.x);
     o[1] = from_float<T>(a.y);
     o[2] = from_float<T>(a.z);
     o[3] = from_float<T>(a.w);
+  }
+}
+
+// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) walks items
+// blockIdx.x, blockIdx.x + gridDim.x, ... The producer streams every tile of every item into the
+// ring; the consumers take each item's q, attend over its tiles, combine, store and merge, with
+// named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+__device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
+  using Source = SourceOf<T, HEAD_DIM, SRC>;
+  constexpr int CONSUMERS = kConsumerWarps * 32;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int smax = p.max_seq_len;
+  const int items = num_items(p);
+
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
+  __shared__ __align__(16) T s_new_k[HEAD_DIM];
+  __shared__ __align__(16) T s_new_v[HEAD_DIM];
+  __shared__ float s_m[kConsumerWarps][QB];
+  __shared__ float s_l[kConsumerWarps][QB];
+  __shared__ float s_w[QB][kMaxSplits];
+  __shared__ bool s_last;
+  __shared__ TileRing ring;
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+  if (tid == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
+      mbar_init(&ring.empty[s], kConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  if (warp == kConsumerWarps && lane == 0) {
+    Source::prefetch(TileArgs<T>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
+  }
+  __syncthreads();
+
+  RingCursor cur;
+  if (warp == kConsumerWarps) {
+    for (int i = blockIdx.x; i < items; i += gridDim.x) {
+      const WorkItem w = work_item<QB>(p, i, kTileKeys);
+      if (!w.busy()) continue;
+      const int64_t kv_head = w.kv_head(p.num_kv_heads);
+      const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                           static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+                           smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+      const int nt = w.t1 - w.t0;
+      const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+      tile_produce<T, HEAD_DIM, Source>(ta, ring, stages, p.stages, walk, cur, lane);
+    }
+    return;
+  }
+
+  const float scale_log2 = p.scale * kLog2e;
+  const auto sync = [] { named_barrier(1, CONSUMERS); };
+  for (int i = blockIdx.x; i < items; i += gridDim.x) {
+    const WorkItem w = work_item<QB>(p, i, kTileKeys);
+    if (w.bad) {
+      poison_row<T, HEAD_DIM>(p, w, tid, CONSUMERS);
+      continue;
+    }
+    if (!w.busy()) continue;
+    const int64_t kv_head = w.kv_head(p.num_kv_heads);
+    T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;
+    T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;
+    const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(w.b) * p.qkv_row_stride;
+    load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(), k_head, v_head,
+                                              s_q, s_new_k, s_new_v, tid, CONSUMERS);
+    sync();
+    TileConsumer<T, HEAD_DIM, QB> c;
+    c.init(s_q, w.nh, scale_log2, lane);
+    const int nt = w.t1 - w.t0;
+    const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+    tile_consume<T, HEAD_DIM, QB>(c, ring, stages, p.stages, walk, w.end, w.pos, s_new_k, s_new_v, cur, warp, lane);
+    sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
+    c.combine(s_m, s_l, &s_q[0][0], warp, lane);
+    const auto block_max = [&](int g) {
+      float mb = -INFINITY;
+#pragma unroll
+      for (int wp = 0; wp < kConsumerWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
+      return mb;
+    };
+    const auto block_sum = [&](int g) {
+      const float mb = block_max(g);
+      const float m_ref = mb == -INFINITY ? 0.f : mb;
+      float sum = 0.f;
+#pragma unroll
+      for (int wp = 0; wp < kConsumerWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
+      return sum;
+    };
+    store_item<T, HEAD_DIM>(p, w, block_max, block_sum, [&](int g, int d) { return s_q[g][d]; }, tid, CONSUMERS);
+    if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, CONSUMERS, sync);
+    sync();  // s_q, s_m, s_l and s_w are free for the next item
+  }
+}
+
+// The CUDA-core loop (fp32 caches): one block of kSimtWarps warps per item.
+template <typename T, int HEAD_DIM, int QB>
+__device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
+  using Simt = SimtAttend<T, HEAD_DIM, QB>;
+  const int tid = threadIdx.x;
+  const int nthreads = blockDim.x;
+  const int smax = p.max_seq_len;
+  const WorkItem w = work_item<QB>(p, blockIdx.x, Simt::KEYS);
+  if (w.bad) {
+    poison_row<T, HEAD_DIM>(p, w, tid, nthreads);
+    return;
+  }
+  if (!w.busy()) return;
+
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM];
+  __shared__ __align__(16) T s_new_k[HEAD_DIM];
+  __shared__ __align__(16) T s_new_v[HEAD_DIM];
+  __shared__ float s_m[kSimtWarps][QB];
+  __shared__ float s_l[kSimtWarps][QB];
+  __shared__ float s_w[QB][kMaxSplits];
+  __shared__ bool s_last;
+
+  const int64_t kv_head = w.kv_head(p.num_kv_heads);
+  T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
+  T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
+  const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(w.b) * p.qkv_row_stride;
+  load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(), k_head, v_head,
+                                            s_q, s_new_k, s_new_v, tid, nthreads);
+  __syncthreads();
+  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.end, w.pos, p.scale * kLog2e};
+  const float* s_acc = Simt::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
+  // Block combine: the loop warps' (max, sum, acc), rescaled to the block's max.
+  const auto block_max = [&](int g) {
+    float mb = -INFINITY;
+#pragma unroll
+    for (int wp = 0; wp < kSimtWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
+    return mb;
+  };
+  const auto block_sum = [&](int g) {
+    const float mb = block_max(g);
+    const float m_ref = mb == -INFINITY ? 0.f : mb;
+    float sum = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < kSimtWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
+    return sum;
+  };
+  const auto block_acc = [&](int g, int d) {
+    const float mb = block_max(g);
+    const float m_ref = mb == -INFINITY ? 0.f : mb;
+    float a = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < kSimtWarps; ++wp) {
+      float aw = 0.f;
+#pragma unroll
+      for (int r = 0; r < Simt::ACC_ROWS; ++r) aw += s_acc[((wp * Simt::ACC_ROWS + r) * QB + g) * HEAD_DIM + d];
+      a += aw * exp2f(s_m[wp][g] - m_ref);
+    }
+    return a;
+  };
+  store_item<T, HEAD_DIM>(p, w, block_max, block_sum, block_acc, tid, nthreads);
+  if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, nthreads, [] { __syncthreads(); });
+}
+
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+__global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
+    decode_attention_kernel(const __grid_constant__ MmhaParams p) {
+  if constexpr (kTiles<T>) {
+    run_tile_items<T, HEAD_DIM, QB, SRC>(p);
+  } else {
+    run_simt_item<T, HEAD_DIM, QB>(p);
   }
 }
 
@@ -385,14 +511,40 @@ int blocks_per_sm_of(int stages) {
   return blocks;
 }
 
+// Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
+// resident at once (its occupancy at p.stages stages), balanced so that every block walks the
+// same number of items: ceil(items / ceil(items / resident)).
+template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
+  const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.q_groups * p.num_splits;
+  if (items > INT32_MAX) return cudaErrorInvalidValue;
+  blocks = static_cast<int>(items);
+  if constexpr (kTiles<T>) {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+                                                          kBlockThreads<T>, smem_bytes);
+    }
+    if (err != cudaSuccess) return err;
+    const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+    const int64_t rounds = (items + resident - 1) / resident;
+    blocks = static_cast<int>((items + rounds - 1) / rounds);
+  }
+  return cudaSuccess;
+}
+
 template <typename T, int HEAD_DIM, int QB, TileSource SRC>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  const cudaError_t err = prepare_decode_attention<T, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages,
-                                                                          smem_bytes);
+  cudaError_t err = prepare_decode_attention<T, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_splits, p.num_kv_heads * p.q_groups, p.batch);
-  decode_attention_kernel<T, HEAD_DIM, QB, SRC><<<grid, kBlockThreads<T>, smem_bytes, stream>>>(p);
+  int blocks = 0;
+  err = grid_blocks<T, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
+  if (err != cudaSuccess) return err;
+  if (blocks == 0) return cudaSuccess;
+  decode_attention_kernel<T, HEAD_DIM, QB, SRC><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 

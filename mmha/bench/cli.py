@@ -40,7 +40,8 @@ def time_method(cfg: Config, method: str, plan, res: dict) -> None:
     probs = fns = None
     try:
         with method_context(method):
-            probs = [Problem(cfg, kind(method), seed=i) for i in range(cfg.layers)]
+            lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
+            probs = [Problem(cfg, kind(method), seed=i, lengths=lengths) for i in range(cfg.layers)]
             fns = [make_fn(method, p, plan) for p in probs]
             out = fns[0]()
             torch.cuda.synchronize()

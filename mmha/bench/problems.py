@@ -36,6 +36,8 @@ SMALL_HEAD_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 TOLERANCE = {"fp16": 2e-2, "bf16": 6e-2, "fp32": 2e-4}
 
 # Decode timing: as many distinct caches per timed graph as make >= 1 GiB, 2 to 32 of them.
+# (Each call has its own cache, qkv and output; mmha's calls share one lengths tensor, as the
+# layers of a decode step share KVCache.lengths.)
 LAYER_BYTES = 1 << 30
 MIN_LAYERS, MAX_LAYERS = 2, 32
 
@@ -87,9 +89,10 @@ class Config:
 class Problem:
     """One call's tensors, random (never zeros). ``kind`` "mmha": qkv and the packed caches, the
     new token appended at slot S - 1 (so the call reads S keys); "sdpa": q and the same-sized
-    K/V in ``[B, H, S, D]`` with the new token already at slot S - 1."""
+    K/V in ``[B, H, S, D]`` with the new token already at slot S - 1. ``lengths``: an int32
+    tensor of S - 1 per row to share (the layers of a decode step share ``KVCache.lengths``)."""
 
-    def __init__(self, cfg: Config, kind: str, seed: int = 0):
+    def __init__(self, cfg: Config, kind: str, seed: int = 0, lengths: torch.Tensor | None = None):
         from .. import layout
 
         self.cfg, self.kind = cfg, kind
@@ -101,7 +104,7 @@ class Problem:
         if kind == "mmha":
             self.k_cache = torch.randn(layout.k_cache_shape(b, hkv, s, d, dt), generator=g, device=dev, dtype=dt)
             self.v_cache = torch.randn(layout.v_cache_shape(b, hkv, s, d), generator=g, device=dev, dtype=dt)
-            self.lengths = torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+            self.lengths = lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
         elif kind == "sdpa":
             self.q = self.qkv[:, : hq * d].reshape(b, hq, 1, d).contiguous()
             self.k = torch.randn(b, hkv, s, d, generator=g, device=dev, dtype=dt)

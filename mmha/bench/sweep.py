@@ -51,7 +51,8 @@ def name(plan: dispatch.Plan, source: str) -> str:
 
 
 def sweep_row(cfg: Config) -> dict:
-    probs = [Problem(cfg, "mmha", seed=i) for i in range(cfg.layers)]
+    lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
+    probs = [Problem(cfg, "mmha", seed=i, lengths=lengths) for i in range(cfg.layers)]
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
                         cfg.torch_dtype)  # fmt: skip
     rows = sorted({0, cfg.batch - 1})

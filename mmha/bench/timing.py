@@ -1,7 +1,8 @@
 """How the benchmark times a call.
 
 - ``decode_us`` (primary): one layer of a decode step. ``layers`` calls, each on its own tensors
-  (cache, qkv, output), are captured back to back in one CUDA graph; the per-call time is the
+  (cache, qkv, output; mmha's calls share one lengths tensor, as the layers of a step share
+  ``KVCache.lengths``), are captured back to back in one CUDA graph; the per-call time is the
   median replay time over ``layers`` (>= 20 replays). No call finds its cache in L2 (the caches
   together are >= 1 GiB), none pays a flush's write-back, none waits on the CPU, and nothing
   overlaps across calls.
