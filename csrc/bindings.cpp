@@ -46,7 +46,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TILE_THREADS") = mmha::kTileThreads;
   m.attr("MIN_STAGES") = mmha::kMinStages;
   m.attr("MAX_STAGES") = mmha::kMaxStages;
-  m.attr("STATIC_SMEM_BOUND") = mmha::kStaticSmemBound;
+  m.def(
+      "tile_static_smem",
+      [](int head_dim, int elem_bytes, int qb) { return mmha::tile_static_smem(head_dim, elem_bytes, qb); },
+      "Bound on the tile kernel's static shared memory at qb query heads per block");
   m.def(
       "tile_stage_bytes", [](int head_dim, int elem_bytes) { return mmha::tile_stage_bytes(head_dim, elem_bytes); },
       "Shared memory of one stage of the tile loop (K and V of TILE_KEYS keys)");

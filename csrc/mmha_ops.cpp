@@ -221,6 +221,10 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // Split-sequence workspace.
   MMHA_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, ", kMaxSplits,
              "], got ", num_splits);
+  // Merge counters [B * Hq] and the tile loop's work counter [2] after them.
+  MMHA_CHECK(counters.numel() >= batch * num_heads + 2, "counters must hold at least B * Hq + 2 = ",
+             batch * num_heads + 2, " int32, got ", counters.numel());
+  check_contiguous(counters, "counters");
   if (num_splits > 1) {
     const int64_t need = batch * num_heads * num_splits * (head_dim + 2);
     MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * Hq * num_splits * (D + 2) = ",
@@ -228,10 +232,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     check_contiguous(partials, "partials");
     MMHA_CHECK(reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
                "partials must start 16-byte aligned (the merge reads it in 16-byte vectors)");
-    MMHA_CHECK(counters.numel() >= batch * num_heads,
-               "counters must hold at least B * Hq = ", batch * num_heads, " int32, got ",
-               counters.numel());
-    check_contiguous(counters, "counters");
   }
 
   MMHA_CHECK(status.numel() >= batch, "status must hold at least B = ", batch, " int32, got ",
@@ -250,7 +250,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     int optin = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()));
-    max_stages = std::min(kMaxStages, (optin - kStaticSmemBound - 1024) / stage);
+    const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
+                                       pick_q_group_block(num_heads / num_kv_heads)) + 1024;
+    max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
              max_stages, "] for head_dim ", head_dim, " (shared memory of this GPU), got ", stages);
@@ -275,7 +277,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.partials = num_splits > 1 ? partials.data_ptr<float>() : nullptr;
-  p.counters = num_splits > 1 ? counters.data_ptr<int32_t>() : nullptr;
+  p.counters = counters.data_ptr<int32_t>();
+  p.work = p.counters + batch * num_heads;
   p.status = status.data_ptr<int32_t>();
   p.qkv_row_stride = qkv.stride(0);
   p.batch = static_cast<int32_t>(batch);

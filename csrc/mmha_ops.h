@@ -10,7 +10,7 @@ namespace mmha {
 // One decode step: append the new K/V of every row at slot lengths[b] and attend over
 // slots 0..lengths[b]. Writes out [B, Hq * D] and lse [B, Hq]; caches are updated in place;
 // lengths are read, never changed. partials / counters are the split-sequence workspace
-// (partials [>= B * Hq * num_splits * (D + 2)] fp32, counters [>= B * Hq] int32, all zero).
+// (partials [>= B * Hq * num_splits * (D + 2)] fp32, counters [>= B * Hq + 2] int32, all zero).
 // check_lengths reads lengths on the host (one synchronisation) and rejects values outside
 // [0, S_max - 1]; it is refused during CUDA graph capture. Without it an out-of-range row reads
 // and writes nothing in the caches, gets NaN output and lse, and raises status[b] (int32 [>= B],

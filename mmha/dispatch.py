@@ -25,8 +25,6 @@ MAX_SPLITS = 64
 TILE_KEYS = 64
 TILE_THREADS = 160
 MIN_STAGES, MAX_STAGES = 2, 8
-# Bound on the kernel's static shared memory (q, the new token, merge weights, barriers).
-STATIC_SMEM_BOUND = 12 * 1024
 # Shared memory the GPU reserves per resident block (sm_80 and newer).
 SMEM_RESERVED_PER_BLOCK = 1024
 
@@ -106,33 +104,40 @@ def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
     return -(-(k + v) // 1024) * 1024
 
 
-def tile_block_smem(head_dim: int, elem_bytes: int, stages: int) -> int:
+def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
+    """Bound on the tile kernel's static shared memory at ``qb`` query heads per block (mirrors
+    ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
+    return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
+            + qb * 64 * 4 + 2 * 4 * qb * 4 + 2 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
+
+
+def tile_block_smem(head_dim: int, elem_bytes: int, stages: int, qb: int = 8) -> int:
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
-    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + STATIC_SMEM_BOUND
+    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + tile_static_smem(head_dim, elem_bytes, qb)
 
 
-def tile_blocks_per_sm(head_dim: int, elem_bytes: int, stages: int, device: Device) -> int:
+def tile_blocks_per_sm(head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8) -> int:
     """Tile-loop blocks with ``stages`` stages that fit one SM's shared memory."""
-    smem = tile_block_smem(head_dim, elem_bytes, stages)
+    smem = tile_block_smem(head_dim, elem_bytes, stages, qb)
     if smem > device.smem_per_block:
         return 0
     return device.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)
 
 
-def max_stages(head_dim: int, elem_bytes: int, device: Device) -> int:
+def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> int:
     """Most stages one block of this head dim may take (what the operator accepts)."""
-    fit = (device.smem_per_block - 1024 - STATIC_SMEM_BOUND) // tile_stage_bytes(head_dim, elem_bytes)
-    return min(MAX_STAGES, fit)
+    fixed = 1024 + tile_static_smem(head_dim, elem_bytes, qb)
+    return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))
 
 
-def tile_stages(head_dim: int, elem_bytes: int, device: Device) -> tuple[int, int]:
+def tile_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> tuple[int, int]:
     """``(stages, blocks per SM)``: the deepest ring that keeps the target blocks per SM."""
     target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
-    for stages in range(max_stages(head_dim, elem_bytes, device), MIN_STAGES - 1, -1):
-        fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device)
+    for stages in range(max_stages(head_dim, elem_bytes, device, qb), MIN_STAGES - 1, -1):
+        fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb)
         if fit >= target:
             return stages, target
-    return MIN_STAGES, max(1, tile_blocks_per_sm(head_dim, elem_bytes, MIN_STAGES, device))
+    return MIN_STAGES, max(1, tile_blocks_per_sm(head_dim, elem_bytes, MIN_STAGES, device, qb))
 
 
 def wave_cost(blocks: int, wave: int) -> int:
@@ -171,8 +176,9 @@ def choose_variant(
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on
     an H100 (132 SMs, 228 KB of shared memory per SM, 227 KB per block). A stage is K and V of
-    64 keys: 2 * 64 * 128 * 2 = 32 KB. Six stages fit one block (6 * 32 + 1 + 12 = 205 KB), but
-    two blocks per SM need 3: (3 * 32 + 1 + 12 + 1) * 2 = 220 KB <= 228 KB. So the wave is
+    64 keys: 2 * 64 * 128 * 2 = 32 KB. Six stages fit one block (6 * 32 + 1 + 4 = 197 KB with
+    the 4 KB of static arrays of one query head per block), but two blocks per SM need 3:
+    (3 * 32 + 1 + 4 + 1) * 2 = 204 KB <= 228 KB. So the wave is
     132 * 2 = 264 blocks. One query head per kv head: a base grid of 1 * 32 * 1 = 32 blocks;
     264 // 32 = 8 splits fit, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 8, 3, 2)``,
     a grid of 256 blocks of 8 tiles (512 keys) each. With 8 kv heads (4 query heads per
@@ -194,7 +200,7 @@ def choose_variant(
     seq_len = max(1, seq_len)
     if uses_tensor_cores(dtype):
         elem = torch.empty((), dtype=dtype).element_size()
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device)
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, q_group_block(num_heads // num_kv_heads))
         grains = -(-seq_len // TILE_KEYS)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM

@@ -58,8 +58,9 @@ class LengthError(ValueError):
 
 @dataclass
 class Workspace:
-    """Scratch of the operator: fp32 split partials, int32 merge counters (zero between launches)
-    and the int32 per-row status flags the kernel raises for out-of-range lengths.
+    """Scratch of the operator: fp32 split partials, int32 counters (``[B * Hq]`` merge arrivals and
+    the tile loop's work counter ``[2]``; zero between launches) and the int32 per-row status flags
+    the kernel raises for out-of-range lengths.
 
     Counters are reset by the kernel itself, so one workspace serves any number of launches
     ordered on one stream; launches on concurrent streams need one workspace each. Status flags
@@ -78,7 +79,7 @@ class Workspace:
             dtype=torch.float32,
             device=device,
         )
-        counters = torch.zeros(batch * num_heads, dtype=torch.int32, device=device)
+        counters = torch.zeros(batch * num_heads + 2, dtype=torch.int32, device=device)
         status = torch.zeros(batch, dtype=torch.int32, device=device)
         return cls(partials, counters, status, num_splits)
 
@@ -86,7 +87,7 @@ class Workspace:
         need = batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0
         return (
             self.partials.numel() >= need
-            and self.counters.numel() >= batch * num_heads
+            and self.counters.numel() >= batch * num_heads + 2
             and self.status.numel() >= batch
         )
 

@@ -108,9 +108,10 @@ def test_python_and_cpp_constants_agree():
     assert _C.TILE_KEYS == dispatch.TILE_KEYS
     assert _C.TILE_THREADS == dispatch.TILE_THREADS
     assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
-    assert _C.STATIC_SMEM_BOUND == dispatch.STATIC_SMEM_BOUND
     for d in dispatch.SUPPORTED_HEAD_DIMS:
         assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
+        for qb in dispatch.Q_GROUP_BLOCKS:
+            assert _C.tile_static_smem(d, 2, qb) == dispatch.tile_static_smem(d, 2, qb)
 
 
 @pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
@@ -120,15 +121,15 @@ def test_planned_occupancy_is_what_the_kernel_gets(dtype, head_dim):
     from mmha import ops
 
     dev = ops.device_spec(torch.cuda.current_device())
-    stages, blocks = dispatch.tile_stages(head_dim, 2, dev)
     code = {F16: 0, BF16: 1}[dtype]
     sources = (1, 2) if head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9 else (1,)
     for qb in dispatch.Q_GROUP_BLOCKS:
+        stages, blocks = dispatch.tile_stages(head_dim, 2, dev, qb)
         for source in sources:
             got = _C.blocks_per_sm(code, head_dim, qb, stages, source)
             assert got >= blocks, (qb, source, got, blocks)
             # The deepest ring the operator accepts still launches.
-            assert _C.blocks_per_sm(code, head_dim, qb, dispatch.max_stages(head_dim, 2, dev), source) >= 1
+            assert _C.blocks_per_sm(code, head_dim, qb, dispatch.max_stages(head_dim, 2, dev, qb), source) >= 1
 
 
 def test_every_dtype_and_head_dim_has_an_instantiation_file():

@@ -109,8 +109,12 @@ def num_splits_for(cfg: dict) -> int:
 
 
 def stages_for(cfg: dict) -> int:
+    """The drawn stage count, within what one block of this head dim may hold."""
     if cfg.get("stages") is not None:
-        return cfg["stages"]
+        if cfg["dtype"] == torch.float32:  # the CUDA-core loop takes any valid count and ignores it
+            return cfg["stages"]
+        dev = ops.device_spec(torch.cuda.current_device())
+        return min(cfg["stages"], dispatch.max_stages(cfg["head_dim"], cfg["dtype"].itemsize, dev))
     return ops.plan_for(
         "cuda", cfg["batch"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"],
         max(cfg["lengths"]) + 1, cfg["dtype"],

@@ -21,7 +21,7 @@ def call(case, **over):
         qkv=case.qkv, k_cache=case.k_cache, v_cache=case.v_cache, lengths=case.lengths, qkv_bias=None,
         out=torch.empty(b, HQ * D, dtype=case.qkv.dtype, device="cuda"),
         lse=torch.empty(b, HQ, device="cuda"), partials=torch.empty(b * HQ * 4 * (D + 2), device="cuda"),
-        counters=torch.zeros(b * HQ, dtype=torch.int32, device="cuda"),
+        counters=torch.zeros(b * HQ + 2, dtype=torch.int32, device="cuda"),
         status=torch.zeros(b, dtype=torch.int32, device="cuda"), num_heads=HQ, num_kv_heads=HKV,
         scale=0.125, rotary_dim=0, rotary_theta=1e4, rotary_interleaved=False, num_splits=2,
         check_lengths=True, stages=2, tile_source=0,
@@ -111,6 +111,7 @@ BAD = [
         ),  # fmt: skip
         r"tile_source 2 \(tma\) needs float16 or bfloat16 caches with head_dim a multiple of 64, got Float",
     ),
+    ("counters short", lambda c: dict(counters=torch.zeros(3 * HQ, dtype=torch.int32, device="cuda")), r"counters must hold at least B \* Hq \+ 2 = 26 int32, got 24"),
     ("status short", lambda c: dict(status=torch.zeros(2, dtype=torch.int32, device="cuda")), r"status must hold at least B = 3 int32, got 2"),
     ("status dtype", lambda c: dict(status=torch.zeros(3, dtype=torch.int64, device="cuda")), r"status must have dtype Int, got Long"),
     ("status on cpu", lambda c: dict(status=torch.zeros(3, dtype=torch.int32)), r"status must be a CUDA tensor"),

@@ -242,41 +242,16 @@ struct TileConsumer {
   }
 };
 
-// Producer warp: every tile of one item's walk into the ring (stage s of use n waits for the
-// consumers' release of use n - 1).
-template <typename T, int HEAD_DIM, class Source>
-__device__ __forceinline__ void tile_produce(const TileArgs<T>& a, TileRing& ring, unsigned char* stages_base,
-                                             int stages, const TileWalk& w, RingCursor& cur, int lane) {
-  using L = TileLayout<T, HEAD_DIM>;
-  for (int i = 0; i < w.nt; ++i) {
-    if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-    Source::load(a, stages_base + cur.s * L::STAGE_BYTES, w.key(i), &ring.full[cur.s], lane);
-    cur.next(stages);
-  }
-}
-
-// Consumer warp: its 16 keys of every tile of one item's walk, releasing each stage when done.
-template <typename T, int HEAD_DIM, int QB>
-__device__ __forceinline__ void tile_consume(TileConsumer<T, HEAD_DIM, QB>& c, TileRing& ring,
-                                             unsigned char* stages_base, int stages, const TileWalk& w,
-                                             int end, int pos, const T* s_new_k, const T* s_new_v,
-                                             RingCursor& cur, int warp, int lane) {
-  using L = TileLayout<T, HEAD_DIM>;
-  const int key0 = 16 * warp;
-  for (int i = 0; i < w.nt; ++i) {
-    mbar_wait(&ring.full[cur.s], cur.n & 1);
-    unsigned char* stage = stages_base + cur.s * L::STAGE_BYTES;
-    const int it = w.key(i) + key0;
-    if (it < end) {
-      if ((it <= pos && pos < it + 16) || it + 16 > end) {
-        TileConsumer<T, HEAD_DIM, QB>::patch(stage, key0, it, end, pos, s_new_k, s_new_v, lane);
-      }
-      c.step(stage, key0, it, end, lane);
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&ring.empty[cur.s]);
-    cur.next(stages);
-  }
-}
+// What the producer tells the consumers about the tile in stage s (written before the tile's
+// full barrier completes, read after it): the tile's first key and the item it belongs to.
+struct TileHeader {
+  int item;       // < 0: the producer has no more items (nothing else in this header is set)
+  int k0;         // first key of the tile
+  int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile
+  int slot;
+  int b, kvh, qg, split, h0, nh, pos, active, start, end;
+};
+constexpr int kFirstTile = 1;
+constexpr int kLastTile = 2;
 
 }  // namespace mmha

@@ -40,17 +40,18 @@ constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 template <typename T, int HEAD_DIM, TileSource SRC>
 using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<T, HEAD_DIM>, CpAsyncTiles<T, HEAD_DIM>>;
 
-// Element d of a q or k head after bias and rotary embedding at position pos, in fp32.
+// Element d of one head's raw values `row` (global or shared memory) after its bias (global,
+// or nullptr) and rotary embedding at position pos, in fp32.
 template <typename T>
-__device__ __forceinline__ float load_biased(const T* row, const T* bias, int i) {
-  float v = to_float(row[i]);
-  if (bias != nullptr) v += to_float(bias[i]);
+__device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
+  float v = to_float(row[d]);
+  if (bias != nullptr) v += to_float(bias[d]);
   return v;
 }
 
 template <typename T>
-__device__ float load_rotated(const T* row, const T* bias, int offset, int d, int pos, const MmhaParams& p) {
-  const float x = load_biased(row, bias, offset + d);
+__device__ float rotated(const T* row, const T* bias, int d, int pos, const MmhaParams& p) {
+  const float x = biased(row, bias, d);
   const int rd = p.rotary_dim;
   if (d >= rd) return x;
   int i, partner;
@@ -65,40 +66,57 @@ __device__ float load_rotated(const T* row, const T* bias, int offset, int d, in
     partner = d < half ? d + half : d - half;
     sign = d < half ? -1.f : 1.f;
   }
-  const float y = load_biased(row, bias, offset + partner);
+  const float y = biased(row, bias, partner);
   const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
   float s, c;
   sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
   return x * c + sign * y * s;
 }
 
-// The block's query heads in fp32 (bias, rotary at position pos) into s_q; for the block whose
+// Where an item's raw q and new token come from: nh query heads of D values each at q (heads
+// contiguous), the new k and v at k and v; the global qkv row, or a producer's staging slot.
+template <typename T>
+struct TokenRows {
+  const T* q;
+  const T* k;
+  const T* v;
+};
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, int h0, int kvh) {
+  const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
+  return {row + h0 * HEAD_DIM, row + (p.num_heads + kvh) * HEAD_DIM,
+          row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
+}
+
+// The item's query heads in fp32 (bias, rotary at position pos) into s_q; for the item whose
 // chunk holds the new token, its k (bias, rotary, rounded to T) and v into s_new_k / s_new_v,
 // and (query group 0 only, so exactly once per row and kv head) into slot pos of both caches.
 // Threads tid < nthreads take part.
 template <typename T, int HEAD_DIM, int QB>
-__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const T* qkv_row, int h0, int nh,
-                                                         int kvh, int qg, int pos, bool owner, T* k_head,
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const TokenRows<T>& rows, int h0,
+                                                         int nh, int kvh, int qg, int pos, bool owner, T* k_head,
                                                          T* v_head, float (&s_q)[QB][HEAD_DIM],
-                                                         T (&s_new_k)[HEAD_DIM], T (&s_new_v)[HEAD_DIM],
-                                                         int tid, int nthreads) {
+                                                         T (&s_new_k)[HEAD_DIM], T (&s_new_v)[HEAD_DIM], int tid,
+                                                         int nthreads) {
   constexpr int VEC = kVec<T>;
   const T* bias = static_cast<const T*>(p.qkv_bias);
   for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    s_q[g][d] = g < nh ? load_rotated(qkv_row, bias, (h0 + g) * HEAD_DIM, d, pos, p) : 0.f;
+    s_q[g][d] = g < nh ? rotated(rows.q + g * HEAD_DIM, bias ? bias + (h0 + g) * HEAD_DIM : nullptr, d, pos, p)
+                       : 0.f;
   }
   if (owner) {
-    const int k_off = (p.num_heads + kvh) * HEAD_DIM;
-    const int v_off = (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
+    const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
+    const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const int64_t smax = p.max_seq_len;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      const T k = from_float<T>(load_rotated(qkv_row, bias, k_off, d, pos, p));
-      const T v = from_float<T>(load_biased(qkv_row, bias, v_off + d));
+      const T k = from_float<T>(rotated(rows.k, k_bias, d, pos, p));
+      const T v = from_float<T>(biased(rows.v, v_bias, d));
       s_new_k[d] = k;
       s_new_v[d] = v;
-      if (qg == 0) {  // blocks of other query groups of this kv head read the same slot
+      if (qg == 0) {  // items of other query groups of this kv head read the same slot
         k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
         v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
       }
@@ -127,11 +145,9 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
   return p.batch * p.num_kv_heads * p.q_groups * p.num_splits;
 }
 
-// The row's len = pos + 1 keys are ntiles grains (tiles, or warp steps of the CUDA-core loop);
-// active splits take ntiles * s / active .. ntiles * (s + 1) / active of them (equal to one
-// grain). Splits past the row's grains have nothing to do and take no part in the merge.
+// Which (row, kv head, query-head block, split) item `index` is; no memory is read.
 template <int QB>
-__device__ __forceinline__ WorkItem work_item(const MmhaParams& p, int index, int grain) {
+__device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
   WorkItem w;
   const int per_row = p.num_kv_heads * p.q_groups * p.num_splits;
   w.b = index / per_row;
@@ -143,9 +159,17 @@ __device__ __forceinline__ WorkItem work_item(const MmhaParams& p, int index, in
   const int group = p.num_heads / p.num_kv_heads;
   w.h0 = w.kvh * group + w.qg * QB;
   w.nh = min(QB, group - w.qg * QB);
-  w.pos = p.lengths[w.b];
-  w.bad = w.pos < 0 || w.pos >= p.max_seq_len;
-  const int len = w.bad ? 1 : w.pos + 1;
+  return w;
+}
+
+// The item's keys given its row's length pos: the row's len = pos + 1 keys are ntiles grains
+// (tiles, or warp steps of the CUDA-core loop); active splits take ntiles * s / active ..
+// ntiles * (s + 1) / active of them (equal to one grain). Splits past the row's grains have
+// nothing to do and take no part in the merge.
+__device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int grain) {
+  w.pos = pos;
+  w.bad = pos < 0 || pos >= p.max_seq_len;
+  const int len = w.bad ? 1 : pos + 1;
   const int ntiles = (len + grain - 1) / grain;
   w.active = w.bad ? 0 : min(p.num_splits, ntiles);
   const int act = max(w.active, 1);
@@ -153,7 +177,6 @@ __device__ __forceinline__ WorkItem work_item(const MmhaParams& p, int index, in
   w.t1 = (w.split + 1) * ntiles / act;
   w.start = w.t0 * grain;
   w.end = min(len, w.t1 * grain);
-  return w;
 }
 
 // An out-of-range length (the host checks were bypassed or raced): nothing is read from or
@@ -298,13 +321,76 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   }
 }
 
-// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) walks items
-// blockIdx.x, blockIdx.x + gridDim.x, ... The producer streams every tile of every item into the
-// ring; the consumers take each item's q, attend over its tiles, combine, store and merge, with
+// Raw q and new token of one item, staged by the producer in shared memory (two slots, used by
+// alternate items; a slot is released by the consumers once they have built the item's q).
+template <typename T, int HEAD_DIM, int QB>
+struct ItemStage {
+  T q[2][QB * HEAD_DIM];
+  T k[2][HEAD_DIM];
+  T v[2][HEAD_DIM];
+  uint64_t empty[2];  // consumers' release of a slot (kConsumerWarps arrivals)
+};
+
+// The producer's registers for the next item: its number, then its length and raw q / new token
+// loaded ahead, so that their latency passes while the current item's tiles are issued.
+template <typename T, int HEAD_DIM, int QB>
+struct NextItem {
+  static constexpr int Q_PER_LANE = (QB * HEAD_DIM + 31) / 32;
+  static constexpr int T_PER_LANE = (HEAD_DIM + 31) / 32;
+  int index;
+  int pos;
+  T q[Q_PER_LANE];
+  T k[T_PER_LANE];
+  T v[T_PER_LANE];
+
+  // Loads of everything item `index` needs (no-op past the last item).
+  __device__ __forceinline__ void load(const MmhaParams& p, int items, int lane) {
+    if (index >= items) return;
+    const WorkItem w = work_item_head<QB>(p, index);
+    pos = p.lengths[w.b];
+    const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh);
+#pragma unroll
+    for (int j = 0; j < Q_PER_LANE; ++j) {
+      const int idx = lane + 32 * j;
+      q[j] = idx < w.nh * HEAD_DIM ? rows.q[idx] : from_float<T>(0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < T_PER_LANE; ++j) {
+      const int d = lane + 32 * j;
+      k[j] = d < HEAD_DIM ? rows.k[d] : from_float<T>(0.f);
+      v[j] = d < HEAD_DIM ? rows.v[d] : from_float<T>(0.f);
+    }
+  }
+
+  __device__ __forceinline__ void store(ItemStage<T, HEAD_DIM, QB>& st, int slot, int lane) const {
+#pragma unroll
+    for (int j = 0; j < Q_PER_LANE; ++j) {
+      const int idx = lane + 32 * j;
+      if (idx < QB * HEAD_DIM) st.q[slot][idx] = q[j];
+    }
+#pragma unroll
+    for (int j = 0; j < T_PER_LANE; ++j) {
+      const int d = lane + 32 * j;
+      if (d < HEAD_DIM) {
+        st.k[slot][d] = k[j];
+        st.v[slot][d] = v[j];
+      }
+    }
+  }
+};
+
+// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) takes items
+// from the step's work counter until none is left. The producer fetches the next item, its
+// length and its raw q while it issues the current item's tiles, stages the q in shared memory
+// and tags every tile with a header (item, first / last tile). The consumers follow the headers:
+// at an item's first tile they build its q, at its last they combine, store and merge, with
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
+// Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
+// results are bit-identical run to run.
 template <typename T, int HEAD_DIM, int QB, TileSource SRC>
 __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   using Source = SourceOf<T, HEAD_DIM, SRC>;
+  using L = TileLayout<T, HEAD_DIM>;
   constexpr int CONSUMERS = kConsumerWarps * 32;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -320,6 +406,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
   __shared__ TileRing ring;
+  __shared__ TileHeader s_hdr[kMaxStages];
+  __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   if (tid == 0) {
@@ -327,6 +415,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
       mbar_init(&ring.empty[s], kConsumerWarps);
     }
+    mbar_init(&s_item.empty[0], kConsumerWarps);
+    mbar_init(&s_item.empty[1], kConsumerWarps);
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
@@ -334,62 +424,126 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   }
   __syncthreads();
 
-  RingCursor cur;
   if (warp == kConsumerWarps) {
-    for (int i = blockIdx.x; i < items; i += gridDim.x) {
-      const WorkItem w = work_item<QB>(p, i, kTileKeys);
-      if (!w.busy()) continue;
-      const int64_t kv_head = w.kv_head(p.num_kv_heads);
-      const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                           static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                           smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
-      const int nt = w.t1 - w.t0;
-      const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
-      tile_produce<T, HEAD_DIM, Source>(ta, ring, stages, p.stages, walk, cur, lane);
+    // ---------------------------------------------------------------- producer
+    RingCursor cur;
+    NextItem<T, HEAD_DIM, QB> next;
+    next.index = __shfl_sync(kFullMask, lane == 0 ? atomicAdd(p.work, 1) : 0, 0);
+    next.load(p, items, lane);
+    int seq = 0;  // items staged so far: item seq uses slot seq % 2
+    while (next.index < items) {
+      const int index = next.index;
+      WorkItem w = work_item_head<QB>(p, index);
+      work_item_range(p, w, next.pos, kTileKeys);
+      if (w.bad) {
+        poison_row<T, HEAD_DIM>(p, w, lane, 32);
+      } else if (w.busy()) {
+        const int slot = seq & 1;
+        if (seq >= 2) mbar_wait(&s_item.empty[slot], ((seq >> 1) - 1) & 1);
+        next.store(s_item, slot, lane);
+        ++seq;
+      }
+      // The next item's number, then its loads: in flight while this item's tiles go out.
+      const int fetched = lane == 0 ? atomicAdd(p.work, 1) : 0;
+      if (w.busy()) {
+        const int64_t kv_head = w.kv_head(p.num_kv_heads);
+        const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                             static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+                             smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+        const int nt = w.t1 - w.t0;
+        const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+        for (int i = 0; i < nt; ++i) {
+          if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+          if (lane == 0) {
+            s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
+                                      (seq - 1) & 1, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active,
+                                      w.start, w.end};
+          }
+          __syncwarp();  // the staged q and the header before the tile's arrival on the full barrier
+          Source::load(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+          cur.next(p.stages);
+          if (i == 0) {
+            next.index = __shfl_sync(kFullMask, fetched, 0);
+            next.load(p, items, lane);
+          }
+        }
+      } else {
+        next.index = __shfl_sync(kFullMask, fetched, 0);
+        next.load(p, items, lane);
+      }
+    }
+    // No more items: a header that says so, then this block's count toward resetting the
+    // work counter (the last block to finish leaves it at zero for the next launch).
+    if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+    if (lane == 0) s_hdr[cur.s].item = -1;
+    __syncwarp();
+    if (lane < Source::FULL_ARRIVALS) mbar_arrive(&ring.full[cur.s]);
+    if (lane == 0) {
+      __threadfence();
+      if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        p.work[0] = 0;
+        p.work[1] = 0;
+      }
     }
     return;
   }
 
+  // ------------------------------------------------------------------ consumers
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
-  for (int i = blockIdx.x; i < items; i += gridDim.x) {
-    const WorkItem w = work_item<QB>(p, i, kTileKeys);
-    if (w.bad) {
-      poison_row<T, HEAD_DIM>(p, w, tid, CONSUMERS);
-      continue;
+  const int key0 = 16 * warp;
+  RingCursor cur;
+  TileConsumer<T, HEAD_DIM, QB> c;
+  WorkItem w;
+  for (;;) {
+    mbar_wait(&ring.full[cur.s], cur.n & 1);
+    const TileHeader h = s_hdr[cur.s];
+    if (h.item < 0) break;
+    unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
+    const int64_t kv_head = static_cast<int64_t>(h.b) * p.num_kv_heads + h.kvh;
+    if (h.flags & kFirstTile) {
+      w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.h0 = h.h0, w.nh = h.nh, w.pos = h.pos;
+      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end;
+      const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
+      load_query_and_new_token<T, HEAD_DIM, QB>(p, rows, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(),
+                                                static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                                                static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax, s_q,
+                                                s_new_k, s_new_v, tid, CONSUMERS);
+      sync();
+      if (lane == 0) mbar_arrive(&s_item.empty[h.slot]);  // the staged q is in s_q now
+      c.init(s_q, w.nh, scale_log2, lane);
     }
-    if (!w.busy()) continue;
-    const int64_t kv_head = w.kv_head(p.num_kv_heads);
-    T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;
-    T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;
-    const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(w.b) * p.qkv_row_stride;
-    load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(), k_head, v_head,
-                                              s_q, s_new_k, s_new_v, tid, CONSUMERS);
-    sync();
-    TileConsumer<T, HEAD_DIM, QB> c;
-    c.init(s_q, w.nh, scale_log2, lane);
-    const int nt = w.t1 - w.t0;
-    const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
-    tile_consume<T, HEAD_DIM, QB>(c, ring, stages, p.stages, walk, w.end, w.pos, s_new_k, s_new_v, cur, warp, lane);
-    sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
-    c.combine(s_m, s_l, &s_q[0][0], warp, lane);
-    const auto block_max = [&](int g) {
-      float mb = -INFINITY;
+    const int it = h.k0 + key0;
+    if (it < w.end) {
+      if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end) {
+        TileConsumer<T, HEAD_DIM, QB>::patch(stage, key0, it, w.end, w.pos, s_new_k, s_new_v, lane);
+      }
+      c.step(stage, key0, it, w.end, lane);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[cur.s]);
+    cur.next(p.stages);
+    if (h.flags & kLastTile) {
+      sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
+      c.combine(s_m, s_l, &s_q[0][0], warp, lane);
+      const auto block_max = [&](int g) {
+        float mb = -INFINITY;
 #pragma unroll
-      for (int wp = 0; wp < kConsumerWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
-      return mb;
-    };
-    const auto block_sum = [&](int g) {
-      const float mb = block_max(g);
-      const float m_ref = mb == -INFINITY ? 0.f : mb;
-      float sum = 0.f;
+        for (int wp = 0; wp < kConsumerWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
+        return mb;
+      };
+      const auto block_sum = [&](int g) {
+        const float mb = block_max(g);
+        const float m_ref = mb == -INFINITY ? 0.f : mb;
+        float sum = 0.f;
 #pragma unroll
-      for (int wp = 0; wp < kConsumerWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
-      return sum;
-    };
-    store_item<T, HEAD_DIM>(p, w, block_max, block_sum, [&](int g, int d) { return s_q[g][d]; }, tid, CONSUMERS);
-    if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, CONSUMERS, sync);
-    sync();  // s_q, s_m, s_l and s_w are free for the next item
+        for (int wp = 0; wp < kConsumerWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
+        return sum;
+      };
+      store_item<T, HEAD_DIM>(p, w, block_max, block_sum, [&](int g, int d) { return s_q[g][d]; }, tid, CONSUMERS);
+      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, CONSUMERS, sync);
+      sync();  // s_q, s_m, s_l and s_w are free for the next item
+    }
   }
 }
 
@@ -400,7 +554,8 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
   const int smax = p.max_seq_len;
-  const WorkItem w = work_item<QB>(p, blockIdx.x, Simt::KEYS);
+  WorkItem w = work_item_head<QB>(p, blockIdx.x);
+  work_item_range(p, w, p.lengths[w.b], Simt::KEYS);
   if (w.bad) {
     poison_row<T, HEAD_DIM>(p, w, tid, nthreads);
     return;
@@ -418,9 +573,9 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int64_t kv_head = w.kv_head(p.num_kv_heads);
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
-  const T* qkv_row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(w.b) * p.qkv_row_stride;
-  load_query_and_new_token<T, HEAD_DIM, QB>(p, qkv_row, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(), k_head, v_head,
-                                            s_q, s_new_k, s_new_v, tid, nthreads);
+  load_query_and_new_token<T, HEAD_DIM, QB>(p, global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh), w.h0, w.nh, w.kvh,
+                                            w.qg, w.pos, w.owner(), k_head, v_head, s_q, s_new_k, s_new_v, tid,
+                                            nthreads);
   __syncthreads();
   const AttendArgs<T> args{k_head, v_head, smax, w.start, w.end, w.pos, p.scale * kLog2e};
   const float* s_acc = Simt::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
@@ -512,8 +667,7 @@ int blocks_per_sm_of(int stages) {
 }
 
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
-// resident at once (its occupancy at p.stages stages), balanced so that every block walks the
-// same number of items: ceil(items / ceil(items / resident)).
+// resident at once (its occupancy at p.stages stages), at most one per item.
 template <typename T, int HEAD_DIM, int QB, TileSource SRC>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
   const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.q_groups * p.num_splits;
@@ -529,8 +683,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
     }
     if (err != cudaSuccess) return err;
     const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-    const int64_t rounds = (items + resident - 1) / resident;
-    blocks = static_cast<int>((items + rounds - 1) / rounds);
+    blocks = static_cast<int>(items < resident ? items : resident);
   }
   return cudaSuccess;
 }

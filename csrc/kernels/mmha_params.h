@@ -35,10 +35,19 @@ constexpr int kTileKeys = 16 * kConsumerWarps;
 constexpr int kTileThreads = (kConsumerWarps + 1) * 32;
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
-// An upper bound on the kernel's static shared memory (q in fp32, the new token, per-warp maxima
-// and sums, merge weights, barriers: 11.4 KB at 8 query heads of head_dim 256), so that host and
-// dispatcher can size stages without asking the compiled kernel.
-constexpr int kStaticSmemBound = 12 * 1024;
+// An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
+// host and dispatcher can size stages without asking the compiled kernel (mirrored by
+// tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
+constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
+  return qb * head_dim * 4                   // q in fp32, then the block combine's buffer
+         + 2 * head_dim * elem_bytes         // the new token's k and v
+         + 2 * (qb + 2) * head_dim * elem_bytes  // two staging slots of raw q, k and v
+         + qb * 64 * 4                       // merge weights (kMaxSplits of them)
+         + 2 * 4 * qb * 4                    // per-warp max and sum (kConsumerWarps warps)
+         + 2 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
+         + 8 * 64                            // tile headers
+         + 256;                              // alignment
+}
 // The CUDA-core loop (fp32 caches): blocks of kSimtWarps warps, each walking its own keys.
 constexpr int kSimtWarps = 4;
 constexpr int kSimtThreads = kSimtWarps * 32;
@@ -75,7 +84,8 @@ struct MmhaParams {
   void* out;                 // [B, Hq * D]
   float* lse;                // [B, Hq], natural-log log-sum-exp of the scaled logits
   float* partials;           // num_splits > 1: acc [B, Hq, num_splits, D], then (max, sum) [B, Hq, num_splits, 2]
-  int32_t* counters;         // [B, Hkv * q_groups]: zero on entry, left zero on exit
+  int32_t* counters;         // [B, Hkv * q_groups]: merge arrivals; zero on entry, left zero on exit
+  int32_t* work;             // [2]: tile loop's next item and finished blocks; zero on entry and exit
   int32_t* status;           // [B]: set to 1 for a row whose length is outside [0, S_max - 1]
 
   int64_t qkv_row_stride;    // elements between rows of qkv

@@ -6,7 +6,9 @@
 // A source provides:
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
 //   prefetch(args)                      anything worth fetching at block entry (lane 0)
-//   load(args, stage, k0, full, lane)   bring keys [k0, k0 + kTileKeys) (all 32 producer lanes call it)
+//   load(args, stage, k0, full, lane)   bring keys [k0, k0 + kTileKeys) (all 32 producer lanes call
+//                                       it; their earlier shared-memory writes are visible to whoever
+//                                       waits on the full barrier)
 // and leaves to the consumers only two patches of the tile: the new token's slot (always taken
 // from shared memory) and V rows at or past the block's end (zeroed, so NaN or Inf in unused
 // cache slots cannot reach the output; K rows there are masked by their scores).
@@ -46,6 +48,9 @@ struct CpAsyncTiles {
 
   __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
                                               uint64_t* full, int lane) {
+    // The producer's own shared-memory writes for this tile (its header, a staged q) before the
+    // arrival that its copies will make.
+    __threadfence_block();
     // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
     // chunk (512 contiguous bytes of the cache) at a time, chunk after chunk.
 #pragma unroll 4
