@@ -29,10 +29,13 @@ MIN_STAGES, MAX_STAGES = 2, 8
 SMEM_RESERVED_PER_BLOCK = 1024
 
 # --- Thresholds (the only tuning knobs; docs/design.md shows the measurements behind them) ---
-# Tile-loop blocks per SM the stages are sized for: two at head_dim <= 128 (a block's prologue
-# and merge overlap the other block's stream), one at 256 (its registers: ~250 per thread).
+# Tile-loop blocks per SM the stages are sized for: two at head_dim <= 128 (one block's item
+# epilogue overlaps the other's stream), one at 256 (its registers: ~250 per thread); three
+# (two stages) where items are short, so that more items are in flight per SM (H200, decode
+# timing: B=64 Hkv=32 S=256, 4 tiles per item, 76.0 us at 2 stages against 77.9 at 3).
 TILE_BLOCKS_PER_SM = 2
 TILE_BLOCKS_PER_SM_HD256 = 1
+SHORT_ITEM_TILES = 4
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -108,7 +111,7 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     """Bound on the tile kernel's static shared memory at ``qb`` query heads per block (mirrors
     ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
     return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
-            + qb * 64 * 4 + 2 * 4 * qb * 4 + 2 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
+            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
 
 
 def tile_block_smem(head_dim: int, elem_bytes: int, stages: int, qb: int = 8) -> int:
@@ -130,9 +133,11 @@ def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> i
     return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))
 
 
-def tile_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> tuple[int, int]:
-    """``(stages, blocks per SM)``: the deepest ring that keeps the target blocks per SM."""
-    target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
+def tile_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None) -> tuple[int, int]:
+    """``(stages, blocks per SM)``: the deepest ring that keeps ``target`` blocks per SM (by
+    default ``TILE_BLOCKS_PER_SM``, one at head_dim 256)."""
+    if target is None:
+        target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
     for stages in range(max_stages(head_dim, elem_bytes, device, qb), MIN_STAGES - 1, -1):
         fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb)
         if fit >= target:
@@ -161,30 +166,32 @@ def choose_variant(
     (plus the new token) in eager use, or the cache capacity when the step is captured in a CUDA
     graph, so no device value is ever read. The result depends only on the arguments.
 
-    Tile loop (fp16 / bf16): the ring gets the most stages that still let
-    ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
-    ``num_sms * blocks_per_sm`` blocks. The base grid has one block per (row, kv head,
-    query-head block). If it is smaller than a wave, the sequence is cut into as many splits as
-    still fit in that wave (a second, partial wave would leave most SMs idle at the end), at most
-    one per tile of ``TILE_KEYS`` keys. If it fills a wave, a partial last wave still idles SMs:
-    the grid is split when that lowers ``ceil(blocks * s / wave) / s`` (time in units of one
-    block's work) by at least ``1 - SPLIT_GAIN``. Never more than ``MAX_SPLITS`` splits. The
-    kernel cuts a row of n tiles into splits of ``n // s`` or ``n // s + 1`` tiles.
+    Tile loop (fp16 / bf16): the step is cut into items, one per (row, kv head, query-head block,
+    split), walked by a grid of resident blocks. The ring gets the most stages that still let
+    ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256; one more where items are at
+    most ``SHORT_ITEM_TILES`` tiles), so a wave holds ``num_sms * blocks_per_sm`` items. If the
+    base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
+    sequence is cut into as many splits as give one item per SM, at most one per tile of
+    ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
+    that lowers ``ceil(items * s / wave) / s`` (time in units of one item's work) by at least
+    ``1 - SPLIT_GAIN``. Never more than ``MAX_SPLITS`` splits. The kernel cuts a row of n tiles
+    into splits of ``n // s`` or ``n // s + 1`` tiles.
 
-    CUDA-core loop (fp32): the same rules with ``SIMT_BLOCKS_PER_SM`` blocks per SM, splits of
-    at least ``MIN_KEYS_PER_SPLIT_SIMT`` keys and blocks of at most ``MAX_KEYS_PER_SPLIT_SIMT``.
+    CUDA-core loop (fp32), one block per item: ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid
+    smaller than a wave split to fill it, splits of at least ``MIN_KEYS_PER_SPLIT_SIMT`` keys
+    and blocks of at most ``MAX_KEYS_PER_SPLIT_SIMT``.
 
     Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on
     an H100 (132 SMs, 228 KB of shared memory per SM, 227 KB per block). A stage is K and V of
     64 keys: 2 * 64 * 128 * 2 = 32 KB. Six stages fit one block (6 * 32 + 1 + 4 = 197 KB with
     the 4 KB of static arrays of one query head per block), but two blocks per SM need 3:
-    (3 * 32 + 1 + 4 + 1) * 2 = 204 KB <= 228 KB. So the wave is
-    132 * 2 = 264 blocks. One query head per kv head: a base grid of 1 * 32 * 1 = 32 blocks;
-    264 // 32 = 8 splits fit, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 8, 3, 2)``,
-    a grid of 256 blocks of 8 tiles (512 keys) each. With 8 kv heads (4 query heads per
-    block): 8 base blocks, 264 // 8 = 33 splits of 1 or 2 tiles: ``Plan("split", 33, 3, 2)``.
-    At batch 64 the base grid is 2048 >= 264 blocks: 7.76 waves, whole enough (8 waves / 1
-    split vs 16 / 2): ``Plan("single_pass", 1, 3, 2)``.
+    (3 * 32 + 1 + 4 + 1) * 2 = 204 KB <= 228 KB. So the wave is 132 * 2 = 264 items. One
+    query head per kv head: a base grid of 1 * 32 * 1 = 32 items; 132 // 32 = 4 splits give one
+    per SM, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 4, 3, 2)``, 128 items of 16
+    tiles (1024 keys) each. With 8 kv heads (4 query heads per block): 8 base items, 132 // 8 =
+    16 splits of 4 tiles, short items, so three blocks per SM with 2 stages:
+    ``Plan("split", 16, 2, 3)``. At batch 64 the base grid is 2048 >= 132 items: 7.76 waves,
+    whole enough (8 waves / 1 split vs 16 / 2): ``Plan("single_pass", 1, 3, 2)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     """
@@ -198,26 +205,43 @@ def choose_variant(
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     base = base_blocks(batch, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
+    sms = max(1, device.num_sms)
     if uses_tensor_cores(dtype):
         elem = torch.empty((), dtype=dtype).element_size()
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, q_group_block(num_heads // num_kv_heads))
+        qb = q_group_block(num_heads // num_kv_heads)
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb)
         grains = -(-seq_len // TILE_KEYS)
+        allowed = max(1, min(MAX_SPLITS, grains))
+        wave = sms * blocks_per_sm
+        if variant == "single_pass":
+            splits = 1
+        elif base < sms:
+            # Small grids: one item per SM. Filling two per SM measured slower (H200, decode
+            # timing: B=1 Hkv=8 S=4096 13.8 us at 16 splits against 15.5 at 33; B=1 Hkv=32
+            # S=65536 250.9 at 4 against 282.4 at 8).
+            splits = max(1, min(allowed, sms // base))
+        else:
+            splits = 1
+            for s in range(2, allowed + 1):
+                if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
+                    splits = s
+        if head_dim <= 128 and -(-grains // splits) <= SHORT_ITEM_TILES:
+            stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
-        grains = max(1, seq_len // MIN_KEYS_PER_SPLIT_SIMT)
-    wave = max(1, device.num_sms) * blocks_per_sm
-    allowed = max(1, min(MAX_SPLITS, grains))
-    if variant == "single_pass":
-        splits = 1
-    elif base < wave:
-        splits = max(1, min(allowed, wave // base))
-    else:
-        splits = 1
-        for s in range(2, allowed + 1):
-            if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
-                splits = s
-    if not uses_tensor_cores(dtype) and variant != "single_pass":
-        splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
+        allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
+        wave = sms * blocks_per_sm
+        if variant == "single_pass":
+            splits = 1
+        elif base < wave:
+            splits = max(1, min(allowed, wave // base))
+        else:
+            splits = 1
+            for s in range(2, allowed + 1):
+                if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
+                    splits = s
+        if variant != "single_pass":
+            splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":
         splits = max(2, splits)
     return Plan("single_pass" if splits == 1 else "split", splits, stages, blocks_per_sm)

@@ -122,8 +122,9 @@ def stages_for(cfg: dict) -> int:
 
 
 def source_for(cfg: dict) -> int:
-    """The drawn tile source where it applies (bulk tensor copies need 16-bit, head_dim % 64 == 0)."""
-    tma_ok = cfg["dtype"] != torch.float32 and cfg["head_dim"] % 64 == 0
+    """The drawn tile source where it applies (bulk tensor copies need 16-bit caches, head_dim a
+    multiple of 64 and S_max a multiple of 32)."""
+    tma_ok = cfg["dtype"] != torch.float32 and cfg["head_dim"] % 64 == 0 and cfg["max_seq_len"] % 32 == 0
     source = cfg.get("source", "auto")
     return ops.TILE_SOURCES[source if source != "tma" or tma_ok else "auto"]
 

@@ -27,8 +27,9 @@ namespace mmha {
 
 // The barriers of a block's tile ring.
 struct TileRing {
-  uint64_t full[kMaxStages];   // completes when stage s holds its tile (Source::FULL_ARRIVALS)
-  uint64_t empty[kMaxStages];  // completes when every consumer warp is done with stage s
+  uint64_t full[kMaxStages];    // completes when stage s holds its tile (Source::FULL_ARRIVALS)
+  uint64_t header[kMaxStages];  // completes when stage s's header (and a staged q) is written
+  uint64_t empty[kMaxStages];   // completes when every consumer warp is done with stage s
 };
 
 // Where a warp is in the ring: stage s, in its n-th use. Producer and consumers step through
@@ -124,15 +125,20 @@ struct TileConsumer {
   // past end are masked).
   __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int end, int lane) {
     const int g = lane / 4;
-    // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8.
+    // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8. The hi and
+    // lo parts of q accumulate in two independent chains (a consumer warp is often alone on its
+    // scheduler, so the mma latency of one chain of 2 * KSTEPS would stand bare).
     float s[4] = {0.f, 0.f, 0.f, 0.f};
+    float s_lo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
       uint32_t k[4];
       ldmatrix_x4<false>(k, stage + L::k_off(key0 + lane % 16, 2 * j + lane / 16));
       mma_16816<T>(s, k, qh[j][0], qh[j][1]);
-      mma_16816<T>(s, k, ql[j][0], ql[j][1]);
+      mma_16816<T>(s_lo, k, ql[j][0], ql[j][1]);
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] += s_lo[e];
     if (it + g >= end) s[0] = s[1] = -INFINITY;
     if (it + g + 8 >= end) s[2] = s[3] = -INFINITY;
 

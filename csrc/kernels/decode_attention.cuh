@@ -379,11 +379,12 @@ struct NextItem {
   }
 };
 
-// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) takes items
-// from the step's work counter until none is left. The producer fetches the next item, its
+// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) takes item
+// blockIdx.x, then items from the step's work counter until none is left. The producer fetches the next item, its
 // length and its raw q while it issues the current item's tiles, stages the q in shared memory
-// and tags every tile with a header (item, first / last tile). The consumers follow the headers:
-// at an item's first tile they build its q, at its last they combine, store and merge, with
+// and tags every tile with a header (item, first / last tile; its own barrier, so the consumers
+// read it before the tile lands). The consumers follow the headers: at an item's first tile they
+// build its q while the tile is in flight, at its last they combine, store and merge, with
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
 // Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
 // results are bit-identical run to run.
@@ -413,6 +414,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
+      mbar_init(&ring.header[s], 1);
       mbar_init(&ring.empty[s], kConsumerWarps);
     }
     mbar_init(&s_item.empty[0], kConsumerWarps);
@@ -426,58 +428,60 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
 
   if (warp == kConsumerWarps) {
     // ---------------------------------------------------------------- producer
+    // Block j's first item is item j; later ones come from the work counter (items past the grid).
+    const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
     RingCursor cur;
     NextItem<T, HEAD_DIM, QB> next;
-    next.index = __shfl_sync(kFullMask, lane == 0 ? atomicAdd(p.work, 1) : 0, 0);
+    next.index = blockIdx.x;
     next.load(p, items, lane);
     int seq = 0;  // items staged so far: item seq uses slot seq % 2
     while (next.index < items) {
       const int index = next.index;
       WorkItem w = work_item_head<QB>(p, index);
       work_item_range(p, w, next.pos, kTileKeys);
-      if (w.bad) {
-        poison_row<T, HEAD_DIM>(p, w, lane, 32);
-      } else if (w.busy()) {
-        const int slot = seq & 1;
-        if (seq >= 2) mbar_wait(&s_item.empty[slot], ((seq >> 1) - 1) & 1);
-        next.store(s_item, slot, lane);
-        ++seq;
-      }
       // The next item's number, then its loads: in flight while this item's tiles go out.
-      const int fetched = lane == 0 ? atomicAdd(p.work, 1) : 0;
-      if (w.busy()) {
-        const int64_t kv_head = w.kv_head(p.num_kv_heads);
-        const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                             static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                             smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
-        const int nt = w.t1 - w.t0;
-        const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
-        for (int i = 0; i < nt; ++i) {
-          if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-          if (lane == 0) {
-            s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
-                                      (seq - 1) & 1, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active,
-                                      w.start, w.end};
-          }
-          __syncwarp();  // the staged q and the header before the tile's arrival on the full barrier
-          Source::load(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
-          cur.next(p.stages);
-          if (i == 0) {
-            next.index = __shfl_sync(kFullMask, fetched, 0);
-            next.load(p, items, lane);
-          }
-        }
-      } else {
+      const int fetched = fetch();
+      if (w.bad) poison_row<T, HEAD_DIM>(p, w, lane, 32);
+      if (!w.busy()) {
         next.index = __shfl_sync(kFullMask, fetched, 0);
         next.load(p, items, lane);
+        continue;
       }
+      const int slot = seq & 1;
+      const int64_t kv_head = w.kv_head(p.num_kv_heads);
+      const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                           static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+                           smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+      const int nt = w.t1 - w.t0;
+      const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+      for (int i = 0; i < nt; ++i) {
+        if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+        Source::issue(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+        if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
+          if (seq >= 2) mbar_wait(&s_item.empty[slot], ((seq >> 1) - 1) & 1);
+          next.store(s_item, slot, lane);
+        }
+        if (lane == 0) {
+          s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
+                                    slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end};
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&ring.header[cur.s]);  // consumers may start on q now
+        Source::commit(&ring.full[cur.s], lane);
+        cur.next(p.stages);
+        if (i == 0) {
+          next.index = __shfl_sync(kFullMask, fetched, 0);
+          next.load(p, items, lane);
+        }
+      }
+      ++seq;
     }
     // No more items: a header that says so, then this block's count toward resetting the
     // work counter (the last block to finish leaves it at zero for the next launch).
     if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
     if (lane == 0) s_hdr[cur.s].item = -1;
     __syncwarp();
-    if (lane < Source::FULL_ARRIVALS) mbar_arrive(&ring.full[cur.s]);
+    if (lane == 0) mbar_arrive(&ring.header[cur.s]);
     if (lane == 0) {
       __threadfence();
       if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
@@ -496,7 +500,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   TileConsumer<T, HEAD_DIM, QB> c;
   WorkItem w;
   for (;;) {
-    mbar_wait(&ring.full[cur.s], cur.n & 1);
+    mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
@@ -513,6 +517,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (lane == 0) mbar_arrive(&s_item.empty[h.slot]);  // the staged q is in s_q now
       c.init(s_q, w.nh, scale_log2, lane);
     }
+    mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0 + key0;
     if (it < w.end) {
       if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end) {

@@ -44,7 +44,7 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
          + 2 * (qb + 2) * head_dim * elem_bytes  // two staging slots of raw q, k and v
          + qb * 64 * 4                       // merge weights (kMaxSplits of them)
          + 2 * 4 * qb * 4                    // per-warp max and sum (kConsumerWarps warps)
-         + 2 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
+         + 3 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
          + 8 * 64                            // tile headers
          + 256;                              // alignment
 }

@@ -3,12 +3,13 @@
 // arrival completes the stage's "full" barrier. The consumers (attend_tiles.cuh), the softmax,
 // the merge and the append never see how it got there. Torch-free.
 //
-// A source provides:
+// A source provides (all 32 producer lanes call issue and commit):
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
 //   prefetch(args)                      anything worth fetching at block entry (lane 0)
-//   load(args, stage, k0, full, lane)   bring keys [k0, k0 + kTileKeys) (all 32 producer lanes call
-//                                       it; their earlier shared-memory writes are visible to whoever
-//                                       waits on the full barrier)
+//   issue(args, stage, k0, full, lane)  start bringing keys [k0, k0 + kTileKeys) into the stage
+//   commit(full, lane)                  arrive on the full barrier: the lanes' shared-memory writes
+//                                       before commit (a tile header, a staged q) are visible to
+//                                       whoever waits on it, together with the tile
 // and leaves to the consumers only two patches of the tile: the new token's slot (always taken
 // from shared memory) and V rows at or past the block's end (zeroed, so NaN or Inf in unused
 // cache slots cannot reach the output; K rows there are masked by their scores).
@@ -46,11 +47,8 @@ struct CpAsyncTiles {
   __device__ __forceinline__ static void prefetch(const TileArgs<T>&) {}
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
 
-  __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
-                                              uint64_t* full, int lane) {
-    // The producer's own shared-memory writes for this tile (its header, a staged q) before the
-    // arrival that its copies will make.
-    __threadfence_block();
+  __device__ __forceinline__ static void issue(const TileArgs<T>& a, unsigned char* stage, int k0,
+                                               uint64_t* /*full*/, int lane) {
     // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
     // chunk (512 contiguous bytes of the cache) at a time, chunk after chunk.
 #pragma unroll 4
@@ -74,6 +72,12 @@ struct CpAsyncTiles {
       const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC : a.v_head;
       cp_async16(stage + L::v_off(r, c), src, ok);
     }
+  }
+
+  // Each lane's copies arrive when they land (noinc: counted in FULL_ARRIVALS); the fence puts
+  // the lane's earlier shared-memory writes before that arrival.
+  __device__ __forceinline__ static void commit(uint64_t* full, int /*lane*/) {
+    __threadfence_block();
     cp_async_arrive(full);
   }
 };
@@ -100,11 +104,13 @@ struct TmaTiles {
 #endif
   }
 
-  __device__ __forceinline__ static void load(const TileArgs<T>& a, unsigned char* stage, int k0,
-                                              uint64_t* full, int lane) {
+  // The copies count their bytes against the full barrier (expect_tx, no arrival yet), so the
+  // producer may write the tile's header and staged q while they are in flight.
+  __device__ __forceinline__ static void issue(const TileArgs<T>& a, unsigned char* stage, int k0,
+                                               uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lane == 0) {
-      mbar_arrive_expect_tx(full, TX_BYTES);
+      mbar_expect_tx(full, TX_BYTES);
       // K map: [B * Hkv * CHUNKS rows][S_max / 32 groups][32 keys * VEC elements] (tma_maps.cpp).
       tma_load_3d(stage, a.k_map, 0, k0 / 32, a.kv_head * L::CHUNKS, full);
 #pragma unroll
@@ -115,6 +121,12 @@ struct TmaTiles {
 #else
     __trap();  // the host launches this source on sm_90 devices only
 #endif
+  }
+
+  // One arrival (release: the warp's writes ordered before it by __syncwarp come with it).
+  __device__ __forceinline__ static void commit(uint64_t* full, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(full);
   }
 };
 

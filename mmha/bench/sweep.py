@@ -4,7 +4,7 @@ checked against its table (docs/design.md quotes it).
 
 Plans read ``SxT``: S splits, T stages (``SxT cp``: with the cp.async tile source where the
 plan would use bulk tensor copies). Each row times every split count at the dispatcher's stages
-and every stage count at the dispatcher's splits, and the cp.async source at the dispatcher's
+and every stage count at the dispatcher's splits and in one pass, and the cp.async source at the dispatcher's
 plan, after checking the dispatcher's plan against the fp32 reference.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
@@ -38,9 +38,10 @@ def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, st
         if s <= tiles:
             out.append((dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm), "auto"))
     most = dispatch.max_stages(cfg.head_dim, cfg.elem, dev)
-    for st in range(dispatch.MIN_STAGES, most + 1):
-        bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
-        out.append((dispatch.Plan(plan.variant, plan.num_splits, st, bps), "auto"))
+    for splits in sorted({1, plan.num_splits}):
+        for st in range(dispatch.MIN_STAGES, most + 1):
+            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
+            out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
     if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9:
         out.append((plan, "cp_async"))
     return list(dict.fromkeys(out))
