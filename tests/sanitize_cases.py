@@ -1,12 +1,19 @@
 """Small decode cases for compute-sanitizer (RELIABILITY.md rows 20 and 27): ragged and empty
 rows, a row filled to capacity, NaN in unused slots, single pass and split/merge, both tile sources
-and several stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
+and two stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
 capacity, negative) on every variant: nothing may be read or written outside the caches."""
 
 import torch
 from helpers import make_case
 
-from mmha import dispatch, ops
+from mmha import ops
+
+
+def run(case, heads, head_dim, splits, source, stages, validate=True, workspace=None):
+    return ops.decode_attention(
+        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
+        tile_source=source, validate_lengths=validate, workspace=workspace, **case.kwargs(),
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -18,28 +25,25 @@ def main() -> None:
         (torch.bfloat16, 96, (8, 8)),
     ):
         lengths = [0, 1, 17, 127, 255]  # 255 + 1 fills S_max = 256
-        tiles = dispatch.uses_tensor_cores(dtype)
-        sources = (["cp_async", "tma"] if head_dim % 64 == 0 else ["cp_async"]) if tiles else ["auto"]
-        for splits in (1, 2, 5):
-            for source in sources:
-                for stages in (2, 3) if tiles else (2,):
-                    case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
-                                     rotary_dim=head_dim // 2)  # fmt: skip
-                    out = ops.decode_attention(
-                        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
-                        tile_source=source, **case.kwargs(),
-                    )  # fmt: skip
-                    assert torch.isfinite(out).all()
-                    # Out-of-range lengths reach the kernel only with validation off.
-                    case.lengths.copy_(torch.tensor([256, -1, 7, 10**6, -(2**31)], dtype=torch.int32))
-                    ws = ops.Workspace.allocate("cuda", 5, heads[0], head_dim, splits)
-                    out = ops.decode_attention(
-                        case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
-                        tile_source=source, validate_lengths=False, workspace=ws, **case.kwargs(),
-                    )  # fmt: skip
-                    torch.cuda.synchronize()
-                    assert ws.status.tolist() == [1, 1, 0, 1, 1], ws.status.tolist()
-                    assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
+        # Both tile sources and two ring depths on the first configuration, the default elsewhere.
+        plans = [("auto", 2)]
+        if (dtype, head_dim) == (torch.float16, 128):
+            plans = [("tma", 2), ("tma", 3), ("cp_async", 2), ("cp_async", 3)]
+        for splits in (1, 5):
+            for source, stages in plans:
+                case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
+                                 rotary_dim=head_dim // 2)  # fmt: skip
+                out = run(case, heads, head_dim, splits, source, stages)
+                assert torch.isfinite(out).all()
+        # Out-of-range lengths reach the kernel only with validation off.
+        case = make_case(5, *heads, head_dim, lengths, 256, dtype, seed=9)
+        case.lengths.copy_(torch.tensor([256, -1, 7, 10**6, -(2**31)], dtype=torch.int32))
+        for splits in (1, 3):
+            ws = ops.Workspace.allocate("cuda", 5, heads[0], head_dim, splits)
+            out = run(case, heads, head_dim, splits, "auto", 2, validate=False, workspace=ws)
+            torch.cuda.synchronize()
+            assert ws.status.tolist() == [1, 1, 0, 1, 1], ws.status.tolist()
+            assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
     print("sanitize cases done")
 
 

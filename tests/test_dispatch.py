@@ -15,31 +15,34 @@ A100 = dispatch.Device(108, 164 * 1024, 163 * 1024)
 
 # (batch, Hq, Hkv, D, seq_len, dtype, device, expected)
 CASES = [
-    # The docstring's examples: 3 stages of 32 KB let two blocks share an SM; a 264-block wave.
-    (1, 32, 32, 128, 4096, F16, H100, dispatch.Plan("split", 8, 3, 2)),
-    (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 33, 3, 2)),
+    # The docstring's examples: 3 stages of 32 KB let two blocks share an SM; small grids get one
+    # item per SM; short items (<= 4 tiles) a third block per SM with 2 stages.
+    (1, 32, 32, 128, 4096, F16, H100, dispatch.Plan("split", 4, 3, 2)),  # 132 // 32, 16 tiles each
+    (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 16, 2, 3)),  # 132 // 8, 4 tiles each
     (64, 32, 32, 128, 4096, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    (64, 32, 32, 128, 256, F16, H100, dispatch.Plan("single_pass", 1, 2, 3)),  # 4 tiles per item
     # Splits of at least one 64-key tile.
-    (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 3, 2)),
-    (1, 32, 32, 128, 64, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
-    (1, 32, 8, 128, 256, BF16, H100, dispatch.Plan("split", 4, 3, 2)),
-    # Long rows on a small grid: one wave.
-    (1, 32, 32, 128, 65536, F16, H100, dispatch.Plan("split", 8, 3, 2)),
-    (1, 32, 4, 128, 65536, F16, H100, dispatch.Plan("split", 64, 3, 2)),  # 264 // 4 = 66, capped
-    (16, 32, 8, 128, 2048, F16, H100, dispatch.Plan("split", 2, 3, 2)),  # 128 blocks: 264 // 128
-    (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 512 >= 264
-    # MQA: 4 blocks of 8 query heads per row; 264 // 4 = 66 -> 64.
-    (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 64, 3, 2)),
-    # A grid past one wave: 512 blocks on a 264-block wave are 2 waves, 1.94 full: no split.
+    (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 2, 3)),
+    (1, 32, 32, 128, 64, F16, H100, dispatch.Plan("single_pass", 1, 2, 3)),
+    (1, 32, 8, 128, 256, BF16, H100, dispatch.Plan("split", 4, 2, 3)),
+    # Long rows on a small grid: one item per SM.
+    (1, 32, 32, 128, 65536, F16, H100, dispatch.Plan("split", 4, 3, 2)),
+    (1, 32, 4, 128, 65536, F16, H100, dispatch.Plan("split", 33, 3, 2)),  # 132 // 4
+    (16, 32, 8, 128, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 128 items < 132
+    (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 512 items: 2 waves
+    # MQA: 4 items of 8 query heads per row; 132 // 4 = 33 splits of 4 tiles; 8 heads per block
+    # leave no room for a third block, so two with 2 stages.
+    (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 33, 2, 2)),
+    # A grid past one wave: 512 items on a 264-item wave are 2 waves, 1.94 full: no split.
     (64, 32, 8, 128, 1024, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
-    # 300 blocks: 2 waves, the second 14 % full; 6 splits make 7 nearly full waves (7/6 vs 2).
+    # 300 items: 2 waves, the second 14 % full; 6 splits make 7 nearly full waves (7/6 vs 2).
     (300, 8, 1, 128, 4096, F16, H100, dispatch.Plan("split", 6, 3, 2)),
     # Other head dims: the deepest ring that keeps two blocks per SM (one at 256).
-    (16, 32, 8, 64, 2048, F16, H100, dispatch.Plan("split", 2, 6, 2)),
-    (16, 32, 8, 256, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 1)),  # 128 blocks, 132 slots
+    (16, 32, 8, 64, 2048, F16, H100, dispatch.Plan("single_pass", 1, 6, 2)),
+    (16, 32, 8, 256, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 1)),  # 128 items, 132 SMs
     (16, 32, 32, 96, 2048, BF16, H100, dispatch.Plan("single_pass", 1, 4, 2)),  # padded V rows
-    # A GPU with less shared memory per SM (A100: 164 KB): two stages of 32 KB for two blocks.
-    (1, 32, 32, 128, 4096, F16, A100, dispatch.Plan("split", 6, 2, 2)),
+    # A GPU with less shared memory per SM (A100: 164 KB): 108 // 32 = 3 splits, 2 stages.
+    (1, 32, 32, 128, 4096, F16, A100, dispatch.Plan("split", 3, 2, 2)),
     # CUDA-core loop (fp32): 3 blocks per SM, splits of >= 128 keys, blocks of <= 4096 keys.
     (1, 32, 32, 128, 1024, F32, H100, dispatch.Plan("split", 8, 2, 3)),
     (16, 32, 32, 256, 32768, F32, H100, dispatch.Plan("split", 8, 2, 3)),
@@ -60,8 +63,10 @@ def test_occupancy_model():
     assert dispatch.max_stages(128, 2, H100) == 6
     assert dispatch.max_stages(256, 2, H100) == 3
     assert dispatch.max_stages(64, 2, H100) == dispatch.MAX_STAGES
-    assert [dispatch.tile_blocks_per_sm(128, 2, s, H100) for s in (2, 3, 4, 6)] == [2, 2, 1, 1]
+    assert [dispatch.tile_blocks_per_sm(128, 2, s, H100, 1) for s in (2, 3, 4, 6)] == [3, 2, 1, 1]
+    assert [dispatch.tile_blocks_per_sm(128, 2, s, H100, 8) for s in (2, 3, 4, 6)] == [2, 2, 1, 1]
     assert dispatch.tile_stages(128, 2, H100) == (3, 2)
+    assert dispatch.tile_stages(128, 2, H100, 1, 3) == (2, 3)
     assert dispatch.tile_stages(256, 2, H100) == (3, 1)
 
 
@@ -76,6 +81,7 @@ def test_forced_variants():
     assert dispatch.choose_variant(1, 32, 32, 128, 4096, F16, H100, "single_pass") == dispatch.Plan(
         "single_pass", 1, 3, 2
     )
+    assert dispatch.choose_variant(1, 32, 32, 128, 256, F16, H100, "single_pass").stages == 2  # short item
 
 
 def test_pure_function_of_its_arguments():

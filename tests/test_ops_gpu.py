@@ -107,7 +107,7 @@ def test_every_stage_count(source, head_dim):
     # pipeline changes), including walks longer than the ring and shorter than it.
     lengths = [10, 200, 3000]
     dev = ops.device_spec(torch.cuda.current_device())
-    most = dispatch.max_stages(head_dim, 2, dev)
+    most = dispatch.max_stages(head_dim, 2, dev, dispatch.q_group_block(4))
     outs = []
     for stages in range(dispatch.MIN_STAGES, most + 1):
         case = make_case(3, 8, 2, head_dim, lengths, 3072, torch.float16, seed=head_dim)
@@ -118,7 +118,7 @@ def test_every_stage_count(source, head_dim):
 
 def test_stages_past_shared_memory_rejected():
     case = make_case(2, 8, 2, 256, [10, 20], 64, torch.float16, seed=1)
-    most = dispatch.max_stages(256, 2, ops.device_spec(torch.cuda.current_device()))
+    most = dispatch.max_stages(256, 2, ops.device_spec(torch.cuda.current_device()), dispatch.q_group_block(4))
     with pytest.raises(RuntimeError, match=rf"stages must be in \[2, {most}\] for head_dim 256"):
         run_kernel(case, 1, stages=most + 1)
 
