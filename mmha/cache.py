@@ -16,6 +16,8 @@ from . import dispatch, layout, ops, reference
 from ._ext import extension_available
 
 _warned_reference = False
+# GPU caches hold a multiple of this many slots per row (see KVCache.capacity).
+CAPACITY_ALIGN = 64
 
 
 def _warn_reference_once(reason: str) -> None:
@@ -51,8 +53,10 @@ class KVCache:
 
     Attributes
     ----------
-    k_caches[layer] : ``[max_batch, Hkv, D / x, max_seq_len, x]``
-    v_caches[layer] : ``[max_batch, Hkv, max_seq_len, D]``
+    k_caches[layer] : ``[max_batch, Hkv, D / x, capacity, x]``
+    v_caches[layer] : ``[max_batch, Hkv, capacity, D]``
+    capacity : slots allocated per row: ``max_seq_len``, rounded up to a multiple of 64 on a GPU
+        (the slots past ``max_seq_len`` are never used)
     lengths : ``[max_batch]`` int32 on ``device``: tokens cached per row.
     """
 
@@ -100,14 +104,21 @@ class KVCache:
         self.rotary_interleaved = rotary_interleaved
         self.scale = scale
         self.dispatch_on = dispatch_on
-        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, max_seq_len, head_dim, dtype)
-        v_shape = layout.v_cache_shape(max_batch, num_kv_heads, max_seq_len, head_dim)
+        # On a GPU the caches hold max_seq_len rounded up to a multiple of CAPACITY_ALIGN slots, so
+        # that the tile loop's bulk tensor copies apply (they need S_max % 32 == 0; the cp.async
+        # fallback issues every copy from one warp and ran the step benchmark's 32K rows at 0.71x
+        # the SDPA graph step on the H200). Slots past max_seq_len are never written or read.
+        self.capacity = max_seq_len
+        if self.device.type == "cuda":
+            self.capacity = -(-max_seq_len // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, dtype)
+        v_shape = layout.v_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim)
 
         self.use_kernel = self.device.type == "cuda" and extension_available()
         if self.use_kernel and head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         elem = torch.empty((), dtype=dtype).element_size()
-        self.nbytes = 2 * num_layers * max_batch * num_kv_heads * max_seq_len * head_dim * elem
+        self.nbytes = 2 * num_layers * max_batch * num_kv_heads * self.capacity * head_dim * elem
         workspace_bytes = (max_batch * num_heads + 2 + max_batch) * 4  # counters, status; partials grow on first use
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
