@@ -6,7 +6,6 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 
 namespace mmha {
 namespace {
@@ -54,13 +53,9 @@ bool cache_maps_fit(const MmhaParams& p) {
 }
 
 cudaError_t encode_cache_maps(MmhaParams& p) {
-  static const CUtensorMapL2promotion promo = [] {
-    const char* v = std::getenv("MMHA_EXP_L2_PROMOTION");
-    const int n = v ? std::atoi(v) : 128;
-    return n == 0 ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-         : n == 64 ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
-         : n == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-  }();
+  // L2 promotion of 128 bytes (none measured the same): 256 ran B=16 Hkv=32 S=8192 at 517 us
+  // against 490 on the H200 (decode timing), the lines it pulls in ahead are not the next ones read.
+  constexpr CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t x = 8, elem = 2;
