@@ -32,7 +32,9 @@ def main() -> None:
         plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
         if forced:
             splits, stages = (int(x) for x in forced.split("x"))
-            plan = dispatch.Plan("single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm)
+            plan = dispatch.Plan(
+                "single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm
+            )
         method = args.peer or "mmha"
         with method_context(method):
             prob = Problem(cfg, "sdpa" if args.peer else "mmha")

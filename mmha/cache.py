@@ -119,7 +119,9 @@ class KVCache:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         elem = torch.empty((), dtype=dtype).element_size()
         self.nbytes = 2 * num_layers * max_batch * num_kv_heads * self.capacity * head_dim * elem
-        workspace_bytes = (max_batch * num_heads + 2 + max_batch) * 4  # counters, status; partials grow on first use
+        workspace_bytes = (
+            max_batch * num_heads + 2 + max_batch
+        ) * 4  # counters, status; partials grow on first use
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             if self.nbytes + workspace_bytes > free:

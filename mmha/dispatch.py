@@ -133,7 +133,9 @@ def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> i
     return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))
 
 
-def tile_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None) -> tuple[int, int]:
+def tile_stages(
+    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None
+) -> tuple[int, int]:
     """``(stages, blocks per SM)``: the deepest ring that keeps ``target`` blocks per SM (by
     default ``TILE_BLOCKS_PER_SM``, one at head_dim 256)."""
     if target is None:

@@ -25,7 +25,14 @@ def test_canonical_grid_is_the_documented_one():
 
 @pytest.mark.parametrize(
     "batch, hkv, seq, layers",
-    [(1, 32, 1024, 32), (1, 8, 4096, 32), (16, 32, 512, 8), (64, 32, 256, 4), (64, 32, 1024, 2), (1, 32, 65536, 2)],
+    [
+        (1, 32, 1024, 32),
+        (1, 8, 4096, 32),
+        (16, 32, 512, 8),
+        (64, 32, 256, 4),
+        (64, 32, 1024, 2),
+        (1, 32, 65536, 2),
+    ],
 )
 def test_decode_timing_layers(batch, hkv, seq, layers):
     # L = max(2, min(32, ceil(1 GiB / cache bytes))).
@@ -38,7 +45,10 @@ def fake_result(cfg: Config, mmha_us: float, peers: dict, floor_us: float) -> di
     return {
         "config": cfg,
         "plan": "8x3",
-        "decode": {"mmha": {"us": mmha_us, "p20": mmha_us, "p80": mmha_us}, **{k: {"us": v} for k, v in peers.items()}},
+        "decode": {
+            "mmha": {"us": mmha_us, "p20": mmha_us, "p80": mmha_us},
+            **{k: {"us": v} for k, v in peers.items()},
+        },
         "errors": {},
         "skipped": {"flashinfer": "not installed", "sdpa_flash": "RuntimeError: no kernel"},
         "cold": {},
@@ -60,7 +70,10 @@ def test_summary_ratios_and_floor():
     assert "sdpa_cudnn" in table and "0.80" in table and "60.0" in table
     assert len(table.splitlines()[0].split("|")) < 12  # the default table fits a terminal
     assert "eager" in report.table([row], full=True)
-    assert report.skipped_line([row]) == "not timed: flashinfer (not installed, 1 row); sdpa_flash (RuntimeError, 1 row)"
+    assert (
+        report.skipped_line([row])
+        == "not timed: flashinfer (not installed, 1 row); sdpa_flash (RuntimeError, 1 row)"
+    )
 
 
 def canonical_rows(ratio: float, pct: float) -> list[dict]:
@@ -68,7 +81,11 @@ def canonical_rows(ratio: float, pct: float) -> list[dict]:
     for g, b, hkv, s in CANONICAL:
         cfg = Config(g, b, 32, hkv, 128, s, "fp16")
         floor = 100.0
-        rows.append(report.summarize(fake_result(cfg, floor * 100 / pct, {"sdpa_cudnn": floor * 100 / pct / ratio}, floor), 1.0))
+        rows.append(
+            report.summarize(
+                fake_result(cfg, floor * 100 / pct, {"sdpa_cudnn": floor * 100 / pct / ratio}, floor), 1.0
+            )
+        )
     return rows
 
 

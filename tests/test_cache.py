@@ -186,3 +186,18 @@ def test_account_replay_moves_the_host_mirror_only():
     assert cache.lengths.tolist() == [0, 0]
     with pytest.raises(ValueError, match="would exceed max_seq_len"):
         cache.account_replay(6)
+
+
+def test_workspace_check_raises_for_flagged_rows_and_clears():
+    from mmha import ops
+
+    ws = ops.Workspace.allocate("cpu", 3, 4, 64, 2)
+    assert ws.fits(3, 4, 64, 2) and ws.counters.numel() == 3 * 4 + 2 and ws.status.numel() == 3
+    ws.check()  # nothing raised
+    ws.status[2] = 1
+    with pytest.raises(ops.LengthError, match=r"lengths of rows \[2\] were outside \[0, S_max - 1\]"):
+        ws.check()
+    assert not ws.status.any()
+    cache = KVCache(1, 2, 8, 4, 2, 64, torch.float32, "cpu")
+    assert cache.capacity == 8  # the CPU path keeps the exact capacity
+    cache.check()  # no workspace yet: nothing to check

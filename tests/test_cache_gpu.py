@@ -53,6 +53,27 @@ def test_steps_match_reference(dtype):
     assert cache.lengths.tolist() == cache.host_lengths
 
 
+def test_capacity_rounded_up_for_bulk_copies_and_device_guard_checked():
+    # GPU caches hold max_seq_len rounded up to 64 slots; a device length pushed out of range
+    # behind the cache's back writes nothing, gives NaN, and check() names the row once.
+    cache = new_cache(max_seq_len=1000)
+    assert cache.capacity == 1024 and cache.k_caches[0].shape[3] == 1024
+    prefill_random(cache, [5, 10, 20, 30])
+    cache.lengths[1] = cache.capacity  # past every slot the kernel may touch
+    ks, vs = mirror(cache)
+    qkv = torch.randn(4, WIDTH, device="cuda", dtype=torch.float16)
+    out = cache.step(0, qkv)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+    for row, pos in ((0, 5), (2, 20), (3, 30)):
+        ks[0][row, :, :, pos] = cache.k_caches[0][row, :, :, pos]
+        vs[0][row, :, pos] = cache.v_caches[0][row, :, pos]
+    assert torch.equal(cache.k_caches[0].view(torch.uint8), ks[0].view(torch.uint8))
+    assert torch.equal(cache.v_caches[0].view(torch.uint8), vs[0].view(torch.uint8))
+    with pytest.raises(ops.LengthError, match=r"lengths of rows \[1\] were outside"):
+        cache.check()
+    cache.check()  # the flag is cleared
+
+
 def test_no_host_sync_in_step_and_advance():
     cache = new_cache()
     prefill_random(cache, [10, 20, 30, 40])

@@ -50,7 +50,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_D{c[3]}_S{c[4]}_{c[5]}_{c[6].num_sms}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"B{c[0]}_Hq{c[1]}_Hkv{c[2]}_D{c[3]}_S{c[4]}_{c[5]}_{c[6].num_sms}"
+)
 def test_choose_variant_table(case):
     b, hq, hkv, d, s, dtype, dev, expected = case
     assert dispatch.choose_variant(b, hq, hkv, d, s, dtype, dev) == expected
@@ -135,7 +137,9 @@ def test_planned_occupancy_is_what_the_kernel_gets(dtype, head_dim):
             got = _C.blocks_per_sm(code, head_dim, qb, stages, source)
             assert got >= blocks, (qb, source, got, blocks)
             # The deepest ring the operator accepts still launches.
-            assert _C.blocks_per_sm(code, head_dim, qb, dispatch.max_stages(head_dim, 2, dev, qb), source) >= 1
+            assert (
+                _C.blocks_per_sm(code, head_dim, qb, dispatch.max_stages(head_dim, 2, dev, qb), source) >= 1
+            )
 
 
 def test_every_dtype_and_head_dim_has_an_instantiation_file():

@@ -250,7 +250,10 @@ RAW_MUTATIONS = {
         r"out must have dtype",
     ),
     "stages": (lambda c, r: dict(stages=1 + 8 * (r % 2)), r"stages must be in \[2, \d+\] for head_dim \d+"),
-    "tile source": (lambda c, r: dict(tile_source=-1), r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2"),
+    "tile source": (
+        lambda c, r: dict(tile_source=-1),
+        r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2",
+    ),
     "status short": (
         lambda c, r: dict(status=torch.zeros(c.lengths.numel() - 1, dtype=torch.int32, device="cuda")),
         r"status must hold at least B = \d+ int32",

@@ -85,7 +85,9 @@ def test_capacity_not_a_multiple_of_32_runs_cp_async():
     lengths = [0, 64, 500, 1022]
     case = make_case(len(lengths), 8, 2, 128, lengths, 1023, torch.float16, seed=5)
     check_case(case, 3)
-    with pytest.raises(RuntimeError, match=r"tile_source 2 \(tma\) needs .* S_max a multiple of 32, got S_max 1023"):
+    with pytest.raises(
+        RuntimeError, match=r"tile_source 2 \(tma\) needs .* S_max a multiple of 32, got S_max 1023"
+    ):
         run_kernel(case, 3, tile_source="tma")
 
 
@@ -118,7 +120,9 @@ def test_every_stage_count(source, head_dim):
 
 def test_stages_past_shared_memory_rejected():
     case = make_case(2, 8, 2, 256, [10, 20], 64, torch.float16, seed=1)
-    most = dispatch.max_stages(256, 2, ops.device_spec(torch.cuda.current_device()), dispatch.q_group_block(4))
+    most = dispatch.max_stages(
+        256, 2, ops.device_spec(torch.cuda.current_device()), dispatch.q_group_block(4)
+    )
     with pytest.raises(RuntimeError, match=rf"stages must be in \[2, {most}\] for head_dim 256"):
         run_kernel(case, 1, stages=most + 1)
 
@@ -143,7 +147,30 @@ def test_tiles_repeat_bit_equal():
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
-STRADDLE = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 191, 192, 193, 239, 255, 256, 257, 3577, 16385]
+STRADDLE = [
+    1,
+    2,
+    5,
+    15,
+    16,
+    17,
+    63,
+    64,
+    65,
+    97,
+    127,
+    128,
+    129,
+    191,
+    192,
+    193,
+    239,
+    255,
+    256,
+    257,
+    3577,
+    16385,
+]
 
 
 @pytest.mark.parametrize("variant", ["single_pass", "split7", "split64", "auto"])

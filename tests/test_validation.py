@@ -101,7 +101,11 @@ def test_raw_op_rejects_cpu_tensors_by_name():
     vc = torch.zeros(1, HKV, 8, D).half()
     lengths = torch.zeros(1, dtype=torch.int32)
     out, lse = torch.empty(1, HQ * D).half(), torch.empty(1, HQ)
-    ws, ctr, status = torch.empty(0), torch.zeros(HQ + 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    ws, ctr, status = (
+        torch.empty(0),
+        torch.zeros(HQ + 2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+    )
     with pytest.raises(RuntimeError, match=r"qkv must be a CUDA tensor, got a tensor on cpu"):
         torch.ops.mmha.decode_attention(qkv, kc, vc, lengths, None, out, lse, ws, ctr, status, HQ, HKV, 0.1,
                                         0, 1e4, False, 1)  # fmt: skip

@@ -99,7 +99,11 @@ BAD = [
     ),
     ("stages", lambda c: dict(stages=1), r"stages must be in \[2, \d\] for head_dim 64 \(shared memory"),
     ("stages many", lambda c: dict(stages=9), r"stages must be in \[2, \d\] for head_dim 64"),
-    ("tile source", lambda c: dict(tile_source=3), r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2 \(tma\), got 3"),
+    (
+        "tile source",
+        lambda c: dict(tile_source=3),
+        r"tile_source must be 0 \(auto\), 1 \(cp.async\) or 2 \(tma\), got 3",
+    ),
     (
         "tma fp32",
         lambda c: dict(
@@ -111,10 +115,26 @@ BAD = [
         ),  # fmt: skip
         r"tile_source 2 \(tma\) needs float16 or bfloat16 caches with head_dim a multiple of 64, got Float",
     ),
-    ("counters short", lambda c: dict(counters=torch.zeros(3 * HQ, dtype=torch.int32, device="cuda")), r"counters must hold at least B \* Hq \+ 2 = 26 int32, got 24"),
-    ("status short", lambda c: dict(status=torch.zeros(2, dtype=torch.int32, device="cuda")), r"status must hold at least B = 3 int32, got 2"),
-    ("status dtype", lambda c: dict(status=torch.zeros(3, dtype=torch.int64, device="cuda")), r"status must have dtype Int, got Long"),
-    ("status on cpu", lambda c: dict(status=torch.zeros(3, dtype=torch.int32)), r"status must be a CUDA tensor"),
+    (
+        "counters short",
+        lambda c: dict(counters=torch.zeros(3 * HQ, dtype=torch.int32, device="cuda")),
+        r"counters must hold at least B \* Hq \+ 2 = 26 int32, got 24",
+    ),
+    (
+        "status short",
+        lambda c: dict(status=torch.zeros(2, dtype=torch.int32, device="cuda")),
+        r"status must hold at least B = 3 int32, got 2",
+    ),
+    (
+        "status dtype",
+        lambda c: dict(status=torch.zeros(3, dtype=torch.int64, device="cuda")),
+        r"status must have dtype Int, got Long",
+    ),
+    (
+        "status on cpu",
+        lambda c: dict(status=torch.zeros(3, dtype=torch.int32)),
+        r"status must be a CUDA tensor",
+    ),
     (
         "out shape",
         lambda c: dict(out=torch.empty(3, 10, dtype=torch.float16, device="cuda")),

@@ -83,7 +83,8 @@ class Config:
 
     @property
     def label(self) -> str:
-        return f"{self.dtype} B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} S={self.seq_len}"
+        heads = f"Hq={self.num_heads} Hkv={self.num_kv_heads}"
+        return f"{self.dtype} B={self.batch} {heads} D={self.head_dim} S={self.seq_len}"
 
 
 class Problem:
@@ -102,9 +103,13 @@ class Problem:
         self.scale = 1.0 / math.sqrt(d)
         self.qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(dt)
         if kind == "mmha":
-            self.k_cache = torch.randn(layout.k_cache_shape(b, hkv, s, d, dt), generator=g, device=dev, dtype=dt)
+            self.k_cache = torch.randn(
+                layout.k_cache_shape(b, hkv, s, d, dt), generator=g, device=dev, dtype=dt
+            )
             self.v_cache = torch.randn(layout.v_cache_shape(b, hkv, s, d), generator=g, device=dev, dtype=dt)
-            self.lengths = lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+            self.lengths = (
+                lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+            )
         elif kind == "sdpa":
             self.q = self.qkv[:, : hq * d].reshape(b, hq, 1, d).contiguous()
             self.k = torch.randn(b, hkv, s, d, generator=g, device=dev, dtype=dt)
@@ -139,7 +144,9 @@ class Problem:
         return torch.einsum("nhs,nhsd->nhd", p, v).reshape(len(rows), -1)
 
 
-def build_configs(grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None) -> list[Config]:
+def build_configs(
+    grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None
+) -> list[Config]:
     """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
     "custom" (``custom``: batch list, seq list, heads, kv heads, head dim)."""
     if grid in ("canonical", "quick"):

@@ -64,7 +64,8 @@ def fmt(x, digits: int = 1) -> str:
 
 
 def row_label(r: dict) -> str:
-    return f"{r['dtype']} B={r['batch']} Hq={r['num_heads']} Hkv={r['num_kv_heads']} D={r['head_dim']} S={r['seq_len']}"
+    heads = f"Hq={r['num_heads']} Hkv={r['num_kv_heads']}"
+    return f"{r['dtype']} B={r['batch']} {heads} D={r['head_dim']} S={r['seq_len']}"
 
 
 def header_line(h: dict) -> str:
@@ -84,7 +85,8 @@ def table(rows: list[dict], full: bool = False) -> str:
                  "floor cold", "mmha graph", "peer graph", "GB/s", "% ceil"]  # fmt: skip
     body = []
     for r in rows:
-        line = [row_label(r), fmt(r["kv_mb"]), r["plan"], fmt(r["mmha_decode_us"]), r["best_peer_decode"] or "-",
+        line = [row_label(r), fmt(r["kv_mb"]), r["plan"], fmt(r["mmha_decode_us"]),
+                r["best_peer_decode"] or "-",
                 fmt(r["best_peer_decode_us"]), fmt(r["ratio"], 2), fmt(r["pct_floor"]),
                 fmt(r["read_floor_decode_us"])]  # fmt: skip
         if full:
@@ -130,20 +132,33 @@ def bar(rows: list[dict]) -> list[str]:
                 misses.append(f"{label}: {r['ratio']:.3f}x {r['best_peer_decode']}")
             kv = r["kv_mb"] * 1e6
             if kv < SMALL_CACHE_BYTES and r["ratio"] > SMALL_CACHE_RATIO:
-                misses.append(f"{label}: {r['ratio']:.3f}x the best peer > {SMALL_CACHE_RATIO}x (small cache)")
+                misses.append(
+                    f"{label}: {r['ratio']:.3f}x the best peer > {SMALL_CACHE_RATIO}x (small cache)"
+                )
             for least, pct in FLOOR_BAR:
                 if kv >= least:
                     if r["pct_floor"] < pct:
                         misses.append(f"{label}: {r['pct_floor']:.1f} % of the read floor < {pct:.0f} %")
                     break
             twin = mha.get(round(r["kv_mb"]))
-            if r["num_heads"] != r["num_kv_heads"] and twin and twin["pct_floor"] - r["pct_floor"] > GQA_POINTS:
+            if (
+                r["num_heads"] != r["num_kv_heads"]
+                and twin
+                and twin["pct_floor"] - r["pct_floor"] > GQA_POINTS
+            ):
                 misses.append(
-                    f"{label}: {r['pct_floor']:.1f} % of floor, {twin['pct_floor'] - r['pct_floor']:.1f} points "
+                    f"{label}: {r['pct_floor']:.1f} % of floor, "
+                    f"{twin['pct_floor'] - r['pct_floor']:.1f} points "
                     f"under the MHA row of {r['kv_mb']:.0f} MB"
                 )
     for r in rows:
-        if (r["head_dim"], r["num_kv_heads"], r["batch"], r["seq_len"], r["dtype"]) == (256, 8, 16, 2048, "fp16"):
+        if (r["head_dim"], r["num_kv_heads"], r["batch"], r["seq_len"], r["dtype"]) == (
+            256,
+            8,
+            16,
+            2048,
+            "fp16",
+        ):
             if r["ratio"] > 1:
                 misses.append(f"{row_label(r)}: {r['ratio']:.3f}x {r['best_peer_decode']} (head_dim 256)")
     return misses

@@ -36,7 +36,12 @@ def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, st
     out = [(plan, "auto")]
     for s in SPLITS:
         if s <= tiles:
-            out.append((dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm), "auto"))
+            out.append(
+                (
+                    dispatch.Plan("single_pass" if s == 1 else "split", s, plan.stages, plan.blocks_per_sm),
+                    "auto",
+                )
+            )
     most = dispatch.max_stages(cfg.head_dim, cfg.elem, dev)
     for splits in sorted({1, plan.num_splits}):
         for st in range(dispatch.MIN_STAGES, most + 1):
@@ -62,7 +67,9 @@ def sweep_row(cfg: Config) -> dict:
     assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
     times = {}
     for cand, source in candidates(cfg, plan):
-        times[name(cand, source)] = timing.decode_us([mmha_fn(p, cand, source) for p in probs], replays=15)["us"]
+        times[name(cand, source)] = timing.decode_us([mmha_fn(p, cand, source) for p in probs], replays=15)[
+            "us"
+        ]
     # The plan once more, last: the first timing of a row may still carry warm-up effects.
     again = timing.decode_us([mmha_fn(p, plan) for p in probs], replays=15)["us"]
     times[plan_str(plan)] = min(times[plan_str(plan)], again)
@@ -84,7 +91,16 @@ def render(results: list[dict]) -> str:
         body.append([r["row"], f"{r['kv_mb']:.0f}", r["plan"], f"{r['plan_us']:.1f}", r["best"],
                      f"{r['best_us']:.1f}", f"{r['plan_us'] / r['best_us']:.3f}",
                      ", ".join(f"{k}: {v:.1f}" for k, v in top)])  # fmt: skip
-    cols = ["row", "KV MB", "plan", "plan us", "best", "best us", "plan/best", "fastest four (splits x stages: us)"]
+    cols = [
+        "row",
+        "KV MB",
+        "plan",
+        "plan us",
+        "best",
+        "best us",
+        "plan/best",
+        "fastest four (splits x stages: us)",
+    ]
     return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
 
 
@@ -107,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in cfgs:
         results.append(sweep_row(cfg))
         print(f"{cfg.label}: plan {results[-1]['plan']} {results[-1]['plan_us']:.1f} us, best "
-              f"{results[-1]['best']} {results[-1]['best_us']:.1f} us", file=sys.stderr, flush=True)  # fmt: skip
+              f"{results[-1]['best']} {results[-1]['best_us']:.1f} us",
+              file=sys.stderr, flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     text = render(results)
     (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
