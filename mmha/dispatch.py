@@ -152,6 +152,16 @@ def wave_cost(blocks: int, wave: int) -> int:
     return -(-blocks // wave)
 
 
+def wave_splits(base: int, wave: int, allowed: int) -> int:
+    """Splits of a grid of ``base`` items that fills a wave: the count that lowers
+    ``ceil(items * s / wave) / s`` by at least ``1 - SPLIT_GAIN`` over the last one kept."""
+    splits = 1
+    for s in range(2, allowed + 1):
+        if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
+            splits = s
+    return splits
+
+
 def choose_variant(
     batch: int,
     num_heads: int,
@@ -208,42 +218,32 @@ def choose_variant(
     base = base_blocks(batch, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
-    if uses_tensor_cores(dtype):
+    tiles = uses_tensor_cores(dtype)
+    if tiles:
         elem = torch.empty((), dtype=dtype).element_size()
         qb = q_group_block(num_heads // num_kv_heads)
         stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb)
         grains = -(-seq_len // TILE_KEYS)
         allowed = max(1, min(MAX_SPLITS, grains))
-        wave = sms * blocks_per_sm
-        if variant == "single_pass":
-            splits = 1
-        elif base < sms:
-            # Small grids: one item per SM. Filling two per SM measured slower (H200, decode
-            # timing: B=1 Hkv=8 S=4096 13.8 us at 16 splits against 15.5 at 33; B=1 Hkv=32
-            # S=65536 250.9 at 4 against 282.4 at 8).
-            splits = max(1, min(allowed, sms // base))
-        else:
-            splits = 1
-            for s in range(2, allowed + 1):
-                if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
-                    splits = s
-        if head_dim <= 128 and -(-grains // splits) <= SHORT_ITEM_TILES:
-            stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1)
+        # Small grids get one item per SM: filling two per SM measured slower (H200, decode
+        # timing: B=1 Hkv=8 S=4096 13.1 us at 16 splits against 15.5 at 33; B=16 Hkv=8 S=2048
+        # 39.0 in one pass against 41.5 at 2 splits).
+        fill = sms
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
-        wave = sms * blocks_per_sm
-        if variant == "single_pass":
-            splits = 1
-        elif base < wave:
-            splits = max(1, min(allowed, wave // base))
-        else:
-            splits = 1
-            for s in range(2, allowed + 1):
-                if wave_cost(base * s, wave) / s < SPLIT_GAIN * wave_cost(base * splits, wave) / splits:
-                    splits = s
-        if variant != "single_pass":
-            splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
+        fill = sms * blocks_per_sm
+    wave = sms * blocks_per_sm
+    if variant == "single_pass":
+        splits = 1
+    elif base < fill:
+        splits = max(1, min(allowed, fill // base))
+    else:
+        splits = wave_splits(base, wave, allowed)
+    if tiles and head_dim <= 128 and -(-grains // splits) <= SHORT_ITEM_TILES:
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1)
+    if not tiles and variant != "single_pass":
+        splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":
         splits = max(2, splits)
     return Plan("single_pass" if splits == 1 else "split", splits, stages, blocks_per_sm)

@@ -223,6 +223,25 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
   }
 }
 
+// The max over a block's WARPS loop warps of head g's running max, and their sums rescaled to it.
+template <int WARPS, int QB>
+__device__ __forceinline__ float warps_max(const float (*s_m)[QB], int g) {
+  float mb = -INFINITY;
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) mb = fmaxf(mb, s_m[wp][g]);
+  return mb;
+}
+
+template <int WARPS, int QB>
+__device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (*s_l)[QB], int g) {
+  const float mb = warps_max<WARPS, QB>(s_m, g);
+  const float m_ref = mb == -INFINITY ? 0.f : mb;
+  float sum = 0.f;
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
+  return sum;
+}
+
 // Split sequence: the last item of this (row, query-head block) to finish merges the partials in
 // split order (bit-identical run to run). `sync` is a barrier of the nthreads taking part.
 template <typename T, int HEAD_DIM, int QB, class Sync>
@@ -531,21 +550,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.flags & kLastTile) {
       sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
       c.combine(s_m, s_l, &s_q[0][0], warp, lane);
-      const auto block_max = [&](int g) {
-        float mb = -INFINITY;
-#pragma unroll
-        for (int wp = 0; wp < kConsumerWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
-        return mb;
-      };
-      const auto block_sum = [&](int g) {
-        const float mb = block_max(g);
-        const float m_ref = mb == -INFINITY ? 0.f : mb;
-        float sum = 0.f;
-#pragma unroll
-        for (int wp = 0; wp < kConsumerWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
-        return sum;
-      };
-      store_item<T, HEAD_DIM>(p, w, block_max, block_sum, [&](int g, int d) { return s_q[g][d]; }, tid, CONSUMERS);
+      store_item<T, HEAD_DIM>(
+          p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
+          [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
+          tid, CONSUMERS);
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, CONSUMERS, sync);
       sync();  // s_q, s_m, s_l and s_w are free for the next item
     }
@@ -585,20 +593,8 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const AttendArgs<T> args{k_head, v_head, smax, w.start, w.end, w.pos, p.scale * kLog2e};
   const float* s_acc = Simt::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
   // Block combine: the loop warps' (max, sum, acc), rescaled to the block's max.
-  const auto block_max = [&](int g) {
-    float mb = -INFINITY;
-#pragma unroll
-    for (int wp = 0; wp < kSimtWarps; ++wp) mb = fmaxf(mb, s_m[wp][g]);
-    return mb;
-  };
-  const auto block_sum = [&](int g) {
-    const float mb = block_max(g);
-    const float m_ref = mb == -INFINITY ? 0.f : mb;
-    float sum = 0.f;
-#pragma unroll
-    for (int wp = 0; wp < kSimtWarps; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
-    return sum;
-  };
+  const auto block_max = [&](int g) { return warps_max<kSimtWarps, QB>(s_m, g); };
+  const auto block_sum = [&](int g) { return warps_sum<kSimtWarps, QB>(s_m, s_l, g); };
   const auto block_acc = [&](int g, int d) {
     const float mb = block_max(g);
     const float m_ref = mb == -INFINITY ? 0.f : mb;
