@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write step_bench.json there")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("mmha.step_bench: no CUDA GPU here; nothing to measure.")
+        print("mmha.bench.step: no CUDA GPU here; nothing to measure.")
         return 0
     rows = []
     for name in args.model:
