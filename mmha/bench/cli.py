@@ -26,7 +26,7 @@ import torch
 from .. import ops
 from . import floor, report, timing
 from .methods import MMHA, PEERS, kind, make_fn, method_context, plan_str, unavailable
-from .problems import DTYPES, TOLERANCE, Config, Problem, build_configs
+from .problems import DTYPES, TOLERANCE, Config, Problem, build_configs, layer_problems
 
 
 def _first_line(exc: Exception) -> str:
@@ -36,16 +36,14 @@ def _first_line(exc: Exception) -> str:
 
 def time_method(cfg: Config, method: str, plan, res: dict) -> None:
     """Decode timing of one method on ``cfg.layers`` distinct problems, after a reference check."""
-    rows = sorted({0, cfg.batch - 1})
     probs = fns = None
     try:
         with method_context(method):
-            lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
-            probs = [Problem(cfg, kind(method), seed=i, lengths=lengths) for i in range(cfg.layers)]
+            probs = layer_problems(cfg, kind(method))
             fns = [make_fn(method, p, plan) for p in probs]
             out = fns[0]()
             torch.cuda.synchronize()
-            err = (out[rows].float() - probs[0].reference(rows)).abs().max().item()
+            err = probs[0].error(out)
             res["errors"][method] = err
             if not math.isfinite(err) or err > TOLERANCE[cfg.dtype]:
                 res["skipped"][method] = f"wrong result: max error {err:.3g} > {TOLERANCE[cfg.dtype]}"

@@ -135,6 +135,12 @@ class Problem:
         v[:, :, s - 1] = self.qkv[rows, (hq + hkv) * d :].view(len(rows), hkv, d)
         return q, k, v
 
+    def error(self, out: torch.Tensor) -> float:
+        """Max abs difference of a method's output from the fp32 reference on the first and last
+        rows."""
+        rows = sorted({0, self.cfg.batch - 1})
+        return (out[rows].float() - self.reference(rows)).abs().max().item()
+
     def reference(self, rows: list[int]) -> torch.Tensor:
         """fp32 attention for the given rows: ``[len(rows), Hq * D]``."""
         q, k, v = (t.float() for t in self.kv_rows(rows))
@@ -142,6 +148,13 @@ class Problem:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         p = torch.softmax(torch.einsum("nhd,nhsd->nhs", q, k) * self.scale, -1)
         return torch.einsum("nhs,nhsd->nhd", p, v).reshape(len(rows), -1)
+
+
+def layer_problems(cfg: Config, kind: str) -> list[Problem]:
+    """The decode timing's ``cfg.layers`` problems: distinct caches and qkv, one shared lengths
+    tensor (the layers of a decode step share ``KVCache.lengths``)."""
+    lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
+    return [Problem(cfg, kind, seed=i, lengths=lengths) for i in range(cfg.layers)]
 
 
 def build_configs(

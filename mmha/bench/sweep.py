@@ -22,7 +22,7 @@ import torch
 from .. import dispatch, ops
 from . import timing
 from .methods import mmha_fn, plan_str
-from .problems import CANONICAL, TOLERANCE, Config, Problem
+from .problems import CANONICAL, TOLERANCE, Config, layer_problems
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64)
 # Rows off the canonical grid (B, Hq, Hkv, D, S): head_dims 64 and 256.
@@ -57,13 +57,10 @@ def name(plan: dispatch.Plan, source: str) -> str:
 
 
 def sweep_row(cfg: Config) -> dict:
-    lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
-    probs = [Problem(cfg, "mmha", seed=i, lengths=lengths) for i in range(cfg.layers)]
+    probs = layer_problems(cfg, "mmha")
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
                         cfg.torch_dtype)  # fmt: skip
-    rows = sorted({0, cfg.batch - 1})
-    out = mmha_fn(probs[0], plan)()
-    err = (out[rows].float() - probs[0].reference(rows)).abs().max().item()
+    err = probs[0].error(mmha_fn(probs[0], plan)())
     assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
     times = {}
     for cand, source in candidates(cfg, plan):
