@@ -14,7 +14,8 @@ TORCH_LIBRARY(mmha, m) {
       "Tensor? qkv_bias, Tensor(c!) out, Tensor(d!) lse, Tensor(e!) partials, "
       "Tensor(f!) counters, Tensor(g!) status, int num_heads, int num_kv_heads, float scale, "
       "int rotary_dim, float rotary_theta, bool rotary_interleaved, int num_splits, "
-      "bool check_lengths=True, int stages=2, int tile_source=0) -> ()");
+      "bool check_lengths=True, int stages=2, int tile_source=0, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -27,14 +28,16 @@ PYBIND11_MODULE(_C, m) {
         "SM architectures this build holds device code for, e.g. '80 86 89 90'");
   m.def(
       "blocks_per_sm",
-      [](int dtype, int head_dim, int q_group_block, int stages, int tile_source) {
-        return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype), head_dim, q_group_block,
-                                          stages, static_cast<mmha::TileSource>(tile_source));
+      [](int dtype, int head_dim, int q_group_block, int stages, int tile_source, int cache_dtype) {
+        return mmha::decode_blocks_per_sm(static_cast<mmha::DType>(dtype),
+                                          static_cast<mmha::DType>(cache_dtype < 0 ? dtype : cache_dtype), head_dim,
+                                          q_group_block, stages, static_cast<mmha::TileSource>(tile_source));
       },
       pybind11::arg("dtype"), pybind11::arg("head_dim"), pybind11::arg("q_group_block"),
-      pybind11::arg("stages"), pybind11::arg("tile_source") = 1,
+      pybind11::arg("stages"), pybind11::arg("tile_source") = 1, pybind11::arg("cache_dtype") = -1,
       "Resident blocks per SM of the decode kernel with `stages` stages on the current device "
-      "(dtype: 0 fp16, 1 bf16, 2 fp32; tile_source: 1 cp.async, 2 tma); 0 when it cannot run there");
+      "(dtype: 0 fp16, 1 bf16, 2 fp32; cache_dtype: the same, 3 fp8 e4m3, -1 = dtype; tile_source: "
+      "1 cp.async, 2 tma); 0 when it cannot run there");
   pybind11::list head_dims;
   for (int d : mmha::kSupportedHeadDims) head_dims.append(d);
   m.attr("SUPPORTED_HEAD_DIMS") = pybind11::tuple(head_dims);

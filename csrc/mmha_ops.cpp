@@ -93,8 +93,22 @@ DType to_dtype(at::ScalarType t) {
   switch (t) {
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
     default: return DType::kFloat32;
   }
+}
+
+// An fp8 cache's per-kv-head scale: fp32 [Hkv], contiguous, on qkv's device. Its values are
+// checked by the kernel (a scale that is not finite and positive refuses the step: status flag).
+void check_scale(const std::optional<at::Tensor>& scale, const char* name, int64_t num_kv_heads,
+                 const c10::Device& device) {
+  MMHA_CHECK(scale.has_value(), name, " must be given for a float8_e4m3fn cache (fp32 [num_kv_heads = ",
+             num_kv_heads, "]: stored = value / scale)");
+  check_cuda(*scale, name, device);
+  check_dtype(*scale, name, at::kFloat);
+  MMHA_CHECK(scale->dim() == 1 && scale->size(0) == num_kv_heads, name, " must have shape [", num_kv_heads,
+             "] (one scale per kv head), got shape ", shape_str(*scale));
+  check_contiguous(*scale, name);
 }
 
 // Host read of lengths (after the work already queued on stream) and a range check per row.
@@ -124,7 +138,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const at::Tensor& counters, const at::Tensor& status, int64_t num_heads,
                       int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
-                      int64_t stages, int64_t tile_source) {
+                      int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -142,8 +157,24 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const at::ScalarType dtype = qkv.scalar_type();
   MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
              "qkv must have dtype float16, bfloat16 or float32, got ", dtype);
-  check_dtype(k_cache, "k_cache", dtype);
-  check_dtype(v_cache, "v_cache", dtype);
+  // Caches of qkv's dtype, or fp8 e4m3 (with fp16 / bf16 qkv and a scale per kv head).
+  const at::ScalarType cache_dtype = k_cache.scalar_type();
+  const bool fp8 = cache_dtype == at::kFloat8_e4m3fn;
+  if (fp8) {
+    MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+               "qkv must have dtype float16 or bfloat16 with a float8_e4m3fn cache, got ", dtype);
+  } else {
+    check_dtype(k_cache, "k_cache", dtype);
+  }
+  check_dtype(v_cache, "v_cache", cache_dtype);
+  if (fp8) {
+    check_scale(k_scale, "k_scale", num_kv_heads, device);
+    check_scale(v_scale, "v_scale", num_kv_heads, device);
+  } else {
+    MMHA_CHECK(!k_scale.has_value() && !v_scale.has_value(),
+               "k_scale and v_scale must be None unless the caches are float8_e4m3fn, got caches of dtype ",
+               cache_dtype);
+  }
   check_dtype(out, "out", dtype);
   if (qkv_bias.has_value()) check_dtype(*qkv_bias, "qkv_bias", dtype);
   check_dtype(lengths, "lengths", at::kInt);
@@ -166,7 +197,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const int64_t max_seq_len = v_cache.size(2);
   MMHA_CHECK(head_dim_supported(head_dim), "Unsupported head_dim: ", head_dim,
              " (supported: ", supported_head_dims(), ")");
-  const int64_t x = 16 / static_cast<int64_t>(qkv.element_size());
+  const int64_t cache_elem = static_cast<int64_t>(k_cache.element_size());
+  const int64_t x = 16 / cache_elem;
   MMHA_CHECK(k_cache.dim() == 5, "k_cache must have 5 dims [B, Hkv, D/x, S_max, x], got shape ",
              shape_str(k_cache));
   MMHA_CHECK(k_cache.size(4) == x, "k_cache must have x = 16 / element_size = ", x,
@@ -239,17 +271,17 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   check_contiguous(status, "status");
 
   // Tile loop: stages and where tiles come from.
-  const bool tiles = uses_tensor_cores(to_dtype(dtype));
+  const bool tiles = uses_tensor_cores(to_dtype(cache_dtype));
   MMHA_CHECK(tile_source >= 0 && tile_source <= 2,
              "tile_source must be 0 (auto), 1 (cp.async) or 2 (tma), got ", tile_source);
-  MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(dtype), static_cast<int>(head_dim)),
-             "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, got ",
-             dtype, " and head_dim ", head_dim);
+  MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(cache_dtype), static_cast<int>(head_dim)),
+             "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, or "
+             "float8_e4m3fn caches with head_dim a multiple of 128, got ", cache_dtype, " and head_dim ", head_dim);
   int max_stages = kMaxStages;
   if (tiles) {
     int optin = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
-    const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()));
+    const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
                                        pick_q_group_block(num_heads / num_kv_heads)) + 1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
@@ -273,6 +305,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr() : nullptr;
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
+  p.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+  p.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
   p.lengths = lengths.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
@@ -295,9 +329,10 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.rotary_theta = static_cast<float>(rotary_theta);
   p.rotary_interleaved = rotary_interleaved;
   p.dtype = to_dtype(dtype);
+  p.cache_dtype = to_dtype(cache_dtype);
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
-  if (tiles && tile_source != 1 && tma_head_dim(p.dtype, p.head_dim)) {
+  if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {
     const bool forced = tile_source == 2;
     const bool can = device_has_tma(device.index()) && cache_maps_fit(p);
     MMHA_CHECK(can || !forced, "tile_source 2 (tma) needs a GPU of compute capability 9.0 or newer and "

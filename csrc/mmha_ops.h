@@ -16,13 +16,18 @@ namespace mmha {
 // and writes nothing in the caches, gets NaN output and lse, and raises status[b] (int32 [>= B],
 // never cleared by the kernel). stages: shared-memory stages of the tile loop (fp16 / bf16);
 // tile_source: 0 auto (bulk tensor copies where the GPU and head dim allow), 1 cp.async, 2 bulk
-// tensor copies (an error where impossible).
+// tensor copies (an error where impossible). Caches hold qkv's dtype, or float8_e4m3fn under
+// fp16 / bf16 qkv with k_scale and v_scale (fp32 [Hkv]): the new k is stored as
+// saturate(k / k_scale[h]) rounded to e4m3, scores use K * k_scale, the output V * v_scale. A
+// scale that is not finite and positive refuses the whole step on the device (nothing written,
+// NaN output, status bit kStatusScale of every row).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
                       const at::Tensor& counters, const at::Tensor& status, int64_t num_heads,
                       int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
-                      int64_t stages, int64_t tile_source);
+                      int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale);
 
 }  // namespace mmha

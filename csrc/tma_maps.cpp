@@ -48,8 +48,9 @@ bool device_has_tma(int device) {
 bool cache_maps_fit(const MmhaParams& p) {
   const int64_t x = 8;  // 16-bit elements per 16-byte chunk
   const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
-  return p.head_dim % 64 == 0 && p.max_seq_len % 32 == 0 && static_cast<int64_t>(p.max_seq_len) * x < INT_MAX &&
-         heads * (p.head_dim / x) < INT_MAX;
+  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * elem_bytes(p.cache_dtype);
+  return tma_head_dim(p.cache_dtype, p.head_dim) && p.max_seq_len % 32 == 0 &&
+         static_cast<int64_t>(p.max_seq_len) * x < INT_MAX && heads * (row_bytes / 16) < INT_MAX;
 }
 
 cudaError_t encode_cache_maps(MmhaParams& p) {
@@ -58,8 +59,10 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   constexpr CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
+  // Every cache is seen as 16-bit elements (the copies move bytes): x = 8 of them per 16-byte
+  // chunk, d of them per V row (head_dim for 16-bit caches, head_dim / 2 for fp8).
   const cuuint64_t x = 8, elem = 2;
-  const cuuint64_t d = static_cast<cuuint64_t>(p.head_dim);
+  const cuuint64_t d = static_cast<cuuint64_t>(p.head_dim) * elem_bytes(p.cache_dtype) / elem;
   const cuuint64_t smax = static_cast<cuuint64_t>(p.max_seq_len);
   const cuuint64_t heads = static_cast<cuuint64_t>(p.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
   const cuuint32_t ones[3] = {1, 1, 1};

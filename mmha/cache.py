@@ -7,6 +7,7 @@ checks and dispatch never read device memory; a step issues no host synchronisat
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -43,7 +44,10 @@ class KVCache:
     Parameters
     ----------
     num_layers, max_batch, max_seq_len, num_heads, num_kv_heads, head_dim : sizes.
-    dtype : cache and activation dtype (fp16, bf16 or fp32).
+    dtype : activation dtype (fp16, bf16 or fp32), and the caches' unless ``kv_dtype`` says.
+    kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (under fp16 /
+        bf16 activations): half the bytes of fp16, with one fp32 scale per layer and kv head
+        for K and one for V (``k_scales``, ``v_scales``; see ``set_scales`` and ``prefill``).
     device : where the caches live; on a CPU (or without the extension) steps use the reference.
     rotary_dim, rotary_theta, rotary_interleaved : rotary embedding applied by each step
         (``rotary_dim = 0``: none; interleaved = GPT-J pairs, else GPT-NeoX halves).
@@ -58,6 +62,9 @@ class KVCache:
     capacity : slots allocated per row: ``max_seq_len``, rounded up to a multiple of 64 on a GPU
         (the slots past ``max_seq_len`` are never used)
     lengths : ``[max_batch]`` int32 on ``device``: tokens cached per row.
+    k_scales, v_scales : ``[num_layers, Hkv]`` fp32 on ``device`` (fp8 caches; None otherwise):
+        the cache stores ``saturate(k / k_scale)`` rounded to e4m3. They start at 1 and are set by
+        ``set_scales`` or by the first ``prefill`` of a layer (from the prompt's absolute maxima).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class KVCache:
         rotary_interleaved: bool = False,
         scale: float | None = None,
         dispatch_on: str = "length",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -90,6 +98,8 @@ class KVCache:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
         if dtype not in dispatch.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {dispatch.SUPPORTED_DTYPES}, got {dtype}")
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        dispatch.check_kv_dtype(dtype, kv_dtype)
         if not (0 <= rotary_dim <= head_dim and rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim must be even and in [0, {head_dim}], got {rotary_dim}")
         if dispatch_on not in ("length", "capacity"):
@@ -100,6 +110,8 @@ class KVCache:
         self.num_layers, self.max_batch, self.max_seq_len = num_layers, max_batch, max_seq_len
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.fp8 = kv_dtype == reference.FP8
         self.rotary_dim, self.rotary_theta = rotary_dim, rotary_theta
         self.rotary_interleaved = rotary_interleaved
         self.scale = scale
@@ -111,13 +123,13 @@ class KVCache:
         self.capacity = max_seq_len
         if self.device.type == "cuda":
             self.capacity = -(-max_seq_len // CAPACITY_ALIGN) * CAPACITY_ALIGN
-        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, dtype)
+        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, kv_dtype)
         v_shape = layout.v_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim)
 
         self.use_kernel = self.device.type == "cuda" and extension_available()
         if self.use_kernel and head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=kv_dtype).element_size()
         self.nbytes = 2 * num_layers * max_batch * num_kv_heads * self.capacity * head_dim * elem
         workspace_bytes = (
             max_batch * num_heads + 2 + max_batch
@@ -130,8 +142,14 @@ class KVCache:
                     f"({(self.nbytes + workspace_bytes) / 2**30:.2f} GiB) on {self.device}, "
                     f"but only {free} bytes ({free / 2**30:.2f} GiB) are free"
                 )
-        self.k_caches = [torch.empty(k_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_caches = [torch.empty(v_shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_caches = [torch.empty(k_shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
+        self.v_caches = [torch.empty(v_shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        if self.fp8:
+            self.k_scales = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=self.device)
+            self.v_scales = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=self.device)
+        self._scales_set = [False] * num_layers
         self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         self._host_lengths = [0] * max_batch
         self._active = [True] * max_batch
@@ -217,11 +235,21 @@ class KVCache:
         v: torch.Tensor,
         lengths: Sequence[int] | torch.Tensor | None = None,
         rows: Sequence[int] | None = None,
+        *,
+        scales: str = "auto",
+        scale_margin: float = 1.0,
     ) -> None:
         """Write prompt K/V ``[n, S, Hkv, D]`` of ``n`` rows; row ``i`` keeps its first ``lengths[i]``.
 
         Sets those rows' lengths (the same for every layer) and marks them active. Everything is
         checked before anything is written.
+
+        fp8 caches: ``scales="auto"`` sets the layer's scales from this prompt (``amax * margin /
+        448`` per kv head over the kept tokens, ``mmha.reference.fp8_scale``) if they were never set
+        (by ``set_scales`` or an earlier prefill), and otherwise keeps them; ``"amax"`` always
+        sets them from this prompt; ``"keep"`` never does. Scales are shared by every row of a
+        layer, so setting them while another active row holds tokens of it is refused (those
+        tokens were quantised with the old scales). Values past ``scale * 448`` saturate.
         """
         self._check_layer(layer)
         for name, t in (("k", k), ("v", v)):
@@ -256,13 +284,67 @@ class KVCache:
                     f"lengths[{i}] ({length}) exceeds the cache capacity max_seq_len "
                     f"({self.max_seq_len}) for row {rows[i]}"
                 )
+        if scales not in ("auto", "amax", "keep"):
+            raise ValueError(f"scales must be 'auto', 'amax' or 'keep', got {scales!r}")
+        if not (isinstance(scale_margin, (int, float)) and math.isfinite(scale_margin) and scale_margin > 0):
+            raise ValueError(f"scale_margin must be a finite positive number, got {scale_margin!r}")
+        calibrate = self.fp8 and (scales == "amax" or (scales == "auto" and not self._scales_set[layer]))
+        if calibrate:
+            self._check_scales_unused(layer, rows)
+            kept = [k[i, :length] for i, length in enumerate(lens) if length]
+            kept_v = [v[i, :length] for i, length in enumerate(lens) if length]
+            if kept:
+                k_amax = torch.stack([t.float().abs().amax(dim=(0, 2)) for t in kept]).amax(dim=0)
+                v_amax = torch.stack([t.float().abs().amax(dim=(0, 2)) for t in kept_v]).amax(dim=0)
+                self.k_scales[layer].copy_(reference.fp8_scale(k_amax, scale_margin))
+                self.v_scales[layer].copy_(reference.fp8_scale(v_amax, scale_margin))
+                self._scales_set[layer] = True
         kc, vc = self.k_caches[layer], self.v_caches[layer]
         for i, (row, length) in enumerate(zip(rows, lens, strict=True)):
             if length:
-                layout.write_k(kc[row : row + 1], k[i : i + 1, :length], 0)
-                layout.write_v(vc[row : row + 1], v[i : i + 1, :length], 0)
+                ki, vi = k[i : i + 1, :length], v[i : i + 1, :length]
+                if self.fp8:
+                    ki = reference.quantize_fp8(ki, self.k_scales[layer])
+                    vi = reference.quantize_fp8(vi, self.v_scales[layer])
+                layout.write_k(kc[row : row + 1], ki, 0)
+                layout.write_v(vc[row : row + 1], vi, 0)
         self._set_active(rows, True)
         self._set_lengths(rows, lens)
+
+    # ----------------------------------------------------------------- fp8 scales
+    def _check_scales_unused(self, layer: int, rows: Sequence[int]) -> None:
+        others = [r for r in range(self.max_batch) if self._active[r] and self._host_lengths[r] and r not in rows]
+        if others:
+            raise ValueError(
+                f"the scales of layer {layer} cannot change while rows {others} hold tokens quantised "
+                "with them (release those rows first, or prefill with scales='keep')"
+            )
+
+    def set_scales(self, layer: int, k_scale, v_scale) -> None:
+        """Set layer ``layer``'s fp8 scales: floats (every kv head) or ``[Hkv]`` tensors, e.g. a
+        checkpoint's calibrated scales, with stored = saturate(value / scale). Values must be
+        finite and positive (checked here: one host read). Refused while an active row holds
+        tokens of the layer. Updated in place, so captured CUDA graphs see the new values."""
+        self._check_layer(layer)
+        if not self.fp8:
+            raise ValueError(f"set_scales needs an fp8 cache (kv_dtype={reference.FP8}), got kv_dtype={self.kv_dtype}")
+        values = []
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            t = torch.as_tensor(s, dtype=torch.float32).detach().to("cpu")
+            if t.dim() == 0:
+                t = t.expand(self.num_kv_heads)
+            if t.shape != (self.num_kv_heads,):
+                raise ValueError(
+                    f"{name} must be a number or have shape [{self.num_kv_heads}] (one per kv head), "
+                    f"got shape {tuple(t.shape)}"
+                )
+            if not bool(torch.all(torch.isfinite(t) & (t > 0))):
+                raise ValueError(f"{name} must be finite and positive, got {t.tolist()}")
+            values.append(t)
+        self._check_scales_unused(layer, [])
+        self.k_scales[layer].copy_(values[0].to(self.device))
+        self.v_scales[layer].copy_(values[1].to(self.device))
+        self._scales_set[layer] = True
 
     # ----------------------------------------------------------------- decode
     def _check_layer(self, layer: int) -> None:
@@ -277,11 +359,11 @@ class KVCache:
             seq = max(self._host_lengths[:batch], default=0) + 1
         if not self.use_kernel:
             return dispatch.choose_variant(
-                batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype, 1, variant
+                batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype, 1, variant, self.kv_dtype
             )
         return ops.plan_for(
             self.device, batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype,
-            variant,
+            variant, self.kv_dtype,
         )  # fmt: skip
 
     def step(
@@ -342,6 +424,8 @@ class KVCache:
             rotary_interleaved=self.rotary_interleaved,
             return_lse=return_lse,
         )
+        if self.fp8:
+            common.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
         if num_splits is None or stages is None:
@@ -370,7 +454,9 @@ class KVCache:
     def check(self) -> None:
         """Raise ``mmha.ops.LengthError`` if a step since the last check met a row whose device
         length was outside ``[0, max_seq_len - 1]`` (lengths changed behind the cache's back, or a
-        replayed graph ran past the capacity): such a row wrote nothing and its output was NaN.
+        replayed graph ran past the capacity): such a row wrote nothing and its output was NaN;
+        ``mmha.ops.ScaleError`` if an fp8 scale was not finite and positive (written behind the
+        cache's back: the step wrote nothing).
         The kernel raises a per-row flag instead of failing; this reads the flags (one device
         synchronisation, never inside a step) and clears them."""
         if self._workspace is not None:

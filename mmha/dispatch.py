@@ -16,6 +16,9 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Cache dtypes besides the activations' own: fp8 e4m3 under fp16 / bf16 activations.
+FP8 = torch.float8_e4m3fn
+FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 # Query heads handled by one block (K/V of a kv head is read once per block).
 Q_GROUP_BLOCKS = (1, 2, 4, 8)
 MAX_SPLITS = 64
@@ -95,15 +98,33 @@ def base_blocks(batch: int, num_heads: int, num_kv_heads: int) -> int:
     return batch * num_kv_heads * math.ceil(group / q_group_block(group))
 
 
-def uses_tensor_cores(dtype: torch.dtype) -> bool:
-    """Whether the kernel runs its tile loop (mirrors ``uses_tensor_cores`` in C++)."""
-    return dtype != torch.float32
+def uses_tensor_cores(kv_dtype: torch.dtype) -> bool:
+    """Whether the kernel runs its tile loop for caches of ``kv_dtype`` (mirrors
+    ``uses_tensor_cores`` in C++)."""
+    return kv_dtype != torch.float32
+
+
+def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """Caches hold the activations' dtype, or fp8 e4m3 under fp16 / bf16 activations."""
+    if kv_dtype == dtype:
+        return
+    if kv_dtype != FP8:
+        raise ValueError(f"kv_dtype must be {dtype} (the activations' dtype) or {FP8}, got {kv_dtype}")
+    if dtype not in FP8_ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16 with an fp8 ({FP8}) cache, got {dtype}")
+
+
+def v_whole_lines(head_dim: int, elem_bytes: int) -> bool:
+    """Whether a V row is a whole number of 128-byte lines (mirrors ``v_whole_lines`` in C++)."""
+    return head_dim * elem_bytes % 128 == 0
 
 
 def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
-    """Shared memory of one tile-loop stage (mirrors ``tile_stage_bytes`` in C++)."""
+    """Shared memory of one tile-loop stage for caches of ``elem_bytes`` per element (mirrors
+    ``tile_stage_bytes`` in C++)."""
     k = TILE_KEYS * head_dim * elem_bytes
-    v = TILE_KEYS * (head_dim if head_dim % 64 == 0 else head_dim + 16 // elem_bytes) * elem_bytes
+    pitch = head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes
+    v = TILE_KEYS * pitch * elem_bytes
     return -(-(k + v) // 1024) * 1024
 
 
@@ -114,37 +135,45 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
             + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
 
 
-def tile_block_smem(head_dim: int, elem_bytes: int, stages: int, qb: int = 8) -> int:
+# In the functions below elem_bytes is the cache element's size (stages) and act_bytes the
+# activations' (static arrays: staged q and new token); act_bytes defaults to elem_bytes.
+
+
+def tile_block_smem(head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None) -> int:
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
-    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + tile_static_smem(head_dim, elem_bytes, qb)
+    static = tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
+    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + static
 
 
-def tile_blocks_per_sm(head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8) -> int:
+def tile_blocks_per_sm(
+    head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8, act_bytes: int | None = None
+) -> int:
     """Tile-loop blocks with ``stages`` stages that fit one SM's shared memory."""
-    smem = tile_block_smem(head_dim, elem_bytes, stages, qb)
+    smem = tile_block_smem(head_dim, elem_bytes, stages, qb, act_bytes)
     if smem > device.smem_per_block:
         return 0
     return device.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)
 
 
-def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8) -> int:
+def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None) -> int:
     """Most stages one block of this head dim may take (what the operator accepts)."""
-    fixed = 1024 + tile_static_smem(head_dim, elem_bytes, qb)
+    fixed = 1024 + tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
     return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))
 
 
 def tile_stages(
-    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None
-) -> tuple[int, int]:
+    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None,
+    act_bytes: int | None = None,
+) -> tuple[int, int]:  # fmt: skip
     """``(stages, blocks per SM)``: the deepest ring that keeps ``target`` blocks per SM (by
     default ``TILE_BLOCKS_PER_SM``, one at head_dim 256)."""
     if target is None:
         target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
-    for stages in range(max_stages(head_dim, elem_bytes, device, qb), MIN_STAGES - 1, -1):
-        fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb)
+    for stages in range(max_stages(head_dim, elem_bytes, device, qb, act_bytes), MIN_STAGES - 1, -1):
+        fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb, act_bytes)
         if fit >= target:
             return stages, target
-    return MIN_STAGES, max(1, tile_blocks_per_sm(head_dim, elem_bytes, MIN_STAGES, device, qb))
+    return MIN_STAGES, max(1, tile_blocks_per_sm(head_dim, elem_bytes, MIN_STAGES, device, qb, act_bytes))
 
 
 def wave_cost(blocks: int, wave: int) -> int:
@@ -171,6 +200,7 @@ def choose_variant(
     dtype: torch.dtype,
     device: Device = H100,
     variant: str = "auto",
+    kv_dtype: torch.dtype | None = None,
 ) -> Plan:
     """Pick single pass or split sequence, the split count and the stages, from shapes alone.
 
@@ -206,6 +236,7 @@ def choose_variant(
     whole enough (8 waves / 1 split vs 16 / 2): ``Plan("single_pass", 1, 3, 2)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
+    ``kv_dtype`` is the caches' dtype (default ``dtype``; fp8 e4m3 halves a stage).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -213,16 +244,19 @@ def choose_variant(
         raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {SUPPORTED_HEAD_DIMS})")
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    check_kv_dtype(dtype, kv_dtype)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     base = base_blocks(batch, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
-    tiles = uses_tensor_cores(dtype)
+    tiles = uses_tensor_cores(kv_dtype)
     if tiles:
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=kv_dtype).element_size()
+        act = torch.empty((), dtype=dtype).element_size()
         qb = q_group_block(num_heads // num_kv_heads)
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb)
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
         grains = -(-seq_len // TILE_KEYS)
         allowed = max(1, min(MAX_SPLITS, grains))
         # Small grids get one item per SM: filling two per SM measured slower (H200, decode
@@ -241,7 +275,7 @@ def choose_variant(
     else:
         splits = wave_splits(base, wave, allowed)
     if tiles and head_dim <= 128 and -(-grains // splits) <= SHORT_ITEM_TILES:
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1)
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1, act)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

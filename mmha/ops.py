@@ -21,7 +21,7 @@ if _C is not None:
     def _decode_attention_fake(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
-        check_lengths=True, stages=2, tile_source=0,
+        check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None,
     ):  # fmt: skip
         return None
 
@@ -43,17 +43,32 @@ def _device_index(device) -> int:
 
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
-    dtype: torch.dtype, variant: str = "auto",
+    dtype: torch.dtype, variant: str = "auto", kv_dtype: torch.dtype | None = None,
 ) -> dispatch.Plan:  # fmt: skip
     """``dispatch.choose_variant`` with this device's numbers."""
     return dispatch.choose_variant(
-        batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant
-    )
+        batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant,
+        kv_dtype,
+    )  # fmt: skip
 
 
-class LengthError(ValueError):
+class StepError(ValueError):
+    """The kernel refused rows of a step it was given (see ``Workspace.check``)."""
+
+
+class LengthError(StepError):
     """A row reached the kernel with a length outside ``[0, S_max - 1]``: it wrote nothing to the
     caches and returned NaN for that row."""
+
+
+class ScaleError(StepError):
+    """An fp8 cache's ``k_scale`` or ``v_scale`` held a value that is not finite and positive when
+    the kernel ran: the step wrote nothing to the caches and returned NaN for every row."""
+
+
+# Bits of Workspace.status (kStatusLength, kStatusScale in csrc/kernels/mmha_params.h).
+STATUS_LENGTH = 1
+STATUS_SCALE = 2
 
 
 @dataclass
@@ -93,13 +108,21 @@ class Workspace:
 
     def check(self) -> None:
         """Raise ``LengthError`` naming the rows whose length was out of range in a launch since
-        the last check, and clear the flags. One device synchronisation."""
-        bad = torch.nonzero(self.status).flatten().tolist()
-        if bad:
+        the last check (or ``ScaleError`` for rows refused for an fp8 scale that was not finite
+        and positive), and clear the flags. One device synchronisation."""
+        status = self.status.tolist()
+        if any(status):
             self.status.zero_()
-            raise LengthError(
-                f"lengths of rows {bad} were outside [0, S_max - 1] when the kernel ran: nothing "
-                "was written to their cache slots and their output is NaN"
+            lengths = [r for r, v in enumerate(status) if v & STATUS_LENGTH]
+            scales = [r for r, v in enumerate(status) if v & STATUS_SCALE]
+            if lengths:
+                raise LengthError(
+                    f"lengths of rows {lengths} were outside [0, S_max - 1] when the kernel ran: nothing "
+                    "was written to their cache slots and their output is NaN"
+                )
+            raise ScaleError(
+                f"k_scale / v_scale held a value that is not finite and positive when the kernel ran: "
+                f"rows {scales} wrote nothing to the caches and their output is NaN"
             )
 
 
@@ -132,14 +155,22 @@ def decode_attention(
     return_lse: bool = False,
     workspace: Workspace | None = None,
     validate_lengths: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused append + attention for one decode step on the GPU.
 
     Parameters
     ----------
     qkv : ``[B, (Hq + 2 * Hkv) * D]``; rows may be strided (a view into a larger buffer).
-    k_cache : ``[B, Hkv, D / x, S_max, x]``, new k written at slot ``lengths[b]``.
+    k_cache : ``[B, Hkv, D / x, S_max, x]``, new k written at slot ``lengths[b]``; qkv's dtype,
+        or ``torch.float8_e4m3fn`` (x = 16) under fp16 / bf16 qkv.
     v_cache : ``[B, Hkv, S_max, D]``, new v written at slot ``lengths[b]``.
+    k_scale, v_scale : fp8 caches only, fp32 ``[Hkv]`` on the GPU: the cache stores
+        ``saturate(k / k_scale[h])`` rounded to e4m3 (``mmha.reference.quantize_fp8``); scores
+        use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
+        that is not finite and positive refuses the step (nothing written, NaN output, and
+        ``workspace.check()`` raises ``ScaleError``).
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
     stages : shared-memory stages of the tile loop (fp16 / bf16); by default the plan's.
@@ -163,7 +194,7 @@ def decode_attention(
     if num_splits is None or stages is None:
         plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
-            max_seq_len if max_len is None else max_len, qkv.dtype, variant,
+            max_seq_len if max_len is None else max_len, qkv.dtype, variant, k_cache.dtype,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
@@ -177,6 +208,6 @@ def decode_attention(
         workspace.counters, workspace.status, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
-        TILE_SOURCES[tile_source],
+        TILE_SOURCES[tile_source], k_scale, v_scale,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -5,9 +5,13 @@ One step for row ``b`` (with ``pos = lengths[b]`` tokens already cached):
 1. ``x = qkv[b] + qkv_bias`` in the compute dtype, split into q ``[Hq, D]``, k and v ``[Hkv, D]``;
 2. rotary embedding of q and k at position ``pos`` on the first ``rotary_dim`` dims
    (GPT-NeoX halves, or GPT-J interleaved pairs), with ``inv_freq = 1 / theta ** (2i / rd)``;
-3. k and v are rounded to the cache dtype and written to slot ``pos``;
+3. k and v are rounded to the cache dtype and written to slot ``pos``; an fp8 (e4m3) cache stores
+   ``quantize_fp8(k, k_scale)``: ``k / k_scale[h]`` in fp32, saturated to +-448 and rounded to the
+   nearest e4m3 (ties to even), and likewise v with ``v_scale``;
 4. ``out = softmax(q . K[0..pos] * scale) . V[0..pos]`` over the cache contents, query head ``h``
    using kv head ``h // (Hq // Hkv)``; ``lse`` is the natural-log log-sum-exp of the scaled logits.
+   An fp8 cache is read as ``K = cached * k_scale[h]``, ``V = cached * v_scale[h]`` (dequantised
+   in the compute dtype).
 
 ``lengths`` are not changed (the cache manager advances them once per step).
 """
@@ -19,6 +23,28 @@ import math
 import torch
 
 from . import layout
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., Hkv, D]`` (any float dtype) -> e4m3 of ``x / scale[h]`` computed in fp32,
+    saturated to +-448, rounded to nearest (ties to even). ``scale [Hkv]`` fp32."""
+    y = x.float() / scale.float()[:, None]
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x [Hkv, ..., D]`` e4m3 -> ``x * scale[h]`` in ``dtype``."""
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    return x.to(dtype) * scale.to(dtype).reshape(shape)
+
+
+def fp8_scale(amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
+    """Per-head scales that map ``amax * margin`` to 448 (1 where ``amax`` is 0 or not finite)."""
+    s = amax.float() * margin / FP8_MAX
+    return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
 
 
 def rotary_inv_freq(rotary_dim: int, theta: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -99,6 +125,8 @@ def decode_step(
     rotary_interleaved: bool = False,
     return_lse: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append the new K/V to the caches and return ``out [B, Hq * D]`` (and ``lse [B, Hq]``).
 
@@ -109,8 +137,12 @@ def decode_step(
     v_cache : ``[B, Hkv, S_max, D]``, updated in place at slot ``lengths[b]``.
     lengths : ``[B]`` int, tokens already cached per row (read, not changed).
     compute_dtype : ``torch.float32`` (default) or ``torch.float64``.
+    k_scale, v_scale : ``[Hkv]`` fp32, for float8_e4m3fn caches only.
     """
     b, hkv, s_max, d = v_cache.shape
+    fp8 = k_cache.dtype == FP8
+    if fp8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
@@ -129,7 +161,10 @@ def decode_step(
     pos = torch.tensor(pos_list, device=qkv.device)
     q = apply_rotary(q, pos, rotary_dim, rotary_theta, rotary_interleaved)
     k = apply_rotary(k, pos, rotary_dim, rotary_theta, rotary_interleaved)
-    k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if fp8:
+        k_new, v_new = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    else:
+        k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
     x_elems = k_cache.shape[-1]
     outs, lses = [], []
     for row, p in enumerate(pos_list):
@@ -137,6 +172,8 @@ def decode_step(
         v_cache[row, :, p, :] = v_new[row]
         keys = layout.unpack_k(k_cache[row : row + 1], p + 1, layout="bhsd")[0]
         values = v_cache[row, :, : p + 1, :]
+        if fp8:
+            keys, values = dequantize_fp8(keys, k_scale, compute_dtype), dequantize_fp8(values, v_scale, compute_dtype)
         o, lse = attend(q[row], keys.to(compute_dtype), values.to(compute_dtype), scale)
         outs.append(o.reshape(-1))
         lses.append(lse)

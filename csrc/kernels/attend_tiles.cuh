@@ -1,4 +1,4 @@
-// The tile loop of the decode kernel (fp16 / bf16 caches, every head dim). Torch-free.
+// The tile loop of the decode kernel (fp16 / bf16 / fp8 e4m3 caches, every head dim). Torch-free.
 //
 // A block is kConsumerWarps consumer warps and one producer warp around a ring of `stages`
 // shared-memory stages (mbarriers "full" and "empty" per stage). The producer walks the tiles of
@@ -6,21 +6,24 @@
 // tile source (tile_source.cuh) bring each one into the next free stage. Consumer warp w takes
 // keys [16 w, 16 w + 16) of every tile, with its own online softmax (no block barrier inside an
 // item), for up to 8 query heads of one kv head:
-//   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (ldmatrix), B = q (registers)
+//   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (tile_operands.cuh), B = q (registers)
 //   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
-//   O^T += V^T P^T m16n8k16: A = V^T (ldmatrix.trans), B = P^T (movmatrix of the S^T fragment)
+//   O^T += V^T P^T m16n8k16: A = V^T (tile_operands.cuh), B = P^T (movmatrix of the S^T fragment)
 // q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so the products keep
-// about fp32 precision; K and V are used exactly as cached.
+// about fp32 precision; K and V are used exactly as cached (fp8 widened exactly to fp16, its
+// scales folded into q and applied to the output).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attend_common.cuh"
 #include "ptx.cuh"
 #include "tile_layout.cuh"
+#include "tile_operands.cuh"
 #include "tile_source.cuh"
 
 namespace mmha {
@@ -60,34 +63,61 @@ struct TileWalk {
   }
 };
 
-// One consumer warp: its q fragments and running (max, sum, acc) over its keys.
-template <typename T, int HEAD_DIM, int QB>
+// One consumer warp: its q fragments and running (max, sum, acc) over its keys, for a cache of C.
+template <typename C, int HEAD_DIM, int QB>
 struct TileConsumer {
   static_assert(QB <= 8, "one m16n8k16 tile holds at most 8 query heads");
   static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16 on tensor cores");
-  using L = TileLayout<T, HEAD_DIM>;
+  using L = TileLayout<C, HEAD_DIM>;
+  using Ops = TileOperands<C, HEAD_DIM>;
+  using M = typename Ops::M;                    // the mma element type
+  static constexpr bool kFp8 = std::is_same_v<C, e4m3>;
   static constexpr int KSTEPS = HEAD_DIM / 16;  // mma K steps over the head dim / M tiles of O^T
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
 
   uint32_t qh[KSTEPS][2], ql[KSTEPS][2];  // B fragments of q^T (hi and lo parts)
   float m[2], l[2];                        // heads 2tq, 2tq + 1 (the fragment columns of this lane)
-  float acc[KSTEPS][4];                    // O^T: dims 16i + g (+ 8), heads 2tq (+ 1)
+  float acc[KSTEPS][4];                    // O^T: dims out_dim(i, g, 0 / 1), heads 2tq (+ 1)
+  float s_unit;                            // fp8: scores are the mma's times this power of two
 
   // q^T as B fragments (16 dims x 8 heads per K step), pre-scaled into the log2 domain: lane
-  // holds head g, dims 16j + 2tq + {0, 1} (b0) and + 8 (b1), as hi and lo parts.
+  // holds head g, dims q_dim(j, tq, 0) + {0, 1} (b0) and q_dim(j, tq, 1) + {0, 1} (b1), as hi and
+  // lo parts. scale_log2 holds the softmax scale (and an fp8 cache's k scale). With fp8 the
+  // fp16 parts also get a power of two that brings the item's largest |q| to [2^7, 2^8): in
+  // range whatever the activations' size (bf16 q may exceed fp16's), undone on the scores.
   __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane) {
     const int g = lane / 4;
     const int tq = lane % 4;
+    float qv[KSTEPS][2][2];
+    float qmax = 0.f;
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int d = 16 * j + 2 * tq + 8 * h;
-        const float x = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
-        const float y = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
-        split_pack<T>(x, y, qh[j][h], ql[j][h]);
+        const int d = Ops::q_dim(j, tq, h);
+        qv[j][h][0] = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
+        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
+        qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
       }
+    }
+    float q_unit = 1.f;
+    s_unit = 1.f;
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+      if (qmax > 0.f && qmax <= 3.0e38f) {
+        int e = 0;
+        frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
+        const int shift = max(-100, min(100, 8 - e));
+        q_unit = ldexpf(1.f, shift);
+        s_unit = ldexpf(1.f, -shift);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) split_pack<M>(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit, qh[j][h], ql[j][h]);
     }
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -103,7 +133,7 @@ struct TileConsumer {
   // left there, e.g. NaN from unused slots). Only the warp's own rows are touched; the fence
   // orders these writes before the copy engine refills the stage.
   __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int end, int pos,
-                                               const T* s_new_k, const T* s_new_v, int lane) {
+                                               const C* s_new_k, const C* s_new_v, int lane) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
@@ -131,14 +161,19 @@ struct TileConsumer {
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     float s_lo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) {
-      uint32_t k[4];
-      ldmatrix_x4<false>(k, stage + L::k_off(key0 + lane % 16, 2 * j + lane / 16));
-      mma_16816<T>(s, k, qh[j][0], qh[j][1]);
-      mma_16816<T>(s_lo, k, ql[j][0], ql[j][1]);
+    for (int j = 0; j < KSTEPS; j += 2) {
+      uint32_t k[2][4];
+      Ops::k_pair(k, stage, key0, j, lane);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (j + u < KSTEPS) {
+          mma_16816<M>(s, k[u], qh[j + u][0], qh[j + u][1]);
+          mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
+        }
+      }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] += s_lo[e];
+    for (int e = 0; e < 4; ++e) s[e] = kFp8 ? (s[e] + s_lo[e]) * s_unit : s[e] + s_lo[e];
     if (it + g >= end) s[0] = s[1] = -INFINITY;
     if (it + g + 8 >= end) s[2] = s[3] = -INFINITY;
 
@@ -180,22 +215,25 @@ struct TileConsumer {
 
     // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
     uint32_t ph0, pl0, ph1, pl1;
-    split_pack<T>(s[0], s[1], ph0, pl0);
-    split_pack<T>(s[2], s[3], ph1, pl1);
+    split_pack<M>(s[0], s[1], ph0, pl0);
+    split_pack<M>(s[2], s[3], ph1, pl1);
     ph0 = movmatrix_trans(ph0);
     pl0 = movmatrix_trans(pl0);
     ph1 = movmatrix_trans(ph1);
     pl1 = movmatrix_trans(pl1);
 
-    // O^T += V^T P^T over 16-dim tiles: ldmatrix.trans of keys v_row (+ 8), chunks 2i + v_half.
-    const int v_row = key0 + lane % 8 + (lane / 16) * 8;
-    const int v_half = (lane / 8) % 2;
+    // O^T += V^T P^T over 16-dim tiles.
 #pragma unroll
-    for (int i = 0; i < KSTEPS; ++i) {
-      uint32_t vt[4];
-      ldmatrix_x4<true>(vt, stage + L::v_off(v_row, 2 * i + v_half));
-      mma_16816<T>(acc[i], vt, ph0, ph1);
-      mma_16816<T>(acc[i], vt, pl0, pl1);
+    for (int i = 0; i < KSTEPS; i += 2) {
+      uint32_t vt[2][4];
+      Ops::v_pair(vt, stage, key0, i, lane);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (i + u < KSTEPS) {
+          mma_16816<M>(acc[i + u], vt[u], ph0, ph1);
+          mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
+        }
+      }
     }
   }
 
@@ -232,13 +270,15 @@ struct TileConsumer {
         for (int h = 0; h < 2; ++h) {
           const int head = 2 * tq + h;
           if (head < QB) {
-            float* dst = buf + head * HEAD_DIM + g;
+            float* dst = buf + head * HEAD_DIM;
 #pragma unroll
             for (int i = 0; i < KSTEPS; ++i) {
               const float a0 = acc[i][h] * sc[h];
               const float a1 = acc[i][h + 2] * sc[h];
-              dst[16 * i] = w == 0 ? a0 : dst[16 * i] + a0;
-              dst[16 * i + 8] = w == 0 ? a1 : dst[16 * i + 8] + a1;
+              float& d0 = dst[Ops::out_dim(i, g, 0)];
+              float& d1 = dst[Ops::out_dim(i, g, 1)];
+              d0 = w == 0 ? a0 : d0 + a0;
+              d1 = w == 0 ? a1 : d1 + a1;
             }
           }
         }
@@ -256,6 +296,7 @@ struct TileHeader {
   int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile
   int slot;
   int b, kvh, qg, split, h0, nh, pos, active, start, end;
+  float k_scale, v_scale;  // the kv head's fp8 scales (1 for 16-bit caches)
 };
 constexpr int kFirstTile = 1;
 constexpr int kLastTile = 2;

@@ -24,11 +24,16 @@
 
 namespace mmha {
 
-// The main loop: the tile loop (tensor cores, attend_tiles.cuh) for fp16 / bf16 caches, the
-// CUDA-core loop (attend_simt.cuh) for fp32 caches. Mirrored by uses_tensor_cores() in
-// mmha/dispatch.py.
+// The main loop: the tile loop (tensor cores, attend_tiles.cuh) for fp16 / bf16 / fp8 caches,
+// the CUDA-core loop (attend_simt.cuh) for fp32 caches. Mirrored by uses_tensor_cores() in
+// mmha/dispatch.py. T is the element of qkv and out, C the cache's (T, or e4m3 with 16-bit T).
 template <typename T>
 constexpr bool kTiles = !std::is_same_v<T, float>;
+template <typename C>
+constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+
+// An fp8 scale the kernel accepts: finite and positive (NaN fails both tests).
+__device__ __forceinline__ bool scale_ok(float s) { return s > 0.f && s <= 3.4028235e38f; }
 
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
@@ -37,8 +42,8 @@ constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 template <typename T, int HEAD_DIM>
 constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
-template <typename T, int HEAD_DIM, TileSource SRC>
-using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<T, HEAD_DIM>, CpAsyncTiles<T, HEAD_DIM>>;
+template <typename C, int HEAD_DIM, TileSource SRC>
+using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
 
 // Element d of one head's raw values `row` (global or shared memory) after its bias (global,
 // or nullptr) and rotary embedding at position pos, in fp32.
@@ -90,16 +95,17 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
 }
 
 // The item's query heads in fp32 (bias, rotary at position pos) into s_q; for the item whose
-// chunk holds the new token, its k (bias, rotary, rounded to T) and v into s_new_k / s_new_v,
-// and (query group 0 only, so exactly once per row and kv head) into slot pos of both caches.
+// chunk holds the new token, its k (bias, rotary) and v as the cache stores them (rounded to C,
+// or quantised with the kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v, and
+// (query group 0 only, so exactly once per row and kv head) into slot pos of both caches.
 // Threads tid < nthreads take part.
-template <typename T, int HEAD_DIM, int QB>
+template <typename T, typename C, int HEAD_DIM, int QB>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const TokenRows<T>& rows, int h0,
-                                                         int nh, int kvh, int qg, int pos, bool owner, T* k_head,
-                                                         T* v_head, float (&s_q)[QB][HEAD_DIM],
-                                                         T (&s_new_k)[HEAD_DIM], T (&s_new_v)[HEAD_DIM], int tid,
-                                                         int nthreads) {
-  constexpr int VEC = kVec<T>;
+                                                         int nh, int kvh, int qg, int pos, bool owner, C* k_head,
+                                                         C* v_head, float k_scale, float v_scale,
+                                                         float (&s_q)[QB][HEAD_DIM], C (&s_new_k)[HEAD_DIM],
+                                                         C (&s_new_v)[HEAD_DIM], int tid, int nthreads) {
+  constexpr int VEC = kVec<C>;
   const T* bias = static_cast<const T*>(p.qkv_bias);
   for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
@@ -112,8 +118,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const int64_t smax = p.max_seq_len;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      const T k = from_float<T>(rotated(rows.k, k_bias, d, pos, p));
-      const T v = from_float<T>(biased(rows.v, v_bias, d));
+      const C k = to_cache<C>(rotated(rows.k, k_bias, d, pos, p), k_scale);
+      const C v = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
       s_new_k[d] = k;
       s_new_v[d] = v;
       if (qg == 0) {  // items of other query groups of this kv head read the same slot
@@ -179,10 +185,12 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   w.end = min(len, w.t1 * grain);
 }
 
-// An out-of-range length (the host checks were bypassed or raced): nothing is read from or
-// written to the caches; the row's output is NaN and its status flag is raised.
+// An out-of-range length (the host checks were bypassed or raced) or an fp8 scale that is not
+// finite and positive: nothing is read from or written to the caches; the item's output is NaN
+// and its row's status flag (kStatusLength or kStatusScale) is raised.
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int tid, int nthreads) {
+__device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int32_t flag, int tid,
+                                           int nthreads) {
   if (w.split != 0) return;
   T* out = static_cast<T*>(p.out) + static_cast<int64_t>(w.b) * p.num_heads * HEAD_DIM;
   float* lse = p.lse + static_cast<int64_t>(w.b) * p.num_heads;
@@ -190,16 +198,17 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
     out[(w.h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
     if (idx % HEAD_DIM == 0) lse[w.h0 + idx / HEAD_DIM] = NAN;
   }
-  if (w.kvh == 0 && w.qg == 0 && tid == 0) p.status[w.b] = 1;
+  if (w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
 // The item's result: out and lse (single pass) or its partial (split): acc at
 // [(row, head), split][D], then (max, sum) at [(row, head), split][2] past all of them, so every
 // acc row starts 16-byte aligned for the merge's vector loads. Per head g: max m[g], sum l[g], and
 // acc(g, d), the block's accumulator already rescaled to m[g].
+// out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials.
 template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
-__device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc, int tid,
-                                           int nthreads) {
+__device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
+                                           float out_scale, int tid, int nthreads) {
   const int num_splits = p.num_splits;
   const int64_t head_row = static_cast<int64_t>(w.b) * p.num_heads;
   T* out = static_cast<T*>(p.out) + head_row * HEAD_DIM;
@@ -213,7 +222,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     const float a = acc(g, d);
     if (num_splits == 1) {
       const float sum = l(g);
-      out[h * HEAD_DIM + d] = from_float<T>(a / sum);
+      out[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
       if (d == 0) lse[h] = (m(g) + log2f(sum)) * kLn2;
     } else {
       const int64_t slot = (head_row + h) * num_splits + w.split;
@@ -246,7 +255,7 @@ __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (
 // split order (bit-identical run to run). `sync` is a barrier of the nthreads taking part.
 template <typename T, int HEAD_DIM, int QB, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
-                                              bool& s_last, int tid, int nthreads, Sync sync) {
+                                              bool& s_last, float out_scale, int tid, int nthreads, Sync sync) {
   const int num_splits = p.num_splits;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -333,10 +342,10 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
       a.w += wt * v.w;
     }
     T* o = out + (w.h0 + g) * HEAD_DIM + 4 * c;
-    o[0] = from_float<T>(a.x);
-    o[1] = from_float<T>(a.y);
-    o[2] = from_float<T>(a.z);
-    o[3] = from_float<T>(a.w);
+    o[0] = from_float<T>(a.x * out_scale);
+    o[1] = from_float<T>(a.y * out_scale);
+    o[2] = from_float<T>(a.z * out_scale);
+    o[3] = from_float<T>(a.w * out_scale);
   }
 }
 
@@ -350,14 +359,17 @@ struct ItemStage {
   uint64_t empty[2];  // consumers' release of a slot (kConsumerWarps arrivals)
 };
 
-// The producer's registers for the next item: its number, then its length and raw q / new token
-// loaded ahead, so that their latency passes while the current item's tiles are issued.
-template <typename T, int HEAD_DIM, int QB>
+// The producer's registers for the next item: its number, then its length, fp8 scales and raw
+// q / new token loaded ahead, so that their latency passes while the current item's tiles are
+// issued.
+template <typename T, typename C, int HEAD_DIM, int QB>
 struct NextItem {
   static constexpr int Q_PER_LANE = (QB * HEAD_DIM + 31) / 32;
   static constexpr int T_PER_LANE = (HEAD_DIM + 31) / 32;
   int index;
   int pos;
+  float k_scale = 1.f, v_scale = 1.f;  // the item's kv head's (fp8)
+  bool scales_ok = true;               // fp8: every kv head's scales are finite and positive
   T q[Q_PER_LANE];
   T k[T_PER_LANE];
   T v[T_PER_LANE];
@@ -367,6 +379,14 @@ struct NextItem {
     if (index >= items) return;
     const WorkItem w = work_item_head<QB>(p, index);
     pos = p.lengths[w.b];
+    if constexpr (kFp8<C>) {
+      // A bad scale of any kv head refuses the whole step: every item checks all of them.
+      bool ok = true;
+      for (int h = lane; h < p.num_kv_heads; h += 32) ok = ok && scale_ok(p.k_scale[h]) && scale_ok(p.v_scale[h]);
+      scales_ok = __all_sync(kFullMask, ok);
+      k_scale = p.k_scale[w.kvh];
+      v_scale = p.v_scale[w.kvh];
+    }
     const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh);
 #pragma unroll
     for (int j = 0; j < Q_PER_LANE; ++j) {
@@ -407,10 +427,10 @@ struct NextItem {
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
 // Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
 // results are bit-identical run to run.
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
-  using Source = SourceOf<T, HEAD_DIM, SRC>;
-  using L = TileLayout<T, HEAD_DIM>;
+  using Source = SourceOf<C, HEAD_DIM, SRC>;
+  using L = TileLayout<C, HEAD_DIM>;
   constexpr int CONSUMERS = kConsumerWarps * 32;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -419,8 +439,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const int items = num_items(p);
 
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
-  __shared__ __align__(16) T s_new_k[HEAD_DIM];
-  __shared__ __align__(16) T s_new_v[HEAD_DIM];
+  __shared__ __align__(16) C s_new_k[HEAD_DIM];
+  __shared__ __align__(16) C s_new_v[HEAD_DIM];
   __shared__ float s_m[kConsumerWarps][QB];
   __shared__ float s_l[kConsumerWarps][QB];
   __shared__ float s_w[QB][kMaxSplits];
@@ -441,7 +461,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
-    Source::prefetch(TileArgs<T>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
+    Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
   }
   __syncthreads();
 
@@ -450,7 +470,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     // Block j's first item is item j; later ones come from the work counter (items past the grid).
     const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
     RingCursor cur;
-    NextItem<T, HEAD_DIM, QB> next;
+    NextItem<T, C, HEAD_DIM, QB> next;
     next.index = blockIdx.x;
     next.load(p, items, lane);
     int seq = 0;  // items staged so far: item seq uses slot seq % 2
@@ -458,9 +478,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       const int index = next.index;
       WorkItem w = work_item_head<QB>(p, index);
       work_item_range(p, w, next.pos, kTileKeys);
+      const float k_scale = next.k_scale, v_scale = next.v_scale;
       // The next item's number, then its loads: in flight while this item's tiles go out.
       const int fetched = fetch();
-      if (w.bad) poison_row<T, HEAD_DIM>(p, w, lane, 32);
+      if (w.bad) {
+        poison_row<T, HEAD_DIM>(p, w, kStatusLength, lane, 32);
+      } else if (!next.scales_ok) {
+        w.bad = true;
+        poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
+      }
       if (!w.busy()) {
         next.index = __shfl_sync(kFullMask, fetched, 0);
         next.load(p, items, lane);
@@ -468,8 +494,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       const int slot = seq & 1;
       const int64_t kv_head = w.kv_head(p.num_kv_heads);
-      const TileArgs<T> ta{static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                           static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+      const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                           static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
                            smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
       const int nt = w.t1 - w.t0;
       const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
@@ -482,7 +508,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         }
         if (lane == 0) {
           s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
-                                    slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end};
+                                    slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end,
+                                    k_scale, v_scale};
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&ring.header[cur.s]);  // consumers may start on q now
@@ -516,8 +543,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const auto sync = [] { named_barrier(1, CONSUMERS); };
   const int key0 = 16 * warp;
   RingCursor cur;
-  TileConsumer<T, HEAD_DIM, QB> c;
+  TileConsumer<C, HEAD_DIM, QB> c;
   WorkItem w;
+  float out_scale = 1.f;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -527,20 +555,21 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.h0 = h.h0, w.nh = h.nh, w.pos = h.pos;
       w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end;
+      out_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
-      load_query_and_new_token<T, HEAD_DIM, QB>(p, rows, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(),
-                                                static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                                                static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax, s_q,
-                                                s_new_k, s_new_v, tid, CONSUMERS);
+      load_query_and_new_token<T, C, HEAD_DIM, QB>(p, rows, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(),
+                                                   static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                                                   static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+                                                   h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
       sync();
       if (lane == 0) mbar_arrive(&s_item.empty[h.slot]);  // the staged q is in s_q now
-      c.init(s_q, w.nh, scale_log2, lane);
+      c.init(s_q, w.nh, scale_log2 * h.k_scale, lane);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0 + key0;
     if (it < w.end) {
       if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end) {
-        TileConsumer<T, HEAD_DIM, QB>::patch(stage, key0, it, w.end, w.pos, s_new_k, s_new_v, lane);
+        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.end, w.pos, s_new_k, s_new_v, lane);
       }
       c.step(stage, key0, it, w.end, lane);
     }
@@ -553,8 +582,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       store_item<T, HEAD_DIM>(
           p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
           [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-          tid, CONSUMERS);
-      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, CONSUMERS, sync);
+          out_scale, tid, CONSUMERS);
+      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_m, s_l and s_w are free for the next item
     }
   }
@@ -570,7 +599,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
   work_item_range(p, w, p.lengths[w.b], Simt::KEYS);
   if (w.bad) {
-    poison_row<T, HEAD_DIM>(p, w, tid, nthreads);
+    poison_row<T, HEAD_DIM>(p, w, kStatusLength, tid, nthreads);
     return;
   }
   if (!w.busy()) return;
@@ -586,9 +615,9 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int64_t kv_head = w.kv_head(p.num_kv_heads);
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
-  load_query_and_new_token<T, HEAD_DIM, QB>(p, global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh), w.h0, w.nh, w.kvh,
-                                            w.qg, w.pos, w.owner(), k_head, v_head, s_q, s_new_k, s_new_v, tid,
-                                            nthreads);
+  load_query_and_new_token<T, T, HEAD_DIM, QB>(p, global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh), w.h0, w.nh,
+                                               w.kvh, w.qg, w.pos, w.owner(), k_head, v_head, 1.f, 1.f, s_q,
+                                               s_new_k, s_new_v, tid, nthreads);
   __syncthreads();
   const AttendArgs<T> args{k_head, v_head, smax, w.start, w.end, w.pos, p.scale * kLog2e};
   const float* s_acc = Simt::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
@@ -608,15 +637,17 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
     }
     return a;
   };
-  store_item<T, HEAD_DIM>(p, w, block_max, block_sum, block_acc, tid, nthreads);
-  if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, tid, nthreads, [] { __syncthreads(); });
+  store_item<T, HEAD_DIM>(p, w, block_max, block_sum, block_acc, 1.f, tid, nthreads);
+  if (p.num_splits > 1) {
+    merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
+  }
 }
 
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
-  if constexpr (kTiles<T>) {
-    run_tile_items<T, HEAD_DIM, QB, SRC>(p);
+  if constexpr (kTiles<C>) {
+    run_tile_items<T, C, HEAD_DIM, QB, SRC>(p);
   } else {
     run_simt_item<T, HEAD_DIM, QB>(p);
   }
@@ -625,14 +656,14 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
 // Dynamic shared memory of one launch (the tile loop's stages; the CUDA-core loop has static
 // arrays only). Above the default 48 KB the kernel must opt in, once per device (the attribute
 // is per device), for the largest launch it may see: kMaxStages, or what the device allows.
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
   if constexpr (!kTiles<T>) {
     smem_bytes = 0;
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(T)), stages);
+    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), stages);
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -643,23 +674,23 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, HEAD_DIM, QB, SRC>);
+    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>);
     if (err != cudaSuccess) return err;
-    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(T)), kMaxStages);
+    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kMaxStages);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
-    err = cudaFuncSetAttribute(decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
     if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
     return err;
   }
 }
 
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 int blocks_per_sm_of(int stages) {
   int smem_bytes = 0;
   int blocks = 0;
-  if (prepare_decode_attention<T, HEAD_DIM, QB, SRC>(stages, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+  if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC>(stages, smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
                                                     kBlockThreads<T>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -669,7 +700,7 @@ int blocks_per_sm_of(int stages) {
 
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
 // resident at once (its occupancy at p.stages stages), at most one per item.
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
   const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.q_groups * p.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
@@ -679,7 +710,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, HEAD_DIM, QB, SRC>,
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
                                                           kBlockThreads<T>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
@@ -689,42 +720,42 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
   return cudaSuccess;
 }
 
-template <typename T, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  cudaError_t err = prepare_decode_attention<T, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
+  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
   if (err != cudaSuccess) return err;
   int blocks = 0;
-  err = grid_blocks<T, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
+  err = grid_blocks<T, C, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
-  decode_attention_kernel<T, HEAD_DIM, QB, SRC><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+  decode_attention_kernel<T, C, HEAD_DIM, QB, SRC><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-// Bulk tensor copies exist for 16-bit head dims that are a multiple of 64.
-template <typename T, int HEAD_DIM>
-constexpr bool kHasTma = kTiles<T> && HEAD_DIM % 64 == 0;
+// Bulk tensor copies exist for tile-loop caches whose V rows are whole 128-byte lines.
+template <typename C, int HEAD_DIM>
+constexpr bool kHasTma = kTiles<C> && v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(C)));
 
-template <typename T, int HEAD_DIM, int QB>
+template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
   if (params.tile_source == TileSource::kTma) {
-    if constexpr (kHasTma<T, HEAD_DIM>) {
-      return launch_kernel<T, HEAD_DIM, QB, TileSource::kTma>(params, stream);
+    if constexpr (kHasTma<C, HEAD_DIM>) {
+      return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma>(params, stream);
     } else {
       return cudaErrorInvalidValue;
     }
   }
-  return launch_kernel<T, HEAD_DIM, QB, TileSource::kCpAsync>(params, stream);
+  return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync>(params, stream);
 }
 
-template <typename T, int HEAD_DIM, int QB>
+template <typename T, typename C, int HEAD_DIM, int QB>
 int decode_attention_blocks_per_sm(int stages, TileSource source) {
   if (source == TileSource::kTma) {
-    if constexpr (kHasTma<T, HEAD_DIM>) return blocks_per_sm_of<T, HEAD_DIM, QB, TileSource::kTma>(stages);
+    if constexpr (kHasTma<C, HEAD_DIM>) return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kTma>(stages);
     return 0;
   }
-  return blocks_per_sm_of<T, HEAD_DIM, QB, TileSource::kCpAsync>(stages);
+  return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kCpAsync>(stages);
 }
 
 }  // namespace mmha

@@ -7,21 +7,23 @@
 
 namespace mmha {
 
-// One instantiation per (element type, head dim, query heads per block); defined in
-// decode_attention.cuh, instantiated in instantiations/*.cu. Launches params.tile_source's
-// kernel (fp16 / bf16) with params.stages stages, or the CUDA-core kernel (fp32).
-template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+// One instantiation per (qkv element type T, cache element type C, head dim, query heads per
+// block); defined in decode_attention.cuh, instantiated in instantiations/*.cu. Launches
+// params.tile_source's kernel (fp16 / bf16 / fp8 caches) with params.stages stages, or the
+// CUDA-core kernel (fp32).
+template <typename T, typename C, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream);
 
 // Resident blocks per SM of one instantiation with `stages` stages on the current device (0 if it
 // cannot run there, or has no kernel for that tile source).
-template <typename T, int HEAD_DIM, int Q_GROUP_BLOCK>
+template <typename T, typename C, int HEAD_DIM, int Q_GROUP_BLOCK>
 int decode_attention_blocks_per_sm(int stages, TileSource source);
 
 // Same, dispatched at run time; 0 for an unsupported combination.
-int decode_blocks_per_sm(DType dtype, int head_dim, int q_group_block, int stages, TileSource source);
+int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_group_block, int stages,
+                         TileSource source);
 
-// Dispatches on params.dtype, params.head_dim and params.q_group_block.
+// Dispatches on params.dtype, params.cache_dtype, params.head_dim and params.q_group_block.
 // Returns cudaErrorInvalidValue for an unsupported combination (the op validates before).
 cudaError_t run_decode_attention(const MmhaParams& params, cudaStream_t stream);
 

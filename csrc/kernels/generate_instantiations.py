@@ -1,5 +1,6 @@
-"""Writes one .cu file per (dtype, head dim) with the kernel instantiations for every query-group
-block, so a full build compiles in parallel and a change to one head dim rebuilds one file.
+"""Writes one .cu file per (dtype, cache dtype, head dim) with the kernel instantiations for every
+query-group block, so a full build compiles in parallel and a change to one head dim rebuilds
+one file. Caches hold the qkv dtype, or fp8 e4m3 under fp16 / bf16 qkv.
 
 Run from the repository root: ``python csrc/kernels/generate_instantiations.py``.
 The lists must match csrc/kernels/mmha_params.h (tests/test_dispatch.py checks the files exist).
@@ -8,6 +9,11 @@ The lists must match csrc/kernels/mmha_params.h (tests/test_dispatch.py checks t
 from pathlib import Path
 
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
+# (file name, qkv type, cache type)
+KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
+    ("fp16_e4m3", "__half", "e4m3"),
+    ("bf16_e4m3", "__nv_bfloat16", "e4m3"),
+]
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 Q_GROUP_BLOCKS = (1, 2, 4, 8)
 
@@ -23,12 +29,12 @@ namespace mmha {{
 def main() -> None:
     out_dir = Path(__file__).parent / "instantiations"
     out_dir.mkdir(exist_ok=True)
-    for name, ctype in DTYPES.items():
+    for name, ctype, cache in KINDS:
         for head_dim in HEAD_DIMS:
             lines = "\n".join(
-                f"template cudaError_t launch_decode_attention<{ctype}, {head_dim}, {qb}>("
+                f"template cudaError_t launch_decode_attention<{ctype}, {cache}, {head_dim}, {qb}>("
                 "const MmhaParams&, cudaStream_t);\n"
-                f"template int decode_attention_blocks_per_sm<{ctype}, {head_dim}, {qb}>(int, TileSource);"
+                f"template int decode_attention_blocks_per_sm<{ctype}, {cache}, {head_dim}, {qb}>(int, TileSource);"
                 for qb in Q_GROUP_BLOCKS
             )
             path = out_dir / f"decode_{name}_hd{head_dim}.cu"

@@ -7,7 +7,10 @@
 
 namespace mmha {
 
-enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3 };
+
+// Bytes of one cache element.
+constexpr int elem_bytes(DType t) { return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
 
 // Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
 enum class TileSource : int32_t {
@@ -54,20 +57,24 @@ constexpr int kSimtThreads = kSimtWarps * 32;
 
 // Whether the kernel runs the tile loop (tensor cores) rather than the CUDA-core one; mirrored
 // by uses_tensor_cores in mmha/dispatch.py.
-constexpr bool uses_tensor_cores(DType dtype) { return dtype != DType::kFloat32; }
+constexpr bool uses_tensor_cores(DType cache_dtype) { return cache_dtype != DType::kFloat32; }
 
-// Whether bulk tensor copies can bring this head dim's tiles: V rows are copied as boxes of 64
-// elements (128 bytes) with the 128-byte swizzle, so the head dim must be a multiple of 64.
-constexpr bool tma_head_dim(DType dtype, int head_dim) {
-  return uses_tensor_cores(dtype) && head_dim % 64 == 0;
+// Whether a V row of the cache is a whole number of 128-byte lines (head_dim a multiple of 64 at
+// 16 bits, of 128 at 8 bits): then bulk tensor copies bring V as boxes of one line per key with
+// the 128-byte swizzle; otherwise V rows in shared memory are padded by 16 bytes.
+constexpr bool v_whole_lines(int head_dim, int cache_elem_bytes) { return head_dim * cache_elem_bytes % 128 == 0; }
+
+// Whether bulk tensor copies can bring this head dim's tiles (caches of cache_dtype on the tile loop).
+constexpr bool tma_head_dim(DType cache_dtype, int head_dim) {
+  return uses_tensor_cores(cache_dtype) && v_whole_lines(head_dim, elem_bytes(cache_dtype));
 }
 
-// Shared memory of one stage of the tile loop (K and V of kTileKeys keys, 16-bit elements);
-// tile_layout.cuh lays it out, mmha/dispatch.py mirrors it. V rows of head dims that are not a
-// multiple of 64 carry 16 bytes of padding; stages are 1024-byte aligned.
-constexpr int tile_stage_bytes(int head_dim, int elem_bytes) {
-  const int k = kTileKeys * head_dim * elem_bytes;
-  const int v = kTileKeys * (head_dim % 64 == 0 ? head_dim : head_dim + 16 / elem_bytes) * elem_bytes;
+// Shared memory of one stage of the tile loop (K and V of kTileKeys keys of cache_elem_bytes
+// each); tile_layout.cuh lays it out, mmha/dispatch.py mirrors it. Stages are 1024-byte aligned.
+constexpr int tile_stage_bytes(int head_dim, int cache_elem_bytes) {
+  const int k = kTileKeys * head_dim * cache_elem_bytes;
+  const int pitch = v_whole_lines(head_dim, cache_elem_bytes) ? head_dim : head_dim + 16 / cache_elem_bytes;
+  const int v = kTileKeys * pitch * cache_elem_bytes;
   return (k + v + 1023) / 1024 * 1024;
 }
 // Dynamic shared memory of a tile-loop block: its stages plus slack to align them to 1024 bytes.
@@ -75,18 +82,26 @@ constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
   return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024;
 }
 
+// Flags the kernel raises in MmhaParams::status for a row it refused (nothing read or written in
+// the caches for it, NaN output).
+constexpr int32_t kStatusLength = 1;
+constexpr int32_t kStatusScale = 2;
+
 struct MmhaParams {
   const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
   const void* qkv_bias;      // [(Hq + 2 * Hkv) * D] or nullptr
-  void* k_cache;             // [B, Hkv, D / x, S_max, x], x = 16 / sizeof(T)
+  void* k_cache;             // [B, Hkv, D / x, S_max, x], x = 16 / sizeof(cache element)
   void* v_cache;             // [B, Hkv, S_max, D]
+  const float* k_scale;      // fp8 caches: [Hkv], stored k = quantise(k / k_scale[h]); else nullptr
+  const float* v_scale;      // fp8 caches: [Hkv], likewise for v
   const int32_t* lengths;    // [B]: tokens already cached; the new token goes to slot lengths[b]
   void* out;                 // [B, Hq * D]
   float* lse;                // [B, Hq], natural-log log-sum-exp of the scaled logits
   float* partials;           // num_splits > 1: acc [B, Hq, num_splits, D], then (max, sum) [B, Hq, num_splits, 2]
   int32_t* counters;         // [B, Hkv * q_groups]: merge arrivals; zero on entry, left zero on exit
   int32_t* work;             // [2]: tile loop's next item and finished blocks; zero on entry and exit
-  int32_t* status;           // [B]: set to 1 for a row whose length is outside [0, S_max - 1]
+  int32_t* status;           // [B]: bit 0 (kStatusLength): a length outside [0, S_max - 1];
+                             // bit 1 (kStatusScale): a k_scale / v_scale not finite and positive
 
   int64_t qkv_row_stride;    // elements between rows of qkv
   int32_t batch;
@@ -103,7 +118,8 @@ struct MmhaParams {
   int32_t rotary_dim;        // 0: no rotary embedding; else even, <= D
   float rotary_theta;
   bool rotary_interleaved;   // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + rd / 2)
-  DType dtype;
+  DType dtype;               // qkv and out
+  DType cache_dtype;         // the caches: dtype, or kFloat8E4M3 (with dtype fp16 or bf16)
 
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;

@@ -1,5 +1,5 @@
 // Shared-memory layout of one stage of the tile ring: K and V of kTileKeys consecutive keys of
-// one (row, kv head). Written by a tile source (tile_source.cuh), read by the consumer warps
+// one (row, kv head), in cache elements T (16-bit, or e4m3 bytes). Written by a tile source (tile_source.cuh), read by the consumer warps
 // (attend_tiles.cuh). Torch-free.
 #pragma once
 
@@ -19,13 +19,14 @@ struct TileLayout {
   // one chunk are 128 contiguous bytes (conflict-free), and each chunk of a tile is KEYS * 16
   // contiguous bytes of the cache, read in one go.
   static constexpr int K_BYTES = KEYS * HEAD_DIM * static_cast<int>(sizeof(T));
-  // V: where a row is a whole number of 128-byte lines (head_dim a multiple of 64 at 16 bits),
-  // lines of 64 elements, [HEAD_DIM / 64][KEYS][64], with chunk c of key r at chunk c ^ (r % 8)
-  // of its line: the copy engine's 128-byte swizzle, so the 8 keys an ldmatrix.trans phase
-  // reads for one chunk fall in 8 different bank groups. Otherwise rows padded by 16 bytes
-  // (cp.async only), which spreads those 8 keys over 8 bank groups as well.
-  static constexpr bool V_SWIZZLE = HEAD_DIM % 64 == 0 && sizeof(T) == 2;
+  // V: where a row is a whole number of 128-byte lines (v_whole_lines), [V_LINES][KEYS][128
+  // bytes], with chunk c of key r at chunk c ^ (r % 8) of its line: the copy engine's 128-byte
+  // swizzle, so the 8 keys an ldmatrix.trans phase reads for one chunk fall in 8 different bank
+  // groups. Otherwise rows padded by 16 bytes (cp.async only), which spreads those 8 keys over
+  // 8 bank groups as well (but for 80 fp8 dims: 96-byte rows, 2-way conflicts).
+  static constexpr bool V_SWIZZLE = v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(T)));
   static constexpr int V_LINE_BYTES = 128;
+  static constexpr int V_LINES = HEAD_DIM * static_cast<int>(sizeof(T)) / V_LINE_BYTES;
   static constexpr int V_PITCH = V_SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC;  // elements per V row
   static constexpr int V_BYTES = KEYS * V_PITCH * static_cast<int>(sizeof(T));
   static constexpr int STAGE_BYTES = tile_stage_bytes(HEAD_DIM, static_cast<int>(sizeof(T)));

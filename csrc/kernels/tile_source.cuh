@@ -24,7 +24,7 @@
 
 namespace mmha {
 
-// One block's (row, kv head) of the contiguous caches.
+// One block's (row, kv head) of the contiguous caches (elements T: 16-bit, or e4m3 bytes).
 template <typename T>
 struct TileArgs {
   const T* k_head;  // [D/x, S_max, x]
@@ -83,8 +83,8 @@ struct CpAsyncTiles {
 };
 
 // Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
-// KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and HEAD_DIM / 64 V
-// boxes (KEYS lines of 128 bytes, swizzled) per tile, and the copy engine completes the full
+// KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and V_LINES V boxes
+// (KEYS lines of 128 bytes, swizzled) per tile; the maps see every cache as 16-bit elements, and the copy engine completes the full
 // barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token and keys
 // in [end, S_max) are read and then patched by the consumers. Measured on the H200 (decode
 // timing): K fetched as two 512-byte halves per chunk 16 requests apart ran B=16 Hkv=32 S=8192 at
@@ -111,10 +111,10 @@ struct TmaTiles {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lane == 0) {
       mbar_expect_tx(full, TX_BYTES);
-      // K map: [B * Hkv * CHUNKS rows][S_max / 32 groups][32 keys * VEC elements] (tma_maps.cpp).
+      // K map: [B * Hkv * CHUNKS rows][S_max / 32 groups][32 keys * 16 bytes] (tma_maps.cpp).
       tma_load_3d(stage, a.k_map, 0, k0 / 32, a.kv_head * L::CHUNKS, full);
 #pragma unroll
-      for (int j = 0; j < HEAD_DIM / 64; ++j) {
+      for (int j = 0; j < L::V_LINES; ++j) {  // line j: 16-bit elements 64 j .. 64 j + 63 of the row
         tma_load_3d(stage + L::K_BYTES + j * L::KEYS * L::V_LINE_BYTES, a.v_map, 64 * j, k0, a.kv_head, full);
       }
     }

@@ -3,7 +3,10 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace mmha {
 
@@ -20,6 +23,36 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// One element of an fp8 cache: e4m3 in the OCP "fn" encoding (torch.float8_e4m3fn: no
+// infinities, NaN = 0x7f / 0xff, largest finite 448), as stored. Values are value / scale.
+struct e4m3 {
+  uint8_t bits;
+};
+constexpr float kE4m3Max = 448.f;
+
+// value / scale, saturated to +-448 and rounded to the nearest e4m3 (ties to even); NaN stays NaN.
+__device__ __forceinline__ e4m3 quantize_e4m3(float value, float scale) {
+  return e4m3{static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3))};
+}
+
+// The two e4m3 in the low 16 bits of `two` (first in the low byte) as a half2, exactly (every
+// e4m3 value is an fp16 value). One instruction on sm_89 and newer.
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// How the step stores a new token's k or v value (fp32, after bias and rotary) in a cache of C:
+// rounded to C, or for fp8 divided by the kv head's scale and quantised.
+template <typename C>
+__device__ __forceinline__ C to_cache(float value, float /*scale*/) {
+  return from_float<C>(value);
+}
+template <>
+__device__ __forceinline__ e4m3 to_cache<e4m3>(float value, float scale) {
+  return quantize_e4m3(value, scale);
 }
 
 // Elements of T in one 16-byte load: the "x" of the K cache layout.

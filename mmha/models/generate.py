@@ -19,6 +19,7 @@ import torch
 from .llama import PRESETS, ReferenceDecoder, TinyLlama
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = {"same": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -76,11 +77,15 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> GenerationResult:
-    """Decode every request; at most ``batch`` at a time, freed slots refilled from the queue."""
+    """Decode every request; at most ``batch`` at a time, freed slots refilled from the queue.
+    ``kv_dtype``: the caches' dtype (default the model's; ``torch.float8_e4m3fn`` for fp8)."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    cache = model.new_cache(batch, max_seq_len, dev, dtype, dispatch_on="capacity" if graph else "length")
+    cache = model.new_cache(
+        batch, max_seq_len, dev, dtype, dispatch_on="capacity" if graph else "length", kv_dtype=kv_dtype
+    )
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature else None
     queue = list(range(len(requests)))
     slot_req: list[int | None] = [None] * batch
@@ -151,8 +156,12 @@ def generate(
 
 
 @torch.no_grad()
-def agree(model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bool = False) -> dict:
-    """Greedy decoding through mmha vs the reference decoder on the same ragged batch."""
+def agree(
+    model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bool = False,
+    kv_dtype: torch.dtype | None = None,
+) -> dict:  # fmt: skip
+    """Greedy decoding through mmha (caches of ``kv_dtype``, default the model's dtype) vs the
+    reference decoder (the model's dtype, unquantised K/V) on the same ragged batch."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     b = len(prompts)
@@ -161,7 +170,9 @@ def agree(model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bo
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = torch.tensor(p, device=dev)
     max_len = max(lens) + new_tokens + 1
-    cache = model.new_cache(b, max_len, dev, dtype, dispatch_on="capacity" if graph else "length")
+    cache = model.new_cache(
+        b, max_len, dev, dtype, dispatch_on="capacity" if graph else "length", kv_dtype=kv_dtype
+    )
     logits_m, kvs = model.prefill(toks, lens, cache)
     ref = ReferenceDecoder(model, kvs, lens)
     tok_m = logits_m.argmax(-1)
@@ -210,6 +221,7 @@ def agree(model: TinyLlama, prompts: list[list[int]], new_tokens: int, graph: bo
         "first_mismatch": first_mismatch,
         "max_logit_abs_err": max_logit_err,
         "dtype": str(dtype).replace("torch.", ""),
+        "kv_dtype": str(cache.kv_dtype).replace("torch.", ""),
         "graph": graph,
     }
 
@@ -223,6 +235,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[17, 100, 250, 31, 64])
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=list(DTYPES), default="fp16")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="same",
+                   help="the caches' dtype: the model's (same) or fp8 e4m3 with per-head scales")  # fmt: skip
     p.add_argument("--graph", action="store_true", help="replay each decode step as one CUDA graph")
     p.add_argument("--compare-reference", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -235,7 +249,8 @@ def main(argv: list[str]) -> int:
     if not has_gpu or not extension_available():
         why = "no CUDA GPU" if not has_gpu else "the CUDA extension is not built"
         print(f"mmha {cmd}: {why} here: running the reference path on the CPU at a small size.")
-        args.model, args.batch, args.dtype, args.graph = "tiny", 2, "fp32", False
+        args.model, args.batch, args.graph = "tiny", 2, False
+        args.dtype = "fp32" if args.kv_dtype == "same" else "bf16"  # fp8 caches need 16-bit activations
         args.new_tokens = min(args.new_tokens, 16)
         args.prompt_lengths = [min(n, 12) for n in args.prompt_lengths]
     if cmd == "demo":
@@ -250,10 +265,11 @@ def main(argv: list[str]) -> int:
     reqs = [Request(pr, max(1, b)) for pr, b in zip(prompts, budgets, strict=True)]
     max_seq = max(args.prompt_lengths) + args.new_tokens + 1
     print(f"model {args.model}: {cfg.num_layers} layers, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, "
-          f"D {cfg.head_dim}, {args.dtype}, batch {args.batch}, {n_req} requests, "
+          f"D {cfg.head_dim}, {args.dtype}, {args.kv_dtype} cache, batch {args.batch}, {n_req} requests, "
           f"{'CUDA graph' if args.graph else 'eager'} on {dev}")  # fmt: skip
+    kv_dtype = KV_DTYPES[args.kv_dtype]
     res = generate(model, reqs, args.batch, max_seq, graph=args.graph, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed)  # fmt: skip
+                   top_k=args.top_k, seed=args.seed, kv_dtype=kv_dtype)  # fmt: skip
     s = res.summary()
     print(f"generated {s['tokens']} tokens in {s['steps']} steps: {s['tokens_per_s']:.0f} tokens/s; "
           f"step latency start median {s['start_median_ms']:.2f} ms (p90 {s['start_p90_ms']:.2f}), "
@@ -263,10 +279,10 @@ def main(argv: list[str]) -> int:
     if args.compare_reference:
         n_agree = min(args.new_tokens, 256) if has_gpu else args.new_tokens
         a = agree(model, prompts[: max(4, min(args.batch, 8))] if has_gpu else prompts[:2], n_agree,
-                  graph=args.graph)  # fmt: skip
+                  graph=args.graph, kv_dtype=kv_dtype)  # fmt: skip
         ok = a["first_mismatch"] is None
         verdict = "no decisive mismatch" if ok else f"first decisive mismatch at step {a['first_mismatch']}"
-        print(f"agreement with reference decoding ({a['dtype']}, batch {a['batch']}, "
+        print(f"agreement with reference decoding ({a['dtype']}, {a['kv_dtype']} cache, batch {a['batch']}, "
               f"{a['new_tokens']} tokens, {'graph' if a['graph'] else 'eager'}): "
               f"{a['identical_steps']} steps identical, {a['near_tie_steps']} near-tie flips, {verdict}; "
               f"max |logit diff| {a['max_logit_abs_err']:.3g}")  # fmt: skip

@@ -55,7 +55,14 @@ def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 class HFDecoder:
     """Greedy/step decoding of a Hugging Face Llama-family model with mmha's decode kernel."""
 
-    def __init__(self, model, max_batch: int, max_seq_len: int, *, dispatch_on: str = "length"):
+    def __init__(
+        self, model, max_batch: int, max_seq_len: int, *, dispatch_on: str = "length",
+        kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0,
+    ):  # fmt: skip
+        """``kv_dtype``: the caches' dtype (default the model's); ``torch.float8_e4m3fn`` stores
+        K/V in fp8 with per-layer, per-kv-head scales taken from the first prompt's absolute
+        maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set with
+        ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's)."""
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -83,8 +90,9 @@ class HFDecoder:
         self.cache = KVCache(
             config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
             self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
-            scale=float(attn.scaling), dispatch_on=dispatch_on,
+            scale=float(attn.scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype,
         )  # fmt: skip
+        self.kv_scale_margin = kv_scale_margin
         # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
         self.qkv_weight, self.qkv_bias = [], []
         with torch.no_grad():
@@ -124,7 +132,8 @@ class HFDecoder:
             res = self.model(input_ids=ids, use_cache=True)
             for i in range(len(self.body.layers)):
                 k, v = _layer_kv(res.past_key_values, i)
-                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [ids.shape[1]], [r])
+                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [ids.shape[1]], [r],
+                                   scale_margin=self.kv_scale_margin)  # fmt: skip
             logits.append(res.logits[0, -1].float())
         return torch.stack(logits)
 

@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<__nv_bfloat16, 256, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__nv_bfloat16, 256, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<__nv_bfloat16, 256, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__nv_bfloat16, 256, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<__nv_bfloat16, 256, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__nv_bfloat16, 256, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<__nv_bfloat16, 256, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__nv_bfloat16, 256, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<__nv_bfloat16, __nv_bfloat16, 256, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, __nv_bfloat16, 256, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<__nv_bfloat16, __nv_bfloat16, 256, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, __nv_bfloat16, 256, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<__nv_bfloat16, __nv_bfloat16, 256, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, __nv_bfloat16, 256, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<__nv_bfloat16, __nv_bfloat16, 256, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__nv_bfloat16, __nv_bfloat16, 256, 8>(int, TileSource);
 }  // namespace mmha

@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<__half, 128, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 128, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 128, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 128, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 128, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 128, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 128, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 128, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 128, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 128, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 128, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 128, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 128, 8>(int, TileSource);
 }  // namespace mmha

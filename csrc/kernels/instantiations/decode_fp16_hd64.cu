@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<__half, 64, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 64, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 64, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 64, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 64, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 64, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 64, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 64, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 64, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 64, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 64, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 64, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 64, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 64, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 64, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 64, 8>(int, TileSource);
 }  // namespace mmha

@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<__half, 96, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 96, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 96, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 96, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 96, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 96, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<__half, 96, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<__half, 96, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 96, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 96, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 96, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 96, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 96, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 96, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<__half, __half, 96, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<__half, __half, 96, 8>(int, TileSource);
 }  // namespace mmha

@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<float, 64, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 64, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 64, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 64, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 64, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 64, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 64, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 64, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 64, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 64, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 64, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 64, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 64, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 64, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 64, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 64, 8>(int, TileSource);
 }  // namespace mmha

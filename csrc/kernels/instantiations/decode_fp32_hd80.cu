@@ -2,12 +2,12 @@
 #include "../decode_attention.cuh"
 
 namespace mmha {
-template cudaError_t launch_decode_attention<float, 80, 1>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 80, 1>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 80, 2>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 80, 2>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 80, 4>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 80, 4>(int, TileSource);
-template cudaError_t launch_decode_attention<float, 80, 8>(const MmhaParams&, cudaStream_t);
-template int decode_attention_blocks_per_sm<float, 80, 8>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 80, 1>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 80, 1>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 80, 2>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 80, 2>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 80, 4>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 80, 4>(int, TileSource);
+template cudaError_t launch_decode_attention<float, float, 80, 8>(const MmhaParams&, cudaStream_t);
+template int decode_attention_blocks_per_sm<float, float, 80, 8>(int, TileSource);
 }  // namespace mmha
