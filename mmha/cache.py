@@ -313,7 +313,9 @@ class KVCache:
 
     # ----------------------------------------------------------------- fp8 scales
     def _check_scales_unused(self, layer: int, rows: Sequence[int]) -> None:
-        others = [r for r in range(self.max_batch) if self._active[r] and self._host_lengths[r] and r not in rows]
+        others = [
+            r for r in range(self.max_batch) if self._active[r] and self._host_lengths[r] and r not in rows
+        ]
         if others:
             raise ValueError(
                 f"the scales of layer {layer} cannot change while rows {others} hold tokens quantised "
@@ -327,7 +329,9 @@ class KVCache:
         tokens of the layer. Updated in place, so captured CUDA graphs see the new values."""
         self._check_layer(layer)
         if not self.fp8:
-            raise ValueError(f"set_scales needs an fp8 cache (kv_dtype={reference.FP8}), got kv_dtype={self.kv_dtype}")
+            raise ValueError(
+                f"set_scales needs an fp8 cache (kv_dtype={reference.FP8}), got kv_dtype={self.kv_dtype}"
+            )
         values = []
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             t = torch.as_tensor(s, dtype=torch.float32).detach().to("cpu")
@@ -359,7 +363,15 @@ class KVCache:
             seq = max(self._host_lengths[:batch], default=0) + 1
         if not self.use_kernel:
             return dispatch.choose_variant(
-                batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype, 1, variant, self.kv_dtype
+                batch,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                seq,
+                self.dtype,
+                1,
+                variant,
+                self.kv_dtype,
             )
         return ops.plan_for(
             self.device, batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype,

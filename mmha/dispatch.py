@@ -139,7 +139,9 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
 # activations' (static arrays: staged q and new token); act_bytes defaults to elem_bytes.
 
 
-def tile_block_smem(head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None) -> int:
+def tile_block_smem(
+    head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None
+) -> int:
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
     static = tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
     return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + static
@@ -155,7 +157,9 @@ def tile_blocks_per_sm(
     return device.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)
 
 
-def max_stages(head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None) -> int:
+def max_stages(
+    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None
+) -> int:
     """Most stages one block of this head dim may take (what the operator accepts)."""
     fixed = 1024 + tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
     return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))

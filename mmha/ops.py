@@ -190,6 +190,10 @@ def decode_attention(
     _require_extension()
     if tile_source not in TILE_SOURCES:
         raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
+    if k_cache.dtype == dispatch.FP8 and qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
+        raise ValueError(
+            f"qkv must have dtype float16 or bfloat16 with a float8_e4m3fn cache, got {qkv.dtype}"
+        )
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
     if num_splits is None or stages is None:
         plan = plan_for(

@@ -42,9 +42,11 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 
 def fp8_scale(amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
-    """Per-head scales that map ``amax * margin`` to 448 (1 where ``amax`` is 0 or not finite)."""
-    s = amax.float() * margin / FP8_MAX
-    return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    """Per-head scales that map ``amax * margin`` to 448 (1 where ``amax`` is 0 or not finite),
+    fp32 on ``amax``'s device; computed on the host in fp64, so every device gives the same bits."""
+    s = (amax.detach().double().cpu() * margin / FP8_MAX).float()
+    s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    return s.to(amax.device)
 
 
 def rotary_inv_freq(rotary_dim: int, theta: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -173,7 +175,10 @@ def decode_step(
         keys = layout.unpack_k(k_cache[row : row + 1], p + 1, layout="bhsd")[0]
         values = v_cache[row, :, : p + 1, :]
         if fp8:
-            keys, values = dequantize_fp8(keys, k_scale, compute_dtype), dequantize_fp8(values, v_scale, compute_dtype)
+            keys, values = (
+                dequantize_fp8(keys, k_scale, compute_dtype),
+                dequantize_fp8(values, v_scale, compute_dtype),
+            )
         o, lse = attend(q[row], keys.to(compute_dtype), values.to(compute_dtype), scale)
         outs.append(o.reshape(-1))
         lses.append(lse)

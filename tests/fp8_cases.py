@@ -27,7 +27,9 @@ def quantize_cache(case: Case, k_scale: torch.Tensor, v_scale: torch.Tensor) -> 
     vq = (v.float() / v_scale[None, :, None, None]).clamp(-448, 448).to(FP8)
     d = dx * x
     kq = kq.reshape(b, h, s, d // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
-    return Case(case.qkv, kq, vq.contiguous(), case.lengths, case.num_heads, case.num_kv_heads, case.bias, case.rotary)
+    return Case(
+        case.qkv, kq, vq.contiguous(), case.lengths, case.num_heads, case.num_kv_heads, case.bias, case.rotary
+    )
 
 
 def fp8_case(batch, num_heads, num_kv_heads, head_dim, lengths, max_seq_len, dtype, *, seed=0, **kw):
@@ -53,7 +55,9 @@ def run_reference_fp8(case: Case, k_scale, v_scale, compute_dtype=torch.float64)
     return out, lse, kc, vc
 
 
-def e4m3_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale, v_scale, scale: float) -> float:
+def e4m3_error_bound(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale, v_scale, scale: float
+) -> float:
     """Worst-case |out_fp8 - out| of one head, from e4m3's rounding: every cached value moves by
     at most E4M3_REL of itself (E4M3_SUB * scale for subnormals, and saturation is excluded by the
     scales), so V moves each output by at most max|dv|, and each score by at most

@@ -69,7 +69,17 @@ def test_gqa_groups_and_sources(source, heads):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rotary_and_bias(interleaved, dtype):
     case, ks, vs = fp8_case(
-        4, 8, 4, 64, [1, 17, 64, 129], 192, dtype, seed=11, bias=True, rotary_dim=64, rotary_interleaved=interleaved
+        4,
+        8,
+        4,
+        64,
+        [1, 17, 64, 129],
+        192,
+        dtype,
+        seed=11,
+        bias=True,
+        rotary_dim=64,
+        rotary_interleaved=interleaved,
     )
     check_fp8(case, ks, vs, rotary=True)
 
@@ -105,7 +115,9 @@ def test_error_against_fp16_attention_within_e4m3_bound(head_dim):
     """N(0, 1) data, per-head scales from the absolute maxima: the kernel's fp8 output against
     fp64 attention over the unquantised fp16 cache is within e4m3_error_bound for every head."""
     hq, hkv, length = 8, 2, 1024
-    case = make_case(1, hq, hkv, head_dim, [length], length + 64, torch.float16, seed=head_dim, unused_fill=0.0)
+    case = make_case(
+        1, hq, hkv, head_dim, [length], length + 64, torch.float16, seed=head_dim, unused_fill=0.0
+    )
     q, k_new, v_new = reference.split_qkv(case.qkv.double(), hq, hkv, head_dim)
     keys = layout.unpack_k(case.k_cache, length, layout="bhsd")[0].double()
     values = case.v_cache[0, :, :length].double()
@@ -134,7 +146,7 @@ def test_bad_scale_values_refuse_the_step(bad, which):
     case, ks, vs = fp8_case(2, 8, 2, 128, [10, 100], 128, torch.float16)
     (ks if which == "k" else vs)[1] = bad
     k0, v0 = case.clone_caches()
-    ws = ops.Workspace.allocate("cuda", 2, 8, 128, 1)
+    ws = ops.Workspace.allocate("cuda", 2, 8, 128, ops.dispatch.MAX_SPLITS)
     out = ops.decode_attention(case.qkv, case.k_cache, case.v_cache, case.lengths, k_scale=ks, v_scale=vs,
                                workspace=ws, **case.kwargs())  # fmt: skip
     assert torch.isnan(out.float()).all(), "every row of a refused step is NaN"
@@ -164,8 +176,10 @@ def test_argument_checks_name_the_argument():
         call(k_scale=ks.double())
     with pytest.raises(RuntimeError, match="v_scale must be a CUDA tensor"):
         call(v_scale=vs.cpu())
-    with pytest.raises(RuntimeError, match="qkv must have dtype float16 or bfloat16 with a float8_e4m3fn"):
+    with pytest.raises(ValueError, match="qkv must have dtype float16 or bfloat16 with a float8_e4m3fn"):
         call(qkv=case.qkv.float())
+    with pytest.raises(RuntimeError, match="qkv must have dtype float16 or bfloat16 with a float8_e4m3fn"):
+        call(qkv=case.qkv.float(), num_splits=1, stages=2)
     assert_bits_equal(case.k_cache, k0, "k_cache")
     assert_bits_equal(case.v_cache, v0, "v_cache")
     c16 = make_case(1, 4, 2, 64, [3], 64, torch.float16)
@@ -177,7 +191,9 @@ def test_argument_checks_name_the_argument():
 def test_kvcache_fp8_steps_match_reference_and_graph_replay(dtype):
     torch.manual_seed(0)
     hq, hkv, d, layers = 8, 2, 128, 2
-    cache = KVCache(layers, 3, 100, hq, hkv, d, dtype, "cuda", kv_dtype=FP8, rotary_dim=d, dispatch_on="capacity")
+    cache = KVCache(
+        layers, 3, 100, hq, hkv, d, dtype, "cuda", kv_dtype=FP8, rotary_dim=d, dispatch_on="capacity"
+    )
     ref = KVCache(layers, 3, 100, hq, hkv, d, dtype, "cpu", kv_dtype=FP8, rotary_dim=d)
     k = torch.randn(3, 20, hkv, d, dtype=dtype) * 3
     v = torch.randn(3, 20, hkv, d, dtype=dtype)
@@ -205,6 +221,8 @@ def test_kvcache_fp8_steps_match_reference_and_graph_replay(dtype):
         want = [ref.step(layer, qkv) for layer in range(layers)]
         ref.advance()
         for o, w in zip(outs, want, strict=True):
-            assert (o.float().cpu() - w.float()).abs().max().item() <= FLOOR[dtype] * max(1.0, w.float().abs().max().item())
+            assert (o.float().cpu() - w.float()).abs().max().item() <= FLOOR[dtype] * max(
+                1.0, w.float().abs().max().item()
+            )
     cache.check()
     assert cache.host_lengths == ref.host_lengths

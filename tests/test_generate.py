@@ -75,3 +75,26 @@ def test_gpu_qkv_bias_model_and_graph_generation_match_eager():
         generate(model, reqs, batch=3, max_seq_len=160, graph=graph)
         runs.append([r.output for r in reqs])
     assert runs[0] == runs[1]
+
+
+def test_cpu_fp8_cache_generates_and_batches_continuously():
+    model = TinyLlama(PRESETS["tiny"], seed=1).to(torch.bfloat16).eval()
+    prompts = random_prompts(4, [3, 9, 6], model.cfg.vocab_size, seed=2)
+    reqs = [Request(p, n) for p, n in zip(prompts, [4, 6, 2, 5], strict=True)]
+    generate(model, reqs, batch=2, max_seq_len=20, kv_dtype=torch.float8_e4m3fn)
+    assert [len(r.output) for r in reqs] == [4, 6, 2, 5]
+    a = agree(model, prompts[:2], 8, kv_dtype=torch.float8_e4m3fn)
+    assert a["kv_dtype"] == "float8_e4m3fn" and a["first_mismatch"] is None, a
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_gpu_fp8_cache_no_decisive_mismatch(dtype, graph):
+    """fp8 caches against reference decoding with unquantised K/V: every differing pick is
+    within twice the step's logit difference (RELIABILITY.md's near-tie rule)."""
+    model = TinyLlama(PRESETS["small"], seed=0).to("cuda", dtype).eval()
+    prompts = random_prompts(4, [17, 100, 250, 31], model.cfg.vocab_size, seed=0)
+    a = agree(model, prompts, 256, graph=graph, kv_dtype=torch.float8_e4m3fn)
+    print(a)
+    assert a["first_mismatch"] is None, a

@@ -88,3 +88,21 @@ def test_rejects_what_the_kernel_does_not_compute():
     )
     with pytest.raises(ValueError, match=r"model_type must be one of .*got 'gpt2'"):
         HFDecoder(gpt2, 2, 64)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_kv_teacher_forced_no_decisive_mismatch(dtype):
+    """The adapter with an fp8 cache against the same model with a 16-bit cache, fed the same
+    tokens for 256 steps: no step where the 16-bit top-1 wins by more than twice the logit
+    difference."""
+    from mmha.models.hf import compare_kv_dtypes
+
+    model = build("llama", "cuda", dtype)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), 256, torch.float8_e4m3fn)
+    print(
+        f"fp8 vs {dtype} KV, {res['rows']} rows x {res['steps']} steps: max |logit diff| "
+        f"{res['max_logit_diff']:.3g} (logits up to {res['logit_scale']:.3g}), top-1 flips {res['top1_flips']}"
+    )
+    assert res["decisive_mismatches"] == 0
+    assert res["max_logit_diff"] < 0.1 * res["logit_scale"]

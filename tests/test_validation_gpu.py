@@ -113,7 +113,8 @@ BAD = [
             k_cache=torch.zeros(3, HKV, D // 4, 16, 4, device="cuda"),
             tile_source=2,
         ),  # fmt: skip
-        r"tile_source 2 \(tma\) needs float16 or bfloat16 caches with head_dim a multiple of 64, got Float",
+        r"tile_source 2 \(tma\) needs float16 or bfloat16 caches with head_dim a multiple of 64, or float8_e4m3fn "
+        r"caches with head_dim a multiple of 128, got Float",
     ),
     (
         "counters short",

@@ -71,13 +71,23 @@ def time_secondary(cfg: Config, method: str, plan, res: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(cfg: Config, peers=PEERS, secondary: bool = True, floors: dict | None = None) -> dict:
+def run_config(
+    cfg: Config, peers=PEERS, secondary: bool = True, floors: dict | None = None, twin: dict | None = None
+) -> dict:
     """Every method's timings on one configuration, and the read floor of its K/V bytes (kept in
-    ``floors`` by size, so rows of one cache size share one measurement)."""
+    ``floors`` by size, so rows of one cache size share one measurement). ``twin``: the result of
+    the same shape with 16-bit caches, whose peer timings an fp8 row takes over (the peers have no
+    fp8 cache)."""
     floors = {} if floors is None else floors
     res = {"config": cfg, "decode": {}, "errors": {}, "skipped": {}, "cold": {}, "graph": {}}
+    if twin is not None:
+        for key in ("decode", "errors", "skipped", "cold", "graph"):
+            res[key].update(
+                {m: v for m, v in twin[key].items() if m != MMHA and not m.startswith(MMHA + " ")}
+            )
+        peers = ()
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
-                        cfg.torch_dtype)  # fmt: skip
+                        cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype)  # fmt: skip
     res["plan"] = plan_str(plan)
     for method in (MMHA, *peers):
         why = unavailable(method)
@@ -94,6 +104,8 @@ def run_config(cfg: Config, peers=PEERS, secondary: bool = True, floors: dict | 
     if secondary:
         timed_peers = {m: v["us"] for m, v in res["decode"].items() if m in peers}
         for method in (MMHA, min(timed_peers, key=timed_peers.get, default=None)):
+            if method is not None and method != MMHA and twin is not None:
+                continue
             if method is not None and method in res["decode"]:
                 time_secondary(cfg, method, plan, res)
     return res
@@ -147,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", nargs="*", choices=list(PEERS), default=list(PEERS), help="peers to time")
     p.add_argument("--no-secondary", action="store_true", help="skip the cold-L2 and repeated-graph times")
     p.add_argument("--no-extras", action="store_true", help="canonical grid without the extra rows")
+    p.add_argument("--fp8", action="store_true",
+                   help="each 16-bit row of head dim 128 also with an fp8 (e4m3) cache")  # fmt: skip
     p.add_argument("--full", action="store_true", help="print every column (the files always have them)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     args = p.parse_args(argv)
@@ -160,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("mmha.bench needs triton (the read floor's kernel and do_bench)")
         return 1
-    cfgs = build_configs(args.grid, args.dtype, not args.no_extras,
-                         (args.batch, args.seq, args.heads, args.kv_heads, args.head_dim))  # fmt: skip
+    custom = (args.batch, args.seq, args.heads, args.kv_heads, args.head_dim)
+    cfgs = build_configs(args.grid, args.dtype, not args.no_extras, custom, args.fp8)
     header = {**gpu_header(), "grid": args.grid}
     print(report.header_line(header), flush=True)
-    rows, floors = [], {}
+    rows, floors, done = [], {}, {}
     for cfg in progress(cfgs, "mmha.bench"):
-        res = run_config(cfg, peers=args.peers, secondary=not args.no_secondary, floors=floors)
+        twin = done.get(cfg.same_shape()) if cfg.kv else None
+        res = run_config(cfg, peers=args.peers, secondary=not args.no_secondary, floors=floors, twin=twin)
+        done[cfg] = res
         rows.append(report.summarize(res, header["ceiling_gbs"]))
     write_outputs(rows, header, args.out)
     print()
@@ -177,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid == "canonical":
         misses = report.bar(rows)
         print("speed bar: " + ("holds on every canonical row" if not misses else f"{len(misses)} misses"))
+        for m in misses:
+            print("  " + m)
+    if args.fp8:
+        misses = report.fp8_bar(rows)
+        print("fp8 bar: " + ("holds on every fp8 row" if not misses else f"{len(misses)} misses"))
         for m in misses:
             print("  " + m)
     print(f"wrote {args.out}/bench.json, bench.csv, bench.md", end="")

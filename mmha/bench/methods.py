@@ -41,7 +41,7 @@ def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto"):
     args = (
         prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, ws.partials, ws.counters,
         ws.status, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, plan.num_splits, False,
-        plan.stages, ops.TILE_SOURCES[tile_source],
+        plan.stages, ops.TILE_SOURCES[tile_source], prob.k_scale, prob.v_scale,
     )  # fmt: skip
 
     def fn():

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# Cache dtypes other than the activations': fp8 e4m3 (mmha only; the peers run the same shape
+# with caches of the activations' dtype).
+KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+# Scale of the benchmark's fp8 caches: N(0, 1) values up to ~5.5 within e4m3's +-448.
+FP8_BENCH_SCALE = 5.5 / 448
 
 # (group, B, Hkv, S) of shared/BENCHMARK.md; Hq = 32, D = 128.
 CANONICAL = [
@@ -51,18 +56,33 @@ class Config:
     head_dim: int
     seq_len: int
     dtype: str
+    kv: str = ""  # "" (the caches hold dtype) or "fp8"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv] if self.kv else self.torch_dtype
+
+    @property
     def elem(self) -> int:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
+    def kv_elem(self) -> int:
+        return torch.empty((), dtype=self.kv_torch_dtype).element_size()
+
+    @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * self.elem
+        """mmha's cache bytes (fp8 rows: e4m3)."""
+        return 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * self.kv_elem
+
+    def same_shape(self, kv: str = "") -> Config:
+        """This row with caches of another dtype."""
+        return Config(self.group, self.batch, self.num_heads, self.num_kv_heads, self.head_dim, self.seq_len,
+                      self.dtype, kv)  # fmt: skip
 
     @property
     def step_bytes(self) -> int:
@@ -72,7 +92,7 @@ class Config:
             self.kv_bytes  # K and V cache, read once
             + b * (hq + 2 * hkv) * d * e  # qkv in
             + b * hq * d * e  # out
-            + 2 * b * hkv * d * e  # new K/V written
+            + 2 * b * hkv * d * self.kv_elem  # new K/V written
         )
 
     @property
@@ -84,12 +104,14 @@ class Config:
     @property
     def label(self) -> str:
         heads = f"Hq={self.num_heads} Hkv={self.num_kv_heads}"
-        return f"{self.dtype} B={self.batch} {heads} D={self.head_dim} S={self.seq_len}"
+        kv = f" kv={self.kv}" if self.kv else ""
+        return f"{self.dtype}{kv} B={self.batch} {heads} D={self.head_dim} S={self.seq_len}"
 
 
 class Problem:
     """One call's tensors, random (never zeros). ``kind`` "mmha": qkv and the packed caches, the
-    new token appended at slot S - 1 (so the call reads S keys); "sdpa": q and the same-sized
+    new token appended at slot S - 1 (so the call reads S keys; fp8 rows: N(0, 1) values quantised
+    with one scale ``FP8_BENCH_SCALE`` per kv head, ``k_scale`` / ``v_scale``); "sdpa": q and the same-sized
     K/V in ``[B, H, S, D]`` with the new token already at slot S - 1. ``lengths``: an int32
     tensor of S - 1 per row to share (the layers of a decode step share ``KVCache.lengths``)."""
 
@@ -102,7 +124,21 @@ class Problem:
         g = torch.Generator(device=dev).manual_seed(seed)
         self.scale = 1.0 / math.sqrt(d)
         self.qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(dt)
-        if kind == "mmha":
+        self.k_scale = self.v_scale = None
+        if kind == "mmha" and cfg.kv:
+            kv_dt = cfg.kv_torch_dtype
+            self.k_scale = torch.full((hkv,), FP8_BENCH_SCALE, device=dev)
+            self.v_scale = torch.full((hkv,), FP8_BENCH_SCALE, device=dev)
+            self.k_cache = torch.empty(layout.k_cache_shape(b, hkv, s, d, kv_dt), device=dev, dtype=kv_dt)
+            self.v_cache = torch.empty(layout.v_cache_shape(b, hkv, s, d), device=dev, dtype=kv_dt)
+            for c in (self.k_cache, self.v_cache):  # a row at a time: no fp32 copy of a whole cache
+                for r in range(b):
+                    x = torch.randn(c[r].shape, generator=g, device=dev) / FP8_BENCH_SCALE
+                    c[r] = x.clamp(-448, 448).to(kv_dt)
+            self.lengths = (
+                lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+            )
+        elif kind == "mmha":
             self.k_cache = torch.randn(
                 layout.k_cache_shape(b, hkv, s, d, dt), generator=g, device=dev, dtype=dt
             )
@@ -122,17 +158,24 @@ class Problem:
     def kv_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]``, k and v ``[n, Hkv, S, D]`` of the given rows, as the call sees them
         (the new token at slot S - 1)."""
-        from .. import layout
+        from .. import layout, reference
 
         cfg = self.cfg
         hq, hkv, d, s = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len
         q = self.qkv[rows, : hq * d].reshape(len(rows), hq, d)
         if self.kind == "sdpa":
             return q, self.k[rows], self.v[rows]
-        k = layout.unpack_k(self.k_cache[rows], layout="bhsd").clone()
-        v = layout.unpack_v(self.v_cache[rows], layout="bhsd").clone()
-        k[:, :, s - 1] = self.qkv[rows, hq * d : (hq + hkv) * d].view(len(rows), hkv, d)
-        v[:, :, s - 1] = self.qkv[rows, (hq + hkv) * d :].view(len(rows), hkv, d)
+        k = layout.unpack_k(self.k_cache[rows], layout="bhsd").float()
+        v = layout.unpack_v(self.v_cache[rows], layout="bhsd").float()
+        k_new = self.qkv[rows, hq * d : (hq + hkv) * d].view(len(rows), hkv, d).float()
+        v_new = self.qkv[rows, (hq + hkv) * d :].view(len(rows), hkv, d).float()
+        if self.k_scale is not None:  # fp8: dequantised, the new token as the cache stores it
+            ks, vs = self.k_scale.view(1, hkv, 1, 1), self.v_scale.view(1, hkv, 1, 1)
+            k, v = k * ks, v * vs
+            k_new = reference.quantize_fp8(k_new, self.k_scale).float() * ks[..., 0]
+            v_new = reference.quantize_fp8(v_new, self.v_scale).float() * vs[..., 0]
+        k[:, :, s - 1] = k_new
+        v[:, :, s - 1] = v_new
         return q, k, v
 
     def error(self, out: torch.Tensor) -> float:
@@ -158,10 +201,23 @@ def layer_problems(cfg: Config, kind: str) -> list[Problem]:
 
 
 def build_configs(
-    grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None
+    grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None, fp8: bool = False
 ) -> list[Config]:
     """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
-    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim)."""
+    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8``: each fp16 /
+    bf16 row of head dim 128 (custom: every 16-bit row) also with an fp8 cache, after it."""
+    cfgs = _grid_configs(grid, dtypes, extras, custom)
+    if not fp8:
+        return cfgs
+    out = []
+    for c in cfgs:
+        out.append(c)
+        if c.dtype != "fp32" and (grid == "custom" or c.head_dim == 128):
+            out.append(c.same_shape("fp8"))
+    return out
+
+
+def _grid_configs(grid: str, dtypes: list[str] | None, extras: bool, custom) -> list[Config]:
     if grid in ("canonical", "quick"):
         dtypes = dtypes or (["fp16", "bf16"] if grid == "canonical" else ["fp16"])
         rows = CANONICAL if grid == "canonical" else QUICK

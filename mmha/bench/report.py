@@ -17,6 +17,12 @@ SMALL_CACHE_BYTES = 20e6
 SMALL_CACHE_RATIO = 0.85
 MEDIAN_RATIO = 0.97
 GQA_POINTS = 3.0
+# fp8 caches (issue bar): on caches of at least FP8_BIG_BYTES (fp8 bytes), at most FP8_RATIO of
+# mmha's fp16 time on the same shape and at least FP8_PCT_FLOOR % of the fp8 bytes' read floor;
+# on every fp8 row, faster than every 16-bit peer.
+FP8_BIG_BYTES = 256e6
+FP8_RATIO = 0.55
+FP8_PCT_FLOOR = 95.0
 
 
 def summarize(res: dict, ceiling_gbs: float) -> dict:
@@ -31,7 +37,7 @@ def summarize(res: dict, ceiling_gbs: float) -> dict:
     floor_t = floor.get("us", NAN)
     row = {
         "group": cfg.group, "batch": cfg.batch, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "seq_len": cfg.seq_len, "dtype": cfg.dtype,
+        "head_dim": cfg.head_dim, "seq_len": cfg.seq_len, "dtype": cfg.dtype, "kv": cfg.kv,
         "kv_mb": cfg.kv_bytes / 1e6, "layers": cfg.layers, "plan": res["plan"],
         # Primary: decode timing (module mmha.bench.timing).
         "mmha_decode_us": t,
@@ -65,7 +71,43 @@ def fmt(x, digits: int = 1) -> str:
 
 def row_label(r: dict) -> str:
     heads = f"Hq={r['num_heads']} Hkv={r['num_kv_heads']}"
-    return f"{r['dtype']} B={r['batch']} {heads} D={r['head_dim']} S={r['seq_len']}"
+    kv = f" kv={r['kv']}" if r.get("kv") else ""
+    return f"{r['dtype']}{kv} B={r['batch']} {heads} D={r['head_dim']} S={r['seq_len']}"
+
+
+def shape_key(r: dict) -> tuple:
+    return (r["dtype"], r["batch"], r["num_heads"], r["num_kv_heads"], r["head_dim"], r["seq_len"])
+
+
+def fp8_rows(rows: list[dict]) -> list[dict]:
+    """Each fp8 row with its 16-bit twin's mmha time (``mmha_16bit_us``) and ``fp8_speedup_ratio``
+    (fp8 time / 16-bit time), where the run has the twin."""
+    twins = {shape_key(r): r for r in rows if not r.get("kv")}
+    out = []
+    for r in rows:
+        if r.get("kv") != "fp8":
+            continue
+        t = twins.get(shape_key(r))
+        t16 = t["mmha_decode_us"] if t else NAN
+        out.append({**r, "mmha_16bit_us": t16, "fp8_speedup_ratio": r["mmha_decode_us"] / t16})
+    return out
+
+
+def fp8_bar(rows: list[dict]) -> list[str]:
+    """Where the fp8 rows miss their bar, one line each (empty: it holds)."""
+    misses = []
+    for r in fp8_rows(rows):
+        label = row_label(r)
+        if not r["ratio"] < 1:
+            misses.append(f"{label}: {r['ratio']:.3f}x the best 16-bit peer ({r['best_peer_decode']})")
+        if r["kv_mb"] * 1e6 >= FP8_BIG_BYTES:
+            if not r["fp8_speedup_ratio"] <= FP8_RATIO:
+                misses.append(f"{label}: {r['fp8_speedup_ratio']:.3f}x mmha's 16-bit time > {FP8_RATIO}")
+            if not r["pct_floor"] >= FP8_PCT_FLOOR:
+                misses.append(
+                    f"{label}: {r['pct_floor']:.1f} % of the fp8 read floor < {FP8_PCT_FLOOR:.0f} %"
+                )
+    return misses
 
 
 def header_line(h: dict) -> str:
@@ -113,7 +155,7 @@ def skipped_line(rows: list[dict]) -> str:
 
 
 def is_canonical(r: dict) -> bool:
-    return r["head_dim"] == 128 and r["num_heads"] == 32 and r["group"] != "custom"
+    return r["head_dim"] == 128 and r["num_heads"] == 32 and r["group"] != "custom" and not r.get("kv")
 
 
 def bar(rows: list[dict]) -> list[str]:

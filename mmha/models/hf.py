@@ -174,3 +174,48 @@ class HFDecoder:
             for r, t in enumerate(tok.tolist()):
                 out[r].append(t)
         return out
+
+
+@torch.no_grad()
+def compare_kv_dtypes(
+    model,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    kv_dtype: torch.dtype,
+    *,
+    kv_scale_margin: float = 1.0,
+) -> dict:
+    """Teacher-forced decoding of ``prompts`` with caches of the model's dtype (A) and of
+    ``kv_dtype`` (B): both are fed A's greedy tokens for ``steps`` steps, and each step's logits
+    are compared. A step of a row is a top-1 flip when B's pick differs from A's, and a decisive
+    mismatch when A's pick beats B's under A's logits by more than twice that row's largest logit
+    difference. Returns per-step max |logit difference| and the counts."""
+    longest = max(len(p) for p in prompts)
+    a = HFDecoder(model, len(prompts), longest + steps + 1)
+    b = HFDecoder(
+        model, len(prompts), longest + steps + 1, kv_dtype=kv_dtype, kv_scale_margin=kv_scale_margin
+    )
+    tok = a.prefill(prompts).argmax(-1)
+    b.prefill(prompts)
+    diffs, flips, decisive = [], 0, 0
+    for _ in range(steps):
+        la, lb = a.step(tok), b.step(tok)
+        d = (la - lb).abs().amax(-1)
+        pa, pb = la.argmax(-1), lb.argmax(-1)
+        rows = (pa != pb).nonzero().flatten()
+        flips += len(rows)
+        if len(rows):
+            margin = la[rows, pa[rows]] - la[rows, pb[rows]]
+            decisive += int((margin > 2 * d[rows]).sum())
+        diffs.append(d.max().item())
+        tok = pa
+    return {
+        "steps": steps,
+        "rows": len(prompts),
+        "max_logit_diff": max(diffs),
+        "mean_step_max_logit_diff": sum(diffs) / len(diffs),
+        "logit_diff_per_step": diffs,
+        "top1_flips": flips,
+        "decisive_mismatches": decisive,
+        "logit_scale": float(la.abs().max()),
+    }
