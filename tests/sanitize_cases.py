@@ -1,7 +1,8 @@
 """Small decode cases for compute-sanitizer (RELIABILITY.md rows 20 and 27): ragged and empty
 rows, a row filled to capacity, NaN in unused slots, single pass and split/merge, both tile sources
 and two stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
-capacity, negative) on every variant: nothing may be read or written outside the caches."""
+capacity, negative) on every variant; fp8 caches on both sources, split and not, with a bad scale:
+nothing may be read or written outside the caches."""
 
 import torch
 from helpers import make_case
@@ -9,11 +10,34 @@ from helpers import make_case
 from mmha import ops
 
 
-def run(case, heads, head_dim, splits, source, stages, validate=True, workspace=None):
+def run(case, heads, head_dim, splits, source, stages, validate=True, workspace=None, scales=(None, None)):
     return ops.decode_attention(
         case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, stages=stages,
-        tile_source=source, validate_lengths=validate, workspace=workspace, **case.kwargs(),
+        tile_source=source, validate_lengths=validate, workspace=workspace, k_scale=scales[0],
+        v_scale=scales[1], **case.kwargs(),
     )  # fmt: skip
+
+
+def fp8_cases() -> None:
+    from fp8_cases import fp8_case
+
+    lengths = [0, 1, 17, 127, 255]
+    for dtype, head_dim, heads, sources in (
+        (torch.float16, 128, (8, 2), ("tma", "cp_async")),
+        (torch.bfloat16, 80, (4, 4), ("auto",)),
+    ):
+        for splits in (1, 5):
+            for source in sources:
+                case, ks, vs = fp8_case(5, *heads, head_dim, lengths, 256, dtype, seed=splits, bias=True,
+                                        rotary_dim=head_dim // 2)  # fmt: skip
+                out = run(case, heads, head_dim, splits, source, 2, scales=(ks, vs))
+                assert torch.isfinite(out).all()
+        case, ks, vs = fp8_case(5, *heads, head_dim, lengths, 256, dtype, seed=3)
+        ks[0] = float("nan")
+        ws = ops.Workspace.allocate("cuda", 5, heads[0], head_dim, 3)
+        out = run(case, heads, head_dim, 3, "auto", 2, workspace=ws, scales=(ks, vs))
+        torch.cuda.synchronize()
+        assert ws.status.tolist() == [2] * 5 and torch.isnan(out).all()
 
 
 def main() -> None:
@@ -44,6 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
             assert ws.status.tolist() == [1, 1, 0, 1, 1], ws.status.tolist()
             assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
+    fp8_cases()
     print("sanitize cases done")
 
 

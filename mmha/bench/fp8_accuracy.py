@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = [r for r in (hf_comparison(torch.float16), hf_comparison(torch.bfloat16)) if r is not None]
     for r in hf:
         print(
-            f"HF adapter, {r['dtype']} model, fp8 vs {r['dtype']} cache, {r['rows']} rows x {r['steps']} steps "
+            f"HF adapter, {r['dtype']} model, fp8 vs {r['dtype']} cache, {r['rows']} rows x {r['steps']} "
+            f"steps "
             f"teacher-forced: max |logit diff| {r['max_logit_diff']:.3g} (mean of per-step max "
             f"{r['mean_step_max_logit_diff']:.3g}; logits up to {r['logit_scale']:.3g}), "
             f"top-1 flips {r['top1_flips']}, decisive mismatches {r['decisive_mismatches']}"
