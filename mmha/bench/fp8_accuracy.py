@@ -47,8 +47,7 @@ def attention_errors(head_dim: int, length: int = 1024, hq: int = 8, hkv: int = 
     lengths = torch.tensor([length], dtype=torch.int32, device=dev)
     kc16, vc16 = layout.pack_k(k, length + 1), layout.pack_v(v, length + 1)
     out16 = ops.decode_attention(qkv, kc16, vc16, lengths, num_heads=hq, num_kv_heads=hkv)
-    kq = reference.quantize_fp8(k[0].transpose(0, 1), ks).transpose(0, 1)[None]
-    vq = reference.quantize_fp8(v[0].transpose(0, 1), vs).transpose(0, 1)[None]
+    kq, vq = reference.quantize_fp8(k, ks), reference.quantize_fp8(v, vs)  # [1, S, Hkv, D]
     kc8 = layout.pack_k(kq.view(torch.uint8), length + 1).view(torch.float8_e4m3fn)
     vc8 = layout.pack_v(vq.view(torch.uint8), length + 1).view(torch.float8_e4m3fn)
     out8 = ops.decode_attention(

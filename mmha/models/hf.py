@@ -195,6 +195,8 @@ def compare_kv_dtypes(
     b = HFDecoder(
         model, len(prompts), longest + steps + 1, kv_dtype=kv_dtype, kv_scale_margin=kv_scale_margin
     )
+    for dec in (a, b):
+        dec.cache.release(range(dec.cache.max_batch))
     tok = a.prefill(prompts).argmax(-1)
     b.prefill(prompts)
     diffs, flips, decisive = [], 0, 0
