@@ -265,8 +265,11 @@ def choose_variant(
         allowed = max(1, min(MAX_SPLITS, grains))
         # Small grids get one item per SM: filling two per SM measured slower (H200, decode
         # timing: B=1 Hkv=8 S=4096 13.1 us at 16 splits against 15.5 at 33; B=16 Hkv=8 S=2048
-        # 39.0 in one pass against 41.5 at 2 splits).
-        fill = sms
+        # 39.0 in one pass against 41.5 at 2 splits). fp8 tiles cost the consumers as much work
+        # for half the bytes, so one block's consumers per SM cannot keep up: fp8 grids fill
+        # every resident block (H200: B=16 Hkv=8 S=32768 ran at 61 % of the fp8 floor with
+        # one item per SM).
+        fill = sms * (blocks_per_sm if elem == 1 else 1)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))

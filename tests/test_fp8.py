@@ -140,3 +140,13 @@ def test_workspace_check_names_the_refusal():
     ws.status[0] = 3
     with pytest.raises(ops.LengthError, match=r"rows \[0\]"):
         ws.check()
+
+
+def test_dispatch_fp8_fills_every_resident_block():
+    """A grid of fewer items than resident blocks is split to fill them with fp8 caches (the
+    consumers bound fp8), to one item per SM with 16-bit caches."""
+    p16 = dispatch.choose_variant(16, 32, 8, 128, 32768, torch.float16)
+    p8 = dispatch.choose_variant(16, 32, 8, 128, 32768, torch.float16, kv_dtype=FP8)
+    assert (p16.num_splits, p8.num_splits) == (1, 2)
+    base = 16 * 8
+    assert base * p8.num_splits <= dispatch.H100.num_sms * p8.blocks_per_sm
