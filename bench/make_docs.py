@@ -3,11 +3,14 @@
 Usage:
     python bench/make_docs.py --bench RUN.json [--bench RUN2.json ...] [--before OLD.json]
                               [--step STEP.md] [--sweep SWEEP.json]
+                              [--fp8 FP8RUN.json ...] [--fp8-accuracy ACC.json]
 
 --bench: a ``python -m mmha.bench --grid canonical`` bench.json, one per GPU model (copied to
 docs/data/bench_<gpu>.json with its plots). --before: the previous kernel's decode times on the
 same GPU and run (rows with ``old_decode_us``). --step: the table ``python -m mmha.bench.step``
 printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's check).
+--fp8: a ``python -m mmha.bench --grid canonical --fp8`` bench.json (copied to
+docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
 """
 
 from __future__ import annotations
@@ -131,12 +134,63 @@ def before_section(before: dict, after: dict) -> list[str]:
     ]
 
 
+def fp8_section(data: dict, name: str) -> list[str]:
+    from tabulate import tabulate
+
+    h = data["header"]
+    rows = report.fp8_rows(data["rows"])
+    body = [[report.row_label(r), report.fmt(r["kv_mb"]), r["plan"], report.fmt(r["mmha_decode_us"]),
+             report.fmt(r["mmha_16bit_us"]), report.fmt(r["fp8_speedup_ratio"], 3),
+             f"{report.fmt(r['best_peer_decode_us'])} ({r['best_peer_decode']})", report.fmt(r["ratio"], 3),
+             report.fmt(r["pct_floor"]), report.fmt(r["read_floor_decode_us"])] for r in rows]  # fmt: skip
+    misses = report.fp8_bar(data["rows"])
+    return [
+        f"### {h['gpu']} ({name}), {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+        tabulate(body, headers=["row", "fp8 KV MB", "plan", "mmha fp8 us", "mmha 16-bit us", "fp8 / 16-bit",
+                                "best 16-bit peer us", "fp8 / peer", "% fp8 floor", "fp8 floor us"],
+                 tablefmt="github", disable_numparse=True), "",
+        "fp8 bar (`mmha.bench.report.fp8_bar`): "
+        + ("holds on every row." if not misses else f"{len(misses)} misses:"), "",
+        *[f"- {m}" for m in misses], "",
+    ]  # fmt: skip
+
+
+def fp8_accuracy_section(acc: dict) -> list[str]:
+    from tabulate import tabulate
+
+    body = [[r["head_dim"], f"{r['fp8_max_abs_err']:.2e}", f"{r['fp8_mean_abs_err']:.2e}",
+             f"{r['fp16_max_abs_err']:.2e}", f"{r['fp16_mean_abs_err']:.2e}",
+             f"{r['e4m3_bound_min_over_heads']:.2g}", r["within_bound"]] for r in acc["attention"]]  # fmt: skip
+    lines = [
+        "### Accuracy", "",
+        "`python -m mmha.bench.fp8_accuracy` (H200): N(0, 1) q, K, V, 1025 keys, Hq 8, Hkv 2, per-kv-head"
+        " scales from the absolute maxima; mmha's output with an fp8 cache and with an fp16 cache against"
+        " fp64 attention over the unquantised fp16 cache. The bound is the worst case from e4m3's 3-bit"
+        " mantissa (`tests/fp8_cases.py`, asserted per head by `tests/test_fp8_gpu.py`): loose by"
+        " construction, it allows every value its largest rounding in the same direction.", "",
+        tabulate(body, headers=["head dim", "fp8 max err", "fp8 mean err", "fp16 max err", "fp16 mean err",
+                                "e4m3 bound (min over heads)", "within bound"], tablefmt="github"), "",
+    ]  # fmt: skip
+    for r in acc.get("hf", []):
+        lines.append(
+            f"- HF adapter (random-weight Llama config, 2 layers, Hq 8, Hkv 2, D 32), {r['dtype']} model: fp8"
+            f" against {r['dtype']} cache, {r['rows']} rows x {r['steps']} steps teacher-forced: max |logit"
+            f" difference| {r['max_logit_diff']:.3g} (mean of the per-step maxima"
+            f" {r['mean_step_max_logit_diff']:.3g}; logits up to {r['logit_scale']:.3g}), top-1 flips"
+            f" {r['top1_flips']} of {r['rows'] * r['steps']}, decisive mismatches {r['decisive_mismatches']}"
+            " (a step where the 16-bit top-1 wins by more than twice the logit difference)."
+        )
+    return lines + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", type=Path, action="append", required=True)
     ap.add_argument("--before", type=Path)
     ap.add_argument("--step", type=Path)
     ap.add_argument("--sweep", type=Path)
+    ap.add_argument("--fp8", type=Path, action="append", default=[])
+    ap.add_argument("--fp8-accuracy", type=Path)
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -182,6 +236,24 @@ def main() -> None:
             " in the benchmark run above with the same plan); the sweep now times the plan again last.",
             "", sweep_table(sweep), "",
         ]  # fmt: skip
+    if args.fp8 or args.fp8_accuracy:
+        lines += [
+            "## fp8 (e4m3) caches", "",
+            "`python -m mmha.bench --grid canonical --dtype fp16 bf16 --no-extras --fp8`: each canonical row"
+            " again with an fp8 cache (one scale per kv head), beside mmha's 16-bit time from the same run;"
+            " the peers have no fp8 cache and run the 16-bit row. The read floor is that of the fp8 bytes."
+            " The bar: faster than every 16-bit peer on every row; on caches of >= 256 MB of fp8 bytes at"
+            " most 0.55x mmha's 16-bit time and >= 95 % of the fp8 read floor.", "",
+        ]  # fmt: skip
+        for path in args.fp8:
+            data = json.loads(path.read_text())
+            name = slug(data["header"]["gpu"])
+            keep(path, f"bench_fp8_{name}.json")
+            lines += fp8_section(data, name)
+        if args.fp8_accuracy:
+            lines += fp8_accuracy_section(
+                json.loads(keep(args.fp8_accuracy, args.fp8_accuracy.name).read_text())
+            )
     (DOCS / "benchmarks.md").write_text("\n".join(x for x in lines if x is not None).rstrip() + "\n")
     print(f"wrote {DOCS / 'benchmarks.md'}")
 
