@@ -160,7 +160,8 @@ def fp8_accuracy_section(acc: dict) -> list[str]:
 
     body = [[r["head_dim"], f"{r['fp8_max_abs_err']:.2e}", f"{r['fp8_mean_abs_err']:.2e}",
              f"{r['fp16_max_abs_err']:.2e}", f"{r['fp16_mean_abs_err']:.2e}",
-             f"{r['e4m3_bound_min_over_heads']:.2g}", r["within_bound"]] for r in acc["attention"]]  # fmt: skip
+             f"{r['e4m3_bound_min_over_heads']:.2g}", r["within_bound"]]
+            for r in acc["attention"]]  # fmt: skip
     lines = [
         "### Accuracy", "",
         "`python -m mmha.bench.fp8_accuracy` (H200): N(0, 1) q, K, V, 1025 keys, Hq 8, Hkv 2, per-kv-head"
