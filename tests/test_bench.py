@@ -99,3 +99,23 @@ def test_speed_bar_holds_and_misses():
     assert any("of the read floor < 94 %" in m for m in misses)  # 256 MB - 1 GB
     assert not any("< 85 %" in m for m in misses)
     assert any("small cache" in m for m in misses)  # 0.9x > 0.85x on the 17 MB rows
+
+
+def test_fp8_rows_follow_their_16bit_twins_and_the_fp8_bar():
+    cfgs = build_configs("canonical", ["fp16"], extras=False, fp8=True)
+    assert len(cfgs) == 2 * len(CANONICAL)
+    assert [c.kv for c in cfgs[:2]] == ["", "fp8"] and cfgs[1].same_shape() == cfgs[0]
+    assert cfgs[1].kv_bytes * 2 == cfgs[0].kv_bytes and "kv=fp8" in cfgs[1].label
+    big16 = Config("MHA b16", 16, 32, 32, 128, 8192, "fp16")
+    big8 = big16.same_shape("fp8")
+    rows = [
+        report.summarize(fake_result(big16, 480.0, {"sdpa_cudnn": 470.0}, 460.0), 4000.0),
+        report.summarize(fake_result(big8, 250.0, {"sdpa_cudnn": 470.0}, 240.0), 4000.0),
+    ]
+    (r,) = report.fp8_rows(rows)
+    assert r["mmha_16bit_us"] == 480.0 and r["fp8_speedup_ratio"] == pytest.approx(250 / 480)
+    assert report.fp8_bar(rows) == []  # 0.52x the 16-bit time, 96 % of the fp8 floor, ahead of the peer
+    rows[1] = report.summarize(fake_result(big8, 480.0, {"sdpa_cudnn": 470.0}, 240.0), 4000.0)
+    misses = report.fp8_bar(rows)
+    assert len(misses) == 3
+    assert "best 16-bit peer" in misses[0] and "16-bit time > 0.55" in misses[1] and "< 95 %" in misses[2]

@@ -80,12 +80,17 @@ def run_config(
     fp8 cache)."""
     floors = {} if floors is None else floors
     res = {"config": cfg, "decode": {}, "errors": {}, "skipped": {}, "cold": {}, "graph": {}}
-    if twin is not None:
+    if twin is not None:  # 16-bit peers from the twin; FlashInfer runs its fp8 decode on the row
+        fp8_peers = tuple(m for m in peers if m == "flashinfer")
         for key in ("decode", "errors", "skipped", "cold", "graph"):
             res[key].update(
-                {m: v for m, v in twin[key].items() if m != MMHA and not m.startswith(MMHA + " ")}
+                {
+                    m: v
+                    for m, v in twin[key].items()
+                    if m != MMHA and not m.startswith(MMHA) and m not in fp8_peers
+                }
             )
-        peers = ()
+        peers = fp8_peers
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
                         cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype)  # fmt: skip
     res["plan"] = plan_str(plan)
@@ -104,8 +109,6 @@ def run_config(
     if secondary:
         timed_peers = {m: v["us"] for m, v in res["decode"].items() if m in peers}
         for method in (MMHA, min(timed_peers, key=timed_peers.get, default=None)):
-            if method is not None and method != MMHA and twin is not None:
-                continue
             if method is not None and method in res["decode"]:
                 time_secondary(cfg, method, plan, res)
     return res

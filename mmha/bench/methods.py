@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, ops
-from .problems import Problem
+from .problems import FP8_BENCH_SCALE, Problem
 
 MMHA = "mmha"
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_default")
@@ -79,18 +79,23 @@ def eager_fn(prob: Problem):
 
 
 def flashinfer_fn(prob: Problem):
-    """FlashInfer's single-request decode (raises ImportError where FlashInfer is not installed)."""
+    """FlashInfer's single-request decode (raises ImportError where FlashInfer is not installed).
+    fp8 rows: its decode over e4m3 K/V (one scale for the tensor: the softmax scale takes K's,
+    the output V's)."""
     import flashinfer
 
     cfg = prob.cfg
     if cfg.batch != 1:
         raise RuntimeError("only FlashInfer's single-request decode is wired up (batch 1)")
-    k = prob.k[0].transpose(0, 1).contiguous()  # [S, Hkv, D] (NHD)
-    v = prob.v[0].transpose(0, 1).contiguous()
+    fp8 = prob.k8 is not None
+    k = (prob.k8 if fp8 else prob.k)[0].transpose(0, 1).contiguous()  # [S, Hkv, D] (NHD)
+    v = (prob.v8 if fp8 else prob.v)[0].transpose(0, 1).contiguous()
     q = prob.q[0, :, 0]
+    sc = FP8_BENCH_SCALE if fp8 else 1.0
 
     def fn():
-        return flashinfer.single_decode_with_kv_cache(q, k, v).reshape(1, -1)
+        out = flashinfer.single_decode_with_kv_cache(q, k, v, sm_scale=prob.scale * sc)
+        return (out * sc if fp8 else out).reshape(1, -1)
 
     return fn
 

@@ -152,6 +152,13 @@ class Problem:
             self.v = torch.randn(b, hkv, s, d, generator=g, device=dev, dtype=dt)
             self.k[:, :, s - 1] = self.qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
             self.v[:, :, s - 1] = self.qkv[:, (hq + hkv) * d :].view(b, hkv, d)
+            self.k8 = self.v8 = None
+            if cfg.kv:  # fp8 peers (FlashInfer): e4m3 copies, and K/V as they dequantise
+                kv_dt, sc = cfg.kv_torch_dtype, FP8_BENCH_SCALE
+                self.k8 = (self.k.float() / sc).clamp(-448, 448).to(kv_dt)
+                self.v8 = (self.v.float() / sc).clamp(-448, 448).to(kv_dt)
+                self.k = (self.k8.float() * sc).to(dt)
+                self.v = (self.v8.float() * sc).to(dt)
         else:
             raise ValueError(f"kind must be 'mmha' or 'sdpa', got {kind!r}")
 
