@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch, layout, ops, reference
+from . import dispatch, layout, ops, paging, reference
 from ._ext import extension_available
 
 _warned_reference = False
@@ -62,6 +62,14 @@ class KVCache:
     capacity : slots allocated per row: ``max_seq_len``, rounded up to a multiple of 64 on a GPU
         (the slots past ``max_seq_len`` are never used)
     lengths : ``[max_batch]`` int32 on ``device``: tokens cached per row.
+    paged, block_size, num_blocks : a paged cache (``mmha.paging``): each layer's K/V live in one
+        pool of ``num_blocks`` blocks of ``block_size`` slots (16, 32, 64 or 128; default enough
+        blocks for every row at ``max_seq_len``), ``k_caches[layer]`` is ``k_pages [num_blocks,
+        Hkv, D/x, block_size, x]``, ``v_caches[layer]`` is ``v_pages [num_blocks, Hkv,
+        block_size, D]``, and ``block_tables [max_batch, ceil(max_seq_len / block_size)]`` int32
+        says which blocks each row owns (host allocator ``pool``; updated in place). Rows own the
+        blocks of their tokens and of the next token's slot; ``fork`` shares a prefix's full blocks.
+        Steps run on the CPU (the reference path); the CUDA kernel does not read pages yet.
     k_scales, v_scales : ``[num_layers, Hkv]`` fp32 on ``device`` (fp8 caches; None otherwise):
         the cache stores ``saturate(k / k_scale)`` rounded to e4m3. They start at 1 and are set by
         ``set_scales`` or by the first ``prefill`` of a layer (from the prompt's absolute maxima).
@@ -84,6 +92,9 @@ class KVCache:
         scale: float | None = None,
         dispatch_on: str = "length",
         kv_dtype: torch.dtype | None = None,
+        paged: bool = False,
+        block_size: int = 16,
+        num_blocks: int | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -121,16 +132,37 @@ class KVCache:
         # fallback issues every copy from one warp and ran the step benchmark's 32K rows at 0.71x
         # the SDPA graph step on the H200). Slots past max_seq_len are never written or read.
         self.capacity = max_seq_len
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not paged:
             self.capacity = -(-max_seq_len // CAPACITY_ALIGN) * CAPACITY_ALIGN
-        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, kv_dtype)
-        v_shape = layout.v_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim)
+        self.paged = bool(paged)
+        self.pool: paging.PagePool | None = None
+        self.block_tables: torch.Tensor | None = None
+        if self.paged:
+            paging.check_block_size(block_size)
+            max_blocks = -(-max_seq_len // block_size)
+            num_blocks = max_batch * max_blocks if num_blocks is None else num_blocks
+            if not isinstance(num_blocks, int) or num_blocks < max_batch:
+                raise ValueError(
+                    f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
+                    f"next token, got {num_blocks!r}"
+                )
+            if self.device.type == "cuda":
+                raise ValueError(
+                    "paged=True runs on the CPU only for now: mmha's CUDA kernel does not read block tables "
+                    "yet (use a contiguous cache on the GPU)"
+                )
+            k_shape = layout.k_pages_shape(num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
+            v_shape = layout.v_pages_shape(num_blocks, num_kv_heads, block_size, head_dim)
+        else:
+            k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, kv_dtype)
+            v_shape = layout.v_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim)
 
         self.use_kernel = self.device.type == "cuda" and extension_available()
         if self.use_kernel and head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        self.nbytes = 2 * num_layers * max_batch * num_kv_heads * self.capacity * head_dim * elem
+        slots = num_blocks * block_size if self.paged else max_batch * self.capacity
+        self.nbytes = 2 * num_layers * slots * num_kv_heads * head_dim * elem
         workspace_bytes = (
             max_batch * num_heads + 2 + max_batch
         ) * 4  # counters, status; partials grow on first use
@@ -155,6 +187,10 @@ class KVCache:
         self._active = [True] * max_batch
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._workspace: ops.Workspace | None = None
+        if self.paged:
+            self.pool = paging.PagePool(num_blocks, block_size, max_batch, max_blocks, self.device)
+            self.block_tables = self.pool.tables
+            self.pool.ensure(range(max_batch), [0] * max_batch, "KVCache")
         if not self.use_kernel:
             reason = (
                 "no CUDA device for this cache"
@@ -199,9 +235,17 @@ class KVCache:
         if rows:
             self._active_mask[torch.tensor(rows, dtype=torch.long).to(self.device)] = int(active)
 
+    def _next_slot_lengths(self, rows: Sequence[int], extra: int = 0) -> list[int]:
+        """Lengths the page pool must cover for rows about to hold ``length + extra`` tokens: their
+        tokens and the next token's slot, which a full row does not have."""
+        return [min(self._host_lengths[r] + extra, self.max_seq_len - 1) for r in rows]
+
     def release(self, rows: Sequence[int]) -> None:
-        """Free rows (their length drops to 0; their cache contents become unused)."""
+        """Free rows (their length drops to 0; their cache contents become unused; a paged cache
+        takes back their blocks, except those another row shares)."""
         rows = self._check_rows(rows)
+        if self.paged:
+            self.pool.release(rows)
         self._set_active(rows, False)
         self._set_lengths(rows, [0] * len(rows))
 
@@ -218,12 +262,17 @@ class KVCache:
         busy = [r for r in rows if self._active[r]]
         if busy:
             raise ValueError(f"rows must be free (released) to be admitted, got active rows {busy}")
+        if self.paged:
+            self.pool.assign(rows, [0] * len(rows), "admit")
         self._set_lengths(rows, [0] * len(rows))
         self._set_active(rows, True)
         return rows
 
     def reset(self) -> None:
         """All rows active with length 0."""
+        if self.paged:
+            self.pool.release(range(self.max_batch))
+            self.pool.ensure(range(self.max_batch), [0] * self.max_batch, "reset")
         self._set_active(list(range(self.max_batch)), True)
         self._set_lengths(list(range(self.max_batch)), [0] * self.max_batch)
 
@@ -291,6 +340,9 @@ class KVCache:
         calibrate = self.fp8 and (scales == "amax" or (scales == "auto" and not self._scales_set[layer]))
         if calibrate:
             self._check_scales_unused(layer, rows)
+        if self.paged:  # the rows' blocks (all or nothing; no-op when an earlier layer assigned them)
+            self.pool.assign(rows, [min(n, self.max_seq_len - 1) for n in lens], "prefill")
+        if calibrate:
             kept = [k[i, :length] for i, length in enumerate(lens) if length]
             kept_v = [v[i, :length] for i, length in enumerate(lens) if length]
             if kept:
@@ -306,8 +358,11 @@ class KVCache:
                 if self.fp8:
                     ki = reference.quantize_fp8(ki, self.k_scales[layer])
                     vi = reference.quantize_fp8(vi, self.v_scales[layer])
-                layout.write_k(kc[row : row + 1], ki, 0)
-                layout.write_v(vc[row : row + 1], vi, 0)
+                if self.paged:
+                    layout.write_pages(kc, vc, self.pool.rows[row], ki[0], vi[0])
+                else:
+                    layout.write_k(kc[row : row + 1], ki, 0)
+                    layout.write_v(vc[row : row + 1], vi, 0)
         self._set_active(rows, True)
         self._set_lengths(rows, lens)
 
@@ -424,7 +479,10 @@ class KVCache:
                 f"rows {full} are full: length {self.max_seq_len} == max_seq_len leaves no slot "
                 "for the new token; release them or use a larger cache"
             )
-        kc, vc = self.k_caches[layer][:batch], self.v_caches[layer][:batch]
+        if self.paged:
+            kc, vc = self.k_caches[layer], self.v_caches[layer]
+        else:
+            kc, vc = self.k_caches[layer][:batch], self.v_caches[layer][:batch]
         lengths = self.lengths[:batch]
         common = dict(
             num_heads=self.num_heads,
@@ -438,6 +496,8 @@ class KVCache:
         )
         if self.fp8:
             common.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+        if self.paged:  # free rows own no blocks: they write nothing and get zeros
+            return self._step_paged(qkv, kc, vc, batch, common)
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
         if num_splits is None or stages is None:
@@ -463,6 +523,19 @@ class KVCache:
             **common,
         )
 
+    def _step_paged(self, qkv, kc, vc, batch: int, common: dict):
+        rows = [r for r in range(batch) if self._active[r]]
+        return_lse = common.pop("return_lse")
+        out = torch.zeros(batch, self.num_heads * self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=qkv.device)
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=qkv.device)
+            o, l_ = reference.decode_step_paged(
+                qkv[idx], kc, vc, self.block_tables[idx], self.lengths[idx], return_lse=True, **common
+            )
+            out[idx], lse[idx] = o, l_
+        return (out, lse) if return_lse else out
+
     def check(self) -> None:
         """Raise ``mmha.ops.LengthError`` if a step since the last check met a row whose device
         length was outside ``[0, max_seq_len - 1]`` (lengths changed behind the cache's back, or a
@@ -482,10 +555,44 @@ class KVCache:
         """
         if not self._capturing():
             self._check_advance(1)
+            self._reserve_pages(1)
             for r in range(self.max_batch):
                 if self._active[r]:
                     self._host_lengths[r] += 1
         self.lengths.add_(self._active_mask)
+
+    def _reserve_pages(self, steps: int) -> None:
+        """Paged: the blocks active rows need after ``steps`` more tokens (all or nothing)."""
+        if self.paged:
+            rows = self.active_rows
+            self.pool.ensure(rows, self._next_slot_lengths(rows, steps), "advance")
+
+    def fork(self, src_row: int, dst_rows: Sequence[int]) -> None:
+        """Paged caches: free rows ``dst_rows`` become copies of active row ``src_row`` (its length
+        and tokens, every layer), sharing its full blocks (reference counted, never written
+        again while shared) and each taking a copy of the block that holds its next slot. All or
+        nothing: a pool too small for the copies raises ``mmha.paging.PoolExhausted``."""
+        if not self.paged:
+            raise ValueError("fork needs a paged cache (KVCache(..., paged=True))")
+        (src,) = self._check_rows([src_row], "src_row")
+        dsts = self._check_rows(dst_rows, "dst_rows")
+        if not self._active[src]:
+            raise ValueError(f"src_row must be an active row, got free row {src}")
+        if src in dsts:
+            raise ValueError(f"dst_rows must not include src_row {src}")
+        busy = [r for r in dsts if self._active[r]]
+        if busy:
+            raise ValueError(f"dst_rows must be free (released) rows, got active rows {busy}")
+        length = self._host_lengths[src]
+        copies = self.pool.fork(src, dsts, min(length, self.max_seq_len - 1))
+        if copies:
+            old = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+            new = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+            for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+                kc[new] = kc[old]
+                vc[new] = vc[old]
+        self._set_active(dsts, True)
+        self._set_lengths(dsts, [length] * len(dsts))
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -502,8 +609,10 @@ class KVCache:
             )
 
     def account_replay(self, steps: int = 1) -> None:
-        """Move the host mirror after ``steps`` replays of a graph that captured ``advance()``."""
+        """Move the host mirror after ``steps`` replays of a graph that captured ``advance()`` (a
+        paged cache also gives rows the block of their next token before the next replay)."""
         self._check_advance(steps)
+        self._reserve_pages(steps)
         for r in range(self.max_batch):
             if self._active[r]:
                 self._host_lengths[r] += steps

@@ -114,3 +114,54 @@ def write_v(cache_v: torch.Tensor, v: torch.Tensor, start: int, layout: str = "b
     """Write ``v`` (``[B, S, Hkv, D]`` or bhsd) into slots ``start..start+S-1`` of ``cache_v``."""
     v = _to_bhsd(v, layout)
     cache_v[: v.shape[0], :, start : start + v.shape[2], :] = v
+
+
+# ------------------------------------------------------------------ paged caches
+# Pages of a paged cache (mmha.paging): the contiguous layouts with blocks of ``block_size`` slots
+# in place of rows, ``k_pages [num_blocks, Hkv, D/x, block_size, x]`` (vLLM's paged K layout) and
+# ``v_pages [num_blocks, Hkv, block_size, D]`` (each token's V row contiguous, as in cache_v).
+
+
+def k_pages_shape(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int, int, int, int]:
+    x = _check_head_dim(head_dim, dtype)
+    return (num_blocks, num_kv_heads, head_dim // x, block_size, x)
+
+
+def v_pages_shape(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def gather_k(k_pages: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Blocks of ``k_pages`` in order as one contiguous ``cache_k [1, Hkv, D/x, n * block_size, x]``."""
+    n, (_, h, dx, bs, x) = len(blocks), k_pages.shape
+    pages = k_pages[torch.tensor(blocks, dtype=torch.long, device=k_pages.device)]  # [n, Hkv, D/x, bs, x]
+    return pages.permute(1, 2, 0, 3, 4).reshape(1, h, dx, n * bs, x).contiguous()
+
+
+def gather_v(v_pages: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Blocks of ``v_pages`` in order as one contiguous ``cache_v [1, Hkv, n * block_size, D]``."""
+    n, (_, h, bs, d) = len(blocks), v_pages.shape
+    pages = v_pages[torch.tensor(blocks, dtype=torch.long, device=v_pages.device)]  # [n, Hkv, bs, D]
+    return pages.permute(1, 0, 2, 3).reshape(1, h, n * bs, d).contiguous()
+
+
+def write_pages(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    blocks: list[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int = 0,
+) -> None:
+    """Write ``k, v [S, Hkv, D]`` (in the pages' dtype) into slots ``start .. start + S - 1`` of the
+    row whose blocks are ``blocks``."""
+    bs, x = k_pages.shape[3], k_pages.shape[4]
+    s, h, d = k.shape
+    for i in range(s):
+        block, off = blocks[(start + i) // bs], (start + i) % bs
+        k_pages[block, :, :, off, :] = k[i].reshape(h, d // x, x)
+        v_pages[block, :, off, :] = v[i]

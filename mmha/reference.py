@@ -186,3 +186,69 @@ def decode_step(
     if return_lse:
         return out, torch.stack(lses).float()
     return out
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, lengths: list[int], num_blocks: int, block_size: int
+) -> None:
+    """Every row's table holds the blocks of slots ``0 .. lengths[b]``: enough entries, each in
+    ``[0, num_blocks)``, none repeated within the row. Raises ValueError naming ``block_tables``."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != len(lengths):
+        raise ValueError(
+            f"block_tables must have shape [{len(lengths)}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    host = block_tables.tolist()
+    for b, n in enumerate(lengths):
+        need = n // block_size + 1
+        if need > len(host[b]):
+            raise ValueError(
+                f"block_tables must hold {need} blocks for row {b} (length {n}, block_size {block_size}), "
+                f"got {len(host[b])} per row"
+            )
+        row = host[b][:need]
+        for i, blk in enumerate(row):
+            if not 0 <= blk < num_blocks:
+                raise ValueError(f"block_tables[{b}, {i}] must be in [0, {num_blocks - 1}], got {blk}")
+        if len(set(row)) != len(row):
+            dup = next(blk for blk in row if row.count(blk) > 1)
+            raise ValueError(f"block_tables[{b}] must not repeat a block within a row, got block {dup} twice")
+
+
+def decode_step_paged(
+    qkv: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    return_lse: bool = False,
+    **kwargs,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``decode_step`` over a paged cache: row ``b``'s slot ``t`` is slot ``t % block_size`` of
+    block ``block_tables[b, t // block_size]`` of ``k_pages [num_blocks, Hkv, D/x, block_size, x]``
+    and ``v_pages [num_blocks, Hkv, block_size, D]``. Each row's blocks are gathered into a
+    contiguous cache, the step runs there, and the new token is written back to its page."""
+    bs = k_pages.shape[3]
+    pos = [int(p) for p in lengths.tolist()]
+    for row, p in enumerate(pos):
+        if p < 0:
+            raise ValueError(f"lengths[{row}] must be >= 0, got {p}")
+    check_block_tables(block_tables, pos, k_pages.shape[0], bs)
+    tables = block_tables.tolist()
+    outs, lses = [], []
+    for b, p in enumerate(pos):
+        blocks = tables[b][: p // bs + 1]
+        kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
+        out, lse = decode_step(
+            qkv[b : b + 1], kc, vc, lengths[b : b + 1], num_heads=num_heads, num_kv_heads=num_kv_heads,
+            return_lse=True, **kwargs,
+        )  # fmt: skip
+        blk, off = blocks[p // bs], p % bs
+        k_pages[blk, :, :, off, :] = kc[0, :, :, p, :]
+        v_pages[blk, :, off, :] = vc[0, :, p, :]
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses)) if return_lse else out
