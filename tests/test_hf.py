@@ -47,9 +47,9 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def check_matches_generate(model, new_tokens: int):
+def check_matches_generate(model, new_tokens: int, **kw):
     ps = prompts(model.config.vocab_size)
-    dec = HFDecoder(model, max_batch=len(ps), max_seq_len=max(PROMPT_LENGTHS) + new_tokens + 1)
+    dec = HFDecoder(model, max_batch=len(ps), max_seq_len=max(PROMPT_LENGTHS) + new_tokens + 1, **kw)
     ours = dec.generate(ps, new_tokens)
     theirs = [hf_greedy(model, p, new_tokens) for p in ps]
     for r, (a, b) in enumerate(zip(ours, theirs, strict=True)):
@@ -63,6 +63,15 @@ def test_cpu_reference_path_matches_generate(model_type):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # KVCache on CPU: reference path
         check_matches_generate(build(model_type, "cpu", torch.float32), new_tokens=12)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_paged_cache_matches_generate(block_size):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        check_matches_generate(
+            build("llama", "cpu", torch.float32), new_tokens=20, paged=True, block_size=block_size
+        )
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")

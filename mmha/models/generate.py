@@ -78,14 +78,18 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     kv_dtype: torch.dtype | None = None,
+    paged: bool = False,
+    block_size: int = 16,
 ) -> GenerationResult:
     """Decode every request; at most ``batch`` at a time, freed slots refilled from the queue.
-    ``kv_dtype``: the caches' dtype (default the model's; ``torch.float8_e4m3fn`` for fp8)."""
+    ``kv_dtype``: the caches' dtype (default the model's; ``torch.float8_e4m3fn`` for fp8);
+    ``paged``: a paged cache of ``block_size``-slot blocks (``KVCache(paged=True)``)."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     cache = model.new_cache(
-        batch, max_seq_len, dev, dtype, dispatch_on="capacity" if graph else "length", kv_dtype=kv_dtype
-    )
+        batch, max_seq_len, dev, dtype, dispatch_on="capacity" if graph else "length", kv_dtype=kv_dtype,
+        paged=paged, block_size=block_size,
+    )  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature else None
     queue = list(range(len(requests)))
     slot_req: list[int | None] = [None] * batch
@@ -237,6 +241,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp16")
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="same",
                    help="the caches' dtype: the model's (same) or fp8 e4m3 with per-head scales")  # fmt: skip
+    p.add_argument("--paged", action="store_true", help="a paged cache (KVCache(paged=True))")
+    p.add_argument("--block-size", type=int, default=16, help="slots per block of a paged cache")
     p.add_argument("--graph", action="store_true", help="replay each decode step as one CUDA graph")
     p.add_argument("--compare-reference", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -246,9 +252,13 @@ def main(argv: list[str]) -> int:
     has_gpu = torch.cuda.is_available()
     from .._ext import extension_available
 
-    if not has_gpu or not extension_available():
-        why = "no CUDA GPU" if not has_gpu else "the CUDA extension is not built"
-        print(f"mmha {cmd}: {why} here: running the reference path on the CPU at a small size.")
+    if not has_gpu or not extension_available() or args.paged:
+        if args.paged and has_gpu:
+            why = "paged caches have no kernel yet"
+        else:
+            why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
+        has_gpu = False
+        print(f"mmha {cmd}: {why}: running the reference path on the CPU at a small size.")
         args.model, args.batch, args.graph = "tiny", 2, False
         args.dtype = "fp32" if args.kv_dtype == "same" else "bf16"  # fp8 caches need 16-bit activations
         args.new_tokens = min(args.new_tokens, 16)
@@ -264,12 +274,14 @@ def main(argv: list[str]) -> int:
     budgets = [args.new_tokens - (i % 3) * (args.new_tokens // 4) for i in range(n_req)]
     reqs = [Request(pr, max(1, b)) for pr, b in zip(prompts, budgets, strict=True)]
     max_seq = max(args.prompt_lengths) + args.new_tokens + 1
+    cache_kind = f"{args.kv_dtype} cache" + (f" (paged, blocks of {args.block_size})" if args.paged else "")
     print(f"model {args.model}: {cfg.num_layers} layers, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, "
-          f"D {cfg.head_dim}, {args.dtype}, {args.kv_dtype} cache, batch {args.batch}, {n_req} requests, "
+          f"D {cfg.head_dim}, {args.dtype}, {cache_kind}, batch {args.batch}, {n_req} requests, "
           f"{'CUDA graph' if args.graph else 'eager'} on {dev}")  # fmt: skip
     kv_dtype = KV_DTYPES[args.kv_dtype]
     res = generate(model, reqs, args.batch, max_seq, graph=args.graph, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, kv_dtype=kv_dtype)  # fmt: skip
+                   top_k=args.top_k, seed=args.seed, kv_dtype=kv_dtype, paged=args.paged,
+                   block_size=args.block_size)  # fmt: skip
     s = res.summary()
     print(f"generated {s['tokens']} tokens in {s['steps']} steps: {s['tokens_per_s']:.0f} tokens/s; "
           f"step latency start median {s['start_median_ms']:.2f} ms (p90 {s['start_p90_ms']:.2f}), "

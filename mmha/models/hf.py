@@ -57,12 +57,14 @@ class HFDecoder:
 
     def __init__(
         self, model, max_batch: int, max_seq_len: int, *, dispatch_on: str = "length",
-        kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0,
+        kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0, paged: bool = False,
+        block_size: int = 16, num_blocks: int | None = None,
     ):  # fmt: skip
         """``kv_dtype``: the caches' dtype (default the model's); ``torch.float8_e4m3fn`` stores
         K/V in fp8 with per-layer, per-kv-head scales taken from the first prompt's absolute
         maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set with
-        ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's)."""
+        ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
+        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; CPU only for now)."""
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -90,7 +92,8 @@ class HFDecoder:
         self.cache = KVCache(
             config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
             self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
-            scale=float(attn.scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype,
+            scale=float(attn.scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype, paged=paged,
+            block_size=block_size, num_blocks=num_blocks,
         )  # fmt: skip
         self.kv_scale_margin = kv_scale_margin
         # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
