@@ -444,13 +444,19 @@ class KVCache:
         num_splits: int | None = None,
         stages: int | None = None,
         tile_source: str = "auto",
+        window: int | None = None,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``layer`` for rows ``0..B-1``: append the new K/V, attend.
 
         ``qkv [B, (Hq + 2 Hkv) D]`` with ``B <= max_batch``. Lengths are not changed: call
         ``advance()`` after the last layer. Returns ``out [B, Hq * D]`` (and fp32 ``lse [B, Hq]``).
         ``variant``, ``num_splits``, ``stages`` and ``tile_source`` override the plan (see
-        ``mmha.ops.decode_attention``).
+        ``mmha.ops.decode_attention``). ``window``, ``softcap``, ``alibi_slopes`` and ``sinks``
+        modify the scores (``mmha.reference``; per call, so each layer may have its own): computed
+        on the CPU path; the CUDA kernel does not apply them yet (``NotImplementedError``).
         """
         self._check_layer(layer)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -473,6 +479,7 @@ class KVCache:
                 f"qkv_bias must have shape [{width}], dtype {self.dtype} and device {self.device}, "
                 f"got {tuple(qkv_bias.shape)} {qkv_bias.dtype} {qkv_bias.device}"
             )
+        mods = reference.ScoreMods(self.num_heads, self.device, window, softcap, alibi_slopes, sinks)
         full = [r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len]
         if full:
             raise ValueError(
@@ -496,6 +503,8 @@ class KVCache:
         )
         if self.fp8:
             common.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+        if mods.any:
+            common.update(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if self.paged:  # free rows own no blocks: they write nothing and get zeros
             return self._step_paged(qkv, kc, vc, batch, common)
         if not self.use_kernel:

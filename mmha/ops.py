@@ -157,6 +157,10 @@ def decode_attention(
     validate_lengths: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused append + attention for one decode step on the GPU.
 
@@ -171,6 +175,9 @@ def decode_attention(
         use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
         that is not finite and positive refuses the step (nothing written, NaN output, and
         ``workspace.check()`` raises ``ScaleError``).
+    window, softcap, alibi_slopes, sinks : score modifiers (``mmha.reference``): the kernel does
+        not apply them yet; giving one raises ``NotImplementedError`` (``mmha.reference`` and the
+        CPU path of ``KVCache`` compute them).
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
     stages : shared-memory stages of the tile loop (fp16 / bf16); by default the plan's.
@@ -188,6 +195,11 @@ def decode_attention(
     out ``[B, Hq * D]`` in the input dtype, and with ``return_lse`` the fp32 ``lse [B, Hq]``.
     """
     _require_extension()
+    if any(m is not None for m in (window, softcap, alibi_slopes, sinks)):
+        raise NotImplementedError(
+            "score modifiers (window, softcap, alibi_slopes, sinks) are not applied by the CUDA kernel yet; "
+            "mmha.reference.decode_step and KVCache on the CPU compute them"
+        )
     if tile_source not in TILE_SOURCES:
         raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
     if k_cache.dtype == dispatch.FP8 and qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:

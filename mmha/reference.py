@@ -13,6 +13,12 @@ One step for row ``b`` (with ``pos = lengths[b]`` tokens already cached):
    An fp8 cache is read as ``K = cached * k_scale[h]``, ``V = cached * v_scale[h]`` (dequantised
    in the compute dtype).
 
+Score modifiers (``ScoreMods``), applied in this order to the scaled logit ``s`` of query head
+``h`` and slot ``t`` (the new token is at slot ``pos``): soft-cap ``s = cap * tanh(s / cap)``;
+ALiBi ``s += slope[h] * (t - pos)``; sliding window: only slots ``t > pos - window`` are attended
+(``window`` slots, the new token's included); attention sink: ``exp(sink[h])`` joins the softmax's
+denominator (``lse`` includes it, and the weights sum to less than one).
+
 ``lengths`` are not changed (the cache manager advances them once per step).
 """
 
@@ -99,14 +105,91 @@ def split_qkv(
     return q, k.reshape(b, num_kv_heads, head_dim), v.reshape(b, num_kv_heads, head_dim)
 
 
+class ScoreMods:
+    """The score modifiers of a step, checked: ``window`` (int >= 1), ``softcap`` (finite > 0),
+    ``alibi_slopes`` and ``sinks`` (fp32 ``[num_heads]``, finite; on the activations' device)."""
+
+    def __init__(self, num_heads: int, device, window=None, softcap=None, alibi_slopes=None, sinks=None):
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(
+                f"window must be an int >= 1 (slots attended, the new token's included), got {window!r}"
+            )
+        if softcap is not None and not (
+            isinstance(softcap, (int, float))
+            and not isinstance(softcap, bool)
+            and math.isfinite(softcap)
+            and softcap > 0
+        ):
+            raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+        for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (num_heads,):
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be a float32 tensor of shape [{num_heads}] (one per query head), got {got}"
+                )
+            if t.device != torch.device(device):
+                raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} must be finite, got {t.tolist()}")
+        self.window, self.softcap, self.alibi_slopes, self.sinks = window, softcap, alibi_slopes, sinks
+
+    @property
+    def any(self) -> bool:
+        return any(x is not None for x in (self.window, self.softcap, self.alibi_slopes, self.sinks))
+
+    def first_slot(self, pos: int) -> int:
+        """The first slot the query at ``pos`` attends to."""
+        return 0 if self.window is None else max(0, pos - self.window + 1)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.; BLOOM's and MPT's): ``2^(-8 i / n)`` for
+    ``i = 1 .. n`` when ``n`` is a power of two, else those of the next lower power of two followed
+    by every other slope of the next higher one. fp32 ``[num_heads]``."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mods: ScoreMods | None = None,
+    pos: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: ``q [Hq, D]``, ``k, v [Hkv, L, D]`` -> out ``[Hq, D]``, lse ``[Hq]``."""
+    """One row: ``q [Hq, D]``, ``k, v [Hkv, L, D]`` -> out ``[Hq, D]``, lse ``[Hq]``. With ``mods``,
+    the keys are slots ``0 .. L - 1`` and the query sits at slot ``pos``."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
     scores = torch.einsum("hd,hld->hl", q, k) * scale
+    if mods is not None and mods.any:
+        if mods.softcap is not None:
+            scores = mods.softcap * torch.tanh(scores / mods.softcap)
+        slots = torch.arange(k.shape[1], device=q.device, dtype=scores.dtype)
+        if mods.alibi_slopes is not None:
+            scores = (
+                scores + mods.alibi_slopes.to(scores.device, scores.dtype)[:, None] * (slots - pos)[None, :]
+            )
+        start = mods.first_slot(pos)
+        scores, v = scores[:, start:], v[:, start:]
+        if mods.sinks is not None:
+            sink = mods.sinks.to(scores.device, scores.dtype)[:, None]
+            lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+        else:
+            lse = torch.logsumexp(scores, dim=-1)
+        out = torch.einsum("hl,hld->hd", torch.exp(scores - lse[:, None]), v)
+        return out, lse
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), v)
     return out, lse
@@ -129,6 +212,10 @@ def decode_step(
     compute_dtype: torch.dtype = torch.float32,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append the new K/V to the caches and return ``out [B, Hq * D]`` (and ``lse [B, Hq]``).
 
@@ -140,6 +227,7 @@ def decode_step(
     lengths : ``[B]`` int, tokens already cached per row (read, not changed).
     compute_dtype : ``torch.float32`` (default) or ``torch.float64``.
     k_scale, v_scale : ``[Hkv]`` fp32, for float8_e4m3fn caches only.
+    window, softcap, alibi_slopes, sinks : score modifiers (module docstring; ``ScoreMods``).
     """
     b, hkv, s_max, d = v_cache.shape
     fp8 = k_cache.dtype == FP8
@@ -152,6 +240,7 @@ def decode_step(
             f"qkv must have shape [{b}, {(num_heads + 2 * num_kv_heads) * d}], got {tuple(qkv.shape)}"
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    mods = ScoreMods(num_heads, qkv.device, window, softcap, alibi_slopes, sinks)
     pos_list = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos_list):
         if not 0 <= p < s_max:
@@ -179,7 +268,7 @@ def decode_step(
                 dequantize_fp8(keys, k_scale, compute_dtype),
                 dequantize_fp8(values, v_scale, compute_dtype),
             )
-        o, lse = attend(q[row], keys.to(compute_dtype), values.to(compute_dtype), scale)
+        o, lse = attend(q[row], keys.to(compute_dtype), values.to(compute_dtype), scale, mods, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
     out = torch.stack(outs).to(qkv.dtype)

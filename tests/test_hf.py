@@ -25,6 +25,12 @@ def build(model_type: str, device: str, dtype: torch.dtype, **over):
     common.update(over)
     if model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
+    elif model_type == "mistral":
+        config = transformers.MistralConfig(**common)
+    elif model_type == "gemma2":
+        config = transformers.Gemma2Config(**common)
+    elif model_type == "gpt_oss":
+        config = transformers.GptOssConfig(**common)
     else:
         config = transformers.LlamaConfig(**common)
     torch.manual_seed(0)
@@ -85,6 +91,33 @@ def test_gpu_mha_head_dim_128_other_theta():
     model = build("llama", "cuda", torch.float32, hidden_size=512, num_attention_heads=4,
                   num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})  # fmt: skip
     check_matches_generate(model, new_tokens=32)
+
+
+# Configs whose layers need score modifiers (mmha.reference; the CPU path computes them): windows
+# shorter than the prompts, so that the window matters from the first decode step on.
+FAMILIES = {
+    "mistral": dict(sliding_window=8),
+    "gemma2": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=15.0, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(sliding_window=8, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_cpu_windows_softcaps_and_sinks_match_generate(model_type):
+    """Mistral with a sliding window, Gemma 2 (alternating windows, attention and final logit
+    soft-caps, sandwich norms) and gpt-oss (sinks, alternating windows, MoE): greedy tokens equal
+    the model's own generate() in fp32."""
+    model = build(model_type, "cpu", torch.float32, **FAMILIES[model_type])
+    if model_type == "gpt_oss":
+        with torch.no_grad():  # sinks that matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        check_matches_generate(model, new_tokens=16)
 
 
 def test_rejects_what_the_kernel_does_not_compute():

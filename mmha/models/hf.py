@@ -1,16 +1,20 @@
 """Run a Hugging Face Llama-family causal LM's decode steps through mmha.
 
 ``HFDecoder(model, max_batch, max_seq_len)`` takes a ``transformers`` ``LlamaForCausalLM`` (or
-Mistral / Qwen2: the same decoder layer, Qwen2 with a qkv bias) and keeps its K/V in a
-``KVCache``. Prompts are prefilled by the model's own forward (its rotated K/V are copied into
-the cache); each decode step then runs the model's own norms, MLPs and projections around
-``KVCache.step``, which appends the new K/V and attends in one kernel. The model's q/k/v
-projection weights are concatenated once so each layer needs one matmul for ``qkv``.
+Mistral / Qwen2: the same decoder layer, Qwen2 with a qkv bias; Gemma 2: sandwich norms, logit
+soft-caps, alternating sliding-window layers; gpt-oss: attention sinks, alternating sliding
+windows, a mixture-of-experts MLP) and keeps its K/V in a ``KVCache``. Prompts are prefilled by
+the model's own forward (its rotated K/V are copied into the cache); each decode step then runs
+the model's own norms, MLPs and projections around ``KVCache.step``, which appends the new K/V
+and attends in one kernel. The model's q/k/v projection weights are concatenated once so each
+layer needs one matmul for ``qkv``.
 
-Only what the kernel computes exactly is accepted: default rotary over the whole head (GPT-NeoX
-halves), no sliding window shorter than the cache, and head dims the kernel
-supports. Anything else is rejected with the setting named. Nothing is downloaded: build the
-model from a config (``AutoModelForCausalLM.from_config``) or load your own.
+Only what mmha computes exactly is accepted: default rotary over the whole head (GPT-NeoX
+halves) and head dims the kernel supports. Sliding windows, soft-caps and sinks go to each
+layer's ``KVCache.step`` as score modifiers (computed on the CPU path; the CUDA kernel does not
+apply them yet, so such models are refused on a GPU). Anything else is rejected with the
+setting named. Nothing is downloaded: build the model from a config
+(``AutoModelForCausalLM.from_config``) or load your own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 from ..cache import KVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gpt_oss")
 
 
 def _rope_theta(config) -> float:
@@ -52,6 +56,38 @@ def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return past.key_cache[layer], past.value_cache[layer]
 
 
+def _layer_mods(config, i: int, layer, max_seq_len: int) -> dict:
+    """Layer ``i``'s score modifiers for ``KVCache.step``: its sliding window (where it is shorter
+    than the cache), Gemma 2's logit soft-cap, gpt-oss's sinks."""
+    mods = {}
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        sliding = types[i] == "sliding_attention"
+    else:
+        sliding = getattr(config, "use_sliding_window", True)
+    if sliding and window is not None and window < max_seq_len:
+        mods["window"] = int(window)
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        mods["softcap"] = float(cap)
+    sinks = getattr(layer.self_attn, "sinks", None)
+    if sinks is not None:
+        mods["sinks"] = sinks.detach().float().contiguous()
+    return mods
+
+
+def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A layer's prompt K or V ``[1, Hkv, L, D]`` as ``n`` slots: a sliding-window layer's cache
+    keeps only its last ``L < n`` tokens, which go to slots ``n - L .. n - 1`` (the slots before
+    are outside every later token's window, and are zero)."""
+    if t.shape[2] >= n:
+        return t[:, :, :n]
+    full = t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3])
+    full[:, :, n - t.shape[2] :] = t
+    return full
+
+
 class HFDecoder:
     """Greedy/step decoding of a Hugging Face Llama-family model with mmha's decode kernel."""
 
@@ -71,16 +107,6 @@ class HFDecoder:
             raise ValueError(
                 f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
             )
-        window = getattr(config, "sliding_window", None)
-        if (
-            getattr(config, "use_sliding_window", window is not None)
-            and window is not None
-            and window < max_seq_len
-        ):
-            raise ValueError(
-                f"config.sliding_window ({window}) must be None or >= max_seq_len ({max_seq_len}): "
-                "mmha attends over the whole cache"
-            )
         theta = _rope_theta(config)
         self.model = model
         self.body = model.model
@@ -89,6 +115,15 @@ class HFDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         param = next(model.parameters())
+        self.mods = [_layer_mods(config, i, layer, max_seq_len) for i, layer in enumerate(self.body.layers)]
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        if param.device.type == "cuda" and any(self.mods):
+            named = sorted({k for m in self.mods for k in m})
+            raise ValueError(
+                f"this {model_type} config needs score modifiers ({', '.join(named)}) that mmha's CUDA "
+                "kernel does not apply yet: run it on the CPU (the reference path), or use a config "
+                "without them"
+            )
         self.cache = KVCache(
             config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
             self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
@@ -133,9 +168,11 @@ class HFDecoder:
         for r, prompt in zip(rows, prompts, strict=True):
             ids = torch.tensor([list(prompt)], device=dev)
             res = self.model(input_ids=ids, use_cache=True)
+            n = ids.shape[1]
             for i in range(len(self.body.layers)):
                 k, v = _layer_kv(res.past_key_values, i)
-                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [ids.shape[1]], [r],
+                k, v = _full_length(k, n), _full_length(v, n)
+                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [n], [r],
                                    scale_margin=self.kv_scale_margin)  # fmt: skip
             logits.append(res.logits[0, -1].float())
         return torch.stack(logits)
@@ -147,11 +184,21 @@ class HFDecoder:
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.body.layers):
             qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
-            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i])
-            x = x + layer.self_attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i], **self.mods[i])
+            a = layer.self_attn.o_proj(out)
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: norms around both blocks
+                x = x + layer.post_attention_layernorm(a)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + a
+                # [B, 1, hidden] as in a forward; gpt-oss's MoE also returns its router scores
+                m = layer.mlp(layer.post_attention_layernorm(x)[:, None])
+                x = x + (m[0] if isinstance(m, tuple) else m)[:, 0]
         self.cache.advance()
-        return self.model.lm_head(self.body.norm(x)).float()
+        logits = self.model.lm_head(self.body.norm(x)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
