@@ -532,6 +532,100 @@ class KVCache:
             **common,
         )
 
+    # ----------------------------------------------------------------- tree steps
+    def step_tree(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        parents: torch.Tensor,
+        *,
+        node_counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """A tree-masked multi-token step of ``layer`` (``mmha.tree``) for rows ``0..B-1``:
+        ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T nodes of ``parents [B, T]``; node ``t`` is
+        appended at slot ``length + t`` and attends to the cache and to its ancestors. Returns
+        ``out [B, T, Hq * D]``. Lengths do not move: ``accept`` keeps each row's verified path
+        (use the same ``parents`` for every layer). CPU path only for now (the CUDA kernel does not
+        take trees yet); contiguous caches."""
+        from . import tree
+
+        self._check_layer(layer)
+        if self.paged:
+            raise ValueError("step_tree needs a contiguous cache (paged trees are not supported yet)")
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv.dim() != 3 or qkv.shape[2] != width or not 1 <= qkv.shape[0] <= self.max_batch:
+            raise ValueError(
+                f"qkv must have shape [B <= {self.max_batch}, T, (num_heads + 2 * num_kv_heads) * head_dim = "
+                f"{width}], got {tuple(qkv.shape)}"
+            )
+        if qkv.dtype != self.dtype or qkv.device != self.device:
+            raise ValueError(
+                f"qkv must have dtype {self.dtype} on {self.device}, got {qkv.dtype} on {qkv.device}"
+            )
+        batch = qkv.shape[0]
+        rows = tree.check_parents(parents, batch, node_counts)
+        if qkv.shape[1] != parents.shape[1]:
+            raise ValueError(
+                f"qkv must have T = {parents.shape[1]} nodes (parents' width), got {qkv.shape[1]}"
+            )
+        over = [r for r in range(batch) if self._host_lengths[r] + len(rows[r]) > self.max_seq_len]
+        if over:
+            raise ValueError(
+                f"rows {over} would overflow the capacity: length + node count > max_seq_len "
+                f"({self.max_seq_len})"
+            )
+        if self.use_kernel:
+            raise NotImplementedError(
+                "tree steps run on the CPU path only for now: the CUDA kernel does not take trees yet"
+            )
+        kw = dict(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
+            rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
+            rotary_interleaved=self.rotary_interleaved, node_counts=[len(r) for r in rows],
+        )  # fmt: skip
+        if self.fp8:
+            kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+        out = reference.decode_tree(
+            qkv,
+            self.k_caches[layer][:batch],
+            self.v_caches[layer][:batch],
+            self.lengths[:batch],
+            parents,
+            **kw,
+        )
+        self._tree = rows
+        return out
+
+    def accept(self, rows: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+        """After ``step_tree`` on every layer: each row of ``rows`` keeps the nodes of its path
+        (root first; an empty path keeps none), moved on the device to slots ``length ..
+        length + len(path) - 1`` in path order in every layer; its length advances by
+        ``len(path)``, and the other nodes are forgotten. Paths are checked against the last
+        step_tree's parents; nothing changes on a refusal."""
+        from . import tree
+
+        trees = getattr(self, "_tree", None)
+        if trees is None:
+            raise ValueError("accept needs a step_tree first")
+        rows = self._check_rows(rows)
+        if len(paths) != len(rows):
+            raise ValueError(f"paths must hold one path per row ({len(rows)}), got {len(paths)}")
+        checked = []
+        for i, (r, path) in enumerate(zip(rows, paths, strict=True)):
+            if r >= len(trees) or not self._active[r]:
+                raise ValueError(f"rows[{i}] = {r} took no part in the last step_tree (or is free)")
+            checked.append(tree.check_path(trees[r], path, i) if len(path) else [])
+        for r, path in zip(rows, checked, strict=True):
+            n = self._host_lengths[r]
+            if not path or path == list(range(len(path))):
+                continue  # already in place
+            src = torch.tensor([n + t for t in path], dtype=torch.long, device=self.device)
+            dst = torch.arange(n, n + len(path), dtype=torch.long, device=self.device)
+            for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+                kc[r, :, :, dst] = kc[r, :, :, src].clone()
+                vc[r, :, dst] = vc[r, :, src].clone()
+        self._set_lengths(rows, [self._host_lengths[r] + len(p) for r, p in zip(rows, checked, strict=True)])
+
     def _step_paged(self, qkv, kc, vc, batch: int, common: dict):
         rows = [r for r in range(batch) if self._active[r]]
         return_lse = common.pop("return_lse")

@@ -341,3 +341,87 @@ def decode_step_paged(
         lses.append(lse)
     out = torch.cat(outs)
     return (out, torch.cat(lses)) if return_lse else out
+
+
+def decode_tree(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    node_counts: list[int] | None = None,
+    qkv_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    rotary_dim: int = 0,
+    rotary_theta: float = 10000.0,
+    rotary_interleaved: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A tree-masked multi-token step (``mmha.tree``): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T
+    nodes of ``parents [B, T]``; node ``t`` is appended at slot ``lengths[b] + t`` (rotary at
+    ``lengths[b] + depth(t)``, stored as ``decode_step`` stores a token) and attends to slots
+    ``0 .. lengths[b] - 1`` and to its ancestors' slots, itself included, with an explicit mask.
+    Returns ``out [B, T, Hq * D]`` (zeros for nodes past a row's count); lengths are not changed."""
+    from . import tree
+
+    b, hkv, s_max, d = v_cache.shape
+    fp8 = k_cache.dtype == FP8
+    if fp8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
+    width = (num_heads + 2 * num_kv_heads) * d
+    if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
+        raise ValueError(f"qkv must have shape [{b}, T, {width}], got {tuple(qkv.shape)}")
+    rows = tree.check_parents(parents, b, node_counts)
+    if qkv.shape[1] != parents.shape[1]:
+        raise ValueError(f"qkv must have T = {parents.shape[1]} nodes (parents' width), got {qkv.shape[1]}")
+    pos_list = [int(p) for p in lengths.tolist()]
+    for row, p in enumerate(pos_list):
+        if p < 0:
+            raise ValueError(f"lengths[{row}] must be >= 0, got {p}")
+        if p + len(rows[row]) > s_max:
+            raise ValueError(
+                f"lengths[{row}] + node count must fit the capacity: {p} + {len(rows[row])} > {s_max}"
+            )
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    x = qkv.to(compute_dtype)
+    if qkv_bias is not None:
+        x = x + qkv_bias.to(compute_dtype)
+    x_elems = k_cache.shape[-1]
+    out = torch.zeros(b, qkv.shape[1], num_heads * d, dtype=qkv.dtype, device=qkv.device)
+    group = num_heads // num_kv_heads
+    for row, p in enumerate(pos_list):
+        par = rows[row]
+        n = len(par)
+        q, k, v = split_qkv(x[row, :n], num_heads, num_kv_heads, d)  # [n, H, D]
+        pos = torch.tensor([p + dep for dep in tree.depths(par)], device=qkv.device)
+        q = apply_rotary(q, pos, rotary_dim, rotary_theta, rotary_interleaved)
+        k = apply_rotary(k, pos, rotary_dim, rotary_theta, rotary_interleaved)
+        if fp8:
+            k_new, v_new = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+        else:
+            k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        for t in range(n):
+            k_cache[row, :, :, p + t, :] = k_new[t].reshape(hkv, d // x_elems, x_elems)
+            v_cache[row, :, p + t, :] = v_new[t]
+        keys = layout.unpack_k(k_cache[row : row + 1], p + n, layout="bhsd")[0].to(compute_dtype)
+        values = v_cache[row, :, : p + n, :].to(compute_dtype)
+        if fp8:
+            keys, values = (
+                dequantize_fp8(keys, k_scale, compute_dtype),
+                dequantize_fp8(values, v_scale, compute_dtype),
+            )
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        scores = torch.einsum("thd,hld->thl", q, keys) * scale  # [n, Hq, p + n]
+        mask = torch.zeros(n, p + n, dtype=torch.bool, device=qkv.device)
+        mask[:, :p] = True
+        for t, anc in enumerate(tree.ancestors(par)):
+            mask[t, [p + a for a in anc]] = True
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        o = torch.einsum("thl,hld->thd", torch.softmax(scores, dim=-1), values)
+        out[row, :n] = o.reshape(n, -1).to(qkv.dtype)
+    return out

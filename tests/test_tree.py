@@ -1,0 +1,123 @@
+"""Tree-masked multi-token decode on the CPU (mmha.tree, mmha.reference.decode_tree,
+KVCache.step_tree / accept): each node equals one-token decoding of its root path, accepted
+paths leave the cache as one-token steps would, and bad trees and paths are refused."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from mmha import reference, tree
+from mmha.cache import KVCache
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def random_tree(rng: random.Random, n: int, kind: str) -> list[int]:
+    if kind == "chain":
+        return [-1] + list(range(n - 1))
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    if kind == "roots":
+        return [-1] * n
+    return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+
+
+@pytest.mark.parametrize("kind", ["chain", "star", "roots", "random"])
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+def test_each_node_equals_one_token_decoding_of_its_path(kind, kv_dtype):
+    rng = random.Random(hash(kind) % 1000)
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, s_max, t = 8, 2, 32, 64, 9
+    dtype = torch.bfloat16 if kv_dtype else torch.float32
+    lengths = [0, 5, 20]
+    make = lambda: KVCache(1, 3, s_max, hq, hkv, d, dtype, "cpu", rotary_dim=d, kv_dtype=kv_dtype)  # noqa: E731
+    c = make()
+    k = torch.randn(3, 20, hkv, d, generator=g).to(dtype)
+    c.prefill(0, k, k, lengths)
+    parents = [random_tree(rng, t, kind) for _ in range(3)]
+    counts = [t, t - 3, t]
+    qkv = torch.randn(3, t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    out = c.step_tree(0, qkv, torch.tensor(parents, dtype=torch.int32), node_counts=counts)
+    assert out[1, counts[1] :].abs().max() == 0  # nodes past a row's count
+    for row in range(3):
+        for node, path in enumerate(tree.ancestors(parents[row][: counts[row]])):
+            solo = make()
+            solo.k_scales, solo.v_scales = c.k_scales, c.v_scales
+            solo.prefill(0, k, k, lengths, scales="keep")
+            for n in path:  # one-token steps over the node's path, the node last
+                want = solo.step(0, qkv[:, n])
+                solo.advance()
+            assert torch.allclose(out[row, node].float(), want[row].float(), atol=2e-2 if kv_dtype else 1e-5)
+
+
+def test_accept_moves_the_path_and_equals_one_token_steps():
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d = 4, 2, 32
+    c = KVCache(2, 2, 64, hq, hkv, d, torch.float32, "cpu", rotary_dim=d)
+    seq = KVCache(2, 2, 64, hq, hkv, d, torch.float32, "cpu", rotary_dim=d)
+    k = torch.randn(2, 10, hkv, d, generator=g)
+    for cache in (c, seq):
+        for layer in range(2):
+            cache.prefill(layer, k, k, [10, 3])
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 1, -1, 4]], dtype=torch.int32)
+    qkv = torch.randn(2, 6, (hq + 2 * hkv) * d, generator=g)
+    for layer in range(2):
+        c.step_tree(layer, qkv, parents)
+    paths = [[0, 2, 4, 5], [4, 5]]
+    c.accept([0, 1], paths)
+    assert c.host_lengths == [14, 5]
+    for i in range(4):  # the same tokens one at a time (row 1 stops after its two)
+        step_qkv = torch.stack([qkv[0, paths[0][i]], qkv[1, paths[1][min(i, 1)]]])
+        for layer in range(2):
+            seq.step(layer, step_qkv)
+        if i < 2:
+            seq.advance()
+        else:
+            seq._set_lengths([0], [seq.host_lengths[0] + 1])
+    assert seq.host_lengths == [14, 5]
+    for layer in range(2):
+        assert torch.equal(c.k_caches[layer][0, :, :, :14], seq.k_caches[layer][0, :, :, :14])
+        assert torch.equal(c.v_caches[layer][1, :, :5], seq.v_caches[layer][1, :, :5])
+    nxt = torch.randn(2, (hq + 2 * hkv) * d, generator=g)
+    assert torch.equal(c.step(0, nxt), seq.step(0, nxt))
+
+
+def test_bad_trees_and_paths_are_refused_and_change_nothing():
+    c = KVCache(1, 2, 16, 4, 2, 32, torch.float32, "cpu")
+    c.prefill(0, torch.randn(2, 10, 2, 32), torch.randn(2, 10, 2, 32), [10, 2])
+    qkv = torch.randn(2, 4, 8 * 32)
+    k0 = c.k_caches[0].clone()
+    cases = [
+        (torch.tensor([[-1, 0, 2, 1], [-1, 0, 0, 0]]), r"parents\[0, 2\] must be -1 \(a root\) or an earlier node"),
+        (torch.tensor([[-1, 0, 0, -2], [-1, 0, 0, 0]]), r"parents\[0, 3\]"),
+        (torch.zeros(2, 65, dtype=torch.int32), r"1..64 nodes"),
+        (torch.tensor([[-1.0, 0, 0, 0], [-1, 0, 0, 0]]), "dtype int32 or int64"),
+    ]
+    for parents, match in cases:
+        with pytest.raises(ValueError, match=match):
+            c.step_tree(0, qkv if parents.shape[1] == 4 else torch.randn(2, 65, 8 * 32), parents)
+    with pytest.raises(ValueError, match=r"rows \[0\] would overflow the capacity"):
+        c.step_tree(0, torch.randn(2, 7, 8 * 32), torch.tensor([[-1] * 7, [-1] * 7]))
+    assert torch.equal(c.k_caches[0], k0)
+    with pytest.raises(ValueError, match="accept needs a step_tree first"):
+        c.accept([0], [[0]])
+    c.step_tree(0, qkv, torch.tensor([[-1, 0, 0, 1], [-1, -1, 1, 2]]))
+    k1 = c.k_caches[0].clone()
+    for paths, match in (([[1]], r"node 1 at index 0 is not a root"), ([[0, 2, 3]], "is not a child of node 2"),
+                         ([[0, 9]], r"must be a node in \[0, 3\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            c.accept([0], paths)
+    assert torch.equal(c.k_caches[0], k1) and c.host_lengths == [10, 2]
+    c.accept([0, 1], [[0, 1, 3], []])
+    assert c.host_lengths == [13, 2]
