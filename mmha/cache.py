@@ -540,6 +540,7 @@ class KVCache:
         parents: torch.Tensor,
         *,
         node_counts: Sequence[int] | None = None,
+        qkv_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A tree-masked multi-token step of ``layer`` (``mmha.tree``) for rows ``0..B-1``:
         ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T nodes of ``parents [B, T]``; node ``t`` is
@@ -581,7 +582,7 @@ class KVCache:
         kw = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
             rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
-            rotary_interleaved=self.rotary_interleaved, node_counts=[len(r) for r in rows],
+            rotary_interleaved=self.rotary_interleaved, node_counts=[len(r) for r in rows], qkv_bias=qkv_bias,
         )  # fmt: skip
         if self.fp8:
             kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])

@@ -112,3 +112,16 @@ def test_cpu_paged_cache_batches_continuously_like_the_contiguous_one():
         generate(model, reqs, batch=3, max_seq_len=110, paged=paged, block_size=16)
         runs.append([r.output for r in reqs])
     assert runs[0] == runs[1]
+
+
+def test_cpu_speculative_demo_is_lossless():
+    """The demo model drafting with its own first layer (trees of several shapes): the tokens of
+    plain greedy decoding."""
+    from mmha.models.generate import speculative_demo
+
+    model = TinyLlama(PRESETS["tiny"], seed=1).eval()
+    prompts = random_prompts(3, [3, 9, 6], model.cfg.vocab_size, seed=2)
+    for shape in ([2, 2, 1], [1, 1], [4]):
+        a = speculative_demo(model, prompts, 12, 1, shape)
+        assert a["identical"], (shape, a)
+        assert a["mean_accepted"] >= 1

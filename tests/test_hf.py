@@ -147,3 +147,39 @@ def test_fp8_kv_teacher_forced_no_decisive_mismatch(dtype):
         f"{res['max_logit_diff']:.3g} (logits up to {res['logit_scale']:.3g}), top-1 flips {res['top1_flips']}"
     )
     assert res["decisive_mismatches"] == 0
+
+
+class _AlwaysWrongDraft(HFDecoder):
+    """A draft that never proposes its model's top token (with the target's own weights, it is
+    always wrong)."""
+
+    def step_tree(self, tokens, parents):
+        logits = super().step_tree(tokens, parents)
+        return logits.scatter(-1, logits.argmax(-1, keepdim=True), float("-inf"))
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "other", "wrong"])
+@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 1, 1, 1), (3,)])
+def test_cpu_speculative_greedy_is_lossless(draft_kind, shape):
+    """Speculative decoding with a draft equal to the target, a different random model, and a
+    draft that is always wrong: the target's plain greedy tokens, token for token (fp32)."""
+    target = build("llama", "cpu", torch.float32)
+    ps = prompts(target.config.vocab_size)
+    new = 24
+    seq = max(PROMPT_LENGTHS) + new + 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        plain = HFDecoder(target, len(ps), seq).generate(ps, new)
+        if draft_kind == "other":
+            torch.manual_seed(5)
+            other = build("llama", "cpu", torch.float32, num_hidden_layers=1)
+            with torch.no_grad():
+                for p in other.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+            draft = HFDecoder(other, len(ps), seq)
+        elif draft_kind == "wrong":
+            draft = _AlwaysWrongDraft(target, len(ps), seq)
+        else:
+            draft = HFDecoder(target, len(ps), seq)
+        spec = HFDecoder(target, len(ps), seq).generate(ps, new, draft=draft, tree_shape=shape)
+    assert spec == plain

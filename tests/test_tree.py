@@ -99,7 +99,10 @@ def test_bad_trees_and_paths_are_refused_and_change_nothing():
     qkv = torch.randn(2, 4, 8 * 32)
     k0 = c.k_caches[0].clone()
     cases = [
-        (torch.tensor([[-1, 0, 2, 1], [-1, 0, 0, 0]]), r"parents\[0, 2\] must be -1 \(a root\) or an earlier node"),
+        (
+            torch.tensor([[-1, 0, 2, 1], [-1, 0, 0, 0]]),
+            r"parents\[0, 2\] must be -1 \(a root\) or an earlier node",
+        ),
         (torch.tensor([[-1, 0, 0, -2], [-1, 0, 0, 0]]), r"parents\[0, 3\]"),
         (torch.zeros(2, 65, dtype=torch.int32), r"1..64 nodes"),
         (torch.tensor([[-1.0, 0, 0, 0], [-1, 0, 0, 0]]), "dtype int32 or int64"),

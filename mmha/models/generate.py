@@ -230,6 +230,52 @@ def agree(
     }
 
 
+@torch.no_grad()
+def speculative_demo(
+    model: TinyLlama, prompts: list[list[int]], new_tokens: int, draft_layers: int, shape: list[int]
+) -> dict:
+    """Greedy speculative decoding of ``prompts`` with the model's first ``draft_layers`` layers as
+    the draft (``mmha.models.speculative``), against plain greedy decoding: tokens, time, the
+    tokens accepted per round."""
+    from .llama import TreeDecoder
+    from .speculative import speculate, tree_nodes
+
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    b, lens = len(prompts), [len(p) for p in prompts]
+    toks = torch.zeros(b, max(lens), dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = torch.tensor(p, device=dev)
+    seq = max(lens) + new_tokens + len(shape) + tree_nodes(shape) + 1
+    cfg = model.cfg
+    from ..cache import KVCache
+
+    def cache(layers: int) -> KVCache:
+        return KVCache(layers, b, seq, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, dev,
+                       rotary_dim=cfg.head_dim, rotary_theta=cfg.rope_theta)  # fmt: skip
+
+    plain_cache = cache(cfg.num_layers)
+    logits, _ = model.prefill(toks, lens, plain_cache)
+    tok = logits.argmax(-1)
+    plain = [[int(t)] for t in tok.tolist()]
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        tok = model.decode_step(tok, plain_cache).argmax(-1)
+        for r, t in enumerate(tok.tolist()):
+            plain[r].append(t)
+    t_plain = time.perf_counter() - t0
+    target = TreeDecoder(model, cache(cfg.num_layers))
+    draft = TreeDecoder(model, cache(draft_layers), draft_layers)
+    cur = target.prefill(toks, lens).argmax(-1)
+    draft.prefill(toks, lens)
+    t0 = time.perf_counter()
+    spec, accepted = speculate(target, draft, cur, [[int(t)] for t in cur.tolist()], new_tokens, shape)
+    t_spec = time.perf_counter() - t0
+    return {"identical": spec == plain, "plain_s": t_plain, "speculative_s": t_spec,
+            "rounds": len(accepted) // max(1, b), "mean_accepted": sum(accepted) / max(1, len(accepted)),
+            "nodes": tree_nodes(shape)}  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     cmd, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser(prog=f"python -m mmha {cmd}")
@@ -248,13 +294,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", action="store_true",
+                   help="greedy speculative decoding over token trees (first layers draft)")  # fmt: skip
+    p.add_argument(
+        "--tree-shape", type=int, nargs="+", default=[2, 2, 1], help="children per node at each depth"
+    )
+    p.add_argument("--draft-layers", type=int, default=1, help="layers of the model the draft keeps")
     args = p.parse_args(rest)
     has_gpu = torch.cuda.is_available()
     from .._ext import extension_available
 
-    if not has_gpu or not extension_available() or args.paged:
-        if args.paged and has_gpu:
-            why = "paged caches have no kernel yet"
+    if not has_gpu or not extension_available() or args.paged or args.speculative:
+        if (args.paged or args.speculative) and has_gpu:
+            why = ("paged caches" if args.paged else "tree steps") + " have no kernel yet"
         else:
             why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
         has_gpu = False
@@ -274,6 +326,16 @@ def main(argv: list[str]) -> int:
     budgets = [args.new_tokens - (i % 3) * (args.new_tokens // 4) for i in range(n_req)]
     reqs = [Request(pr, max(1, b)) for pr, b in zip(prompts, budgets, strict=True)]
     max_seq = max(args.prompt_lengths) + args.new_tokens + 1
+    if args.speculative:
+        a = speculative_demo(
+            model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape
+        )
+        print(f"speculative greedy decoding, draft = the first {args.draft_layers} of {cfg.num_layers} "
+              f"layers, trees of {a['nodes']} nodes {args.tree_shape}: {a['rounds']} rounds for "
+              f"{args.new_tokens} tokens ({a['mean_accepted']:.2f} tokens accepted per round); plain greedy "
+              f"{a['plain_s'] * 1e3:.0f} ms, speculative {a['speculative_s'] * 1e3:.0f} ms (reference path); "
+              f"tokens identical to plain greedy: {a['identical']}")  # fmt: skip
+        return 0 if a["identical"] else 1
     cache_kind = f"{args.kv_dtype} cache" + (f" (paged, blocks of {args.block_size})" if args.paged else "")
     print(f"model {args.model}: {cfg.num_layers} layers, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, "
           f"D {cfg.head_dim}, {args.dtype}, {cache_kind}, batch {args.batch}, {n_req} requests, "

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache
+from . import speculative
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gpt_oss")
 
@@ -201,9 +202,39 @@ class HFDecoder:
         return logits
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """A tree of tokens per row through every layer (``KVCache.step_tree``): ``tokens [B, T]``
+        as the nodes of ``parents [B, T]``. Returns fp32 logits ``[B, T, vocab]`` (node t's
+        prediction of the token after it); lengths do not move (``self.cache.accept``)."""
+        if any(self.mods):
+            raise ValueError("tree steps do not take score modifiers yet (sliding windows, soft-caps, sinks)")
+        x = self.body.embed_tokens(tokens)  # [B, T, hidden]
+        for i, layer in enumerate(self.body.layers):
+            qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
+            out = self.cache.step_tree(i, qkv, parents, qkv_bias=self.qkv_bias[i])
+            x = x + layer.self_attn.o_proj(out)
+            m = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (m[0] if isinstance(m, tuple) else m)
+        return self.model.lm_head(self.body.norm(x)).float()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        draft: HFDecoder | None = None,
+        tree_shape: Sequence[int] = (2, 2, 1),
+    ) -> list[list[int]]:
         """Greedy decoding of a ragged batch (``len(prompts) <= max_batch``): ``max_new_tokens``
-        new tokens per prompt (the first from the prefill logits, the rest from mmha steps)."""
+        new tokens per prompt (the first from the prefill logits, the rest from mmha steps).
+
+        With ``draft`` (an ``HFDecoder`` of a model with the same tokenizer): speculative decoding.
+        Each round the draft grows a tree under the last token, ``tree_shape[d]`` children per
+        node at depth ``d`` (its top tokens), and the target verifies the whole tree in one
+        ``step_tree``: the longest root path whose tokens are the target's own greedy picks is
+        accepted in both caches (``KVCache.accept``), plus the target's next pick. The tokens are
+        exactly those of plain greedy decoding with the target."""
         if not 1 <= len(prompts) <= self.cache.max_batch:
             raise ValueError(
                 f"prompts must hold 1..{self.cache.max_batch} prompts (max_batch), got {len(prompts)}"
@@ -216,6 +247,8 @@ class HFDecoder:
             )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if draft is not None:
+            return self._speculate(prompts, max_new_tokens, draft, list(tree_shape))
         self.cache.release(range(self.cache.max_batch))
         tok = self.prefill(prompts).argmax(-1)
         out = [[int(t)] for t in tok.tolist()]
@@ -223,6 +256,27 @@ class HFDecoder:
             tok = self.step(tok).argmax(-1)
             for r, t in enumerate(tok.tolist()):
                 out[r].append(t)
+        return out
+
+    def _speculate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: HFDecoder, shape: list[int]
+    ) -> list[list[int]]:
+        nodes = speculative.tree_nodes(shape)
+        longest = max(len(p) for p in prompts)
+        for name, dec in (("the target", self), ("the draft", draft)):
+            if longest + max_new_tokens + len(shape) + nodes > dec.cache.max_seq_len:
+                raise ValueError(
+                    f"max_seq_len of {name} ({dec.cache.max_seq_len}) must hold the longest prompt "
+                    f"({longest}), max_new_tokens ({max_new_tokens}) and a tree of {nodes} nodes past "
+                    f"up to {len(shape)} extra accepted tokens"
+                )
+        for dec in (self, draft):
+            dec.cache.release(range(dec.cache.max_batch))
+        cur = self.prefill(prompts).argmax(-1)  # emitted, not yet cached
+        draft.prefill(prompts)
+        out, _ = speculative.speculate(
+            self, draft, cur, [[int(t)] for t in cur.tolist()], max_new_tokens, shape
+        )
         return out
 
 

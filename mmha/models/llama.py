@@ -169,6 +169,42 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+class TreeDecoder:
+    """``model``'s (or its first ``layers`` layers') tree steps on ``cache``: the decoder that
+    ``mmha.models.speculative`` drives. A model truncated to its first layers, sharing its
+    embeddings and head, is a self-speculative draft (layer skipping)."""
+
+    def __init__(self, model: TinyLlama, cache: KVCache, layers: int | None = None):
+        self.model, self.cache = model, cache
+        self.layers = model.layers[: layers or len(model.layers)]
+        if cache.num_layers != len(self.layers):
+            raise ValueError(f"cache must have {len(self.layers)} layers, got {cache.num_layers}")
+
+    @torch.no_grad()
+    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        x = m.embed(tokens)
+        for i, blk in enumerate(self.layers):
+            bias = blk.wqkv.bias.detach() if blk.wqkv.bias is not None else None
+            out = self.cache.step_tree(i, F.linear(blk.attn_norm(x), blk.wqkv.weight), parents, qkv_bias=bias)
+            x = x + blk.wo(out)
+            x = x + blk.mlp(x)
+        return m.lm_head(m.norm(x)).float()
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Prompts through the model's own prefill, K/V of this decoder's layers into its cache;
+        logits of the whole model at each prompt's last token."""
+        n = tokens.shape[0]
+        logits, kvs = self.model.prefill(tokens, lengths)
+        self.cache.release(range(self.cache.max_batch))
+        self.cache.admit(list(range(n)))
+        for i in range(len(self.layers)):
+            k, v = kvs[i]
+            self.cache.prefill(i, k, v, lengths, list(range(n)))
+        return logits
+
+
 class ReferenceDecoder:
     """Plain decoding: per-row K/V kept as concatenated tensors, attention by SDPA in fp32."""
 
