@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from mmha import reference, tree
+from mmha import tree
 from mmha.cache import KVCache
 
 FP8 = torch.float8_e4m3fn
