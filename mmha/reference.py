@@ -47,6 +47,14 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return x.to(dtype) * scale.to(dtype).reshape(shape)
 
 
+def _check_fp8_scales(k_cache: torch.Tensor, k_scale, v_scale) -> bool:
+    """Whether the cache is fp8; its scales are given exactly when it is."""
+    fp8 = k_cache.dtype == FP8
+    if fp8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
+    return fp8
+
+
 def fp8_scale(amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
     """Per-head scales that map ``amax * margin`` to 448 (1 where ``amax`` is 0 or not finite),
     fp32 on ``amax``'s device; computed on the host in fp64, so every device gives the same bits."""
@@ -230,9 +238,7 @@ def decode_step(
     window, softcap, alibi_slopes, sinks : score modifiers (module docstring; ``ScoreMods``).
     """
     b, hkv, s_max, d = v_cache.shape
-    fp8 = k_cache.dtype == FP8
-    if fp8 != (k_scale is not None and v_scale is not None):
-        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
+    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
@@ -370,9 +376,7 @@ def decode_tree(
     from . import tree
 
     b, hkv, s_max, d = v_cache.shape
-    fp8 = k_cache.dtype == FP8
-    if fp8 != (k_scale is not None and v_scale is not None):
-        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
+    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
     width = (num_heads + 2 * num_kv_heads) * d
     if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
         raise ValueError(f"qkv must have shape [{b}, T, {width}], got {tuple(qkv.shape)}")

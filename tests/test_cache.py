@@ -14,11 +14,7 @@ HQ, HKV, D = 4, 2, 16
 WIDTH = (HQ + 2 * HKV) * D
 
 
-@pytest.fixture(autouse=True)
-def quiet_reference_warning():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 def make(layers=2, batch=3, smax=12, dtype=torch.float32, **kw):

@@ -3,8 +3,6 @@ dispatch, and the status flags of a refused step."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -14,11 +12,7 @@ from mmha.cache import KVCache
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 def test_quantize_saturates_rounds_to_nearest_even_and_keeps_nan():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from helpers import gpu
@@ -11,12 +9,7 @@ from helpers import gpu
 from mmha.models.generate import Request, agree, generate, random_prompts
 from mmha.models.llama import PRESETS, ModelConfig, TinyLlama
 
-
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 def test_cpu_reference_path_agrees_and_batches_continuously():

@@ -5,7 +5,6 @@ operations against a contiguous cache that mirrors them."""
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -16,11 +15,7 @@ from mmha.cache import KVCache
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 # ------------------------------------------------------------------ the allocator

@@ -5,7 +5,6 @@ kernel's refusal until it applies them."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -14,12 +13,7 @@ from mmha import layout, ops, reference
 from mmha._ext import extension_available
 from mmha.cache import KVCache
 
-
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 def naive(q, k, v, pos, scale, window=None, softcap=None, slopes=None, sinks=None):

@@ -5,7 +5,6 @@ paths leave the cache as one-token steps would, and bad trees and paths are refu
 from __future__ import annotations
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -16,11 +15,7 @@ from mmha.cache import KVCache
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
 def random_tree(rng: random.Random, n: int, kind: str) -> list[int]:
