@@ -83,6 +83,14 @@ class PagePool:
         if self.refs[block] == 0:
             self._free.append(block)
 
+    def _check_fits(self, rows: Sequence[int], lengths: Sequence[int], what: str) -> None:
+        for r, n in zip(rows, lengths, strict=True):
+            if blocks_for(n, self.block_size) > self.max_blocks:
+                raise ValueError(
+                    f"{what}: row {r} at length {n} needs {blocks_for(n, self.block_size)} blocks, more "
+                    f"than max_blocks_per_row ({self.max_blocks})"
+                )
+
     def need(self, rows: Sequence[int], lengths: Sequence[int]) -> int:
         """Free blocks ``ensure(rows, lengths)`` would take."""
         return sum(
@@ -93,12 +101,7 @@ class PagePool:
     def ensure(self, rows: Sequence[int], lengths: Sequence[int], what: str = "rows") -> None:
         """Give each row the blocks of slots ``0 .. lengths[i]`` (all or nothing; extra blocks
         past them are returned)."""
-        for r, n in zip(rows, lengths, strict=True):
-            if blocks_for(n, self.block_size) > self.max_blocks:
-                raise ValueError(
-                    f"{what}: row {r} at length {n} needs {blocks_for(n, self.block_size)} blocks, more "
-                    f"than max_blocks_per_row ({self.max_blocks})"
-                )
+        self._check_fits(rows, lengths, what)
         need = self.need(rows, lengths)
         if need > len(self._free):
             raise PoolExhausted(
@@ -106,25 +109,23 @@ class PagePool:
                 f"{need} are needed (rows {list(rows)} at lengths {list(lengths)}); nothing was written. "
                 "Release rows, or build the cache with more num_blocks"
             )
+        changed = []
         for r, n in zip(rows, lengths, strict=True):
             want = blocks_for(n, self.block_size)
             blocks = self.rows[r]
+            if len(blocks) != want:
+                changed.append(r)
             while len(blocks) > want:
                 self._drop(blocks.pop())
             while len(blocks) < want:
                 blocks.append(self._take())
-        self._sync(rows)
+        self._sync(changed)  # most decode steps change no row: no copy
 
     def assign(self, rows: Sequence[int], lengths: Sequence[int], what: str = "rows") -> None:
         """Rows start new sequences of ``lengths`` tokens (all or nothing): a row that shares a
         block gives all its blocks back first (its old tokens are not its any more, and a shared
         block must not be written); then each row gets the blocks of slots ``0 .. lengths[i]``."""
-        for r, n in zip(rows, lengths, strict=True):
-            if blocks_for(n, self.block_size) > self.max_blocks:
-                raise ValueError(
-                    f"{what}: row {r} at length {n} needs {blocks_for(n, self.block_size)} blocks, more "
-                    f"than max_blocks_per_row ({self.max_blocks})"
-                )
+        self._check_fits(rows, lengths, what)
         fresh = [r for r in rows if any(self.refs[b] > 1 for b in self.rows[r])]
         freed = sum(1 for r in fresh for b in self.rows[r] if self.refs[b] == 1)
         need = sum(
