@@ -47,12 +47,10 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return x.to(dtype) * scale.to(dtype).reshape(shape)
 
 
-def _check_fp8_scales(k_cache: torch.Tensor, k_scale, v_scale) -> bool:
-    """Whether the cache is fp8; its scales are given exactly when it is."""
-    fp8 = k_cache.dtype == FP8
-    if fp8 != (k_scale is not None and v_scale is not None):
+def _check_fp8_scales(k_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """An fp8 cache's scales are given exactly when the cache is fp8."""
+    if (k_cache.dtype == FP8) != (k_scale is not None and v_scale is not None):
         raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
-    return fp8
 
 
 def fp8_scale(amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
@@ -203,6 +201,26 @@ def attend(
     return out, lse
 
 
+def _new_tokens(x, pos, num_heads, num_kv_heads, d, rotary, k_cache, v_cache, k_scale, v_scale):
+    """Steps 2-3 for tokens ``x [N, W]`` (bias added, compute dtype) at positions ``pos [N]``:
+    q ``[N, Hq, D]`` in the compute dtype, and k, v ``[N, Hkv, D]`` as the caches store them."""
+    q, k, v = split_qkv(x, num_heads, num_kv_heads, d)
+    q = apply_rotary(q, pos, *rotary)
+    k = apply_rotary(k, pos, *rotary)
+    if k_cache.dtype == FP8:
+        return q, quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    return q, k.to(k_cache.dtype), v.to(v_cache.dtype)
+
+
+def _cached_kv(k_cache, v_cache, row: int, n: int, k_scale, v_scale, compute_dtype):
+    """Slots ``0 .. n - 1`` of a row as ``[Hkv, n, D]`` K and V in the compute dtype (fp8 dequantised)."""
+    keys = layout.unpack_k(k_cache[row : row + 1], n, layout="bhsd")[0]
+    values = v_cache[row, :, :n, :]
+    if k_cache.dtype == FP8:
+        return dequantize_fp8(keys, k_scale, compute_dtype), dequantize_fp8(values, v_scale, compute_dtype)
+    return keys.to(compute_dtype), values.to(compute_dtype)
+
+
 def decode_step(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -238,7 +256,7 @@ def decode_step(
     window, softcap, alibi_slopes, sinks : score modifiers (module docstring; ``ScoreMods``).
     """
     b, hkv, s_max, d = v_cache.shape
-    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
+    _check_fp8_scales(k_cache, k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
@@ -254,27 +272,18 @@ def decode_step(
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)
-    q, k, v = split_qkv(x, num_heads, num_kv_heads, d)
+    rotary = (rotary_dim, rotary_theta, rotary_interleaved)
     pos = torch.tensor(pos_list, device=qkv.device)
-    q = apply_rotary(q, pos, rotary_dim, rotary_theta, rotary_interleaved)
-    k = apply_rotary(k, pos, rotary_dim, rotary_theta, rotary_interleaved)
-    if fp8:
-        k_new, v_new = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    else:
-        k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    q, k_new, v_new = _new_tokens(
+        x, pos, num_heads, num_kv_heads, d, rotary, k_cache, v_cache, k_scale, v_scale
+    )
     x_elems = k_cache.shape[-1]
     outs, lses = [], []
     for row, p in enumerate(pos_list):
         k_cache[row, :, :, p, :] = k_new[row].reshape(hkv, d // x_elems, x_elems)
         v_cache[row, :, p, :] = v_new[row]
-        keys = layout.unpack_k(k_cache[row : row + 1], p + 1, layout="bhsd")[0]
-        values = v_cache[row, :, : p + 1, :]
-        if fp8:
-            keys, values = (
-                dequantize_fp8(keys, k_scale, compute_dtype),
-                dequantize_fp8(values, v_scale, compute_dtype),
-            )
-        o, lse = attend(q[row], keys.to(compute_dtype), values.to(compute_dtype), scale, mods, p)
+        keys, values = _cached_kv(k_cache, v_cache, row, p + 1, k_scale, v_scale, compute_dtype)
+        o, lse = attend(q[row], keys, values, scale, mods, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
     out = torch.stack(outs).to(qkv.dtype)
@@ -376,7 +385,7 @@ def decode_tree(
     from . import tree
 
     b, hkv, s_max, d = v_cache.shape
-    fp8 = _check_fp8_scales(k_cache, k_scale, v_scale)
+    _check_fp8_scales(k_cache, k_scale, v_scale)
     width = (num_heads + 2 * num_kv_heads) * d
     if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
         raise ValueError(f"qkv must have shape [{b}, T, {width}], got {tuple(qkv.shape)}")
@@ -401,24 +410,15 @@ def decode_tree(
     for row, p in enumerate(pos_list):
         par = rows[row]
         n = len(par)
-        q, k, v = split_qkv(x[row, :n], num_heads, num_kv_heads, d)  # [n, H, D]
         pos = torch.tensor([p + dep for dep in tree.depths(par)], device=qkv.device)
-        q = apply_rotary(q, pos, rotary_dim, rotary_theta, rotary_interleaved)
-        k = apply_rotary(k, pos, rotary_dim, rotary_theta, rotary_interleaved)
-        if fp8:
-            k_new, v_new = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-        else:
-            k_new, v_new = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        q, k_new, v_new = _new_tokens(
+            x[row, :n], pos, num_heads, num_kv_heads, d, (rotary_dim, rotary_theta, rotary_interleaved),
+            k_cache, v_cache, k_scale, v_scale,
+        )  # fmt: skip
         for t in range(n):
             k_cache[row, :, :, p + t, :] = k_new[t].reshape(hkv, d // x_elems, x_elems)
             v_cache[row, :, p + t, :] = v_new[t]
-        keys = layout.unpack_k(k_cache[row : row + 1], p + n, layout="bhsd")[0].to(compute_dtype)
-        values = v_cache[row, :, : p + n, :].to(compute_dtype)
-        if fp8:
-            keys, values = (
-                dequantize_fp8(keys, k_scale, compute_dtype),
-                dequantize_fp8(values, v_scale, compute_dtype),
-            )
+        keys, values = _cached_kv(k_cache, v_cache, row, p + n, k_scale, v_scale, compute_dtype)
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         scores = torch.einsum("thd,hld->thl", q, keys) * scale  # [n, Hq, p + n]
         mask = torch.zeros(n, p + n, dtype=torch.bool, device=qkv.device)
