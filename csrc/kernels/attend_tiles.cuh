@@ -28,11 +28,14 @@
 
 namespace mmha {
 
-// The barriers of a block's tile ring.
+// The barriers of a block's tile ring. Every thread that wrote (or read) shared memory handed
+// across roles arrives itself, after its own accesses: the ordering is then carried by the
+// barrier alone, which compute-sanitizer's racecheck follows (ordering passed through
+// __syncwarp() to another lane's arrival is correct but invisible to it).
 struct TileRing {
   uint64_t full[kMaxStages];    // completes when stage s holds its tile (Source::FULL_ARRIVALS)
-  uint64_t header[kMaxStages];  // completes when stage s's header (and a staged q) is written
-  uint64_t empty[kMaxStages];   // completes when every consumer warp is done with stage s
+  uint64_t header[kMaxStages];  // 32 producer lanes: stage s's header (and a staged q) is written
+  uint64_t empty[kMaxStages];   // every consumer thread is done with stage s and its header
 };
 
 // Where a warp is in the ring: stage s, in its n-th use. Producer and consumers step through

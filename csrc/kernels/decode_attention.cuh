@@ -356,7 +356,7 @@ struct ItemStage {
   T q[2][QB * HEAD_DIM];
   T k[2][HEAD_DIM];
   T v[2][HEAD_DIM];
-  uint64_t empty[2];  // consumers' release of a slot (kConsumerWarps arrivals)
+  uint64_t empty[2];  // consumers' release of a slot (one arrival per consumer thread)
 };
 
 // The producer's registers for the next item: its number, then its length, fp8 scales and raw
@@ -453,11 +453,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
-      mbar_init(&ring.header[s], 1);
-      mbar_init(&ring.empty[s], kConsumerWarps);
+      mbar_init(&ring.header[s], 32);
+      mbar_init(&ring.empty[s], CONSUMERS);
     }
-    mbar_init(&s_item.empty[0], kConsumerWarps);
-    mbar_init(&s_item.empty[1], kConsumerWarps);
+    mbar_init(&s_item.empty[0], CONSUMERS);
+    mbar_init(&s_item.empty[1], CONSUMERS);
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
@@ -511,8 +511,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                     slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end,
                                     k_scale, v_scale};
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&ring.header[cur.s]);  // consumers may start on q now
+        mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
         Source::commit(&ring.full[cur.s], lane);
         cur.next(p.stages);
         if (i == 0) {
@@ -526,8 +525,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     // work counter (the last block to finish leaves it at zero for the next launch).
     if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
     if (lane == 0) s_hdr[cur.s].item = -1;
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&ring.header[cur.s]);
+    mbar_arrive(&ring.header[cur.s]);
     if (lane == 0) {
       __threadfence();
       if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
@@ -562,7 +560,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                    static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
                                                    h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
       sync();
-      if (lane == 0) mbar_arrive(&s_item.empty[h.slot]);  // the staged q is in s_q now
+      mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
@@ -573,8 +571,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       c.step(stage, key0, it, w.end, lane);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&ring.empty[cur.s]);
+    mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
       sync();  // every consumer holds its q fragments: s_q becomes the combine buffer

@@ -7,9 +7,10 @@
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
 //   prefetch(args)                      anything worth fetching at block entry (lane 0)
 //   issue(args, stage, k0, full, lane)  start bringing keys [k0, k0 + kTileKeys) into the stage
-//   commit(full, lane)                  arrive on the full barrier: the lanes' shared-memory writes
-//                                       before commit (a tile header, a staged q) are visible to
-//                                       whoever waits on it, together with the tile
+//   commit(full, lane)                  arrive on the full barrier for the tile's copies (the
+//                                       producer's own shared-memory writes, a tile header and a
+//                                       staged q, are published by each writing lane's arrival on
+//                                       the stage's header barrier)
 // and leaves to the consumers only two patches of the tile: the new token's slot (always taken
 // from shared memory) and V rows at or past the block's end (zeroed, so NaN or Inf in unused
 // cache slots cannot reach the output; K rows there are masked by their scores).
@@ -74,12 +75,8 @@ struct CpAsyncTiles {
     }
   }
 
-  // Each lane's copies arrive when they land (noinc: counted in FULL_ARRIVALS); the fence puts
-  // the lane's earlier shared-memory writes before that arrival.
-  __device__ __forceinline__ static void commit(uint64_t* full, int /*lane*/) {
-    __threadfence_block();
-    cp_async_arrive(full);
-  }
+  // Each lane's copies arrive when they land (noinc: counted in FULL_ARRIVALS).
+  __device__ __forceinline__ static void commit(uint64_t* full, int /*lane*/) { cp_async_arrive(full); }
 };
 
 // Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
@@ -123,9 +120,8 @@ struct TmaTiles {
 #endif
   }
 
-  // One arrival (release: the warp's writes ordered before it by __syncwarp come with it).
+  // One arrival, by the lane that set the expected bytes; the copy engine completes the phase.
   __device__ __forceinline__ static void commit(uint64_t* full, int lane) {
-    __syncwarp();
     if (lane == 0) mbar_arrive(full);
   }
 };
