@@ -513,12 +513,7 @@ class KVCache:
             plan = self.plan(batch, variant)
             num_splits = plan.num_splits if num_splits is None else num_splits
             stages = plan.stages if stages is None else stages
-        ws = self._workspace
-        if ws is None or not ws.fits(batch, self.num_heads, self.head_dim, num_splits):
-            # Sized for every row so later steps (and graph replays) reuse it; grows only.
-            splits = max(num_splits, ws.num_splits if ws is not None else 1)
-            ws = ops.Workspace.allocate(self.device, self.max_batch, self.num_heads, self.head_dim, splits)
-            self._workspace = ws
+        ws = self._reserve_workspace(num_splits)
         return ops.decode_attention(
             qkv,
             kc,
@@ -531,6 +526,22 @@ class KVCache:
             validate_lengths=False,
             **common,
         )
+
+    def _reserve_workspace(self, num_splits: int) -> ops.Workspace:
+        ws = self._workspace
+        if ws is None or not ws.fits(self.max_batch, self.num_heads, self.head_dim, num_splits):
+            # Sized for every row so later steps (and graph replays) reuse it; grows only.
+            splits = max(num_splits, ws.num_splits if ws is not None else 1)
+            ws = ops.Workspace.allocate(self.device, self.max_batch, self.num_heads, self.head_dim, splits)
+            self._workspace = ws
+        return ws
+
+    def reserve_workspace(self, batch_sizes: Sequence[int]) -> None:
+        """Size the kernel's workspace for the plans of steps over each of ``batch_sizes`` rows now.
+        CUDA graphs captured for several batch sizes need this before the first capture: a workspace
+        that grew later would leave the earlier graphs writing to freed memory."""
+        if self.use_kernel:
+            self._reserve_workspace(max(self.plan(int(b)).num_splits for b in batch_sizes))
 
     # ----------------------------------------------------------------- tree steps
     def step_tree(
@@ -699,6 +710,10 @@ class KVCache:
         self._set_lengths(dsts, [length] * len(dsts))
 
     def _capturing(self) -> bool:
+        """Inside CUDA-graph capture or a ``torch.compile`` trace: only device work is recorded
+        (the host mirror follows with ``account_replay``, or is not used)."""
+        if torch.compiler.is_compiling():
+            return True
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _check_advance(self, steps: int) -> None:

@@ -3,6 +3,7 @@ decoded through mmha gives the tokens of the model's own greedy ``generate()``."
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -47,10 +48,34 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], new_tokens: int, eos: int | None = None) -> list[int]:
+    """transformers' own greedy tokens for one prompt (up to its first ``eos`` if one is given)."""
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    stop = {} if eos is None else dict(eos_token_id=eos, pad_token_id=eos)
+    least = {} if eos is not None else dict(min_new_tokens=new_tokens)
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **least, **stop)
     return out[0, len(prompt) :].tolist()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def check_no_decisive_mismatch(model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
+    """16-bit runs may part at a near-tie: at the first difference, the fp32 model's margin of
+    transformers' pick over ours must be within twice transformers' own 16-bit logit error there."""
+    t = first_difference(ours, theirs)
+    if t is None:
+        assert len(ours) == len(theirs)
+        return
+    ids = torch.tensor([prompt + theirs[:t]], device=next(model.parameters()).device)
+    with torch.no_grad():
+        low = model(ids).logits[0, -1].float()
+        model32 = copy.deepcopy(model).float()
+        ref = model32(ids).logits[0, -1]
+    err = float((low - ref).abs().max())
+    margin = float(ref[theirs[t]] - ref[ours[t]])
+    assert margin <= 2 * err, f"token {t}: fp32 margin {margin:.4g} > 2 x fp16 logit error {err:.4g}"
 
 
 def check_matches_generate(model, new_tokens: int, **kw):
@@ -183,3 +208,123 @@ def test_cpu_speculative_greedy_is_lossless(draft_kind, shape):
             draft = HFDecoder(target, len(ps), seq)
         spec = HFDecoder(target, len(ps), seq).generate(ps, new, draft=draft, tree_shape=shape)
     assert spec == plain
+
+
+# ---------------------------------------------------------------------- mmha's own loop: graphs, EOS
+
+
+def test_buckets_and_prefill_groups():
+    from mmha.models.hf import buckets
+
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    dec = HFDecoder(build("llama", "cpu", torch.float32), 4, 64, prefill_tokens=64)
+    assert dec._prefill_groups([5, 23, 11, 40]) == [[0, 1], [2], [3]]  # 2 x 23 <= 64 < 3 x 23
+
+
+def test_rejects_bad_loop_settings():
+    model = build("llama", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="graphs=True needs the model on a CUDA device"):
+        HFDecoder(model, 2, 64, graphs=True)
+    with pytest.raises(ValueError, match=r"prefill_tokens must be a positive int, got 0"):
+        HFDecoder(model, 2, 64, prefill_tokens=0)
+    dec = HFDecoder(model, 2, 64)
+    with pytest.raises(ValueError, match=r"sync_every must be an int in \[1, 64\], got 65"):
+        dec.generate([[1, 2]], 4, sync_every=65)
+    with pytest.raises(ValueError, match="eos_token_id may name at most 8 ids"):
+        dec.generate([[1, 2]], 4, eos_token_id=list(range(9)))
+
+
+def check_eos_mid_batch(device: str, **kw) -> None:
+    """A row that meets its end-of-sequence token stops there (the token kept) while the others go
+    on: per row, transformers' own greedy tokens up to that token."""
+    model = build("llama", device, torch.float32, vocab_size=64)
+    ps = prompts(64)
+    dec = HFDecoder(model, len(ps) + 2, max(PROMPT_LENGTHS) + 41, **kw)
+    plain = dec.generate(ps, 40, eos_token_id=[])
+    eos = next(t for t in plain[1][2:] if t not in plain[0])  # row 1 stops early, row 0 never
+    got = dec.generate(ps, 40, eos_token_id=[eos, 63], sync_every=5)
+    assert len(got[1]) < 40 and len(got[0]) == 40
+    hf = []
+    for p in ps:
+        ids = torch.tensor([p], device=device)
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=[eos, 63], pad_token_id=eos)
+        hf.append(out[0, len(p) :].tolist())
+    assert got == hf
+
+
+def test_cpu_eos_in_the_middle_of_a_batch(no_reference_warning):
+    check_eos_mid_batch("cpu")
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_eos_in_the_middle_of_a_batch(graphs):
+    check_eos_mid_batch("cuda", graphs=graphs)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("max_seq_len", [160, 8192])
+def test_gpu_graphs_match_generate_as_lengths_grow(max_seq_len):
+    """Graph replays while rows grow across tiles and (long capacity: a split plan) across the
+    lengths where a length dispatch would change variant; two buckets (4 and 2 rows) share the
+    workspace. fp32: transformers' own tokens."""
+    model = build("llama", "cuda", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, 6, max_seq_len)
+    assert dec.graphs and dec.cache.dispatch_on == "capacity"
+    new = 110
+    got = dec.generate(ps, new, eos_token_id=[])
+    assert sorted(dec._graphs) == [4]
+    for r, p in enumerate(ps):
+        assert got[r] == hf_greedy(model, p, new), f"row {r}"
+    assert dec.generate(ps[:2], 30, eos_token_id=[]) == [g[:30] for g in got[:2]]
+    assert sorted(dec._graphs) == [2, 4]
+    dec.cache.check()
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+def test_gpu_graph_steps_do_not_synchronise():
+    """Between the host's reads (every sync_every steps) the decode loop issues no synchronising
+    call: 49 steps and 2 steps, each read once, synchronise equally often."""
+    model = build("llama", "cuda", torch.float16)
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, 4, 128)
+    dec.generate(ps, 4, eos_token_id=[])  # captures the graph
+
+    def syncs(new: int) -> int:
+        dec.cache.release(range(4))
+        first = dec.prefill(ps).argmax(-1)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                dec._decode(first, new, [], 64)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    assert syncs(50) == syncs(3) > 0
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_graphs_16bit_no_decisive_mismatch(dtype):
+    model = build("llama", "cuda", dtype)
+    ps = prompts(model.config.vocab_size)
+    got = HFDecoder(model, len(ps), max(PROMPT_LENGTHS) + 65).generate(ps, 64, eos_token_id=[])
+    for p, ours in zip(ps, got, strict=True):
+        check_no_decisive_mismatch(model, p, ours, hf_greedy(model, p, 64))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+def test_gpu_graphs_fp8_cache_equal_eager_steps():
+    """fp8 caches in graphs: the tokens of the same plan run eagerly."""
+    model = build("llama", "cuda", torch.float16)
+    ps = prompts(model.config.vocab_size)
+    kw = dict(kv_dtype=torch.float8_e4m3fn, dispatch_on="capacity")
+    graphs = HFDecoder(model, len(ps), 256, graphs=True, **kw).generate(ps, 48, eos_token_id=[])
+    eager = HFDecoder(model, len(ps), 256, graphs=False, **kw).generate(ps, 48, eos_token_id=[])
+    assert graphs == eager

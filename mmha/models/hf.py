@@ -4,30 +4,43 @@
 Mistral / Qwen2: the same decoder layer, Qwen2 with a qkv bias; Gemma 2: sandwich norms, logit
 soft-caps, alternating sliding-window layers; gpt-oss: attention sinks, alternating sliding
 windows, a mixture-of-experts MLP) and keeps its K/V in a ``KVCache``. Prompts are prefilled by
-the model's own forward (its rotated K/V are copied into the cache); each decode step then runs
-the model's own norms, MLPs and projections around ``KVCache.step``, which appends the new K/V
-and attends in one kernel. The model's q/k/v projection weights are concatenated once so each
-layer needs one matmul for ``qkv``.
+the model's own forward, several rows at a time (their rotated K/V are copied into the cache);
+each decode step then runs the model's own norms, MLPs and projections around ``KVCache.step``,
+which appends the new K/V and attends in one kernel. The model's q/k/v projection weights are
+concatenated once so each layer needs one matmul for ``qkv``.
+
+On a GPU, ``generate`` replays each decode step as one CUDA graph: one graph per batch-size
+bucket (powers of two up to ``max_batch``), captured at its first use with the cache's capacity
+dispatch; the greedy pick, the end-of-sequence bookkeeping and the token history stay on the
+device, and the host reads them every ``sync_every`` steps. ``graphs=False`` runs the same steps
+eagerly.
 
 Only what mmha computes exactly is accepted: default rotary over the whole head (GPT-NeoX
 halves) and head dims the kernel supports. Sliding windows, soft-caps and sinks go to each
 layer's ``KVCache.step`` as score modifiers (computed on the CPU path; the CUDA kernel does not
 apply them yet, so such models are refused on a GPU). Anything else is rejected with the
 setting named. Nothing is downloaded: build the model from a config
-(``AutoModelForCausalLM.from_config``) or load your own.
+(``AutoModelForCausalLM.from_config``) or load your own. ``mmha.models.hf_attention`` is the
+other route: mmha inside transformers' own ``generate`` (``attn_implementation="mmha"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .._ext import extension_available
 from ..cache import KVCache
 from . import speculative
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gpt_oss")
+# Token history kept on the device between host reads (sync_every <= HISTORY).
+HISTORY = 64
+# End-of-sequence ids a generate call may name.
+MAX_EOS_IDS = 8
 
 
 def _rope_theta(config) -> float:
@@ -51,15 +64,20 @@ def _rope_theta(config) -> float:
 
 
 def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated keys and values ``[1, Hkv, L, D]`` of one layer from a transformers cache."""
+    """Rotated keys and values ``[n, Hkv, L, D]`` of one layer from a transformers cache."""
     if hasattr(past, "layers"):  # transformers >= 4.56
         return past.layers[layer].keys, past.layers[layer].values
     return past.key_cache[layer], past.value_cache[layer]
 
 
-def _layer_mods(config, i: int, layer, max_seq_len: int) -> dict:
-    """Layer ``i``'s score modifiers for ``KVCache.step``: its sliding window (where it is shorter
-    than the cache), Gemma 2's logit soft-cap, gpt-oss's sinks."""
+def attention_modules(model) -> list:
+    """The attention module of each decoder layer of a Llama-family causal LM."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def layer_mods(config, i: int, attn, max_seq_len: int) -> dict:
+    """Layer ``i``'s score modifiers for ``KVCache.step`` (``attn``: its attention module): its
+    sliding window (where it is shorter than the cache), Gemma 2's logit soft-cap, gpt-oss's sinks."""
     mods = {}
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -72,7 +90,7 @@ def _layer_mods(config, i: int, layer, max_seq_len: int) -> dict:
     cap = getattr(config, "attn_logit_softcapping", None)
     if cap is not None:
         mods["softcap"] = float(cap)
-    sinks = getattr(layer.self_attn, "sinks", None)
+    sinks = getattr(attn, "sinks", None)
     if sinks is not None:
         mods["sinks"] = sinks.detach().float().contiguous()
     return mods
@@ -89,19 +107,62 @@ def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
     return full
 
 
+def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    """``tokens`` up to and including the first end-of-sequence id."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a CUDA graph: powers of two below ``max_batch``, and ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
+
+
+@dataclass
+class _GreedyState:
+    """Device state of greedy decoding, at fixed addresses (captured graphs read and write it)."""
+
+    tokens: torch.Tensor  # [max_batch] int64: each row's next input token
+    done: torch.Tensor  # [max_batch] bool: the row has emitted an end-of-sequence token
+    history: torch.Tensor  # [max_batch, HISTORY] int64: picks, column = step % HISTORY
+    step: torch.Tensor  # [] int64: steps taken
+    eos: torch.Tensor  # [MAX_EOS_IDS] int64: end-of-sequence ids, -1 where unused
+    pad: torch.Tensor  # [] int64: what a finished row emits
+
+    @classmethod
+    def allocate(cls, max_batch: int, device) -> _GreedyState:
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            z(max_batch), z(max_batch, dtype=torch.bool), z(max_batch, HISTORY), z(), z(MAX_EOS_IDS), z()
+        )
+
+
 class HFDecoder:
     """Greedy/step decoding of a Hugging Face Llama-family model with mmha's decode kernel."""
 
     def __init__(
-        self, model, max_batch: int, max_seq_len: int, *, dispatch_on: str = "length",
-        kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0, paged: bool = False,
-        block_size: int = 16, num_blocks: int | None = None,
+        self, model, max_batch: int, max_seq_len: int, *, graphs: bool | None = None,
+        dispatch_on: str | None = None, kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0,
+        paged: bool = False, block_size: int = 16, num_blocks: int | None = None,
+        prefill_tokens: int = 32768,
     ):  # fmt: skip
-        """``kv_dtype``: the caches' dtype (default the model's); ``torch.float8_e4m3fn`` stores
-        K/V in fp8 with per-layer, per-kv-head scales taken from the first prompt's absolute
-        maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set with
-        ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
-        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; CPU only for now)."""
+        """``graphs``: decode steps of ``generate`` as CUDA graphs (default: on a GPU with the
+        extension built); they need ``dispatch_on="capacity"`` (the default with graphs, else
+        ``"length"``). ``kv_dtype``: the caches' dtype (default the model's);
+        ``torch.float8_e4m3fn`` stores K/V in fp8 with per-layer, per-kv-head scales taken from
+        the first prompts' absolute maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set
+        with ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
+        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; CPU only for now).
+        ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
+        this many (padded) tokens."""
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -111,32 +172,47 @@ class HFDecoder:
         theta = _rope_theta(config)
         self.model = model
         self.body = model.model
-        attn = self.body.layers[0].self_attn
+        attns = attention_modules(model)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         param = next(model.parameters())
-        self.mods = [_layer_mods(config, i, layer, max_seq_len) for i, layer in enumerate(self.body.layers)]
+        self.mods = [layer_mods(config, i, a, max_seq_len) for i, a in enumerate(attns)]
+        self.windowed = any("window" in m for m in self.mods)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        if param.device.type == "cuda" and any(self.mods):
+        on_gpu = param.device.type == "cuda"
+        if on_gpu and any(self.mods):
             named = sorted({k for m in self.mods for k in m})
             raise ValueError(
                 f"this {model_type} config needs score modifiers ({', '.join(named)}) that mmha's CUDA "
                 "kernel does not apply yet: run it on the CPU (the reference path), or use a config "
                 "without them"
             )
+        if graphs is None:
+            graphs = on_gpu and extension_available() and not paged
+        if graphs and not on_gpu:
+            raise ValueError("graphs=True needs the model on a CUDA device")
+        if dispatch_on is None:
+            dispatch_on = "capacity" if graphs else "length"
+        if graphs and dispatch_on != "capacity":
+            raise ValueError(
+                f"graphs=True needs dispatch_on='capacity' (one plan for every step), got {dispatch_on!r}"
+            )
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
+        self.graphs = graphs
+        self.prefill_tokens = prefill_tokens
         self.cache = KVCache(
             config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
             self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
-            scale=float(attn.scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype, paged=paged,
+            scale=float(attns[0].scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype, paged=paged,
             block_size=block_size, num_blocks=num_blocks,
         )  # fmt: skip
         self.kv_scale_margin = kv_scale_margin
         # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
         self.qkv_weight, self.qkv_bias = [], []
         with torch.no_grad():
-            for layer in self.body.layers:
-                a = layer.self_attn
+            for a in attns:
                 self.qkv_weight.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
                 if all(b is None for b in biases):
@@ -146,12 +222,32 @@ class HFDecoder:
                         torch.cat([b if b is not None else torch.zeros_like(p.weight[:, 0])
                                    for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj), strict=True)])
                     )  # fmt: skip
+        self._state: _GreedyState | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Prompt indices in groups of at most ``prefill_tokens`` padded tokens (one prompt a
+        group where sliding windows cut the model's own prompt cache)."""
+        groups: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            g = groups[-1] if groups else None
+            if (
+                g
+                and not self.windowed
+                and (len(g) + 1) * max(n, *(lengths[j] for j in g)) <= self.prefill_tokens
+            ):
+                g.append(i)
+            else:
+                groups.append([i])
+        return groups
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int] | None = None) -> torch.Tensor:
-        """Run each prompt through the model's own forward and copy its K/V into cache ``rows``
-        (default ``0..n-1``; they must be free, e.g. released). Returns the logits at each
-        prompt's last token ``[n, vocab]``."""
+        """Run the prompts through the model's own forward (right-padded groups) and copy their
+        K/V into cache ``rows`` (default ``0..n-1``; they must be free, e.g. released). Returns
+        the logits at each prompt's last token ``[n, vocab]``."""
         rows = list(range(len(prompts))) if rows is None else list(rows)
         if len(rows) != len(prompts):
             raise ValueError(f"rows must name {len(prompts)} rows (one per prompt), got {len(rows)}")
@@ -165,23 +261,39 @@ class HFDecoder:
                     f"{self.cache.max_seq_len} including the tokens still to generate"
                 )
         self.cache.admit(rows)
-        logits = []
-        for r, prompt in zip(rows, prompts, strict=True):
-            ids = torch.tensor([list(prompt)], device=dev)
-            res = self.model(input_ids=ids, use_cache=True)
-            n = ids.shape[1]
-            for i in range(len(self.body.layers)):
-                k, v = _layer_kv(res.past_key_values, i)
-                k, v = _full_length(k, n), _full_length(v, n)
-                self.cache.prefill(i, k.transpose(1, 2), v.transpose(1, 2), [n], [r],
+        lengths = [len(p) for p in prompts]
+        logits = [None] * len(prompts)
+        for group in self._prefill_groups(lengths):
+            n = [lengths[i] for i in group]
+            # Right padding: causal attention keeps the pads out of every real token's K/V.
+            ids = torch.zeros(len(group), max(n), dtype=torch.long, device=dev)
+            for j, i in enumerate(group):
+                ids[j, : n[j]] = torch.tensor(list(prompts[i]), device=dev)
+            res = self.body(input_ids=ids, use_cache=True)
+            for layer in range(len(self.body.layers)):
+                k, v = _layer_kv(res.past_key_values, layer)
+                if self.windowed:  # one prompt: a window layer's cache may hold its last tokens only
+                    k, v = _full_length(k, n[0]), _full_length(v, n[0])
+                self.cache.prefill(layer, k.transpose(1, 2), v.transpose(1, 2), n, [rows[i] for i in group],
                                    scale_margin=self.kv_scale_margin)  # fmt: skip
-            logits.append(res.logits[0, -1].float())
-        return torch.stack(logits)
+            last = res.last_hidden_state[
+                torch.arange(len(group), device=dev), torch.tensor(n, device=dev) - 1
+            ]
+            for j, i in enumerate(group):
+                logits[i] = last[j]
+        return self._logits(torch.stack(logits))
 
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token per row ``tokens [B]`` through every layer; lengths advance. Returns fp32
-        logits ``[B, vocab]``."""
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states (Gemma 2's final soft-cap applied)."""
+        logits = self.model.lm_head(hidden).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    # ------------------------------------------------------------------ decode steps
+    def _layers(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Every layer's step for one token per row (lengths unchanged); the final-normed
+        hidden states ``[B, hidden]``."""
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.body.layers):
             qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
@@ -195,11 +307,15 @@ class HFDecoder:
                 # [B, 1, hidden] as in a forward; gpt-oss's MoE also returns its router scores
                 m = layer.mlp(layer.post_attention_layernorm(x)[:, None])
                 x = x + (m[0] if isinstance(m, tuple) else m)[:, 0]
+        return self.body.norm(x)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row ``tokens [B]`` through every layer; lengths advance. Returns fp32
+        logits ``[B, vocab]``."""
+        h = self._layers(tokens)
         self.cache.advance()
-        logits = self.model.lm_head(self.body.norm(x)).float()
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self._logits(h)
 
     @torch.no_grad()
     def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -215,7 +331,53 @@ class HFDecoder:
             x = x + layer.self_attn.o_proj(out)
             m = layer.mlp(layer.post_attention_layernorm(x))
             x = x + (m[0] if isinstance(m, tuple) else m)
-        return self.model.lm_head(self.body.norm(x)).float()
+        return self._logits(self.body.norm(x))
+
+    def _greedy_step(self, rows: int) -> None:
+        """A greedy step of rows ``0..rows-1`` on the device state alone (what a graph captures):
+        the pick, a finished row's pad, the end-of-sequence flags, the history, the next input."""
+        st = self._state
+        tok = st.tokens[:rows]
+        nxt = self.step(tok).argmax(-1)
+        done = st.done[:rows]
+        nxt = torch.where(done, st.pad, nxt)
+        done |= (nxt[:, None] == st.eos[None, :]).any(-1)
+        st.history[:rows].scatter_(1, (st.step % HISTORY).expand(rows, 1), nxt[:, None])
+        st.step += 1
+        tok.copy_(nxt)
+
+    def _graph(self, rows: int) -> torch.cuda.CUDAGraph:
+        """The captured greedy step of a bucket of ``rows`` rows (captured at its first use)."""
+        graph = self._graphs.get(rows)
+        if graph is None:
+            if not self._graphs:  # every bucket's plan fits the workspace the graphs will share
+                self.cache.reserve_workspace(buckets(self.cache.max_batch))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # one eager round: writes only what the step writes again
+                self._layers(self._state.tokens[:rows])
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._greedy_step(rows)
+            self._pool = graph.pool()
+            self._graphs[rows] = graph
+        return graph
+
+    # ------------------------------------------------------------------ generation
+    def _eos_ids(self, eos_token_id) -> list[int]:
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
+        if len(ids) > MAX_EOS_IDS:
+            raise ValueError(f"eos_token_id may name at most {MAX_EOS_IDS} ids, got {len(ids)}")
+        return [int(i) for i in ids]
 
     @torch.no_grad()
     def generate(
@@ -225,16 +387,22 @@ class HFDecoder:
         *,
         draft: HFDecoder | None = None,
         tree_shape: Sequence[int] = (2, 2, 1),
+        eos_token_id: int | Sequence[int] | None = None,
+        sync_every: int = 16,
     ) -> list[list[int]]:
-        """Greedy decoding of a ragged batch (``len(prompts) <= max_batch``): ``max_new_tokens``
-        new tokens per prompt (the first from the prefill logits, the rest from mmha steps).
+        """Greedy decoding of a ragged batch (``len(prompts) <= max_batch``): up to
+        ``max_new_tokens`` new tokens per prompt (the first from the prefill logits, the rest from
+        mmha steps). A row stops after its first end-of-sequence token (``eos_token_id``, default
+        the model's ``generation_config``; the token is kept); the batch stops when every row has.
+        The host reads the tokens every ``sync_every`` steps (``<= 64``): between reads, steps
+        (CUDA graphs by default on a GPU) run without a host synchronisation.
 
         With ``draft`` (an ``HFDecoder`` of a model with the same tokenizer): speculative decoding.
         Each round the draft grows a tree under the last token, ``tree_shape[d]`` children per
         node at depth ``d`` (its top tokens), and the target verifies the whole tree in one
         ``step_tree``: the longest root path whose tokens are the target's own greedy picks is
         accepted in both caches (``KVCache.accept``), plus the target's next pick. The tokens are
-        exactly those of plain greedy decoding with the target."""
+        exactly those of plain greedy decoding with the target (no end-of-sequence stop)."""
         if not 1 <= len(prompts) <= self.cache.max_batch:
             raise ValueError(
                 f"prompts must hold 1..{self.cache.max_batch} prompts (max_batch), got {len(prompts)}"
@@ -247,16 +415,51 @@ class HFDecoder:
             )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not isinstance(sync_every, int) or not 1 <= sync_every <= HISTORY:
+            raise ValueError(f"sync_every must be an int in [1, {HISTORY}], got {sync_every!r}")
         if draft is not None:
             return self._speculate(prompts, max_new_tokens, draft, list(tree_shape))
+        eos = self._eos_ids(eos_token_id)
         self.cache.release(range(self.cache.max_batch))
-        tok = self.prefill(prompts).argmax(-1)
-        out = [[int(t)] for t in tok.tolist()]
-        for _ in range(max_new_tokens - 1):
-            tok = self.step(tok).argmax(-1)
-            for r, t in enumerate(tok.tolist()):
-                out[r].append(t)
-        return out
+        first = self.prefill(prompts).argmax(-1)
+        return self._decode(first, max_new_tokens, eos, sync_every)
+
+    def _decode(
+        self, first: torch.Tensor, max_new_tokens: int, eos: list[int], sync_every: int
+    ) -> list[list[int]]:
+        n = first.shape[0]
+        if self._state is None:
+            self._state = _GreedyState.allocate(self.cache.max_batch, self.cache.device)
+        st = self._state
+        st.eos.fill_(-1)
+        if eos:
+            st.eos[: len(eos)] = torch.tensor(eos, device=st.eos.device)
+        st.pad.fill_(eos[0] if eos else 0)
+        st.tokens.zero_()
+        st.tokens[:n] = first
+        st.done.fill_(True)  # rows past the prompts (a bucket's spare rows) count as finished
+        st.done[:n] = (first[:, None] == st.eos[None, :]).any(-1)
+        st.step.zero_()
+        out = [[t] for t in first.tolist()]
+        rows = next(b for b in buckets(self.cache.max_batch) if b >= n) if self.graphs else n
+        taken, pending = 0, 0
+        while taken + pending < max_new_tokens - 1:
+            if self.graphs:
+                self._graph(rows).replay()
+            else:
+                self._greedy_step(rows)
+            pending += 1
+            if pending == sync_every or taken + pending == max_new_tokens - 1:
+                if self.graphs:
+                    self.cache.account_replay(pending)
+                cols = [(taken + j) % HISTORY for j in range(pending)]
+                picks = st.history[:n, cols].tolist()
+                for r in range(n):
+                    out[r].extend(picks[r])
+                taken, pending = taken + pending, 0
+                if bool(st.done[:n].all()):
+                    break
+        return [_until_eos(row, eos) for row in out]
 
     def _speculate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: HFDecoder, shape: list[int]

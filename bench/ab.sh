@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A/B timing of two builds in one device call: the working tree against BASE, a copy of an
+# earlier tree (e.g. `git archive REV csrc mmha setup.py | tar -x -C .base`, carried along).
+# Builds BASE once per machine in /tmp/mmha_base, the working tree in place, then times the same
+# grid with each (python -m mmha.bench, same arguments), alternating twice (base, new, base, new)
+# so that drift shows, and prints per-row mmha times of both and their ratio.
+# Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
+source "$(dirname "$0")/device_env.sh"
+BASE=${BASE:?set BASE to the earlier tree}
+if [ ! -f /tmp/mmha_base/.built ]; then
+  rm -rf /tmp/mmha_base && cp -r "$BASE" /tmp/mmha_base
+  (cd /tmp/mmha_base && python setup.py build_ext --inplace >"$OUT/build_base.log" 2>&1) || {
+    grep -E "error" "$OUT/build_base.log" | head -20
+    exit 1
+  }
+  touch /tmp/mmha_base/.built
+fi
+build
+for round in 1 2; do
+  (cd /tmp/mmha_base && PYTHONPATH=/tmp/mmha_base python -m mmha.bench "$@" --out "$OUT/ab_base_$round" \
+    >"$OUT/ab_base_$round.txt" 2>&1) || tail -n 5 "$OUT/ab_base_$round.txt"
+  python -m mmha.bench "$@" --out "$OUT/ab_new_$round" >"$OUT/ab_new_$round.txt" 2>&1 || tail -n 5 "$OUT/ab_new_$round.txt"
+done
+python - "$OUT" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+KEY = ("dtype", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
+
+
+def times(name):
+    t = {}
+    for r in (1, 2):
+        for row in json.loads((out / f"{name}_{r}" / "bench.json").read_text())["rows"]:
+            t.setdefault(tuple(row[k] for k in KEY), []).append(row["mmha_decode_us"])
+    return t
+
+
+base, new = times("ab_base"), times("ab_new")
+print("| dtype | B | Hq | Hkv | D | S | base us (2 runs) | new us (2 runs) | new/base |")
+print("|---|---|---|---|---|---|---|---|---|")
+ratios = []
+for k, b in base.items():
+    if k in new and len(b) == 2 and len(new[k]) == 2:
+        ratio = statistics.mean(new[k]) / statistics.mean(b)
+        ratios.append(ratio)
+        print(f"| {' | '.join(str(x) for x in k)} | {b[0]:.1f}, {b[1]:.1f} | {new[k][0]:.1f}, {new[k][1]:.1f} | {ratio:.3f} |")
+if ratios:
+    print(f"new/base: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+PY

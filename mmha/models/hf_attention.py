@@ -1,0 +1,294 @@
+"""mmha inside Hugging Face's own generation loop: ``attn_implementation="mmha"`` and ``MmhaCache``.
+
+transformers runs a layer's projections and rotary itself, then calls the cache's ``update`` and
+the attention function registered under the config's ``_attn_implementation``. This module plugs
+into those two extension points (``transformers.AttentionInterface`` and ``transformers.Cache``):
+
+- ``MmhaCache`` keeps K/V in mmha's layouts (a ``KVCache`` with rotary off: the keys arrive
+  rotated). Its layers' ``update`` passes the new K/V through and arms the layer, so the attention
+  function knows that this forward carries the cache.
+- ``mmha_attention`` then runs, for a one-token step, mmha's fused append + attention on the
+  cache (the CUDA kernel; ``mmha.reference`` on the CPU) and advances the lengths after the last
+  layer; for a prompt, transformers' own SDPA attention, with the prompt's K/V written to the
+  cache. A forward without an armed ``MmhaCache`` is plain SDPA.
+
+Prompts are compacted: a left-padded prompt of ``n`` tokens (what ``generate`` feeds a ragged
+batch) lands in slots ``0 .. n - 1`` of its row, which are its tokens' positions, so decode steps
+need no mask. The padding is read from ``position_ids`` (``generate`` derives them from the
+attention mask), so no mask function is registered and transformers builds no mask at all.
+
+A one-token step has no host synchronisation and no Python state that changes from step to step,
+so ``generate`` compiles it (``torch.compile`` with CUDA graphs: transformers does this by itself
+for caches that say ``is_compileable``) once per batch size.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .. import ops, reference
+from ..cache import KVCache
+from .hf import attention_modules, layer_mods
+
+ATTN_IMPLEMENTATION = "mmha"
+
+
+def mmha_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``attn_implementation="mmha"`` function: ``query [B, Hq, S, D]``, ``key`` / ``value``
+    ``[B, Hkv, S, D]`` (rotated, as the layer's cache ``update`` returned them). Returns
+    ``(out [B, S, Hq, D], None)``."""
+    ref = module.__dict__.get("_mmha_layer")
+    layer = ref() if ref is not None else None
+    if layer is None or not layer.armed:  # no MmhaCache in this forward
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    layer.armed = False
+    if attention_mask is not None:
+        raise ValueError(
+            "MmhaCache takes each row's padding from position_ids (left-padded prompts); an explicit "
+            "4D attention_mask is not supported"
+        )
+    scale = module.scaling if scaling is None else scaling
+    if query.shape[2] == 1:
+        return layer.owner.decode(layer.index, query, key, value, scale), None
+    return layer.owner.prefill(
+        layer.index, module, query, key, value, scale, kwargs.get("position_ids")
+    ), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="mmha"`` known to transformers (done on ``import mmha.hf``)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, mmha_attention)
+
+
+class MmhaLayer(CacheLayerMixin):
+    """One decoder layer's view of an ``MmhaCache`` (transformers' per-layer cache interface)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: MmhaCache, index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.armed = False
+        self.is_initialized = True  # the storage exists from the start
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Pass the new K/V through (mmha_attention appends them) and arm this layer."""
+        self.owner.bind(self)
+        self.armed = True
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.owner.kv.max_seq_len
+
+    def reset(self) -> None:
+        self.owner.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("MmhaCache does not reorder rows (beam search); use greedy or sampling")
+
+
+class MmhaCache(Cache):
+    """K/V of a transformers causal LM in mmha's caches, for ``model.generate``.
+
+    ``MmhaCache(model, max_batch_size, max_cache_len)``: the model must have been loaded (or set)
+    with ``attn_implementation="mmha"`` (``import mmha.hf`` registers it). Pass the cache as
+    ``past_key_values``; prompts must be left-padded (``generate``'s way for decoder-only models).
+    Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
+    fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``).
+
+    Any rotary variant works (transformers applies it); the attention itself must be plain:
+    sliding windows, logit soft-caps and sinks are refused for now. ``self.kv`` is the
+    underlying ``KVCache`` (its ``check()`` raises for rows the kernel's guard refused).
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int,
+        max_cache_len: int,
+        *,
+        kv_dtype: torch.dtype | None = None,
+        kv_scale_margin: float = 1.0,
+    ):
+        config = model.config
+        if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"model must use attn_implementation={ATTN_IMPLEMENTATION!r} (load it with that argument "
+                f"or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), got "
+                f"{getattr(config, '_attn_implementation', None)!r}"
+            )
+        modules = attention_modules(model)
+        mods = sorted({k for i, m in enumerate(modules) for k in layer_mods(config, i, m, max_cache_len)})
+        if mods:
+            raise ValueError(
+                f"this {config.model_type} config needs score modifiers ({', '.join(mods)}) that MmhaCache "
+                "does not apply yet"
+            )
+        param = next(model.parameters())
+        num_heads = config.num_attention_heads
+        num_kv_heads = config.num_key_value_heads or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.kv_scale_margin = kv_scale_margin
+        self.kv = KVCache(
+            len(modules), max_batch_size, max_cache_len, num_heads, num_kv_heads, head_dim, param.dtype,
+            param.device, rotary_dim=0, scale=float(modules[0].scaling), dispatch_on="capacity",
+            kv_dtype=kv_dtype,
+        )  # fmt: skip
+        self.kv.release(range(max_batch_size))
+        self._modules = modules
+        self._prompt_lengths: list[int] = []
+        self._plans: dict[int, tuple[int, int]] = {}
+        self._workspace: ops.Workspace | None = None
+        if self.kv.use_kernel:
+            # One plan per batch size, from the capacity: it holds as lengths grow, so the step
+            # reads no host state; the workspace fits every batch size's plan.
+            for b in range(1, max_batch_size + 1):
+                plan = self.kv.plan(b)
+                self._plans[b] = (plan.num_splits, plan.stages)
+            splits = max(s for s, _ in self._plans.values())
+            self._workspace = ops.Workspace.allocate(
+                param.device, max_batch_size, num_heads, head_dim, splits
+            )
+            # Fixed addresses: a compiled step mutates them in place and may be a CUDA graph.
+            static = [*self.kv.k_caches, *self.kv.v_caches, self.kv.lengths, self.kv._active_mask]
+            static += [self._workspace.partials, self._workspace.counters, self._workspace.status]
+            static += [t for t in (self.kv.k_scales, self.kv.v_scales) if t is not None]
+            for t in static:
+                torch._dynamo.mark_static_address(t)
+        super().__init__(layers=[MmhaLayer(self, i) for i in range(len(modules))])
+        for layer in self.layers:
+            self.bind(layer)
+
+    # ------------------------------------------------------------------ transformers' interface
+    def bind(self, layer: MmhaLayer) -> None:
+        """Point the layer's attention module at ``layer`` (weakly: the model does not keep the
+        cache alive); a no-op once it does."""
+        module = self._modules[layer.index]
+        ref = module.__dict__.get("_mmha_layer")
+        if ref is None or ref() is not layer:
+            module._mmha_layer = weakref.ref(layer)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens in the longest row (a device read: called by ``generate`` before a prefill)."""
+        return int(self.kv.lengths.max()) if self.kv.max_batch else 0
+
+    def reset(self) -> None:
+        """Empty every row (before new prompts)."""
+        self.kv.release(range(self.kv.max_batch))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("MmhaCache does not expand rows (num_return_sequences > 1 or beam search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("MmhaCache does not select rows (contrastive search)")
+
+    # ------------------------------------------------------------------ attention
+    def decode(self, layer: int, query, key, value, scale: float) -> torch.Tensor:
+        """One token per row: append its K/V at slot ``lengths[b]`` of rows ``0..B-1`` and attend
+        (fused); after the last layer every active row's length moves on. ``[B, 1, Hq, D]``."""
+        kv = self.kv
+        b = query.shape[0]
+        qkv = torch.cat([query.reshape(b, -1), key.reshape(b, -1), value.reshape(b, -1)], dim=1)
+        kc, vc, lengths = kv.k_caches[layer][:b], kv.v_caches[layer][:b], kv.lengths[:b]
+        scales = {}
+        if kv.fp8:
+            scales = dict(k_scale=kv.k_scales[layer], v_scale=kv.v_scales[layer])
+        if kv.use_kernel:
+            splits, stages = self._plans[b]
+            out = ops.decode_attention(
+                qkv, kc, vc, lengths, num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, scale=scale,
+                num_splits=splits, stages=stages, workspace=self._workspace, validate_lengths=False,
+                **scales,
+            )  # fmt: skip
+        else:
+            out = reference.decode_step(
+                qkv, kc, vc, lengths, num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, scale=scale,
+                **scales,
+            )  # fmt: skip
+        if layer == kv.num_layers - 1:
+            kv.advance()
+        return out.view(b, 1, kv.num_heads, kv.head_dim)
+
+    def prefill(self, layer: int, module, query, key, value, scale: float, position_ids) -> torch.Tensor:
+        """A prompt step of rows ``0..B-1``: transformers' SDPA attention over the prompt, whose
+        K/V (each row's last ``n`` tokens: left padding) go to slots ``0..n-1``. ``[B, S, Hq, D]``."""
+        kv = self.kv
+        b, s = key.shape[0], key.shape[2]
+        if layer == 0:
+            self._prompt_lengths = self._check_prompt(b, s, position_ids)
+        counts = self._prompt_lengths
+        mask = None
+        if min(counts) < s:  # causal, keys of the row's own tokens only (a pad query sees itself)
+            dev = query.device
+            i = torch.arange(s, device=dev)
+            first = torch.tensor([s - n for n in counts], device=dev)
+            mask = (i[None, :] >= first[:, None])[:, None, None, :] & (i[None, :] <= i[:, None])[None, None]
+            mask = mask | torch.eye(s, dtype=torch.bool, device=dev)[None, None]
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, mask, dropout=0.0, scaling=scale, is_causal=mask is None
+        )
+        # Row r's tokens are its last n: slot j takes position s - n + j (the rest is never read).
+        shift = torch.tensor([s - n for n in counts], device=key.device)
+        idx = (shift[:, None] + torch.arange(s, device=key.device)[None]).clamp(max=s - 1)
+        gather = idx[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        k_rows = key.gather(2, gather).transpose(1, 2)
+        v_rows = value.gather(2, gather).transpose(1, 2)
+        kv.prefill(
+            layer, k_rows, v_rows, lengths=counts, rows=list(range(b)), scale_margin=self.kv_scale_margin
+        )
+        return out
+
+    def _check_prompt(self, batch: int, width: int, position_ids) -> list[int]:
+        """Tokens per row of a prompt (host reads: a prefill synchronises anyway); checks that the
+        rows are empty, fit, and are left-padded."""
+        kv = self.kv
+        if batch > kv.max_batch:
+            raise ValueError(f"batch ({batch}) must be at most the cache's max_batch_size ({kv.max_batch})")
+        held = kv.lengths[:batch].tolist()
+        if any(held):
+            raise ValueError(
+                "MmhaCache already holds tokens of earlier prompts (continuing a prompt with several new "
+                "tokens is not supported): call cache.reset() before generating for new prompts"
+            )
+        if position_ids is None:
+            counts = [width] * batch
+        else:
+            # Left padding: a row of n tokens has positions 0..n-1 in its last n places, and its
+            # last position is its largest (generate gives pads position 0).
+            pos = position_ids.expand(batch, -1)
+            n = pos[:, -1] + 1
+            j = torch.arange(width, device=pos.device)
+            first = (width - n)[:, None]
+            ok = (n >= 1) & (n <= width) & (pos.amax(-1) == pos[:, -1])
+            ok &= ((pos == j[None] - first) | (j[None] < first)).all(-1)
+            bad = (~ok).nonzero().flatten().tolist()
+            if bad:
+                raise ValueError(
+                    "MmhaCache needs left-padded prompts (tokenizer.padding_side = 'left'): the positions of "
+                    f"rows {bad} do not end in 0..n-1"
+                )
+            counts = [int(c) for c in n.tolist()]
+        longest = max(counts)
+        if longest >= kv.max_seq_len:
+            raise ValueError(
+                f"a prompt of {longest} tokens leaves no room in max_cache_len ({kv.max_seq_len})"
+            )
+        kv.release(range(kv.max_batch))
+        return counts

@@ -1,0 +1,151 @@
+"""mmha.models.hf_attention: ``attn_implementation="mmha"`` with ``MmhaCache`` inside transformers'
+own ``generate`` (random-init models from configs, nothing downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HAS_GPU
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import PROMPT_LENGTHS, build, check_no_decisive_mismatch, hf_greedy, prompts  # noqa: E402
+
+from mmha.hf import MmhaCache  # noqa: E402
+
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+pytestmark = pytest.mark.usefixtures("no_reference_warning")
+
+
+def left_padded(ps: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of a left-padded batch (pad id 0)."""
+    width = max(len(p) for p in ps)
+    ids = torch.zeros(len(ps), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def mmha_model(model_type: str, device: str, dtype: torch.dtype, **over):
+    model = build(model_type, device, dtype, **over)
+    model.set_attn_implementation("mmha")
+    return model
+
+
+def generate(model, cache, ps, new: int, **kw) -> list[list[int]]:
+    ids, mask = left_padded(ps, next(model.parameters()).device)
+    out = model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+        do_sample=False, **kw,
+    )  # fmt: skip
+    return out[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_cpu_ragged_batch_matches_generate(model_type):
+    """A left-padded ragged batch through transformers' loop with MmhaCache (the reference path
+    on the CPU): each row's tokens equal the model's own greedy generate() of that prompt; after
+    reset() the same cache gives them again."""
+    model = mmha_model(model_type, "cpu", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    cache = MmhaCache(model, 6, max(PROMPT_LENGTHS) + 13)
+    got = generate(model, cache, ps, 12)
+    model.set_attn_implementation("sdpa")
+    expect = [hf_greedy(model, p, 12) for p in ps]
+    assert got == expect
+    assert cache.get_seq_length() == max(PROMPT_LENGTHS) + 11  # the last pick is not cached
+    assert cache.kv.host_lengths[:4] == [n + 11 for n in PROMPT_LENGTHS]
+    model.set_attn_implementation("mmha")
+    cache.reset()
+    assert generate(model, cache, ps, 12) == expect
+
+
+def test_cpu_forward_without_the_cache_is_sdpa():
+    """attn_implementation="mmha" in a forward that carries no MmhaCache is transformers' SDPA."""
+    model = mmha_model("llama", "cpu", torch.float32)
+    ids = torch.tensor([prompts(model.config.vocab_size)[1]])
+    MmhaCache(model, 2, 64)  # bound to the model, but not passed
+    got = model(ids, use_cache=False).logits
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(got, model(ids, use_cache=False).logits)
+
+
+def test_cpu_refusals_name_the_problem():
+    model = build("llama", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="model must use attn_implementation='mmha'.*got 'sdpa'"):
+        MmhaCache(model, 2, 64)
+    model.set_attn_implementation("mmha")
+    cache = MmhaCache(model, 2, 64)
+    ps = prompts(model.config.vocab_size)[:2]
+    generate(model, cache, ps, 2)
+    with pytest.raises(ValueError, match=r"already holds tokens .* call cache.reset\(\)"):
+        generate(model, cache, ps, 2)
+    cache.reset()
+    right = torch.tensor([ps[0] + [0] * (len(ps[1]) - len(ps[0])), ps[1]])
+    mask = (torch.arange(right.shape[1])[None] < torch.tensor([len(ps[0]), len(ps[1])])[:, None]).long()
+    with pytest.raises(ValueError, match="needs left-padded prompts"):
+        model.generate(right, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0  # a refused prompt wrote nothing
+    with pytest.raises(ValueError, match=r"prompt of 70 tokens leaves no room in max_cache_len \(64\)"):
+        model.generate(torch.ones(1, 70, dtype=torch.long), past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(torch.tensor([ps[0]]), past_key_values=cache, max_new_tokens=2, num_beams=2)
+    windowed = mmha_model("mistral", "cpu", torch.float32, sliding_window=8)
+    with pytest.raises(ValueError, match=r"needs score modifiers \(window\)"):
+        MmhaCache(windowed, 2, 64)
+
+
+@gpu
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gpu_ragged_batch_matches_generate(compiled):
+    """fp32 on the kernel, compiled by transformers (torch.compile + CUDA graphs, its default for
+    a compileable cache) and eagerly (disable_compile): transformers' own greedy tokens."""
+    model = mmha_model("llama", "cuda", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    cache = MmhaCache(model, 4, 1024)
+    got = generate(model, cache, ps, 40, disable_compile=not compiled)
+    model.set_attn_implementation("sdpa")
+    for r, p in enumerate(ps):
+        assert got[r] == hf_greedy(model, p, 40), f"row {r}"
+    cache.kv.check()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_16bit_no_decisive_mismatch(dtype):
+    model = mmha_model("llama", "cuda", dtype)
+    ps = prompts(model.config.vocab_size)
+    got = generate(model, MmhaCache(model, 4, 256), ps, 64)
+    model.set_attn_implementation("sdpa")
+    for p, ours in zip(ps, got, strict=True):
+        check_no_decisive_mismatch(model, p, ours, hf_greedy(model, p, 64))
+
+
+@gpu
+def test_gpu_fp8_cache_teacher_forced():
+    """An fp8 MmhaCache against a 16-bit one, both fed the 16-bit run's greedy tokens through
+    transformers' forward: no step where the 16-bit pick beats the fp8 one by more than twice the
+    row's largest logit difference."""
+    model = mmha_model("llama", "cuda", torch.float16)
+    ps = prompts(model.config.vocab_size)
+    ids, mask = left_padded(ps, "cuda")
+    caches = [MmhaCache(model, 4, 256), MmhaCache(model, 4, 256, kv_dtype=torch.float8_e4m3fn)]
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = [model(ids, position_ids=pos, past_key_values=c).logits[:, -1].float() for c in caches]
+        nxt = pos[:, -1:] + 1
+        decisive = 0
+        for _ in range(64):
+            tok = logits[0].argmax(-1, keepdim=True)
+            d = (logits[0] - logits[1]).abs().amax(-1)
+            a, b = logits[0].argmax(-1), logits[1].argmax(-1)
+            rows = (a != b).nonzero().flatten()
+            margin = logits[0][rows, a[rows]] - logits[0][rows, b[rows]]
+            decisive += int((margin > 2 * d[rows]).sum())
+            logits = [model(tok, position_ids=nxt, past_key_values=c).logits[:, -1].float() for c in caches]
+            nxt = nxt + 1
+    assert decisive == 0
+    for c in caches:
+        c.kv.check()
