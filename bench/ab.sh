@@ -38,14 +38,17 @@ def times(name):
 
 
 base, new = times("ab_base"), times("ab_new")
-print("| dtype | B | Hq | Hkv | D | S | base us (2 runs) | new us (2 runs) | new/base |")
-print("|---|---|---|---|---|---|---|---|---|")
+lines = ["| dtype | B | Hq | Hkv | D | S | base us (2 runs) | new us (2 runs) | new / base |",
+         "|---|---|---|---|---|---|---|---|---|"]
 ratios = []
 for k, b in base.items():
     if k in new and len(b) == 2 and len(new[k]) == 2:
         ratio = statistics.mean(new[k]) / statistics.mean(b)
         ratios.append(ratio)
-        print(f"| {' | '.join(str(x) for x in k)} | {b[0]:.1f}, {b[1]:.1f} | {new[k][0]:.1f}, {new[k][1]:.1f} | {ratio:.3f} |")
+        lines.append(f"| {' | '.join(str(x) for x in k)} | {b[0]:.1f}, {b[1]:.1f} | "
+                     f"{new[k][0]:.1f}, {new[k][1]:.1f} | {ratio:.3f} |")
 if ratios:
-    print(f"new/base: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+    lines += ["", f"new / base: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"]
+print("\n".join(lines))
+(out / "ab.md").write_text("\n".join(lines) + "\n")  # bench/make_docs.py --ab takes it (a caption line first)
 PY

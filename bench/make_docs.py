@@ -11,6 +11,9 @@ same GPU and run (rows with ``old_decode_us``). --step: the table ``python -m mm
 printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's check).
 --fp8: a ``python -m mmha.bench --grid canonical --fp8`` bench.json (copied to
 docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
+--hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
+docs/data/bench_hf_<gpu>.json). --ab: what ``bench/ab.sh`` printed for the last kernel change (a
+first line saying what the two builds were, then its table).
 """
 
 from __future__ import annotations
@@ -184,6 +187,52 @@ def fp8_accuracy_section(acc: dict) -> list[str]:
     return lines + [""]
 
 
+HF_METHODS = ("hf_dynamic", "hf_static_compile", "mmha_native", "mmha_graphs")
+# Targets of the HF routes against transformers' static cache + torch.compile (issue of the routes).
+HF_TARGET = {1024: 1.1, 8192: 1.3, 32768: 1.3}
+
+
+def hf_section(data: dict) -> list[str]:
+    from tabulate import tabulate
+
+    h = data["header"]
+    by = {}
+    for r in data["rows"]:
+        by.setdefault((r["batch"], r["context"]), {})[r["method"]] = r
+    body, misses = [], []
+
+    def tok(r: dict) -> str:
+        return f"{r['decode_tok_s']:.0f}" if "decode_tok_s" in r else r.get("skipped", "")
+
+    for (batch, context), m in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        base = m.get("hf_static_compile", {}).get("step_ms")
+        ratios = []
+        for method in ("mmha_native", "mmha_graphs"):
+            step = m.get(method, {}).get("step_ms")
+            ratio = base / step if base and step else None
+            ratios.append(f"{ratio:.2f}" if ratio else "")
+            need = HF_TARGET.get(context)
+            if ratio is not None and need is not None and ratio < need:
+                misses.append(f"B={batch} context {context}: {method} {ratio:.2f}x < {need}x")
+        share = m.get("mmha_graphs", {}).get("attention_share")
+        body.append([batch, context, *[tok(m.get(x, {})) for x in HF_METHODS], *ratios,
+                     f"{100 * share:.0f} %" if share is not None else ""])  # fmt: skip
+    cols = ["batch", "context", *[f"{x} tok/s" for x in HF_METHODS], "native / static+compile",
+            "graphs / static+compile", "attention share (graphs)"]  # fmt: skip
+    return [
+        f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}, "
+        f"transformers {h['transformers']}",
+        "",
+        tabulate(body, headers=cols, tablefmt="github", disable_numparse=True),
+        "",
+        "Targets (at least 1.1x transformers' static cache + compile at context 1K, 1.3x at 8K and 32K, "
+        "both routes): " + ("met on every row where both ran." if not misses else "missed on:"),
+        "",
+        *[f"- {x}" for x in misses],
+        "",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", type=Path, action="append", required=True)
@@ -192,6 +241,8 @@ def main() -> None:
     ap.add_argument("--sweep", type=Path)
     ap.add_argument("--fp8", type=Path, action="append", default=[])
     ap.add_argument("--fp8-accuracy", type=Path)
+    ap.add_argument("--hf", type=Path, action="append", default=[])
+    ap.add_argument("--ab", type=Path)
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -214,6 +265,13 @@ def main() -> None:
         match = [d for n, d in runs if slug(before["gpu"]) == n]
         if match:
             lines += before_section(before, match[0])
+    if args.ab:
+        caption, _, table = keep(args.ab, args.ab.name).read_text().strip().partition("\n")
+        lines += [
+            "## Before and after: the last kernel change", "",
+            f"`bench/ab.sh` (both builds on one machine, the grid timed base, new, base, new): {caption}",
+            "", table, "",
+        ]  # fmt: skip
     if args.step:
         text = keep(args.step, args.step.name).read_text().strip()
         lines += [
@@ -255,6 +313,24 @@ def main() -> None:
             lines += fp8_accuracy_section(
                 json.loads(keep(args.fp8_accuracy, args.fp8_accuracy.name).read_text())
             )
+    if args.hf:
+        model = json.loads(args.hf[0].read_text())["header"]["model"]
+        lines += [
+            "## Hugging Face generation", "",
+            "`python -m mmha.bench.hf` (its module docstring says how): a random-init Llama-shaped model"
+            f" (hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, Hq"
+            f" {model['num_attention_heads']}, Hkv {model['num_key_value_heads']}, D {model['head_dim']},"
+            f" intermediate {model['intermediate_size']}, vocab {model['vocab_size']}, fp16), greedy, decode"
+            " tokens/s after the prefill: transformers' `generate()` with its dynamic cache, with its static"
+            " cache (which it compiles: `torch.compile`, CUDA graphs), mmha inside that same `generate`"
+            " (`attn_implementation=\"mmha\"`, `MmhaCache`; compiled the same way), and mmha's own loop"
+            " (`HFDecoder`, one CUDA graph per step). The attention share is the decode timing of the"
+            " model's attention calls on `HFDecoder`'s cache over its step time.", "",
+        ]  # fmt: skip
+        for path in args.hf:
+            data = json.loads(path.read_text())
+            keep(path, f"bench_hf_{slug(data['header']['gpu'])}.json")
+            lines += hf_section(data)
     (DOCS / "benchmarks.md").write_text("\n".join(x for x in lines if x is not None).rstrip() + "\n")
     print(f"wrote {DOCS / 'benchmarks.md'}")
 
