@@ -62,6 +62,24 @@ def test_cpu_ragged_batch_matches_generate(model_type):
     assert generate(model, cache, ps, 12) == expect
 
 
+def test_cpu_eos_in_the_middle_of_a_batch():
+    """transformers' loop stops a row at its end-of-sequence token and pads it while the others go
+    on: the same output as its own batched generate() with SDPA on the same left-padded batch."""
+    model = mmha_model("llama", "cpu", torch.float32, vocab_size=64)
+    ps = prompts(64)
+    cache = MmhaCache(model, 4, max(PROMPT_LENGTHS) + 41)
+    plain = generate(model, cache, ps, 40)
+    eos = next(t for t in plain[1][2:] if t not in plain[0])  # row 1 stops early, row 0 never
+    cache.reset()
+    ids, mask = left_padded(ps, "cpu")
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    got = model.generate(ids, past_key_values=cache, **kw)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    assert (got[1, ids.shape[1] :] == eos).sum() > 1 and (got[0, ids.shape[1] :] != eos).all()
+
+
 def test_cpu_forward_without_the_cache_is_sdpa():
     """attn_implementation="mmha" in a forward that carries no MmhaCache is transformers' SDPA."""
     model = mmha_model("llama", "cpu", torch.float32)
