@@ -15,7 +15,8 @@ TORCH_LIBRARY(mmha, m) {
       "Tensor(f!) counters, Tensor(g!) status, int num_heads, int num_kv_heads, float scale, "
       "int rotary_dim, float rotary_theta, bool rotary_interleaved, int num_splits, "
       "bool check_lengths=True, int stages=2, int tile_source=0, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> ()");
+      "Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels/decode_launch.h"
@@ -139,7 +140,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
-                      const std::optional<at::Tensor>& v_scale) {
+                      const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -243,6 +245,19 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
              "lse must have shape [", batch, ", ", num_heads, "], got shape ", shape_str(lse));
   check_contiguous(lse, "lse");
 
+  // Score modifiers: values of the per-head tensors are the caller's to check (mmha.reference.ScoreMods).
+  MMHA_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
+  MMHA_CHECK(window <= INT32_MAX, "window must be at most 2^31 - 1, got ", window);
+  MMHA_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0 (0: none), got ", softcap);
+  for (const auto& [t, name] : {std::pair{&alibi_slopes, "alibi_slopes"}, std::pair{&sinks, "sinks"}}) {
+    if (!t->has_value()) continue;
+    check_cuda(**t, name, device);
+    check_dtype(**t, name, at::kFloat);
+    MMHA_CHECK((*t)->dim() == 1 && (*t)->size(0) == num_heads, name, " must have shape [", num_heads,
+               "] (one per query head), got shape ", shape_str(**t));
+    check_contiguous(**t, name);
+  }
+
   // Rotary embedding and scale.
   MMHA_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
              "rotary_dim must be even and in [0, head_dim = ", head_dim, "], got ", rotary_dim);
@@ -330,6 +345,10 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.rotary_interleaved = rotary_interleaved;
   p.dtype = to_dtype(dtype);
   p.cache_dtype = to_dtype(cache_dtype);
+  p.window = static_cast<int32_t>(window);
+  p.softcap = static_cast<float>(softcap);
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
   if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {

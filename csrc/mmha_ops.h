@@ -20,7 +20,10 @@ namespace mmha {
 // fp16 / bf16 qkv with k_scale and v_scale (fp32 [Hkv]): the new k is stored as
 // saturate(k / k_scale[h]) rounded to e4m3, scores use K * k_scale, the output V * v_scale. A
 // scale that is not finite and positive refuses the whole step on the device (nothing written,
-// NaN output, status bit kStatusScale of every row).
+// NaN output, status bit kStatusScale of every row). Score modifiers (mmha.reference.ScoreMods),
+// each off at its default: window (> 0: a row attends to its last `window` slots, its own
+// included), softcap (> 0: score = softcap * tanh(score / softcap)), alibi_slopes (fp32 [Hq]:
+// score += slope * (slot - pos)), sinks (fp32 [Hq]: a logit per head in the softmax sum).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -28,6 +31,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t num_kv_heads, double scale, int64_t rotary_dim, double rotary_theta,
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
-                      const std::optional<at::Tensor>& v_scale);
+                      const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks);
 
 }  // namespace mmha

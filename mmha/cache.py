@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -187,6 +188,7 @@ class KVCache:
         self._active = [True] * max_batch
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._workspace: ops.Workspace | None = None
+        self._checked_mods: dict = {}  # id -> (weakref, version) of score-mod tensors whose values were read
         if self.paged:
             self.pool = paging.PagePool(num_blocks, block_size, max_batch, max_blocks, self.device)
             self.block_tables = self.pool.tables
@@ -410,12 +412,14 @@ class KVCache:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers - 1}], got {layer!r}")
 
-    def plan(self, batch: int, variant: str = "auto") -> dispatch.Plan:
-        """The dispatch decision for the next step over the first ``batch`` rows (host only)."""
+    def plan(self, batch: int, variant: str = "auto", window: int | None = None) -> dispatch.Plan:
+        """The dispatch decision for the next step over the first ``batch`` rows (host only); a
+        sliding ``window`` bounds the keys a row reads."""
         if self.dispatch_on == "capacity":
             seq = self.max_seq_len
         else:
             seq = max(self._host_lengths[:batch], default=0) + 1
+        seq = dispatch.keys_read(seq, window)
         if not self.use_kernel:
             return dispatch.choose_variant(
                 batch,
@@ -455,8 +459,9 @@ class KVCache:
         ``advance()`` after the last layer. Returns ``out [B, Hq * D]`` (and fp32 ``lse [B, Hq]``).
         ``variant``, ``num_splits``, ``stages`` and ``tile_source`` override the plan (see
         ``mmha.ops.decode_attention``). ``window``, ``softcap``, ``alibi_slopes`` and ``sinks``
-        modify the scores (``mmha.reference``; per call, so each layer may have its own): computed
-        on the CPU path; the CUDA kernel does not apply them yet (``NotImplementedError``).
+        modify the scores (``mmha.reference.ScoreMods``; per call, so each layer may have its own);
+        the values of ``alibi_slopes`` and ``sinks`` are read on the host the first time a tensor
+        (at its version) is seen, outside CUDA-graph capture and ``torch.compile``.
         """
         self._check_layer(layer)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -479,7 +484,12 @@ class KVCache:
                 f"qkv_bias must have shape [{width}], dtype {self.dtype} and device {self.device}, "
                 f"got {tuple(qkv_bias.shape)} {qkv_bias.dtype} {qkv_bias.device}"
             )
-        mods = reference.ScoreMods(self.num_heads, self.device, window, softcap, alibi_slopes, sinks)
+        check_values = self._unchecked(alibi_slopes, sinks)
+        mods = reference.ScoreMods(
+            self.num_heads, self.device, window, softcap, alibi_slopes, sinks, check_values=check_values
+        )
+        if check_values:
+            self._mark_checked(alibi_slopes, sinks)
         full = [r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len]
         if full:
             raise ValueError(
@@ -510,7 +520,7 @@ class KVCache:
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
         if num_splits is None or stages is None:
-            plan = self.plan(batch, variant)
+            plan = self.plan(batch, variant, window)
             num_splits = plan.num_splits if num_splits is None else num_splits
             stages = plan.stages if stages is None else stages
         ws = self._reserve_workspace(num_splits)
@@ -542,6 +552,26 @@ class KVCache:
         that grew later would leave the earlier graphs writing to freed memory."""
         if self.use_kernel:
             self._reserve_workspace(max(self.plan(int(b)).num_splits for b in batch_sizes))
+
+    def _unchecked(self, *tensors) -> bool:
+        """Whether score-modifier tensors need their values read: a tensor not read before, or
+        changed in place since (its version), outside capture and compilation (where nothing may be
+        read)."""
+        if self._capturing():
+            return False
+        for t in tensors:
+            if t is not None:
+                seen = self._checked_mods.get(id(t))
+                if seen is None or seen[0]() is not t or seen[1] != t._version:
+                    return True
+        return False
+
+    def _mark_checked(self, *tensors) -> None:
+        if len(self._checked_mods) > 256:  # forget tensors that are gone
+            self._checked_mods = {k: v for k, v in self._checked_mods.items() if v[0]() is not None}
+        for t in tensors:
+            if t is not None:
+                self._checked_mods[id(t)] = (weakref.ref(t), t._version)
 
     # ----------------------------------------------------------------- tree steps
     def step_tree(

@@ -195,6 +195,14 @@ def wave_splits(base: int, wave: int, allowed: int) -> int:
     return splits
 
 
+def keys_read(seq_len: int, window: int | None = None) -> int:
+    """Keys a row of ``seq_len`` keys (the new one included) reads with a sliding ``window``: the
+    window's keys and the rest of the tile its first key falls in (what dispatch plans for)."""
+    if window is None or window <= 0:
+        return seq_len
+    return min(seq_len, window + TILE_KEYS - 1)
+
+
 def choose_variant(
     batch: int,
     num_heads: int,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dispatch
+from . import dispatch, reference
 from ._ext import _C, IMPORT_ERROR
 
 if _C is not None:
@@ -21,7 +21,8 @@ if _C is not None:
     def _decode_attention_fake(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
-        check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None,
+        check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
+        alibi_slopes=None, sinks=None,
     ):  # fmt: skip
         return None
 
@@ -175,9 +176,11 @@ def decode_attention(
         use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
         that is not finite and positive refuses the step (nothing written, NaN output, and
         ``workspace.check()`` raises ``ScaleError``).
-    window, softcap, alibi_slopes, sinks : score modifiers (``mmha.reference``): the kernel does
-        not apply them yet; giving one raises ``NotImplementedError`` (``mmha.reference`` and the
-        CPU path of ``KVCache`` compute them).
+    window, softcap, alibi_slopes, sinks : score modifiers (``mmha.reference.ScoreMods``): a row
+        attends to its last ``window`` slots (its own included; bytes before are not read),
+        scores become ``softcap * tanh(score / softcap)``, then get ``alibi_slopes[h] * (slot -
+        pos)`` added (fp32 ``[Hq]``), and ``sinks`` (fp32 ``[Hq]``) join each head's softmax sum
+        with no value. The tensors' values are checked on the host with ``validate_lengths``.
     lengths : ``[B]`` int32 on the GPU: tokens already cached; not modified.
     variant : ``"auto"``, ``"single_pass"`` or ``"split"``; ``num_splits`` overrides the count.
     stages : shared-memory stages of the tile loop (fp16 / bf16); by default the plan's.
@@ -187,19 +190,19 @@ def decode_attention(
     workspace : reused scratch (``Workspace.allocate``); its ``status`` flags record rows whose
         length was out of range (``workspace.check()`` raises for them).
     validate_lengths : the operator reads ``lengths`` on the host and rejects values outside
-        ``[0, S_max - 1]`` (one sync; skipped inside CUDA-graph capture); callers that track
-        lengths themselves (``KVCache``) pass ``False`` and rely on the status flags.
+        ``[0, S_max - 1]``, and the score modifiers' tensors for values that are not finite (one
+        sync; skipped inside CUDA-graph capture); callers that track lengths themselves
+        (``KVCache``) pass ``False`` and rely on the status flags.
 
     Returns
     -------
     out ``[B, Hq * D]`` in the input dtype, and with ``return_lse`` the fp32 ``lse [B, Hq]``.
     """
     _require_extension()
-    if any(m is not None for m in (window, softcap, alibi_slopes, sinks)):
-        raise NotImplementedError(
-            "score modifiers (window, softcap, alibi_slopes, sinks) are not applied by the CUDA kernel yet; "
-            "mmha.reference.decode_step and KVCache on the CPU compute them"
-        )
+    check = validate_lengths and not torch.cuda.is_current_stream_capturing()
+    mods = reference.ScoreMods(
+        num_heads, qkv.device, window, softcap, alibi_slopes, sinks, check_values=check
+    )
     if tile_source not in TILE_SOURCES:
         raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
     if k_cache.dtype == dispatch.FP8 and qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
@@ -210,11 +213,11 @@ def decode_attention(
     if num_splits is None or stages is None:
         plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
-            max_seq_len if max_len is None else max_len, qkv.dtype, variant, k_cache.dtype,
+            dispatch.keys_read(max_seq_len if max_len is None else max_len, window), qkv.dtype, variant,
+            k_cache.dtype,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
-    check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
     out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -224,6 +227,6 @@ def decode_attention(
         workspace.counters, workspace.status, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
-        TILE_SOURCES[tile_source], k_scale, v_scale,
+        TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(),
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -113,9 +113,14 @@ def split_qkv(
 
 class ScoreMods:
     """The score modifiers of a step, checked: ``window`` (int >= 1), ``softcap`` (finite > 0),
-    ``alibi_slopes`` and ``sinks`` (fp32 ``[num_heads]``, finite; on the activations' device)."""
+    ``alibi_slopes`` and ``sinks`` (fp32 ``[num_heads]``, finite; on the activations' device).
+    ``check_values=False`` skips reading the tensors' values (a host synchronisation for GPU
+    tensors), for callers that checked them already."""
 
-    def __init__(self, num_heads: int, device, window=None, softcap=None, alibi_slopes=None, sinks=None):
+    def __init__(
+        self, num_heads: int, device, window=None, softcap=None, alibi_slopes=None, sinks=None,
+        check_values: bool = True,
+    ):  # fmt: skip
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(
                 f"window must be an int >= 1 (slots attended, the new token's included), got {window!r}"
@@ -137,13 +142,18 @@ class ScoreMods:
                 )
             if t.device != torch.device(device):
                 raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
-            if not bool(torch.isfinite(t).all()):
+            if check_values and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} must be finite, got {t.tolist()}")
         self.window, self.softcap, self.alibi_slopes, self.sinks = window, softcap, alibi_slopes, sinks
 
     @property
     def any(self) -> bool:
         return any(x is not None for x in (self.window, self.softcap, self.alibi_slopes, self.sinks))
+
+    def kernel_args(self) -> dict:
+        """The raw operator's arguments (each off at its zero)."""
+        return dict(window=self.window or 0, softcap=float(self.softcap or 0.0),
+                    alibi_slopes=self.alibi_slopes, sinks=self.sinks)  # fmt: skip
 
     def first_slot(self, pos: int) -> int:
         """The first slot the query at ``pos`` attends to."""

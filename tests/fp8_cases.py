@@ -28,8 +28,9 @@ def quantize_cache(case: Case, k_scale: torch.Tensor, v_scale: torch.Tensor) -> 
     d = dx * x
     kq = kq.reshape(b, h, s, d // 16, 16).permute(0, 1, 3, 2, 4).contiguous()
     return Case(
-        case.qkv, kq, vq.contiguous(), case.lengths, case.num_heads, case.num_kv_heads, case.bias, case.rotary
-    )
+        case.qkv, kq, vq.contiguous(), case.lengths, case.num_heads, case.num_kv_heads, case.bias, case.rotary,
+        case.mods,
+    )  # fmt: skip
 
 
 def fp8_case(batch, num_heads, num_kv_heads, head_dim, lengths, max_seq_len, dtype, *, seed=0, **kw):

@@ -28,11 +28,12 @@ class Case:
     num_kv_heads: int
     bias: torch.Tensor | None = None
     rotary: dict = field(default_factory=dict)
+    mods: dict = field(default_factory=dict)  # score modifiers (window, softcap, alibi_slopes, sinks)
 
     def kwargs(self) -> dict:
         return dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, qkv_bias=self.bias,
-            **self.rotary,
+            **self.rotary, **self.mods,
         )  # fmt: skip
 
     def clone_caches(self) -> tuple[torch.Tensor, torch.Tensor]:

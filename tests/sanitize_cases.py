@@ -1,8 +1,9 @@
 """Small decode cases for compute-sanitizer (RELIABILITY.md rows 20 and 27): ragged and empty
 rows, a row filled to capacity, NaN in unused slots, single pass and split/merge, both tile sources
 and two stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
-capacity, negative) on every variant; fp8 caches on both sources, split and not, with a bad scale:
-nothing may be read or written outside the caches."""
+capacity, negative) on every variant; fp8 caches on both sources, split and not, with a bad scale;
+score modifiers (a window whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources
+and the CUDA-core loop, split and not: nothing may be read or written outside the caches."""
 
 import torch
 from helpers import make_case
@@ -40,6 +41,23 @@ def fp8_cases() -> None:
         assert ws.status.tolist() == [2] * 5 and torch.isnan(out).all()
 
 
+def mods_cases() -> None:
+    from mmha import reference
+
+    lengths = [0, 1, 17, 127, 255]
+    for dtype, head_dim, sources in (
+        (torch.float16, 128, ("tma", "cp_async")),
+        (torch.float32, 64, ("auto",)),
+    ):
+        for splits in (1, 5):
+            for source in sources:
+                case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True)
+                case.mods = dict(window=70, softcap=10.0, alibi_slopes=reference.alibi_slopes(8).cuda(),
+                                 sinks=torch.linspace(-2, 2, 8, device="cuda"))  # fmt: skip
+                out = run(case, 8, head_dim, splits, source, 2)
+                assert torch.isfinite(out).all()
+
+
 def main() -> None:
     for dtype, head_dim, heads in (
         (torch.float16, 128, (8, 2)),
@@ -69,6 +87,7 @@ def main() -> None:
             assert ws.status.tolist() == [1, 1, 0, 1, 1], ws.status.tolist()
             assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
     fp8_cases()
+    mods_cases()
     print("sanitize cases done")
 
 

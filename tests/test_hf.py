@@ -249,7 +249,9 @@ def check_eos_mid_batch(device: str, **kw) -> None:
     hf = []
     for p in ps:
         ids = torch.tensor([p], device=device)
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=[eos, 63], pad_token_id=eos)
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, eos_token_id=[eos, 63], pad_token_id=eos
+        )
         hf.append(out[0, len(p) :].tolist())
     assert got == hf
 

@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from mmha import layout, ops, reference
-from mmha._ext import extension_available
+from mmha import layout, reference
 from mmha.cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("no_reference_warning")
@@ -133,9 +132,3 @@ def test_kvcache_cpu_steps_with_a_window_and_sinks(paged):
     full = flat.step(0, qkv, window=10**6)
     assert torch.allclose(full, flat.step(0, qkv), atol=1e-6)  # a window past every row is no window
 
-
-@pytest.mark.skipif(not extension_available(), reason="needs the built extension")
-def test_the_kernel_refuses_modifiers_until_it_applies_them():
-    t = torch.zeros(1)
-    with pytest.raises(NotImplementedError, match="not applied by the CUDA kernel yet"):
-        ops.decode_attention(t, t, t, t, num_heads=1, num_kv_heads=1, window=4)

@@ -12,15 +12,17 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// One block's view of one (row, kv head): keys [start, end) of the cache to attend over, with
-// the new token at slot pos (its K/V are read from shared memory, not from the cache).
-// The shared arrays (q, new K/V) are passed alongside as array references.
+// One block's view of one (row, kv head): keys [start, end) of the cache to attend over (those
+// before lo, a window's start, masked), with the new token at slot pos (its K/V are read from
+// shared memory, not from the cache). The shared arrays (q, new K/V) and the score modifiers
+// are passed alongside.
 template <typename T>
 struct AttendArgs {
   const T* k_head;   // [D/x, S_max, x]
   const T* v_head;   // [S_max, D]
   int smax;
   int start;
+  int lo;
   int end;
   int pos;
   float scale_log2;  // softmax scale * log2(e)

@@ -10,6 +10,7 @@
 
 #include "attend_common.cuh"
 #include "mmha_params.h"
+#include "score_mods.cuh"
 
 namespace mmha {
 
@@ -53,15 +54,17 @@ struct SimtAttend {
   static constexpr int KEYS = W::KEYS;  // keys per warp step: chunks are whole steps
   static constexpr int ACC_ROWS = W::ROWS;
 
-  // Walks keys [a.start, a.end), then leaves per-warp (max, sum) in s_m, s_l and returns the
-  // per-warp accumulators [kSimtWarps * ACC_ROWS][QB][HEAD_DIM], after a block barrier.
-  __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, float (*s_m)[QB], float (*s_l)[QB],
+  // Walks keys [a.start, a.end) (those before a.lo neither read nor counted; scores modified by
+  // mods), then leaves per-warp (max, sum) in s_m, s_l and returns the per-warp accumulators
+  // [kSimtWarps * ACC_ROWS][QB][HEAD_DIM], after a block barrier.
+  __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, const ScoreTransform<QB>& mods,
+                                                     float (*s_m)[QB], float (*s_l)[QB],
                                                      const float (&s_q)[QB][HEAD_DIM],
                                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
     constexpr int VEC = kVec<T>;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int start = a.start, end = a.end, pos = a.pos, smax = a.smax;
+    const int start = a.start, lo = a.lo, end = a.end, pos = a.pos, smax = a.smax;
     const T* k_head = a.k_head;
     const T* v_head = a.v_head;
     const float scale_log2 = a.scale_log2;
@@ -93,7 +96,7 @@ struct SimtAttend {
 #pragma unroll
         for (int c = 0; c < W::CPT; ++c) {
           const int ch = c * W::TPK + ti;
-          if (t >= end) {
+          if (t >= end || t < lo) {
             kraw[u][c] = make_uint4(0, 0, 0, 0);
           } else if (t == pos) {
             kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
@@ -106,7 +109,7 @@ struct SimtAttend {
       for (int st = 0; st < W::V_STEPS; ++st) {
         const int kk = st * W::ROWS + vr;
         const int t = it + kk;
-        const bool valid = v_lane && kk < W::KEYS && t < end;
+        const bool valid = v_lane && kk < W::KEYS && t < end && t >= lo;
 #pragma unroll
         for (int n = 0; n < W::VCPL; ++n) {
           const int ch = n * W::VLPR + vc;
@@ -147,7 +150,9 @@ struct SimtAttend {
           for (int off = W::KPW; off < 32; off *= 2) {
             logit[u][g] += __shfl_xor_sync(kFullMask, logit[u][g], off);
           }
-          logit[u][g] = t < end ? logit[u][g] * scale_log2 : -INFINITY;
+          logit[u][g] *= scale_log2;
+          if (mods.on) logit[u][g] = mods.apply(logit[u][g], g, t, pos);
+          if (t >= end || t < lo) logit[u][g] = -INFINITY;
         }
       }
 

@@ -22,6 +22,7 @@
 
 #include "attend_common.cuh"
 #include "ptx.cuh"
+#include "score_mods.cuh"
 #include "tile_layout.cuh"
 #include "tile_operands.cuh"
 #include "tile_source.cuh"
@@ -83,15 +84,19 @@ struct TileConsumer {
   float m[2], l[2];                        // heads 2tq, 2tq + 1 (the fragment columns of this lane)
   float acc[KSTEPS][4];                    // O^T: dims out_dim(i, g, 0 / 1), heads 2tq (+ 1)
   float s_unit;                            // fp8: scores are the mma's times this power of two
+  ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
 
   // q^T as B fragments (16 dims x 8 heads per K step), pre-scaled into the log2 domain: lane
   // holds head g, dims q_dim(j, tq, 0) + {0, 1} (b0) and q_dim(j, tq, 1) + {0, 1} (b1), as hi and
   // lo parts. scale_log2 holds the softmax scale (and an fp8 cache's k scale). With fp8 the
   // fp16 parts also get a power of two that brings the item's largest |q| to [2^7, 2^8): in
   // range whatever the activations' size (bf16 q may exceed fp16's), undone on the scores.
-  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane) {
+  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
+                                       const MmhaParams& p, int h0) {
     const int g = lane / 4;
     const int tq = lane % 4;
+    const int heads[2] = {2 * tq < nh ? h0 + 2 * tq : -1, 2 * tq + 1 < nh ? h0 + 2 * tq + 1 : -1};
+    mods.init(p, heads);
     float qv[KSTEPS][2][2];
     float qmax = 0.f;
 #pragma unroll
@@ -132,10 +137,10 @@ struct TileConsumer {
   }
 
   // Keys [key0, key0 + 16) of a stage are the cache's keys [it, it + 16). The new token's slot
-  // (pos) takes its K/V from shared memory; V rows at or past end are zeroed (whatever the source
-  // left there, e.g. NaN from unused slots). Only the warp's own rows are touched; the fence
-  // orders these writes before the copy engine refills the stage.
-  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int end, int pos,
+  // (pos) takes its K/V from shared memory; V rows before lo (a window's start) or at or past end
+  // are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
+  // rows are touched; the fence orders these writes before the copy engine refills the stage.
+  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int lo, int end, int pos,
                                                const C* s_new_k, const C* s_new_v, int lane) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
@@ -146,7 +151,7 @@ struct TileConsumer {
             *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) =
             *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
-      } else if (t >= end) {
+      } else if (t >= end || t < lo) {
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) = make_uint4(0, 0, 0, 0);
       }
     }
@@ -154,9 +159,10 @@ struct TileConsumer {
     __syncwarp();
   }
 
-  // Attend over keys [key0, key0 + 16) of a stage (the cache's keys [it, it + 16); those at or
-  // past end are masked).
-  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int end, int lane) {
+  // Attend over keys [key0, key0 + 16) of a stage (the cache's keys [it, it + 16); those before
+  // lo or at or past end are masked), the query at slot pos.
+  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int lo, int end, int pos,
+                                       int lane) {
     const int g = lane / 4;
     // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8. The hi and
     // lo parts of q accumulate in two independent chains (a consumer warp is often alone on its
@@ -177,8 +183,12 @@ struct TileConsumer {
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] = kFp8 ? (s[e] + s_lo[e]) * s_unit : s[e] + s_lo[e];
-    if (it + g >= end) s[0] = s[1] = -INFINITY;
-    if (it + g + 8 >= end) s[2] = s[3] = -INFINITY;
+    if (mods.on) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] = mods.apply(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
+    }
+    if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
+    if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
 
     // Online softmax per head over the 16 keys (8 lanes share a column pair). The reference max m
     // is raised only when some head of the warp has outgrown it by more than kRescaleSlack (log2
@@ -299,6 +309,7 @@ struct TileHeader {
   int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile
   int slot;
   int b, kvh, qg, split, h0, nh, pos, active, start, end;
+  int lo;                  // the row's first attended slot (a window's start; else 0)
   float k_scale, v_scale;  // the kv head's fp8 scales (1 for 16-bit caches)
 };
 constexpr int kFirstTile = 1;

@@ -19,6 +19,7 @@
 #include "attend_tiles.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
+#include "score_mods.cuh"
 #include "tile_source.cuh"
 #include "vec.cuh"
 
@@ -140,6 +141,7 @@ struct WorkItem {
   int active;        // splits of this row that hold keys
   int t0, t1;        // grains [t0, t1) of the row
   int start, end;    // keys [start, end)
+  int lo;            // the row's first attended slot (a window's start; else 0)
   __device__ __forceinline__ bool busy() const { return !bad && split < active; }
   __device__ __forceinline__ bool owner() const { return pos < end; }  // holds the new token's slot
   __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
@@ -168,19 +170,22 @@ __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int inde
   return w;
 }
 
-// The item's keys given its row's length pos: the row's len = pos + 1 keys are ntiles grains
-// (tiles, or warp steps of the CUDA-core loop); active splits take ntiles * s / active ..
-// ntiles * (s + 1) / active of them (equal to one grain). Splits past the row's grains have
-// nothing to do and take no part in the merge.
+// The item's keys given its row's length pos: the row attends to slots lo .. pos (lo = 0, or a
+// window's start), which lie in ntiles grains (tiles, or warp steps of the CUDA-core loop) from
+// the one holding lo; active splits take ntiles * s / active .. ntiles * (s + 1) / active of them
+// (equal to one grain). Splits past the row's grains have nothing to do and take no part in the
+// merge.
 __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int grain) {
   w.pos = pos;
   w.bad = pos < 0 || pos >= p.max_seq_len;
   const int len = w.bad ? 1 : pos + 1;
-  const int ntiles = (len + grain - 1) / grain;
+  w.lo = w.bad ? 0 : window_start(p, pos);
+  const int first = w.lo / grain;
+  const int ntiles = (len + grain - 1) / grain - first;
   w.active = w.bad ? 0 : min(p.num_splits, ntiles);
   const int act = max(w.active, 1);
-  w.t0 = w.split * ntiles / act;
-  w.t1 = (w.split + 1) * ntiles / act;
+  w.t0 = first + w.split * ntiles / act;
+  w.t1 = first + (w.split + 1) * ntiles / act;
   w.start = w.t0 * grain;
   w.end = min(len, w.t1 * grain);
 }
@@ -205,7 +210,8 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
 // [(row, head), split][D], then (max, sum) at [(row, head), split][2] past all of them, so every
 // acc row starts 16-byte aligned for the merge's vector loads. Per head g: max m[g], sum l[g], and
 // acc(g, d), the block's accumulator already rescaled to m[g].
-// out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials.
+// out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
+// single pass adds the head's sink (if any) to the sum here; a split's merge does.
 template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float out_scale, int tid, int nthreads) {
@@ -219,11 +225,20 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const int h = w.h0 + g;
-    const float a = acc(g, d);
+    float a = acc(g, d);
     if (num_splits == 1) {
-      const float sum = l(g);
+      float sum = l(g);
+      float mx = m(g);
+      if (p.sinks != nullptr) {  // rescale to max(m, sink): a large sink cannot overflow the sum
+        const float sink = sink_log2(p, h);
+        const float top = fmaxf(mx, sink);
+        const float f = exp2f(mx - top);
+        sum = sum * f + exp2f(sink - top);
+        a *= f;
+        mx = top;
+      }
       out[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
-      if (d == 0) lse[h] = (m(g) + log2f(sum)) * kLn2;
+      if (d == 0) lse[h] = (mx + log2f(sum)) * kLn2;
     } else {
       const int64_t slot = (head_row + h) * num_splits + w.split;
       part_acc[slot * HEAD_DIM + d] = a;
@@ -252,7 +267,8 @@ __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (
 }
 
 // Split sequence: the last item of this (row, query-head block) to finish merges the partials in
-// split order (bit-identical run to run). `sync` is a barrier of the nthreads taking part.
+// split order (bit-identical run to run), the head's sink (if any) joining the sum once. `sync`
+// is a barrier of the nthreads taking part.
 template <typename T, int HEAD_DIM, int QB, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
                                               bool& s_last, float out_scale, int tid, int nthreads, Sync sync) {
@@ -293,6 +309,8 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    const float sink = sink_log2(p, w.h0 + g);
+    mx = fmaxf(mx, sink);
     const float m_ref = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
 #pragma unroll
@@ -302,6 +320,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
+    if (p.sinks != nullptr) sum += exp2f(sink - m_ref);
 #pragma unroll
     for (int i = 0; i < kMaxSplits / 32; ++i) {
       const int s = lane + 32 * i;
@@ -461,7 +480,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
-    Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, &p.k_map, &p.v_map});
+    Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
   }
   __syncthreads();
 
@@ -496,7 +515,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       const int64_t kv_head = w.kv_head(p.num_kv_heads);
       const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
                            static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                           smax, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+                           smax, w.lo, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
       const int nt = w.t1 - w.t0;
       const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
       for (int i = 0; i < nt; ++i) {
@@ -509,7 +528,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (lane == 0) {
           s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
                                     slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end,
-                                    k_scale, v_scale};
+                                    w.lo, k_scale, v_scale};
         }
         mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
         Source::commit(&ring.full[cur.s], lane);
@@ -552,7 +571,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const int64_t kv_head = static_cast<int64_t>(h.b) * p.num_kv_heads + h.kvh;
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.h0 = h.h0, w.nh = h.nh, w.pos = h.pos;
-      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end;
+      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       out_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, rows, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(),
@@ -561,15 +580,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                    h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
       sync();
       mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
-      c.init(s_q, w.nh, scale_log2 * h.k_scale, lane);
+      c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, w.h0);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0 + key0;
     if (it < w.end) {
-      if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.end, w.pos, s_new_k, s_new_v, lane);
+      if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end || it < w.lo) {
+        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.lo, w.end, w.pos, s_new_k, s_new_v, lane);
       }
-      c.step(stage, key0, it, w.end, lane);
+      c.step(stage, key0, it, w.lo, w.end, w.pos, lane);
     }
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
@@ -616,8 +635,13 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
                                                w.kvh, w.qg, w.pos, w.owner(), k_head, v_head, 1.f, 1.f, s_q,
                                                s_new_k, s_new_v, tid, nthreads);
   __syncthreads();
-  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.end, w.pos, p.scale * kLog2e};
-  const float* s_acc = Simt::run(args, s_m, s_l, s_q, s_new_k, s_new_v);
+  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.lo, w.end, w.pos, p.scale * kLog2e};
+  int heads[QB];
+#pragma unroll
+  for (int g = 0; g < QB; ++g) heads[g] = g < w.nh ? w.h0 + g : -1;
+  ScoreTransform<QB> mods;
+  mods.init(p, heads);
+  const float* s_acc = Simt::run(args, mods, s_m, s_l, s_q, s_new_k, s_new_v);
   // Block combine: the loop warps' (max, sum, acc), rescaled to the block's max.
   const auto block_max = [&](int g) { return warps_max<kSimtWarps, QB>(s_m, g); };
   const auto block_sum = [&](int g) { return warps_sum<kSimtWarps, QB>(s_m, s_l, g); };

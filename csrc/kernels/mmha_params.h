@@ -121,6 +121,12 @@ struct MmhaParams {
   DType dtype;               // qkv and out
   DType cache_dtype;         // the caches: dtype, or kFloat8E4M3 (with dtype fp16 or bf16)
 
+  // Score modifiers (score_mods.cuh): each off at its zero.
+  int32_t window;              // 0: none; else a row attends to its last `window` slots (its own included)
+  float softcap;               // 0: none; else score = softcap * tanh(score / softcap)
+  const float* alibi_slopes;   // [Hq] or nullptr: score += slope[h] * (slot - pos), after the soft-cap
+  const float* sinks;          // [Hq] or nullptr: a logit per head in the softmax sum, with no value
+
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;
   CUtensorMap v_map;

@@ -31,6 +31,7 @@ struct TileArgs {
   const T* k_head;  // [D/x, S_max, x]
   const T* v_head;  // [S_max, D]
   int smax;
+  int lo;           // keys before lo (a window's start) are never needed
   int end;          // keys at or past end are never needed
   int pos;          // the new token's slot (its K/V come from shared memory)
   int kv_head;      // row * Hkv + kv head: the tensor maps' head coordinate
@@ -39,8 +40,8 @@ struct TileArgs {
 };
 
 // 16-byte cp.async by the 32 lanes of the producer warp (sm_80 and newer, every head dim). Keys
-// at or past end and the new token's slot are zero-filled without being read; each lane's copies
-// arrive on the full barrier when they land.
+// before lo, at or past end and the new token's slot are zero-filled without being read; each
+// lane's copies arrive on the full barrier when they land.
 template <typename T, int HEAD_DIM>
 struct CpAsyncTiles {
   using L = TileLayout<T, HEAD_DIM>;
@@ -58,7 +59,7 @@ struct CpAsyncTiles {
       const int key = i % L::KEYS;
       const int c = i / L::KEYS;
       const int t = k0 + key;
-      const bool ok = t < a.end && t != a.pos;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
       const T* src = ok ? a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC : a.k_head;
       cp_async16(stage + L::k_off(key, c), src, ok);
     }
@@ -69,7 +70,7 @@ struct CpAsyncTiles {
       const int r = i / L::CHUNKS;
       const int c = i % L::CHUNKS;
       const int t = k0 + r;
-      const bool ok = t < a.end && t != a.pos;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
       const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC : a.v_head;
       cp_async16(stage + L::v_off(r, c), src, ok);
     }
@@ -82,8 +83,9 @@ struct CpAsyncTiles {
 // Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
 // KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and V_LINES V boxes
 // (KEYS lines of 128 bytes, swizzled) per tile; the maps see every cache as 16-bit elements, and the copy engine completes the full
-// barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token and keys
-// in [end, S_max) are read and then patched by the consumers. Measured on the H200 (decode
+// barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token, keys in
+// [end, S_max) and a window's keys before lo in its first tile are read and then patched by the
+// consumers. Measured on the H200 (decode
 // timing): K fetched as two 512-byte halves per chunk 16 requests apart ran B=16 Hkv=32 S=8192 at
 // 517 us, 32 boxes of one half-chunk each slowed blocks of few tiles (B=64 S=256: 81 -> 89 us).
 template <typename T, int HEAD_DIM>

@@ -2,7 +2,8 @@
 
 ``--grid canonical`` runs the grid of ``shared/BENCHMARK.md`` in fp16 and bf16 (plus head dims
 64 and 256 and the small-head rows in fp16); ``--quick`` a short subset;
-``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep. Every method is checked
+``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep; ``--mods`` the score
+modifiers' rows (``mmha.bench.mods``). Every method is checked
 against an fp32 reference before it is timed. The primary time is the decode timing (one layer of
 a decode step: ``mmha.bench.timing``), next to the read floor timed the same way; the cold-L2
 single call and a repeated-call graph are secondary (mmha and the best peer). Output: a short
@@ -150,6 +151,11 @@ def progress(items, desc: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mods" in argv:  # score modifiers: rows and peers of their own (mmha.bench.mods)
+        from . import mods
+
+        return mods.main([a for a in argv if a != "--mods"])
     p = argparse.ArgumentParser(prog="python -m mmha.bench", description=__doc__.split("\n")[0])
     p.add_argument("--grid", choices=["canonical", "quick", "custom"], default="custom")
     p.add_argument("--quick", action="store_true", help="a short subset (same as --grid quick)")

@@ -17,11 +17,10 @@ eagerly.
 
 Only what mmha computes exactly is accepted: default rotary over the whole head (GPT-NeoX
 halves) and head dims the kernel supports. Sliding windows, soft-caps and sinks go to each
-layer's ``KVCache.step`` as score modifiers (computed on the CPU path; the CUDA kernel does not
-apply them yet, so such models are refused on a GPU). Anything else is rejected with the
-setting named. Nothing is downloaded: build the model from a config
-(``AutoModelForCausalLM.from_config``) or load your own. ``mmha.models.hf_attention`` is the
-other route: mmha inside transformers' own ``generate`` (``attn_implementation="mmha"``).
+layer's ``KVCache.step`` as score modifiers. Anything else is rejected with the setting named.
+Nothing is downloaded: build the model from a config (``AutoModelForCausalLM.from_config``) or
+load your own. ``mmha.models.hf_attention`` is the other route: mmha inside transformers' own
+``generate`` (``attn_implementation="mmha"``).
 """
 
 from __future__ import annotations
@@ -155,8 +154,9 @@ class HFDecoder:
         prefill_tokens: int = 32768,
     ):  # fmt: skip
         """``graphs``: decode steps of ``generate`` as CUDA graphs (default: on a GPU with the
-        extension built); they need ``dispatch_on="capacity"`` (the default with graphs, else
-        ``"length"``). ``kv_dtype``: the caches' dtype (default the model's);
+        extension built, except mixture-of-experts models, whose expert routing has data-dependent
+        shapes that a graph cannot hold); they need ``dispatch_on="capacity"`` (the default with
+        graphs, else ``"length"``). ``kv_dtype``: the caches' dtype (default the model's);
         ``torch.float8_e4m3fn`` stores K/V in fp8 with per-layer, per-kv-head scales taken from
         the first prompts' absolute maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set
         with ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
@@ -181,15 +181,9 @@ class HFDecoder:
         self.windowed = any("window" in m for m in self.mods)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         on_gpu = param.device.type == "cuda"
-        if on_gpu and any(self.mods):
-            named = sorted({k for m in self.mods for k in m})
-            raise ValueError(
-                f"this {model_type} config needs score modifiers ({', '.join(named)}) that mmha's CUDA "
-                "kernel does not apply yet: run it on the CPU (the reference path), or use a config "
-                "without them"
-            )
         if graphs is None:
-            graphs = on_gpu and extension_available() and not paged
+            moe = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+            graphs = on_gpu and extension_available() and not paged and not moe
         if graphs and not on_gpu:
             raise ValueError("graphs=True needs the model on a CUDA device")
         if dispatch_on is None:
@@ -358,8 +352,15 @@ class HFDecoder:
                 self._layers(self._state.tokens[:rows])
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._greedy_step(rows)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._greedy_step(rows)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    "the model's decode step could not be captured in a CUDA graph (an operation in it "
+                    "synchronises with the host or has data-dependent shapes); use HFDecoder(..., "
+                    "graphs=False)"
+                ) from e
             self._pool = graph.pool()
             self._graphs[rows] = graph
         return graph

@@ -1,0 +1,59 @@
+// Score modifiers (mmha.reference.ScoreMods) as the kernel applies them: the seam for how scores
+// are modified. Both main loops work in the log2 domain (score * log2 e); each modifier is a
+// uniform flag in MmhaParams, so a step without them pays one warp-uniform test per tile.
+//   window:  a row attends to slots [pos - window + 1, pos]; the work item range starts at the
+//            window's tile (bytes before it are never read) and keys before it are masked.
+//   softcap: score = softcap * tanh(score / softcap), on the scaled score, before the online max.
+//   ALiBi:   score += slope[h] * (slot - pos), after the soft-cap.
+//   sinks:   a logit per head that joins the softmax sum once (the store of a single pass, the
+//            merge of a split), with no value.
+// Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "attend_common.cuh"
+#include "mmha_params.h"
+
+namespace mmha {
+
+// The first slot a row whose new token sits at pos attends to.
+__device__ __forceinline__ int window_start(const MmhaParams& p, int pos) {
+  return p.window > 0 ? max(0, pos - p.window + 1) : 0;
+}
+
+// What one thread needs to modify the scores of up to N heads: the soft-cap and the heads'
+// ALiBi slopes, in the log2 domain.
+template <int N>
+struct ScoreTransform {
+  bool on;           // a soft-cap or ALiBi: warp-uniform
+  float cap;         // softcap * log2 e (0: none)
+  float inv_cap;     // 1 / cap
+  float slope[N];    // slope[h] * log2 e (0 without ALiBi)
+
+  // heads[i]: the query head of slot i (< 0: a padding head, slope 0).
+  __device__ __forceinline__ void init(const MmhaParams& p, const int (&heads)[N]) {
+    cap = p.softcap > 0.f ? p.softcap * kLog2e : 0.f;
+    inv_cap = cap > 0.f ? 1.f / cap : 0.f;
+    on = cap > 0.f || p.alibi_slopes != nullptr;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      slope[i] = p.alibi_slopes != nullptr && heads[i] >= 0 ? p.alibi_slopes[heads[i]] * kLog2e : 0.f;
+    }
+  }
+
+  // Score of head slot i for the key at slot `slot`, the query at slot pos.
+  __device__ __forceinline__ float apply(float s, int i, int slot, int pos) const {
+    if (cap > 0.f) s = cap * tanhf(s * inv_cap);
+    return s + slope[i] * static_cast<float>(slot - pos);
+  }
+};
+
+// Head h's sink in the log2 domain; -inf without sinks.
+__device__ __forceinline__ float sink_log2(const MmhaParams& p, int h) {
+  return p.sinks != nullptr ? p.sinks[h] * kLog2e : -INFINITY;
+}
+
+}  // namespace mmha
