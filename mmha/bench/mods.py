@@ -182,7 +182,7 @@ def peer_fn(peer: str, layer: Layer, modifier: str, mods: dict):
 def error(out: torch.Tensor, layer: Layer, mods: dict) -> float:
     """Max |out - reference| (``mmha.reference.attend`` in fp32, row by row)."""
     out = out.reshape(layer.q.shape[0], HQ, D).float()
-    sm = reference.ScoreMods(HQ, "cuda", **mods)
+    sm = reference.ScoreMods(HQ, layer.q.device, **mods)
     err = 0.0
     for r in range(layer.q.shape[0]):
         ref, _ = reference.attend(layer.q[r, :, 0].float(), layer.kt[r].float(), layer.vt[r].float(),
