@@ -17,6 +17,7 @@ the same length here), ``flex`` (``flex_attention`` compiled: a block mask for a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     results, plain = [], {}
     for row in rows(args.quick):
         results.append(run_row(row, tuple(args.peers), plain))
+        torch._dynamo.reset()  # compiled peers hold their rows' tensors: free them before the next row
+        gc.collect()
+        torch.cuda.empty_cache()
         brief = {k: v for k, v in results[-1].items() if k.endswith("_us") or k in ("modifier", "seq_len")}
         print(json.dumps(brief), flush=True)
         (args.out / "bench_mods.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
