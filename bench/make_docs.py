@@ -12,8 +12,9 @@ printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's 
 --fp8: a ``python -m mmha.bench --grid canonical --fp8`` bench.json (copied to
 docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
 --hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
-docs/data/bench_hf_<gpu>.json). --ab: what ``bench/ab.sh`` printed for the last kernel change (a
-first line saying what the two builds were, then its table).
+docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
+GPU model (copied to docs/data/bench_mods_<gpu>.json). --ab: what ``bench/ab.sh`` wrote (ab.md) for
+a kernel change, after a first line saying what the two builds were; repeatable.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def main() -> None:
     ap.add_argument("--fp8", type=Path, action="append", default=[])
     ap.add_argument("--fp8-accuracy", type=Path)
     ap.add_argument("--hf", type=Path, action="append", default=[])
-    ap.add_argument("--ab", type=Path)
+    ap.add_argument("--ab", type=Path, action="append", default=[])
+    ap.add_argument("--mods", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -265,10 +267,10 @@ def main() -> None:
         match = [d for n, d in runs if slug(before["gpu"]) == n]
         if match:
             lines += before_section(before, match[0])
-    if args.ab:
-        caption, _, table = keep(args.ab, args.ab.name).read_text().strip().partition("\n")
+    for ab in args.ab:
+        caption, _, table = keep(ab, ab.name).read_text().strip().partition("\n")
         lines += [
-            "## Before and after: the last kernel change", "",
+            f"## Before and after ({ab.name})", "",
             f"`bench/ab.sh` (both builds on one machine, the grid timed base, new, base, new): {caption}",
             "", table, "",
         ]  # fmt: skip
@@ -313,6 +315,28 @@ def main() -> None:
             lines += fp8_accuracy_section(
                 json.loads(keep(args.fp8_accuracy, args.fp8_accuracy.name).read_text())
             )
+    if args.mods:
+        from mmha.bench import mods
+
+        lines += [
+            "## Score modifiers", "",
+            "`python -m mmha.bench --mods` (its module docstring says how): mmha with each modifier against"
+            " its own plain step (the window rows: the plain row of the window's length) and the peers that"
+            " can express the modifier; decode timing, fp16, Hq 32, D 128. Targets: a window at most 1.05x"
+            " the plain row of its length, the others at most 1.03x the plain row, faster than every peer.",
+            "",
+        ]  # fmt: skip
+        for path in args.mods:
+            data = json.loads(path.read_text())
+            h = data["header"]
+            keep(path, f"bench_mods_{slug(h['gpu'])}.json")
+            bad = mods.misses(data["rows"])
+            lines += [
+                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+                mods.table(data["rows"]), "",
+                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
+                *[f"- {m}" for m in bad], "",
+            ]  # fmt: skip
     if args.hf:
         model = json.loads(args.hf[0].read_text())["header"]["model"]
         lines += [
