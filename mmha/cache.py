@@ -546,12 +546,14 @@ class KVCache:
             self._workspace = ws
         return ws
 
-    def reserve_workspace(self, batch_sizes: Sequence[int]) -> None:
-        """Size the kernel's workspace for the plans of steps over each of ``batch_sizes`` rows now.
-        CUDA graphs captured for several batch sizes need this before the first capture: a workspace
-        that grew later would leave the earlier graphs writing to freed memory."""
+    def reserve_workspace(self, batch_sizes: Sequence[int], windows: Sequence[int | None] = (None,)) -> None:
+        """Size the kernel's workspace for the plans of steps over each of ``batch_sizes`` rows (with
+        each of the layers' sliding ``windows``) now. CUDA graphs captured for several batch sizes
+        need this before the first capture: a workspace that grew later would leave the earlier
+        graphs writing to freed memory."""
         if self.use_kernel:
-            self._reserve_workspace(max(self.plan(int(b)).num_splits for b in batch_sizes))
+            splits = [self.plan(int(b), window=w).num_splits for b in batch_sizes for w in windows]
+            self._reserve_workspace(max(splits))
 
     def _unchecked(self, *tensors) -> bool:
         """Whether score-modifier tensors need their values read: a tensor not read before, or

@@ -344,8 +344,9 @@ class HFDecoder:
         """The captured greedy step of a bucket of ``rows`` rows (captured at its first use)."""
         graph = self._graphs.get(rows)
         if graph is None:
-            if not self._graphs:  # every bucket's plan fits the workspace the graphs will share
-                self.cache.reserve_workspace(buckets(self.cache.max_batch))
+            if not self._graphs:  # every bucket's plans fit the workspace the graphs will share
+                windows = list({m.get("window") for m in self.mods})
+                self.cache.reserve_workspace(buckets(self.cache.max_batch), windows)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # one eager round: writes only what the step writes again
