@@ -454,10 +454,10 @@ class HFDecoder:
             if pending == sync_every or taken + pending == max_new_tokens - 1:
                 if self.graphs:
                     self.cache.account_replay(pending)
+                history = st.history[:n].tolist()  # one read, whatever the number of steps
                 cols = [(taken + j) % HISTORY for j in range(pending)]
-                picks = st.history[:n, cols].tolist()
                 for r in range(n):
-                    out[r].extend(picks[r])
+                    out[r].extend(history[r][c] for c in cols)
                 taken, pending = taken + pending, 0
                 if bool(st.done[:n].all()):
                     break
