@@ -289,7 +289,7 @@ def test_gpu_graphs_match_generate_as_lengths_grow(max_seq_len):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
 def test_gpu_graph_steps_do_not_synchronise():
     """Between the host's reads (every sync_every steps) the decode loop issues no synchronising
-    call: 49 steps and 2 steps, each read once, synchronise equally often."""
+    call: 59 steps and 2 steps, each read once, synchronise equally often."""
     model = build("llama", "cuda", torch.float16)
     ps = prompts(model.config.vocab_size)
     dec = HFDecoder(model, 4, 128)
@@ -308,7 +308,9 @@ def test_gpu_graph_steps_do_not_synchronise():
                 torch.cuda.set_sync_debug_mode(0)
         return sum("synchroniz" in str(w.message) for w in seen)
 
-    assert syncs(50) == syncs(3) > 0
+    syncs(3)  # one-time work (first copies, allocator growth) out of the count
+    few = syncs(3)
+    assert syncs(60) == few > 0
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
