@@ -546,14 +546,17 @@ class KVCache:
             self._workspace = ws
         return ws
 
-    def reserve_workspace(self, batch_sizes: Sequence[int], windows: Sequence[int | None] = (None,)) -> None:
+    def reserve_workspace(
+        self, batch_sizes: Sequence[int], windows: Sequence[int | None] = (None,)
+    ) -> ops.Workspace | None:
         """Size the kernel's workspace for the plans of steps over each of ``batch_sizes`` rows (with
-        each of the layers' sliding ``windows``) now. CUDA graphs captured for several batch sizes
-        need this before the first capture: a workspace that grew later would leave the earlier
-        graphs writing to freed memory."""
-        if self.use_kernel:
-            splits = [self.plan(int(b), window=w).num_splits for b in batch_sizes for w in windows]
-            self._reserve_workspace(max(splits))
+        each of the layers' sliding ``windows``) now, and return it (``check()`` reads its flags).
+        CUDA graphs captured for several batch sizes need this before the first capture: a
+        workspace that grew later would leave the earlier graphs writing to freed memory."""
+        if not self.use_kernel:
+            return None
+        splits = [self.plan(int(b), window=w).num_splits for b in batch_sizes for w in windows]
+        return self._reserve_workspace(max(splits))
 
     def _unchecked(self, *tensors) -> bool:
         """Whether score-modifier tensors need their values read: a tensor not read before, or

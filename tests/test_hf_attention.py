@@ -167,3 +167,21 @@ def test_gpu_fp8_cache_teacher_forced():
     assert decisive == 0
     for c in caches:
         c.kv.check()
+
+
+@gpu
+def test_gpu_guard_flags_reach_the_cache_check():
+    """A row whose device length left the cache (changed behind its back) is refused by the
+    kernel's guard; the cache's check() reports it."""
+    from mmha.ops import LengthError
+
+    model = mmha_model("llama", "cuda", torch.float32)
+    ps = prompts(model.config.vocab_size)[:2]
+    cache = MmhaCache(model, 2, 64)
+    generate(model, cache, ps, 2, disable_compile=True)
+    cache.kv.lengths[0] = cache.kv.capacity
+    with torch.no_grad():
+        out = model(torch.ones(2, 1, dtype=torch.long, device="cuda"), past_key_values=cache).logits
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+    with pytest.raises(LengthError, match=r"rows \[0\]"):
+        cache.kv.check()

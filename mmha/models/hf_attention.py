@@ -158,14 +158,11 @@ class MmhaCache(Cache):
         self._workspace: ops.Workspace | None = None
         if self.kv.use_kernel:
             # One plan per batch size, from the capacity: it holds as lengths grow, so the step
-            # reads no host state; the workspace fits every batch size's plan.
-            for b in range(1, max_batch_size + 1):
-                plan = self.kv.plan(b)
-                self._plans[b] = (plan.num_splits, plan.stages)
-            splits = max(s for s, _ in self._plans.values())
-            self._workspace = ops.Workspace.allocate(
-                param.device, max_batch_size, num_heads, head_dim, splits
-            )
+            # reads no host state; the cache's workspace fits every batch size's plan (and its
+            # check() reads the kernel's flags there).
+            batches = range(1, max_batch_size + 1)
+            self._plans = {b: (p.num_splits, p.stages) for b in batches for p in [self.kv.plan(b)]}
+            self._workspace = self.kv.reserve_workspace(batches)
             # Fixed addresses: a compiled step mutates them in place and may be a CUDA graph.
             static = [*self.kv.k_caches, *self.kv.v_caches, self.kv.lengths, self.kv._active_mask]
             static += [self._workspace.partials, self._workspace.counters, self._workspace.status]
