@@ -16,7 +16,7 @@ TORCH_LIBRARY(mmha, m) {
       "int rotary_dim, float rotary_theta, bool rotary_interleaved, int num_splits, "
       "bool check_lengths=True, int stages=2, int tile_source=0, Tensor? k_scale=None, "
       "Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None) -> ()");
+      "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -46,6 +46,7 @@ PYBIND11_MODULE(_C, m) {
   for (int qb : mmha::kQGroupBlocks) blocks.append(qb);
   m.attr("Q_GROUP_BLOCKS") = pybind11::tuple(blocks);
   m.attr("MAX_SPLITS") = mmha::kMaxSplits;
+  m.attr("MAX_TREE_NODES") = mmha::kMaxTreeNodes;
   m.attr("TILE_KEYS") = mmha::kTileKeys;
   m.attr("TILE_THREADS") = mmha::kTileThreads;
   m.attr("MIN_STAGES") = mmha::kMinStages;

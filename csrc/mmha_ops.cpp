@@ -112,8 +112,25 @@ void check_scale(const std::optional<at::Tensor>& scale, const char* name, int64
   check_contiguous(*scale, name);
 }
 
-// Host read of lengths (after the work already queued on stream) and a range check per row.
-void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, cudaStream_t stream) {
+// Where a tree step's workspace lies in counters (int32 units): merge counters [B * T * Hq],
+// the work counter [2], then the ancestor masks (8-byte aligned) [2 * B * T], depths [B * T] and
+// row node counts [B]. Mirrored by mmha.ops.Workspace.
+struct TreeWorkspace {
+  int64_t anc, depth, rows, total;
+};
+TreeWorkspace tree_workspace(int64_t batch, int64_t nodes, int64_t num_heads) {
+  TreeWorkspace w{};
+  w.anc = (batch * nodes * num_heads + 2 + 1) / 2 * 2;
+  w.depth = w.anc + 2 * batch * nodes;
+  w.rows = w.depth + batch * nodes;
+  w.total = w.rows + batch;
+  return w;
+}
+
+// Host read of lengths (and a tree step's node counts; after the work already queued on stream)
+// and a range check per row: slots lengths[b] .. lengths[b] + n - 1 must lie in [0, S_max).
+void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, int64_t nodes,
+                         const std::optional<at::Tensor>& node_counts, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MMHA_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                  capture == cudaStreamCaptureStatusNone,
@@ -122,12 +139,28 @@ void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, cudaStr
   std::vector<int32_t> host(static_cast<size_t>(lengths.numel()));
   cudaError_t err = cudaMemcpyAsync(host.data(), lengths.data_ptr<int32_t>(),
                                     host.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+  std::vector<int32_t> counts(node_counts.has_value() ? host.size() : 0);
+  if (err == cudaSuccess && !counts.empty()) {
+    err = cudaMemcpyAsync(counts.data(), node_counts->data_ptr<int32_t>(), counts.size() * sizeof(int32_t),
+                          cudaMemcpyDeviceToHost, stream);
+  }
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   MMHA_CHECK(err == cudaSuccess, "lengths could not be read: ", cudaGetErrorString(err));
+  for (size_t row = 0; row < counts.size(); ++row) {
+    MMHA_CHECK(counts[row] >= 1 && counts[row] <= nodes, "node_counts[", row, "] must be in [1, ", nodes,
+               "], got ", counts[row]);
+  }
   for (size_t row = 0; row < host.size(); ++row) {
-    MMHA_CHECK(host[row] >= 0 && host[row] < max_seq_len, "lengths[", row, "] must be in [0, ",
-               max_seq_len - 1, "] (the cache capacity is ", max_seq_len,
-               " and the new token goes to slot lengths[b]), got ", host[row]);
+    const int64_t n = counts.empty() ? nodes : counts[row];
+    if (nodes == 1 && counts.empty()) {
+      MMHA_CHECK(host[row] >= 0 && host[row] < max_seq_len, "lengths[", row, "] must be in [0, ",
+                 max_seq_len - 1, "] (the cache capacity is ", max_seq_len,
+                 " and the new token goes to slot lengths[b]), got ", host[row]);
+    } else {
+      MMHA_CHECK(host[row] >= 0 && host[row] + n <= max_seq_len, "lengths[", row, "] must be in [0, ",
+                 max_seq_len - n, "] (the cache capacity is ", max_seq_len, " and the row's ", n,
+                 " nodes go to slots lengths[b] ..), got ", host[row]);
+    }
   }
 }
 
@@ -141,7 +174,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -154,6 +188,12 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   check_cuda(counters, "counters", device);
   check_cuda(status, "status", device);
   if (qkv_bias.has_value()) check_cuda(*qkv_bias, "qkv_bias", device);
+  const bool tree = parents.has_value();
+  if (tree) check_cuda(*parents, "parents", device);
+  if (node_counts.has_value()) {
+    MMHA_CHECK(tree, "node_counts must be None without parents (it counts a tree step's nodes)");
+    check_cuda(*node_counts, "node_counts", device);
+  }
 
   // Dtypes.
   const at::ScalarType dtype = qkv.scalar_type();
@@ -216,18 +256,45 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   check_contiguous(v_cache, "v_cache");
   MMHA_CHECK(max_seq_len > 0, "v_cache must have max_seq_len > 0, got shape ", shape_str(v_cache));
 
-  // qkv [B, (Hq + 2 Hkv) D]: inner dim contiguous, any row stride.
+  // Tree steps: parents [B, T] int32, 1 <= T <= kMaxTreeNodes; node_counts [B] int32.
+  int64_t nodes = 1;
+  if (tree) {
+    check_dtype(*parents, "parents", at::kInt);
+    MMHA_CHECK(parents->dim() == 2 && parents->size(0) == batch && parents->size(1) >= 1 &&
+                   parents->size(1) <= kMaxTreeNodes,
+               "parents must have shape [", batch, ", T] with 1 <= T <= ", kMaxTreeNodes, ", got shape ",
+               shape_str(*parents));
+    check_contiguous(*parents, "parents");
+    nodes = parents->size(1);
+    if (node_counts.has_value()) {
+      check_dtype(*node_counts, "node_counts", at::kInt);
+      MMHA_CHECK(node_counts->dim() == 1 && node_counts->size(0) == batch, "node_counts must have shape [", batch,
+                 "], got shape ", shape_str(*node_counts));
+      check_contiguous(*node_counts, "node_counts");
+    }
+    MMHA_CHECK(window == 0 && softcap == 0 && !alibi_slopes.has_value() && !sinks.has_value(),
+               "window, softcap, alibi_slopes and sinks must be unset for a tree step (parents given): tree "
+               "steps take no score modifiers yet");
+  }
+
+  // qkv [B, (Hq + 2 Hkv) D] (a tree step: [B, T, (Hq + 2 Hkv) D]): inner dim contiguous, any
+  // row stride; a tree step's query row b * T + t lies at (b * T + t) * qkv_row_stride.
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
-  MMHA_CHECK(qkv.dim() == 2, "qkv must have 2 dims [B, (Hq + 2 * Hkv) * D], got shape ",
-             shape_str(qkv));
+  const int64_t qdims = tree ? 3 : 2;
+  MMHA_CHECK(qkv.dim() == qdims, "qkv must have ", qdims, " dims ",
+             tree ? "[B, T, (Hq + 2 * Hkv) * D]" : "[B, (Hq + 2 * Hkv) * D]", ", got shape ", shape_str(qkv));
   MMHA_CHECK(qkv.size(0) == batch, "qkv must have batch ", batch,
              " (the caches' batch), got shape ", shape_str(qkv));
-  MMHA_CHECK(qkv.size(1) == width, "qkv must have width (num_heads + 2 * num_kv_heads) * head_dim = (",
+  MMHA_CHECK(!tree || qkv.size(1) == nodes, "qkv must have T = ", nodes,
+             " nodes (parents' width) in dim 1, got shape ", shape_str(qkv));
+  MMHA_CHECK(qkv.size(qdims - 1) == width, "qkv must have width (num_heads + 2 * num_kv_heads) * head_dim = (",
              num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim, " = ", width, ", got shape ",
              shape_str(qkv));
-  MMHA_CHECK(qkv.stride(1) == 1 && qkv.stride(0) >= width,
-             "qkv must have unit stride in dim 1 and row stride >= its width, got strides ",
-             list_str(qkv.strides()));
+  const int64_t qkv_row_stride = tree && nodes > 1 ? qkv.stride(1) : qkv.stride(0);
+  MMHA_CHECK(qkv.stride(qdims - 1) == 1 && qkv_row_stride >= width &&
+                 (!tree || batch == 1 || qkv.stride(0) == nodes * qkv_row_stride),
+             "qkv must have unit stride in its last dim and row stride >= its width",
+             tree ? " (and batch stride T * row stride)" : "", ", got strides ", list_str(qkv.strides()));
   if (qkv_bias.has_value()) {
     MMHA_CHECK(qkv_bias->dim() == 1 && qkv_bias->size(0) == width, "qkv_bias must have shape [",
                width, "], got shape ", shape_str(*qkv_bias));
@@ -237,12 +304,14 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   MMHA_CHECK(lengths.dim() == 1 && lengths.size(0) == batch, "lengths must have shape [", batch,
              "], got shape ", shape_str(lengths));
   check_contiguous(lengths, "lengths");
-  MMHA_CHECK(out.dim() == 2 && out.size(0) == batch && out.size(1) == num_heads * head_dim,
-             "out must have shape [", batch, ", ", num_heads * head_dim, "], got shape ",
-             shape_str(out));
+  const std::string rows_str = tree ? std::to_string(batch) + ", " + std::to_string(nodes) : std::to_string(batch);
+  MMHA_CHECK(out.dim() == qdims && out.size(0) == batch && (!tree || out.size(1) == nodes) &&
+                 out.size(qdims - 1) == num_heads * head_dim,
+             "out must have shape [", rows_str, ", ", num_heads * head_dim, "], got shape ", shape_str(out));
   check_contiguous(out, "out");
-  MMHA_CHECK(lse.dim() == 2 && lse.size(0) == batch && lse.size(1) == num_heads,
-             "lse must have shape [", batch, ", ", num_heads, "], got shape ", shape_str(lse));
+  MMHA_CHECK(lse.dim() == qdims && lse.size(0) == batch && (!tree || lse.size(1) == nodes) &&
+                 lse.size(qdims - 1) == num_heads,
+             "lse must have shape [", rows_str, ", ", num_heads, "], got shape ", shape_str(lse));
   check_contiguous(lse, "lse");
 
   // Score modifiers: values of the per-head tensors are the caller's to check (mmha.reference.ScoreMods).
@@ -268,13 +337,19 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // Split-sequence workspace.
   MMHA_CHECK(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, ", kMaxSplits,
              "], got ", num_splits);
-  // Merge counters [B * Hq] and the tile loop's work counter [2] after them.
-  MMHA_CHECK(counters.numel() >= batch * num_heads + 2, "counters must hold at least B * Hq + 2 = ",
-             batch * num_heads + 2, " int32, got ", counters.numel());
+  // Merge counters [B * T * Hq], the tile loop's work counter [2] after them, and a tree step's
+  // workspace after that (tree_workspace).
+  const TreeWorkspace tw = tree_workspace(batch, nodes, num_heads);
+  const int64_t need_counters = tree ? tw.total : batch * num_heads + 2;
+  MMHA_CHECK(counters.numel() >= need_counters, "counters must hold at least ",
+             tree ? "B * T * Hq + 2 (+ 1) + 3 * B * T + B = " : "B * Hq + 2 = ", need_counters, " int32, got ",
+             counters.numel());
   check_contiguous(counters, "counters");
+  MMHA_CHECK(!tree || reinterpret_cast<uintptr_t>(counters.data_ptr()) % 8 == 0,
+             "counters must start 8-byte aligned for a tree step");
   if (num_splits > 1) {
-    const int64_t need = batch * num_heads * num_splits * (head_dim + 2);
-    MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * Hq * num_splits * (D + 2) = ",
+    const int64_t need = batch * nodes * num_heads * num_splits * (head_dim + 2);
+    MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * T * Hq * num_splits * (D + 2) = ",
                need, " floats, got ", partials.numel());
     check_contiguous(partials, "partials");
     MMHA_CHECK(reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
@@ -298,22 +373,23 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
-                                       pick_q_group_block(num_heads / num_kv_heads)) + 1024;
+                                       pick_q_group_block(num_heads / num_kv_heads * nodes)) + 1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
              max_stages, "] for head_dim ", head_dim, " (shared memory of this GPU), got ", stages);
 
-  const int64_t group = num_heads / num_kv_heads;
-  const int q_group_block = pick_q_group_block(group);
-  const int64_t q_groups = (group + q_group_block - 1) / q_group_block;
+  // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block.
+  const int64_t columns = num_heads / num_kv_heads * nodes;
+  const int q_group_block = pick_q_group_block(columns);
+  const int64_t q_groups = (columns + q_group_block - 1) / q_group_block;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);
   if (batch == 0) return;
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  if (check_lengths) check_length_values(lengths, max_seq_len, stream);
+  if (check_lengths) check_length_values(lengths, max_seq_len, nodes, node_counts, stream);
 
   MmhaParams p{};
   p.qkv = qkv.data_ptr();
@@ -327,9 +403,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.lse = lse.data_ptr<float>();
   p.partials = num_splits > 1 ? partials.data_ptr<float>() : nullptr;
   p.counters = counters.data_ptr<int32_t>();
-  p.work = p.counters + batch * num_heads;
+  p.work = p.counters + batch * nodes * num_heads;
   p.status = status.data_ptr<int32_t>();
-  p.qkv_row_stride = qkv.stride(0);
+  p.qkv_row_stride = qkv_row_stride;
   p.batch = static_cast<int32_t>(batch);
   p.num_heads = static_cast<int32_t>(num_heads);
   p.num_kv_heads = static_cast<int32_t>(num_kv_heads);
@@ -349,6 +425,14 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.softcap = static_cast<float>(softcap);
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  p.nodes = static_cast<int32_t>(nodes);
+  if (tree) {
+    p.parents = parents->data_ptr<int32_t>();
+    p.node_counts = node_counts.has_value() ? node_counts->data_ptr<int32_t>() : nullptr;
+    p.tree_anc = reinterpret_cast<uint64_t*>(p.counters + tw.anc);
+    p.tree_depth = p.counters + tw.depth;
+    p.tree_rows = p.counters + tw.rows;
+  }
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
   if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {

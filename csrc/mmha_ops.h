@@ -24,6 +24,11 @@ namespace mmha {
 // each off at its default: window (> 0: a row attends to its last `window` slots, its own
 // included), softcap (> 0: score = softcap * tanh(score / softcap)), alibi_slopes (fp32 [Hq]:
 // score += slope * (slot - pos)), sinks (fp32 [Hq]: a logit per head in the softmax sum).
+// A tree step (mmha.tree): parents (int32 [B, T], T <= 64) and optional node_counts (int32 [B]);
+// qkv [B, T, W], out [B, T, Hq * D], lse [B, T, Hq]; node t is appended at slot lengths[b] + t
+// (rotary at lengths[b] + depth) and attends to the cache and its root path; counters also hold
+// the tree's workspace (B * T * Hq + 2, then 3 * B * T + B int32 from an even offset). A row whose
+// tree breaks the rules writes nothing, gets NaN output and status bit kStatusTree.
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -32,6 +37,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       bool rotary_interleaved, int64_t num_splits, bool check_lengths,
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks);
+                      const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts);
 
 }  // namespace mmha

@@ -537,12 +537,15 @@ class KVCache:
             **common,
         )
 
-    def _reserve_workspace(self, num_splits: int) -> ops.Workspace:
+    def _reserve_workspace(self, num_splits: int, nodes: int = 1) -> ops.Workspace:
         ws = self._workspace
-        if ws is None or not ws.fits(self.max_batch, self.num_heads, self.head_dim, num_splits):
+        if ws is None or not ws.fits(self.max_batch, self.num_heads, self.head_dim, num_splits, nodes):
             # Sized for every row so later steps (and graph replays) reuse it; grows only.
             splits = max(num_splits, ws.num_splits if ws is not None else 1)
-            ws = ops.Workspace.allocate(self.device, self.max_batch, self.num_heads, self.head_dim, splits)
+            nodes = max(nodes, ws.nodes if ws is not None else 1)
+            ws = ops.Workspace.allocate(
+                self.device, self.max_batch, self.num_heads, self.head_dim, splits, nodes
+            )
             self._workspace = ws
         return ws
 
@@ -585,15 +588,21 @@ class KVCache:
         qkv: torch.Tensor,
         parents: torch.Tensor,
         *,
-        node_counts: Sequence[int] | None = None,
+        node_counts: Sequence[int] | torch.Tensor | None = None,
         qkv_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+        num_splits: int | None = None,
+        stages: int | None = None,
+        tile_source: str = "auto",
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A tree-masked multi-token step of ``layer`` (``mmha.tree``) for rows ``0..B-1``:
         ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T nodes of ``parents [B, T]``; node ``t`` is
         appended at slot ``length + t`` and attends to the cache and to its ancestors. Returns
-        ``out [B, T, Hq * D]``. Lengths do not move: ``accept`` keeps each row's verified path
-        (use the same ``parents`` for every layer). CPU path only for now (the CUDA kernel does not
-        take trees yet); contiguous caches."""
+        ``out [B, T, Hq * D]`` (and fp32 ``lse [B, T, Hq]``). Lengths do not move: ``accept`` keeps
+        each row's verified path (use the same ``parents`` for every layer). On a GPU the kernel
+        (``mmha.ops.decode_tree``) takes ``parents`` (int32) and ``node_counts`` as device tensors
+        (host values are copied over); their values are checked on the host outside CUDA-graph
+        capture, and a captured step reads them from the device each replay. Contiguous caches."""
         from . import tree
 
         self._check_layer(layer)
@@ -610,6 +619,12 @@ class KVCache:
                 f"qkv must have dtype {self.dtype} on {self.device}, got {qkv.dtype} on {qkv.device}"
             )
         batch = qkv.shape[0]
+        if self.use_kernel and self._capturing():
+            return self._step_tree_kernel(
+                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, None
+            )
+        if isinstance(node_counts, torch.Tensor):
+            node_counts = node_counts.tolist()
         rows = tree.check_parents(parents, batch, node_counts)
         if qkv.shape[1] != parents.shape[1]:
             raise ValueError(
@@ -622,8 +637,8 @@ class KVCache:
                 f"({self.max_seq_len})"
             )
         if self.use_kernel:
-            raise NotImplementedError(
-                "tree steps run on the CPU path only for now: the CUDA kernel does not take trees yet"
+            return self._step_tree_kernel(
+                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
             )
         kw = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
@@ -641,6 +656,61 @@ class KVCache:
             **kw,
         )
         self._tree = rows
+        if return_lse:
+            raise ValueError("return_lse needs the GPU kernel (mmha.reference.decode_tree returns out only)")
+        return out
+
+    def _step_tree_kernel(
+        self, layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
+    ):
+        """step_tree on the GPU; rows: the checked host trees (None inside capture: not read)."""
+        batch, nodes = qkv.shape[0], qkv.shape[1]
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv.shape[2] != width or not 1 <= batch <= self.max_batch:
+            raise ValueError(
+                f"qkv must have shape [B <= {self.max_batch}, T, (num_heads + 2 * num_kv_heads) * head_dim "
+                f"= {width}], got {tuple(qkv.shape)}"
+            )
+        if qkv.dtype != self.dtype or qkv.device != self.device:
+            raise ValueError(
+                f"qkv must have dtype {self.dtype} on {self.device}, got {qkv.dtype} on {qkv.device}"
+            )
+        capturing = rows is None
+        if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.shape != (batch, nodes):
+            raise ValueError(f"parents must be a tensor of shape [{batch}, {nodes}]")
+        if capturing and (parents.device != self.device or parents.dtype != torch.int32):
+            raise ValueError(f"parents must be int32 on {self.device} inside CUDA-graph capture")
+        parents = parents.to(device=self.device, dtype=torch.int32)
+        if node_counts is not None and not isinstance(node_counts, torch.Tensor):
+            node_counts = torch.tensor(list(node_counts), dtype=torch.int32, device=self.device)
+        elif node_counts is not None:
+            if capturing and (node_counts.device != self.device or node_counts.dtype != torch.int32):
+                raise ValueError(f"node_counts must be int32 on {self.device} inside CUDA-graph capture")
+            node_counts = node_counts.to(device=self.device, dtype=torch.int32)
+        if num_splits is None or stages is None:
+            if self.dispatch_on == "capacity" or capturing:
+                keys = self.max_seq_len
+            else:
+                keys = max(self._host_lengths[r] + len(rows[r]) for r in range(batch))
+            plan = ops.plan_for(
+                self.device, batch, self.num_heads * nodes, self.num_kv_heads, self.head_dim, keys,
+                self.dtype, "auto", self.kv_dtype,
+            )  # fmt: skip
+            num_splits = plan.num_splits if num_splits is None else num_splits
+            stages = plan.stages if stages is None else stages
+        ws = self._reserve_workspace(num_splits, nodes)
+        kw = {}
+        if self.fp8:
+            kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+        out = ops.decode_tree(
+            qkv, self.k_caches[layer][:batch], self.v_caches[layer][:batch], self.lengths[:batch], parents,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, node_counts=node_counts,
+            qkv_bias=qkv_bias, scale=self.scale, rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
+            rotary_interleaved=self.rotary_interleaved, num_splits=num_splits, stages=stages,
+            tile_source=tile_source, return_lse=return_lse, workspace=ws, validate=False, **kw,
+        )  # fmt: skip
+        if rows is not None:
+            self._tree = rows
         return out
 
     def accept(self, rows: Sequence[int], paths: Sequence[Sequence[int]]) -> None:

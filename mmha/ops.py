@@ -22,7 +22,7 @@ if _C is not None:
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
         check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
-        alibi_slopes=None, sinks=None,
+        alibi_slopes=None, sinks=None, parents=None, node_counts=None,
     ):  # fmt: skip
         return None
 
@@ -62,6 +62,12 @@ class LengthError(StepError):
     caches and returned NaN for that row."""
 
 
+class TreeError(StepError):
+    """A tree step's ``parents`` or ``node_counts`` broke ``mmha.tree``'s rules when the kernel ran
+    (a parent that is not -1 or an earlier node, a count outside ``[1, T]``): the row wrote nothing
+    to the caches and returned NaN."""
+
+
 class ScaleError(StepError):
     """An fp8 cache's ``k_scale`` or ``v_scale`` held a value that is not finite and positive when
     the kernel ran: the step wrote nothing to the caches and returned NaN for every row."""
@@ -70,6 +76,17 @@ class ScaleError(StepError):
 # Bits of Workspace.status (kStatusLength, kStatusScale in csrc/kernels/mmha_params.h).
 STATUS_LENGTH = 1
 STATUS_SCALE = 2
+STATUS_TREE = 4
+
+
+def tree_counters(batch: int, num_heads: int, nodes: int) -> int:
+    """int32 counters a step of ``nodes`` query rows per row needs (csrc/mmha_ops.cpp's
+    tree_workspace): merge counters and the work counter, then a tree step's masks, depths and row
+    counts."""
+    if nodes == 1:
+        return batch * num_heads + 2
+    anc = (batch * nodes * num_heads + 3) // 2 * 2
+    return anc + 3 * batch * nodes + batch
 
 
 @dataclass
@@ -87,23 +104,24 @@ class Workspace:
     counters: torch.Tensor
     status: torch.Tensor
     num_splits: int
+    nodes: int = 1  # query rows per row it was sized for (tree steps: T)
 
     @classmethod
-    def allocate(cls, device, batch: int, num_heads: int, head_dim: int, num_splits: int):
+    def allocate(cls, device, batch: int, num_heads: int, head_dim: int, num_splits: int, nodes: int = 1):
         partials = torch.empty(
-            batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0,
+            batch * nodes * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0,
             dtype=torch.float32,
             device=device,
         )
-        counters = torch.zeros(batch * num_heads + 2, dtype=torch.int32, device=device)
+        counters = torch.zeros(tree_counters(batch, num_heads, nodes), dtype=torch.int32, device=device)
         status = torch.zeros(batch, dtype=torch.int32, device=device)
-        return cls(partials, counters, status, num_splits)
+        return cls(partials, counters, status, num_splits, nodes)
 
-    def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int) -> bool:
-        need = batch * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0
+    def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int, nodes: int = 1) -> bool:
+        need = batch * nodes * num_heads * num_splits * (head_dim + 2) if num_splits > 1 else 0
         return (
             self.partials.numel() >= need
-            and self.counters.numel() >= batch * num_heads + 2
+            and self.counters.numel() >= tree_counters(batch, num_heads, nodes)
             and self.status.numel() >= batch
         )
 
@@ -116,10 +134,17 @@ class Workspace:
             self.status.zero_()
             lengths = [r for r, v in enumerate(status) if v & STATUS_LENGTH]
             scales = [r for r, v in enumerate(status) if v & STATUS_SCALE]
+            trees = [r for r, v in enumerate(status) if v & STATUS_TREE]
             if lengths:
                 raise LengthError(
-                    f"lengths of rows {lengths} were outside [0, S_max - 1] when the kernel ran: nothing "
-                    "was written to their cache slots and their output is NaN"
+                    f"lengths of rows {lengths} were outside [0, S_max - 1] (a tree step: [0, S_max - "
+                    "node count]) when the kernel ran: nothing was written to their cache slots and their "
+                    "output is NaN"
+                )
+            if trees:
+                raise TreeError(
+                    f"parents or node_counts of rows {trees} broke mmha.tree's rules when the kernel ran: "
+                    "nothing was written to their cache slots and their output is NaN"
                 )
             raise ScaleError(
                 f"k_scale / v_scale held a value that is not finite and positive when the kernel ran: "
@@ -228,5 +253,93 @@ def decode_attention(
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
         TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(),
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def decode_tree(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    node_counts: torch.Tensor | None = None,
+    qkv_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    rotary_dim: int = 0,
+    rotary_theta: float = 10000.0,
+    rotary_interleaved: bool = False,
+    variant: str = "auto",
+    num_splits: int | None = None,
+    stages: int | None = None,
+    tile_source: str = "auto",
+    max_len: int | None = None,
+    return_lse: bool = False,
+    workspace: Workspace | None = None,
+    validate: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A tree-masked multi-token step on the GPU (``mmha.tree``; ``mmha.reference.decode_tree``
+    defines it): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T <= 64 nodes of ``parents`` (int32 ``[B,
+    T]`` on the GPU); node ``t`` is appended at slot ``lengths[b] + t`` (rotary at ``lengths[b] +
+    depth(t)``) and attends to the cached slots and its root path. ``node_counts`` (int32 ``[B]``
+    on the GPU) for rows that use fewer nodes; their other nodes' output is zero. Two launches: the
+    trees' check and append, then the attention, whose K/V tiles serve every node an item holds.
+
+    ``validate`` reads ``parents``, ``node_counts`` and ``lengths`` on the host and raises
+    ``ValueError`` naming the entry (one synchronisation; skipped inside CUDA-graph capture).
+    Without it a row that breaks the rules writes nothing, gets NaN output and raises its status
+    flag (``workspace.check()``: ``TreeError`` or ``LengthError``). Other arguments as in
+    ``decode_attention``; ``max_len`` is the longest ``lengths[b] + T`` the caller knows of.
+    Returns ``out [B, T, Hq * D]`` (and fp32 ``lse [B, T, Hq]``)."""
+    from . import tree
+
+    _require_extension()
+    check = validate and not torch.cuda.is_current_stream_capturing()
+    if tile_source not in TILE_SOURCES:
+        raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
+    if not isinstance(parents, torch.Tensor) or parents.device != qkv.device or parents.dtype != torch.int32:
+        got = type(parents).__name__
+        if isinstance(parents, torch.Tensor):
+            got = f"{parents.dtype} on {parents.device}"
+        raise ValueError(f"parents must be an int32 tensor on {qkv.device}, got {got}")
+    if node_counts is not None and (
+        not isinstance(node_counts, torch.Tensor)
+        or node_counts.device != qkv.device
+        or node_counts.dtype != torch.int32
+    ):
+        raise ValueError(f"node_counts must be None or an int32 tensor on {qkv.device}")
+    batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
+    if check:
+        counts = None if node_counts is None else node_counts.tolist()
+        tree.check_parents(parents, batch, counts)
+    if parents.dim() != 2 or not 1 <= parents.shape[1] <= tree.MAX_NODES:
+        raise ValueError(
+            f"parents must have shape [{batch}, T <= {tree.MAX_NODES}], got {tuple(parents.shape)}"
+        )
+    nodes = parents.shape[1]
+    if num_splits is None or stages is None:
+        # An item's columns are (node, head) pairs: plan as for nodes * Hq heads over the same keys.
+        keys = max_seq_len if max_len is None else min(max_len, max_seq_len)
+        plan = plan_for(
+            qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype,
+            variant, k_cache.dtype,
+        )  # fmt: skip
+        num_splits = plan.num_splits if num_splits is None else num_splits
+        stages = plan.stages if stages is None else stages
+    if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits, nodes):
+        workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits, nodes)
+    out = torch.empty((batch, nodes, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    lse = torch.empty((batch, nodes, num_heads), dtype=torch.float32, device=qkv.device)
+    torch.ops.mmha.decode_attention(
+        qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
+        workspace.counters, workspace.status, num_heads, num_kv_heads,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
+        TILE_SOURCES[tile_source], k_scale, v_scale, 0, 0.0, None, None, parents, node_counts,
     )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -131,4 +131,3 @@ def test_kvcache_cpu_steps_with_a_window_and_sinks(paged):
         flat.advance()
     full = flat.step(0, qkv, window=10**6)
     assert torch.allclose(full, flat.step(0, qkv), atol=1e-6)  # a window past every row is no window
-

@@ -55,10 +55,10 @@ struct SimtAttend {
   static constexpr int ACC_ROWS = W::ROWS;
 
   // Walks keys [a.start, a.end) (those before a.lo neither read nor counted; scores modified by
-  // mods), then leaves per-warp (max, sum) in s_m, s_l and returns the per-warp accumulators
+  // mods; a tree step's slots masked by tree), then leaves per-warp (max, sum) in s_m, s_l and returns the per-warp accumulators
   // [kSimtWarps * ACC_ROWS][QB][HEAD_DIM], after a block barrier.
   __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, const ScoreTransform<QB>& mods,
-                                                     float (*s_m)[QB], float (*s_l)[QB],
+                                                     const TreeMask<QB>& tree, float (*s_m)[QB], float (*s_l)[QB],
                                                      const float (&s_q)[QB][HEAD_DIM],
                                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
     constexpr int VEC = kVec<T>;
@@ -152,7 +152,7 @@ struct SimtAttend {
           }
           logit[u][g] *= scale_log2;
           if (mods.on) logit[u][g] = mods.apply(logit[u][g], g, t, pos);
-          if (t >= end || t < lo) logit[u][g] = -INFINITY;
+          if (t >= end || t < lo || tree.hidden(g, t)) logit[u][g] = -INFINITY;
         }
       }
 

@@ -85,17 +85,30 @@ struct TileConsumer {
   float acc[KSTEPS][4];                    // O^T: dims out_dim(i, g, 0 / 1), heads 2tq (+ 1)
   float s_unit;                            // fp8: scores are the mma's times this power of two
   ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
+  TreeMask<2> tree;                        // a tree step: this lane's two columns' root paths
 
   // q^T as B fragments (16 dims x 8 heads per K step), pre-scaled into the log2 domain: lane
   // holds head g, dims q_dim(j, tq, 0) + {0, 1} (b0) and q_dim(j, tq, 1) + {0, 1} (b1), as hi and
   // lo parts. scale_log2 holds the softmax scale (and an fp8 cache's k scale). With fp8 the
   // fp16 parts also get a power of two that brings the item's largest |q| to [2^7, 2^8): in
   // range whatever the activations' size (bf16 q may exceed fp16's), undone on the scores.
+  // column(i) is column i's Column (query row and head; work_items.cuh); a tree step (tree_on)
+  // masks the slots from tree_base on by each column's root path.
+  template <class ColumnOf>
   __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
-                                       const MmhaParams& p, int h0) {
+                                       const MmhaParams& p, ColumnOf column, bool tree_on, int tree_base) {
     const int g = lane / 4;
     const int tq = lane % 4;
-    const int heads[2] = {2 * tq < nh ? h0 + 2 * tq : -1, 2 * tq + 1 < nh ? h0 + 2 * tq + 1 : -1};
+    int heads[2];
+    tree.on = tree_on;
+    tree.base = tree_base;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool used = 2 * tq + h < nh;
+      const auto c = column(used ? 2 * tq + h : 0);
+      heads[h] = used ? c.head : -1;
+      tree.anc[h] = tree_on && used ? p.tree_anc[c.qrow] : 0;
+    }
     mods.init(p, heads);
     float qv[KSTEPS][2][2];
     float qmax = 0.f;
@@ -189,6 +202,12 @@ struct TileConsumer {
     }
     if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
     if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
+    if (tree.on) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (tree.hidden(e & 1, it + g + (e & 2 ? 8 : 0))) s[e] = -INFINITY;
+      }
+    }
 
     // Online softmax per head over the 16 keys (8 lanes share a column pair). The reference max m
     // is raised only when some head of the warp has outgrown it by more than kRescaleSlack (log2
@@ -308,7 +327,8 @@ struct TileHeader {
   int k0;         // first key of the tile
   int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile
   int slot;
-  int b, kvh, qg, split, h0, nh, pos, active, start, end;
+  int b, kvh, qg, split, nh, pos, active, start, end;
+  int nodes;               // the row's new tokens (1, or a tree's node count)
   int lo;                  // the row's first attended slot (a window's start; else 0)
   float k_scale, v_scale;  // the kv head's fp8 scales (1 for 16-bit caches)
 };

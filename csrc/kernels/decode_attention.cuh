@@ -19,9 +19,12 @@
 #include "attend_tiles.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
+#include "new_token.cuh"
 #include "score_mods.cuh"
 #include "tile_source.cuh"
+#include "tree_step.cuh"
 #include "vec.cuh"
+#include "work_items.cuh"
 
 namespace mmha {
 
@@ -33,9 +36,6 @@ constexpr bool kTiles = !std::is_same_v<T, float>;
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 
-// An fp8 scale the kernel accepts: finite and positive (NaN fails both tests).
-__device__ __forceinline__ bool scale_ok(float s) { return s > 0.f && s <= 3.4028235e38f; }
-
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 // Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting), so registers are
@@ -46,41 +46,8 @@ constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 template <typename C, int HEAD_DIM, TileSource SRC>
 using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
 
-// Element d of one head's raw values `row` (global or shared memory) after its bias (global,
-// or nullptr) and rotary embedding at position pos, in fp32.
-template <typename T>
-__device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
-  float v = to_float(row[d]);
-  if (bias != nullptr) v += to_float(bias[d]);
-  return v;
-}
-
-template <typename T>
-__device__ float rotated(const T* row, const T* bias, int d, int pos, const MmhaParams& p) {
-  const float x = biased(row, bias, d);
-  const int rd = p.rotary_dim;
-  if (d >= rd) return x;
-  int i, partner;
-  float sign;
-  if (p.rotary_interleaved) {
-    i = d / 2;
-    partner = d ^ 1;
-    sign = (d & 1) ? 1.f : -1.f;
-  } else {
-    const int half = rd / 2;
-    i = d < half ? d : d - half;
-    partner = d < half ? d + half : d - half;
-    sign = d < half ? -1.f : 1.f;
-  }
-  const float y = biased(row, bias, partner);
-  const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
-  float s, c;
-  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
-  return x * c + sign * y * s;
-}
-
-// Where an item's raw q and new token come from: nh query heads of D values each at q (heads
-// contiguous), the new k and v at k and v; the global qkv row, or a producer's staging slot.
+// Where an item's raw q and new token come from: column g's D values at q + g * HEAD_DIM (a
+// producer's staging slot), the new k and v at k and v.
 template <typename T>
 struct TokenRows {
   const T* q;
@@ -88,33 +55,43 @@ struct TokenRows {
   const T* v;
 };
 
+// Column g's raw q in the global qkv (query row c.qrow), and the row's new k and v.
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, int h0, int kvh) {
-  const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
-  return {row + h0 * HEAD_DIM, row + (p.num_heads + kvh) * HEAD_DIM,
-          row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
+__device__ __forceinline__ const T* global_q(const MmhaParams& p, const Column& c) {
+  return static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
 }
 
-// The item's query heads in fp32 (bias, rotary at position pos) into s_q; for the item whose
-// chunk holds the new token, its k (bias, rotary) and v as the cache stores them (rounded to C,
-// or quantised with the kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v, and
-// (query group 0 only, so exactly once per row and kv head) into slot pos of both caches.
-// Threads tid < nthreads take part.
-template <typename T, typename C, int HEAD_DIM, int QB>
-__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const TokenRows<T>& rows, int h0,
-                                                         int nh, int kvh, int qg, int pos, bool owner, C* k_head,
-                                                         C* v_head, float k_scale, float v_scale,
-                                                         float (&s_q)[QB][HEAD_DIM], C (&s_new_k)[HEAD_DIM],
-                                                         C (&s_new_v)[HEAD_DIM], int tid, int nthreads) {
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, int kvh) {
+  const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
+  return {nullptr, row + (p.num_heads + kvh) * HEAD_DIM, row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
+}
+
+// The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
+// s_q, column g's raw values at q(g); for the item whose chunk holds the new token of a one-token
+// step, its k (bias, rotary) and v as the cache stores them (rounded to C, or quantised with the
+// kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v, and (column block 0 only, so
+// exactly once per row and kv head) into slot pos of both caches. Threads tid < nthreads take part.
+template <typename T, typename C, int HEAD_DIM, int QB, class QRow>
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, QRow q,
+                                                         const TokenRows<T>& rows, C* k_head, C* v_head,
+                                                         float k_scale, float v_scale, float (&s_q)[QB][HEAD_DIM],
+                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
+                                                         int nthreads) {
   constexpr int VEC = kVec<C>;
   const T* bias = static_cast<const T*>(p.qkv_bias);
   for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    s_q[g][d] = g < nh ? rotated(rows.q + g * HEAD_DIM, bias ? bias + (h0 + g) * HEAD_DIM : nullptr, d, pos, p)
-                       : 0.f;
+    float v = 0.f;
+    if (g < w.nh) {
+      const Column c = column_of(p, w, g);
+      v = rotated(q(g), bias ? bias + c.head * HEAD_DIM : nullptr, d, query_position(p, w, c), p);
+    }
+    s_q[g][d] = v;
   }
-  if (owner) {
+  if (w.owner()) {
+    const int kvh = w.kvh, pos = w.pos;
     const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const int64_t smax = p.max_seq_len;
@@ -123,71 +100,12 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       const C v = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
       s_new_k[d] = k;
       s_new_v[d] = v;
-      if (qg == 0) {  // items of other query groups of this kv head read the same slot
+      if (w.qg == 0) {  // items of other column blocks of this kv head read the same slot
         k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
         v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
       }
     }
   }
-}
-
-// One work item of the step: a (row, kv head, query-head block, split) and its keys [start, end).
-// Items are numbered split fastest, then head block, then row.
-struct WorkItem {
-  int b, kvh, qg, split;
-  int h0, nh;        // first query head of the item, query heads it holds (<= QB)
-  int pos;           // lengths[b]: the new token's slot
-  bool bad;          // pos outside [0, S_max): nothing is read or written for this row
-  int active;        // splits of this row that hold keys
-  int t0, t1;        // grains [t0, t1) of the row
-  int start, end;    // keys [start, end)
-  int lo;            // the row's first attended slot (a window's start; else 0)
-  __device__ __forceinline__ bool busy() const { return !bad && split < active; }
-  __device__ __forceinline__ bool owner() const { return pos < end; }  // holds the new token's slot
-  __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
-    return static_cast<int64_t>(b) * num_kv_heads + kvh;
-  }
-};
-
-__device__ __forceinline__ int num_items(const MmhaParams& p) {
-  return p.batch * p.num_kv_heads * p.q_groups * p.num_splits;
-}
-
-// Which (row, kv head, query-head block, split) item `index` is; no memory is read.
-template <int QB>
-__device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
-  WorkItem w;
-  const int per_row = p.num_kv_heads * p.q_groups * p.num_splits;
-  w.b = index / per_row;
-  const int r = index - w.b * per_row;
-  const int head_block = r / p.num_splits;
-  w.split = r - head_block * p.num_splits;
-  w.kvh = head_block / p.q_groups;
-  w.qg = head_block - w.kvh * p.q_groups;
-  const int group = p.num_heads / p.num_kv_heads;
-  w.h0 = w.kvh * group + w.qg * QB;
-  w.nh = min(QB, group - w.qg * QB);
-  return w;
-}
-
-// The item's keys given its row's length pos: the row attends to slots lo .. pos (lo = 0, or a
-// window's start), which lie in ntiles grains (tiles, or warp steps of the CUDA-core loop) from
-// the one holding lo; active splits take ntiles * s / active .. ntiles * (s + 1) / active of them
-// (equal to one grain). Splits past the row's grains have nothing to do and take no part in the
-// merge.
-__device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int grain) {
-  w.pos = pos;
-  w.bad = pos < 0 || pos >= p.max_seq_len;
-  const int len = w.bad ? 1 : pos + 1;
-  w.lo = w.bad ? 0 : window_start(p, pos);
-  const int first = w.lo / grain;
-  const int ntiles = (len + grain - 1) / grain - first;
-  w.active = w.bad ? 0 : min(p.num_splits, ntiles);
-  const int act = max(w.active, 1);
-  w.t0 = first + w.split * ntiles / act;
-  w.t1 = first + (w.split + 1) * ntiles / act;
-  w.start = w.t0 * grain;
-  w.end = min(len, w.t1 * grain);
 }
 
 // An out-of-range length (the host checks were bypassed or raced) or an fp8 scale that is not
@@ -197,40 +115,46 @@ template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int32_t flag, int tid,
                                            int nthreads) {
   if (w.split != 0) return;
-  T* out = static_cast<T*>(p.out) + static_cast<int64_t>(w.b) * p.num_heads * HEAD_DIM;
-  float* lse = p.lse + static_cast<int64_t>(w.b) * p.num_heads;
+  T* out = static_cast<T*>(p.out);
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
-    out[(w.h0 + idx / HEAD_DIM) * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
-    if (idx % HEAD_DIM == 0) lse[w.h0 + idx / HEAD_DIM] = NAN;
+    const int64_t f = column_of(p, w, idx / HEAD_DIM).flat(p.num_heads);
+    out[f * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
+    if (idx % HEAD_DIM == 0) p.lse[f] = NAN;
   }
-  if (w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
+  if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
 // The item's result: out and lse (single pass) or its partial (split): acc at
-// [(row, head), split][D], then (max, sum) at [(row, head), split][2] past all of them, so every
-// acc row starts 16-byte aligned for the merge's vector loads. Per head g: max m[g], sum l[g], and
-// acc(g, d), the block's accumulator already rescaled to m[g].
+// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
+// them, so every acc row starts 16-byte aligned for the merge's vector loads. Per column g: max
+// m[g], sum l[g], and acc(g, d), the block's accumulator already rescaled to m[g]. Columns of
+// tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
 // out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
 // single pass adds the head's sink (if any) to the sum here; a split's merge does.
 template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float out_scale, int tid, int nthreads) {
   const int num_splits = p.num_splits;
-  const int64_t head_row = static_cast<int64_t>(w.b) * p.num_heads;
-  T* out = static_cast<T*>(p.out) + head_row * HEAD_DIM;
-  float* lse = p.lse + head_row;
+  T* out = static_cast<T*>(p.out);
+  float* lse = p.lse;
   float* part_acc = p.partials;
-  float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.num_heads * num_splits * HEAD_DIM;
+  float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    const int h = w.h0 + g;
+    const Column col = column_of(p, w, g);
+    const int64_t h = col.flat(p.num_heads);
     float a = acc(g, d);
-    if (num_splits == 1) {
+    if (col.node >= w.nodes) {  // a tree node the row does not use
+      if (w.split == 0) {
+        out[h * HEAD_DIM + d] = from_float<T>(0.f);
+        if (d == 0) lse[h] = -INFINITY;
+      }
+    } else if (num_splits == 1) {
       float sum = l(g);
       float mx = m(g);
       if (p.sinks != nullptr) {  // rescale to max(m, sink): a large sink cannot overflow the sum
-        const float sink = sink_log2(p, h);
+        const float sink = sink_log2(p, col.head);
         const float top = fmaxf(mx, sink);
         const float f = exp2f(mx - top);
         sum = sum * f + exp2f(sink - top);
@@ -240,7 +164,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
       out[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
       if (d == 0) lse[h] = (mx + log2f(sum)) * kLn2;
     } else {
-      const int64_t slot = (head_row + h) * num_splits + w.split;
+      const int64_t slot = h * num_splits + w.split;
       part_acc[slot * HEAD_DIM + d] = a;
       if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(m(g), l(g));
     }
@@ -287,15 +211,18 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   if (!s_last) return;
   __threadfence();
 
-  const int64_t head_row = static_cast<int64_t>(w.b) * p.num_heads;
-  T* out = static_cast<T*>(p.out) + head_row * HEAD_DIM;
-  float* lse = p.lse + head_row;
+  T* out = static_cast<T*>(p.out);
+  float* lse = p.lse;
   const float* part_acc = p.partials;
-  const float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.num_heads * num_splits * HEAD_DIM;
-  // Weights exp2(m_s - M) / sum: one warp per head, lanes over splits.
+  const float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
+  // Weights exp2(m_s - M) / sum: one warp per column, lanes over splits (columns of unused tree
+  // nodes were written by store_item).
   const int warps = nthreads / 32;
   for (int g = warp; g < w.nh; g += warps) {
-    const float* ml = part_ml + (head_row + w.h0 + g) * num_splits * 2;
+    const Column col = column_of(p, w, g);
+    if (col.node >= w.nodes) continue;
+    const int64_t h = col.flat(p.num_heads);
+    const float* ml = part_ml + h * num_splits * 2;
     float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
     float mx = -INFINITY;
 #pragma unroll
@@ -309,7 +236,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-    const float sink = sink_log2(p, w.h0 + g);
+    const float sink = sink_log2(p, col.head);
     mx = fmaxf(mx, sink);
     const float m_ref = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
@@ -326,7 +253,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
       const int s = lane + 32 * i;
       if (s < w.active) s_w[g][s] = ms[i] / sum;
     }
-    if (lane == 0) lse[w.h0 + g] = (mx + log2f(sum)) * kLn2;
+    if (lane == 0) lse[h] = (mx + log2f(sum)) * kLn2;
   }
   sync();
   // Weighted sum of the partial accumulators: a thread per (head, 4 dims), its loads of 8 splits
@@ -335,8 +262,10 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
     const int g = idx / C4;
     const int c = idx % C4;
-    const float4* acc4 =
-        reinterpret_cast<const float4*>(part_acc + (head_row + w.h0 + g) * num_splits * HEAD_DIM) + c;
+    const Column col = column_of(p, w, g);
+    if (col.node >= w.nodes) continue;
+    const int64_t h = col.flat(p.num_heads);
+    const float4* acc4 = reinterpret_cast<const float4*>(part_acc + h * num_splits * HEAD_DIM) + c;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     int s = 0;
     for (; s + 8 <= w.active; s += 8) {
@@ -360,7 +289,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
       a.z += wt * v.z;
       a.w += wt * v.w;
     }
-    T* o = out + (w.h0 + g) * HEAD_DIM + 4 * c;
+    T* o = out + h * HEAD_DIM + 4 * c;
     o[0] = from_float<T>(a.x * out_scale);
     o[1] = from_float<T>(a.y * out_scale);
     o[2] = from_float<T>(a.z * out_scale);
@@ -387,6 +316,7 @@ struct NextItem {
   static constexpr int T_PER_LANE = (HEAD_DIM + 31) / 32;
   int index;
   int pos;
+  int nodes;                           // the row's new tokens (row_nodes)
   float k_scale = 1.f, v_scale = 1.f;  // the item's kv head's (fp8)
   bool scales_ok = true;               // fp8: every kv head's scales are finite and positive
   T q[Q_PER_LANE];
@@ -398,6 +328,7 @@ struct NextItem {
     if (index >= items) return;
     const WorkItem w = work_item_head<QB>(p, index);
     pos = p.lengths[w.b];
+    nodes = row_nodes(p, w.b);
     if constexpr (kFp8<C>) {
       // A bad scale of any kv head refuses the whole step: every item checks all of them.
       bool ok = true;
@@ -406,11 +337,15 @@ struct NextItem {
       k_scale = p.k_scale[w.kvh];
       v_scale = p.v_scale[w.kvh];
     }
-    const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh);
+    const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.kvh);
+    // One-token steps: the item's columns are consecutive heads of the row. A tree step's consumers
+    // read their columns from qkv themselves (staged_or_global_q).
+    const T* q_row = global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0});
+    const int staged = tree_step(p) ? 0 : w.nh * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < Q_PER_LANE; ++j) {
       const int idx = lane + 32 * j;
-      q[j] = idx < w.nh * HEAD_DIM ? rows.q[idx] : from_float<T>(0.f);
+      q[j] = idx < staged ? q_row[idx] : from_float<T>(0.f);
     }
 #pragma unroll
     for (int j = 0; j < T_PER_LANE; ++j) {
@@ -496,12 +431,12 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     while (next.index < items) {
       const int index = next.index;
       WorkItem w = work_item_head<QB>(p, index);
-      work_item_range(p, w, next.pos, kTileKeys);
+      work_item_range(p, w, next.pos, next.nodes, kTileKeys);
       const float k_scale = next.k_scale, v_scale = next.v_scale;
       // The next item's number, then its loads: in flight while this item's tiles go out.
       const int fetched = fetch();
-      if (w.bad) {
-        poison_row<T, HEAD_DIM>(p, w, kStatusLength, lane, 32);
+      if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
+        poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
       } else if (!next.scales_ok) {
         w.bad = true;
         poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
@@ -515,7 +450,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       const int64_t kv_head = w.kv_head(p.num_kv_heads);
       const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
                            static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                           smax, w.lo, w.end, w.pos, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+                           smax, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map};
       const int nt = w.t1 - w.t0;
       const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
       for (int i = 0; i < nt; ++i) {
@@ -527,8 +462,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         }
         if (lane == 0) {
           s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
-                                    slot, w.b, w.kvh, w.qg, w.split, w.h0, w.nh, w.pos, w.active, w.start, w.end,
-                                    w.lo, k_scale, v_scale};
+                                    slot, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active, w.start, w.end,
+                                    w.nodes, w.lo, k_scale, v_scale};
         }
         mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
         Source::commit(&ring.full[cur.s], lane);
@@ -570,23 +505,31 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     const int64_t kv_head = static_cast<int64_t>(h.b) * p.num_kv_heads + h.kvh;
     if (h.flags & kFirstTile) {
-      w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.h0 = h.h0, w.nh = h.nh, w.pos = h.pos;
+      w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
+      w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
       w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       out_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
-      load_query_and_new_token<T, C, HEAD_DIM, QB>(p, rows, w.h0, w.nh, w.kvh, w.qg, w.pos, w.owner(),
-                                                   static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                                                   static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                                                   h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
+      const T* staged_q = rows.q;
+      load_query_and_new_token<T, C, HEAD_DIM, QB>(
+          p, w,
+          [&](int g) {  // staged_or_global_q: a tree step's columns come from qkv
+            return tree_step(p) ? global_q<T, HEAD_DIM>(p, column_of(p, w, g)) : staged_q + g * HEAD_DIM;
+          },
+          rows,
+          static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax, static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+          h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
       sync();
       mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
-      c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, w.h0);
+      c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
+             tree_step(p), w.pos);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0 + key0;
     if (it < w.end) {
-      if ((it <= w.pos && w.pos < it + 16) || it + 16 > w.end || it < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.lo, w.end, w.pos, s_new_k, s_new_v, lane);
+      if ((it <= w.newslot && w.newslot < it + 16) || it + 16 > w.end || it < w.lo) {
+        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
       }
       c.step(stage, key0, it, w.lo, w.end, w.pos, lane);
     }
@@ -613,9 +556,9 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int nthreads = blockDim.x;
   const int smax = p.max_seq_len;
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
-  work_item_range(p, w, p.lengths[w.b], Simt::KEYS);
-  if (w.bad) {
-    poison_row<T, HEAD_DIM>(p, w, kStatusLength, tid, nthreads);
+  work_item_range(p, w, p.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
+  if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
+    poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
     return;
   }
   if (!w.busy()) return;
@@ -631,17 +574,24 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int64_t kv_head = w.kv_head(p.num_kv_heads);
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
-  load_query_and_new_token<T, T, HEAD_DIM, QB>(p, global_rows<T, HEAD_DIM>(p, w.b, w.h0, w.kvh), w.h0, w.nh,
-                                               w.kvh, w.qg, w.pos, w.owner(), k_head, v_head, 1.f, 1.f, s_q,
-                                               s_new_k, s_new_v, tid, nthreads);
+  load_query_and_new_token<T, T, HEAD_DIM, QB>(
+      p, w, [&](int g) { return global_q<T, HEAD_DIM>(p, column_of(p, w, g)); }, global_rows<T, HEAD_DIM>(p, w.b, w.kvh),
+      k_head, v_head, 1.f, 1.f, s_q, s_new_k, s_new_v, tid, nthreads);
   __syncthreads();
-  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.lo, w.end, w.pos, p.scale * kLog2e};
+  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.lo, w.end, w.newslot, p.scale * kLog2e};
   int heads[QB];
+  TreeMask<QB> tree;
+  tree.on = tree_step(p);
+  tree.base = w.pos;
 #pragma unroll
-  for (int g = 0; g < QB; ++g) heads[g] = g < w.nh ? w.h0 + g : -1;
+  for (int g = 0; g < QB; ++g) {
+    const Column c = column_of(p, w, g < w.nh ? g : 0);
+    heads[g] = g < w.nh ? c.head : -1;
+    tree.anc[g] = tree.on && g < w.nh ? p.tree_anc[c.qrow] : 0;
+  }
   ScoreTransform<QB> mods;
   mods.init(p, heads);
-  const float* s_acc = Simt::run(args, mods, s_m, s_l, s_q, s_new_k, s_new_v);
+  const float* s_acc = Simt::run(args, mods, tree, s_m, s_l, s_q, s_new_k, s_new_v);
   // Block combine: the loop warps' (max, sum, acc), rescaled to the block's max.
   const auto block_max = [&](int g) { return warps_max<kSimtWarps, QB>(s_m, g); };
   const auto block_sum = [&](int g) { return warps_sum<kSimtWarps, QB>(s_m, s_l, g); };
@@ -750,6 +700,10 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   err = grid_blocks<T, C, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
+  if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
+    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+    if (err != cudaSuccess) return err;
+  }
   decode_attention_kernel<T, C, HEAD_DIM, QB, SRC><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }

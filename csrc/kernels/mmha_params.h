@@ -86,6 +86,10 @@ constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
 // the caches for it, NaN output).
 constexpr int32_t kStatusLength = 1;
 constexpr int32_t kStatusScale = 2;
+constexpr int32_t kStatusTree = 4;  // a tree step's parents or node count broke mmha.tree's rules
+
+// Nodes of a tree step at most (mmha.tree.MAX_NODES): a node's ancestors are one 64-bit mask.
+constexpr int kMaxTreeNodes = 64;
 
 struct MmhaParams {
   const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
@@ -126,6 +130,17 @@ struct MmhaParams {
   float softcap;               // 0: none; else score = softcap * tanh(score / softcap)
   const float* alibi_slopes;   // [Hq] or nullptr: score += slope[h] * (slot - pos), after the soft-cap
   const float* sinks;          // [Hq] or nullptr: a logit per head in the softmax sum, with no value
+
+  // Tree steps (mmha.tree): `nodes` query rows per batch row (qkv, out and lse rows b * nodes + t;
+  // 1 for a one-token step). A tree step's tree_prepare_kernel (tree_step.cuh) checks parents,
+  // writes tree_rows / tree_anc / tree_depth and appends every node's K/V before the attention
+  // kernel runs; the attention kernel then appends nothing and masks the tree's slots.
+  int32_t nodes;
+  const int32_t* parents;      // [B, nodes]: -1 (a root) or an earlier node; nullptr: one-token step
+  const int32_t* node_counts;  // [B] nodes each row uses (1..nodes), or nullptr: all
+  int32_t* tree_rows;          // [B] (workspace): the row's node count, or -1 where it was refused
+  int32_t* tree_depth;         // [B * nodes] (workspace): node depth (rotary position length + depth)
+  uint64_t* tree_anc;          // [B * nodes] (workspace): bit j set: node j is on node t's root path
 
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;

@@ -7,12 +7,15 @@
 //   ALiBi:   score += slope[h] * (slot - pos), after the soft-cap.
 //   sinks:   a logit per head that joins the softmax sum once (the store of a single pass, the
 //            merge of a split), with no value.
+//   tree:    a tree step's node sees the slots of its root path only among the tree's slots
+//            [base, base + nodes): TreeMask, per column, after the other modifiers.
 // Torch-free.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "attend_common.cuh"
 #include "mmha_params.h"
@@ -48,6 +51,20 @@ struct ScoreTransform {
   __device__ __forceinline__ float apply(float s, int i, int slot, int pos) const {
     if (cap > 0.f) s = cap * tanhf(s * inv_cap);
     return s + slope[i] * static_cast<float>(slot - pos);
+  }
+};
+
+// A tree step's mask for up to N columns: slot base + j is seen by column i iff bit j of anc[i]
+// (its node's root path, itself included); slots before base are the cache, seen by every node.
+template <int N>
+struct TreeMask {
+  bool on;  // a tree step: warp-uniform
+  int base;
+  uint64_t anc[N];
+
+  __device__ __forceinline__ bool hidden(int i, int slot) const {
+    const int j = slot - base;
+    return on && j >= 0 && (j >= kMaxTreeNodes || !((anc[i] >> j) & 1ull));
   }
 };
 

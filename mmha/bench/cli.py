@@ -3,7 +3,7 @@
 ``--grid canonical`` runs the grid of ``shared/BENCHMARK.md`` in fp16 and bf16 (plus head dims
 64 and 256 and the small-head rows in fp16); ``--quick`` a short subset;
 ``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep; ``--mods`` the score
-modifiers' rows (``mmha.bench.mods``). Every method is checked
+modifiers' rows (``mmha.bench.mods``); ``--tree`` tree steps (``mmha.bench.tree``). Every method is checked
 against an fp32 reference before it is timed. The primary time is the decode timing (one layer of
 a decode step: ``mmha.bench.timing``), next to the read floor timed the same way; the cold-L2
 single call and a repeated-call graph are secondary (mmha and the best peer). Output: a short
@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import mods
 
         return mods.main([a for a in argv if a != "--mods"])
+    if "--tree" in argv:  # tree steps: rows and peers of their own (mmha.bench.tree)
+        from . import tree
+
+        return tree.main([a for a in argv if a != "--tree"])
     p = argparse.ArgumentParser(prog="python -m mmha.bench", description=__doc__.split("\n")[0])
     p.add_argument("--grid", choices=["canonical", "quick", "custom"], default="custom")
     p.add_argument("--quick", action="store_true", help="a short subset (same as --grid quick)")

@@ -1,0 +1,134 @@
+// The first of a tree step's two launches (mmha.tree): one block per (row, kv head) checks the
+// row's tree, derives each node's root path (a 64-bit mask of nodes) and depth, and appends every
+// node's K/V (bias, rotary at length + depth, rounded or quantised as the cache stores them) at
+// slot length + t. The attention kernel that follows reads all of it from the cache and the
+// workspace, so its items never patch a new token into a tile. Torch-free.
+//
+// A row is refused (nothing written, tree_rows[b] = -1, its status flag raised; the attention
+// kernel gives it NaN output) when its node count is outside [1, nodes] or a parent breaks the
+// rules (kStatusTree), or its slots length .. length + n - 1 leave [0, S_max) (kStatusLength).
+// An fp8 scale that is not finite and positive writes nothing either; the attention kernel
+// refuses the step for it (kStatusScale), as for one-token steps.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mmha_params.h"
+#include "new_token.cuh"
+#include "vec.cuh"
+
+namespace mmha {
+
+constexpr int kTreePrepareThreads = 128;
+
+template <typename T, typename C, int HEAD_DIM>
+__global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
+  constexpr int VEC = kVec<C>;
+  const int b = blockIdx.x / p.num_kv_heads;
+  const int kvh = blockIdx.x - b * p.num_kv_heads;
+  const int tid = threadIdx.x;
+  const int nodes = p.nodes;
+  __shared__ int s_flags;
+  __shared__ int s_jump[kMaxTreeNodes];
+  __shared__ int s_depth[kMaxTreeNodes];
+  __shared__ uint64_t s_anc[kMaxTreeNodes];
+
+  const int len = p.lengths[b];
+  const int n = p.node_counts != nullptr ? p.node_counts[b] : nodes;
+  if (tid == 0) {
+    int flags = 0;
+    if (n < 1 || n > nodes) flags |= kStatusTree;
+    if (len < 0 || len > p.max_seq_len - max(n, 1)) flags |= kStatusLength;
+    s_flags = flags;
+  }
+  __syncthreads();
+  if (tid < nodes) {
+    const int parent = p.parents[static_cast<int64_t>(b) * nodes + tid];
+    const bool used = tid < n;
+    if (used && !(parent >= -1 && parent < tid)) atomicOr(&s_flags, kStatusTree);
+    s_jump[tid] = used ? parent : -1;
+    s_depth[tid] = used && parent >= 0 ? 1 : 0;
+    s_anc[tid] = used ? uint64_t{1} << tid : 0;
+  }
+  __syncthreads();
+  const bool ok = s_flags == 0;
+  // Pointer jumping: after round r each node has folded in its 2^r nearest ancestors.
+  if (ok) {
+    for (int round = 0; round < 6; ++round) {
+      int jump = -1, depth = 0;
+      uint64_t anc = 0;
+      if (tid < nodes) {
+        jump = s_jump[tid];
+        depth = s_depth[tid];
+        anc = s_anc[tid];
+        if (jump >= 0) {
+          depth += s_depth[jump];
+          anc |= s_anc[jump];
+          jump = s_jump[jump];
+        }
+      }
+      __syncthreads();
+      if (tid < nodes) {
+        s_jump[tid] = jump;
+        s_depth[tid] = depth;
+        s_anc[tid] = anc;
+      }
+      __syncthreads();
+    }
+  }
+  if (kvh == 0) {
+    const int64_t row = static_cast<int64_t>(b) * nodes;
+    for (int t = tid; t < nodes; t += kTreePrepareThreads) {
+      p.tree_depth[row + t] = ok ? s_depth[t] : 0;
+      p.tree_anc[row + t] = ok ? s_anc[t] : 0;
+    }
+    if (tid == 0) {
+      p.tree_rows[b] = ok ? n : -1;
+      if (!ok) atomicOr(p.status + b, s_flags);
+    }
+  }
+  if (!ok) return;
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (std::is_same_v<C, e4m3>) {
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      if (!scale_ok(p.k_scale[h]) || !scale_ok(p.v_scale[h])) return;
+    }
+    k_scale = p.k_scale[kvh];
+    v_scale = p.v_scale[kvh];
+  }
+
+  // Append: node t's K/V at slot len + t, its k rotated at len + depth(t).
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
+  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
+  const int64_t smax = p.max_seq_len;
+  const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+  C* k_head = static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax;
+  C* v_head = static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax;
+  for (int idx = tid; idx < n * HEAD_DIM; idx += kTreePrepareThreads) {
+    const int t = idx / HEAD_DIM;
+    const int d = idx - t * HEAD_DIM;
+    const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
+    const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
+    const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
+    const int slot = len + t;
+    k_head[(static_cast<int64_t>(d / VEC) * smax + slot) * VEC + d % VEC] =
+        to_cache<C>(rotated(k_row, k_bias, d, len + s_depth[t], p), k_scale);
+    v_head[static_cast<int64_t>(slot) * HEAD_DIM + d] = to_cache<C>(biased(v_row, v_bias, d), v_scale);
+  }
+}
+
+// Launches the tree's check and append (one block per row and kv head) on the step's stream.
+template <typename T, typename C, int HEAD_DIM>
+cudaError_t launch_tree_prepare(const MmhaParams& p, cudaStream_t stream) {
+  const int64_t blocks = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  tree_prepare_kernel<T, C, HEAD_DIM><<<static_cast<int>(blocks), kTreePrepareThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace mmha

@@ -1,0 +1,113 @@
+// Work items of a step and the query columns they hold. Torch-free.
+//
+// A step is cut into items, one per (row, kv head, column block, split). The columns of a (row,
+// kv head) are its query heads of every query row: column c is head kvh * G + c % G (G = Hq /
+// Hkv) of query row c / G, which is node c / G of a tree step (p.nodes query rows per batch
+// row) or the row's one token. An item holds QB consecutive columns (fewer in the last block),
+// so a tree's nodes share an item's K/V reads where a group leaves columns free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mmha_params.h"
+#include "score_mods.cuh"
+
+namespace mmha {
+
+// One work item: a (row, kv head, column block, split) and its keys [start, end).
+// Items are numbered split fastest, then column block, then kv head, then row.
+struct WorkItem {
+  int b, kvh, qg, split;
+  int c0, nh;        // first column of the item, columns it holds (<= QB)
+  int h0;            // one-token steps: the query head of column c0 (columns are consecutive heads)
+  int pos;           // lengths[b]: the slot of the row's (first) new token
+  int nodes;         // new tokens of the row: 1, or a tree's node count
+  int newslot;       // the slot whose K/V the consumers take from shared memory (pos), or -1 (tree)
+  bool bad;          // a refused row: nothing is read or written for it
+  int active;        // splits of this row that hold keys
+  int t0, t1;        // grains [t0, t1) of the row
+  int start, end;    // keys [start, end)
+  int lo;            // the row's first attended slot (a window's start; else 0)
+  __device__ __forceinline__ bool busy() const { return !bad && split < active; }
+  // Holds the new token's slot (one-token steps: its item appends it).
+  __device__ __forceinline__ bool owner() const { return newslot >= 0 && newslot < end; }
+  __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
+    return static_cast<int64_t>(b) * num_kv_heads + kvh;
+  }
+};
+
+__device__ __forceinline__ int num_items(const MmhaParams& p) {
+  return p.batch * p.num_kv_heads * p.q_groups * p.num_splits;
+}
+
+__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.parents != nullptr; }
+
+// Which (row, kv head, column block, split) item `index` is; no memory is read.
+template <int QB>
+__device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
+  WorkItem w;
+  const int per_row = p.num_kv_heads * p.q_groups * p.num_splits;
+  w.b = index / per_row;
+  const int r = index - w.b * per_row;
+  const int head_block = r / p.num_splits;
+  w.split = r - head_block * p.num_splits;
+  w.kvh = head_block / p.q_groups;
+  w.qg = head_block - w.kvh * p.q_groups;
+  const int group = p.num_heads / p.num_kv_heads;
+  w.c0 = w.qg * QB;
+  w.h0 = w.kvh * group + w.c0;
+  w.nh = min(QB, group * p.nodes - w.c0);
+  return w;
+}
+
+// Column g of an item: its query row (b * nodes + node), node and query head.
+struct Column {
+  int qrow, node, head;
+  // Index of the column in out / lse rows of Hq heads ([B * nodes, Hq]).
+  __device__ __forceinline__ int64_t flat(int num_heads) const {
+    return static_cast<int64_t>(qrow) * num_heads + head;
+  }
+};
+
+__device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem& w, int g) {
+  if (p.nodes == 1) return Column{w.b, 0, w.h0 + g};
+  const int group = p.num_heads / p.num_kv_heads;
+  const int c = w.c0 + g;
+  const int node = c / group;
+  return Column{w.b * p.nodes + node, node, w.kvh * group + c - node * group};
+}
+
+// The item's keys given its row's length pos and new tokens: the row attends to slots lo .. pos +
+// nodes - 1 (lo = 0, or a window's start), which lie in ntiles grains (tiles, or warp steps of
+// the CUDA-core loop) from the one holding lo; active splits take ntiles * s / active .. ntiles *
+// (s + 1) / active of them (equal to one grain). Splits past the row's grains have nothing to do
+// and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
+// capacity make the row bad.
+__device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int nodes, int grain) {
+  w.pos = pos;
+  w.nodes = nodes;
+  w.bad = pos < 0 || nodes < 1 || pos > p.max_seq_len - nodes;
+  w.newslot = tree_step(p) ? -1 : pos;
+  const int len = w.bad ? 1 : pos + nodes;
+  w.lo = w.bad ? 0 : window_start(p, pos);
+  const int first = w.lo / grain;
+  const int ntiles = (len + grain - 1) / grain - first;
+  w.active = w.bad ? 0 : min(p.num_splits, ntiles);
+  const int act = max(w.active, 1);
+  w.t0 = first + w.split * ntiles / act;
+  w.t1 = first + (w.split + 1) * ntiles / act;
+  w.start = w.t0 * grain;
+  w.end = min(len, w.t1 * grain);
+}
+
+// The new tokens of row b: 1 for a one-token step, else the tree's node count (-1: refused).
+__device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step(p) ? p.tree_rows[b] : 1; }
+
+// The rotary position of column g's query: pos, or pos + its node's depth.
+__device__ __forceinline__ int query_position(const MmhaParams& p, const WorkItem& w, const Column& c) {
+  return tree_step(p) ? w.pos + p.tree_depth[c.qrow] : w.pos;
+}
+
+}  // namespace mmha

@@ -1,0 +1,304 @@
+"""``python -m mmha.bench --tree``: tree-masked multi-token steps (speculative verification),
+mmha's tree step against its own one-token step on the same caches and against the peers that can
+express a tree, under the decode timing.
+
+Rows (fp16; every row's context is its cached length, the tree's T nodes follow it):
+- the seed's configuration: batch 4, Hq = Hkv = 1, head_dim 64, T 54 (a random tree), prompts of
+  10, 1K and 16K tokens;
+- a Llama-8B-shaped layer (Hq 32, Hkv 8, head_dim 128): T 4, 16, 64 (binary trees) at contexts
+  1K, 4K and 16K, batch 1 and 16; a chain and a binary tree at T 64.
+Columns: ``mmha_decode_us`` (the tree step: check + append, then attention), ``mmha_single_token_us``
+(a one-token step on the same caches), ``sequential_decode_us`` (T one-token mmha calls),
+``sdpa_mask_decode_us`` (``scaled_dot_product_attention`` with the tree as an explicit boolean
+mask over cache + nodes), ``flex_decode_us`` (``flex_attention`` compiled, the tree as a block
+mask). Every method but the sequential one is checked against ``mmha.reference.decode_tree`` first.
+Writes bench_tree.json and bench_tree.md to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch, layout, ops, reference, tree
+from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
+from .timing import decode_us
+
+PEERS = ("sequential", "sdpa_mask", "flex")
+TARGET_VS_SINGLE = 1.3  # T = 64 at contexts >= 4K
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context: int
+    nodes: int
+    shape: str  # "binary", "chain" or "random"
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.num_kv_heads * (self.context + self.nodes) * self.head_dim * 2
+
+    @property
+    def flops(self) -> int:
+        """Q.K and P.V over the cache and the nodes (each node over every key: what is read)."""
+        return 4 * self.batch * self.num_heads * self.nodes * (self.context + self.nodes) * self.head_dim
+
+    @property
+    def layers(self) -> int:
+        return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
+
+
+def rows(quick: bool = False) -> list[Row]:
+    out = [Row(4, 1, 1, 64, ctx, 54, "random") for ctx in (10, 1024, 16384)]
+    for b in (1, 16):
+        for ctx in (1024, 4096, 16384):
+            out += [Row(b, 32, 8, 128, ctx, t, "binary") for t in (4, 16, 64)]
+            out.append(Row(b, 32, 8, 128, ctx, 64, "chain"))
+    if quick:
+        return [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
+    return out
+
+
+def parents_of(shape: str, nodes: int, seed: int) -> list[int]:
+    if shape == "chain":
+        return [-1] + list(range(nodes - 1))
+    if shape == "binary":
+        return [-1] + [(t - 1) // 2 for t in range(1, nodes)]
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(-1, t) for t in range(1, nodes)]
+
+
+class Layer:
+    """One layer's caches (context tokens cached) in mmha's layouts and, for the peers, K/V of cache
+    + nodes in SDPA's ``[B, Hkv, S, D]``; the nodes' qkv ``[B, T, W]`` and the tree."""
+
+    def __init__(self, row: Row, seed: int):
+        b, hq, hkv, d, ctx, t = (
+            row.batch,
+            row.num_heads,
+            row.num_kv_heads,
+            row.head_dim,
+            row.context,
+            row.nodes,
+        )
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        s_max = -(-(ctx + t) // 64) * 64
+        k = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
+        v = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
+        self.qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g, device="cuda", dtype=torch.float16)
+        self.kc, self.vc = layout.pack_k(k), layout.pack_v(v)
+        self.lengths = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        self.one_token = self.qkv[:, 0].contiguous()
+        par = [parents_of(row.shape, t, seed + r) for r in range(b)]
+        self.parents_host = par
+        self.parents = torch.tensor(par, dtype=torch.int32, device="cuda")
+        # The nodes' own K/V written by one mmha tree step (what the peers attend over).
+        ops.decode_tree(
+            self.qkv, self.kc, self.vc, self.lengths, self.parents, num_heads=hq, num_kv_heads=hkv
+        )
+        kk = layout.unpack_k(self.kc)  # [B, S, Hkv, D]
+        self.kt = kk[:, : ctx + t].transpose(1, 2).contiguous()
+        self.vt = self.vc[:, :, : ctx + t].contiguous()
+        self.q = self.qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2).contiguous()  # [B, Hq, T, D]
+        mask = torch.zeros(b, t, ctx + t, dtype=torch.bool, device="cuda")
+        mask[:, :, :ctx] = True
+        for r, p in enumerate(par):
+            for node, anc in enumerate(tree.ancestors(p)):
+                mask[r, node, [ctx + a for a in anc]] = True
+        self.mask = mask
+        self.row = row
+
+
+def mmha_fn(layer: Layer):
+    row = layer.row
+    ws = ops.Workspace.allocate(
+        "cuda", row.batch, row.num_heads, row.head_dim, dispatch.MAX_SPLITS, row.nodes
+    )
+    return lambda: ops.decode_tree(
+        layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
+        num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
+    )  # fmt: skip
+
+
+def single_fn(layer: Layer):
+    row = layer.row
+    ws = ops.Workspace.allocate("cuda", row.batch, row.num_heads, row.head_dim, dispatch.MAX_SPLITS)
+    return lambda: ops.decode_attention(
+        layer.one_token, layer.kc, layer.vc, layer.lengths, num_heads=row.num_heads,
+        num_kv_heads=row.num_kv_heads, workspace=ws, validate_lengths=False, max_len=row.context + 1,
+    )  # fmt: skip
+
+
+def sequential_fn(layer: Layer):
+    one = single_fn(layer)
+
+    def run():
+        for _ in range(layer.row.nodes):
+            out = one()
+        return out
+
+    return run
+
+
+def peer_fn(peer: str, layer: Layer):
+    row = layer.row
+    q, k, v = layer.q, layer.kt, layer.vt
+    if peer == "sdpa_mask":
+        mask = layer.mask[:, None]
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    dense = layer.mask
+
+    def mask_mod(b, h, qi, kv):
+        return dense[b, qi, kv]
+
+    block_mask = create_block_mask(
+        mask_mod, row.batch, None, row.nodes, row.context + row.nodes, device="cuda"
+    )
+    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def error(out: torch.Tensor, layer: Layer, ref: torch.Tensor) -> float:
+    row = layer.row
+    if out.dim() == 4:  # [B, Hq, T, D] from the peers
+        out = out.transpose(1, 2).reshape(row.batch, row.nodes, -1)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def reference_out(layer: Layer) -> torch.Tensor:
+    """mmha.reference.decode_tree in fp32 on copies of the caches (the step appends)."""
+    row = layer.row
+    kc, vc = layer.kc.clone(), layer.vc.clone()
+    return reference.decode_tree(layer.qkv, kc, vc, layer.lengths, layer.parents, num_heads=row.num_heads,
+                                 num_kv_heads=row.num_kv_heads)  # fmt: skip
+
+
+def run_row(row: Row, peers: tuple[str, ...]) -> dict:
+    layers = [Layer(row, seed=i) for i in range(row.layers)]
+    res: dict = {**asdict(row), "tree_nodes": row.nodes, "layers": row.layers, "errors": {}, "skipped": {}}
+    ref = reference_out(layers[0])
+    methods = {"mmha": mmha_fn, "mmha_single_token": single_fn}
+    for peer in peers:
+        methods[peer] = (
+            sequential_fn if peer == "sequential" else (lambda layer, peer=peer: peer_fn(peer, layer))
+        )
+    for name, make in methods.items():
+        try:
+            fns = [make(layer) for layer in layers]
+            if name not in ("mmha_single_token", "sequential"):
+                err = error(fns[0](), layers[0], ref)
+                res["errors"][name] = err
+                if not err <= TOLERANCE["fp16"]:
+                    res["skipped"][name] = f"wrong result: max error {err:.3g}"
+                    continue
+            key = "mmha_single_token_us" if name == "mmha_single_token" else f"{name}_decode_us"
+            res[key] = decode_us(fns)["us"]
+        except Exception as exc:  # a peer that cannot run this shape
+            res["skipped"][name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
+        torch.cuda.empty_cache()
+    timed = {p: res[f"{p}_decode_us"] for p in peers if f"{p}_decode_us" in res}
+    if timed:
+        best = min(timed, key=timed.get)
+        res["best_peer_decode"], res["best_peer_decode_us"] = best, timed[best]
+    if "mmha_decode_us" in res:
+        us = res["mmha_decode_us"]
+        res["gb_per_s"] = row.kv_bytes / us / 1e3
+        res["tflop_per_s"] = row.flops / us / 1e6
+        if "mmha_single_token_us" in res:
+            res["vs_single_token"] = us / res["mmha_single_token_us"]
+        if timed:
+            res["ratio"] = us / res["best_peer_decode_us"]
+    del layers
+    torch.cuda.empty_cache()
+    return res
+
+
+def misses(results: list[dict]) -> list[str]:
+    out = []
+    for r in results:
+        label = (f"B={r['batch']} Hq={r['num_heads']} Hkv={r['num_kv_heads']} ctx={r['context']} "
+                 f"T={r['nodes']} {r['shape']}")  # fmt: skip
+        if "mmha_decode_us" not in r:
+            out.append(f"{label}: mmha not timed ({r['skipped'].get('mmha', '')})")
+            continue
+        if r["nodes"] == 64 and r["context"] >= 4096 and r.get("vs_single_token", 0) > TARGET_VS_SINGLE:
+            out.append(f"{label}: {r['vs_single_token']:.2f}x the one-token step > {TARGET_VS_SINGLE}")
+        if r.get("ratio", 0) > 1:
+            out.append(f"{label}: {r['ratio']:.3f}x {r['best_peer_decode']}")
+    return out
+
+
+def table(results: list[dict]) -> str:
+    from tabulate import tabulate
+
+    def us(r, k):
+        return f"{r[k]:.1f}" if k in r else "-"
+
+    body = [[r["batch"], r["num_heads"], r["num_kv_heads"], r["head_dim"], r["context"], r["nodes"],
+             r["shape"],
+             us(r, "mmha_decode_us"), us(r, "mmha_single_token_us"),
+             f"{r['vs_single_token']:.2f}" if "vs_single_token" in r else "-",
+             *[us(r, f"{p}_decode_us") for p in PEERS], f"{r['ratio']:.3f}" if "ratio" in r else "-",
+             f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else "-",
+             f"{r['tflop_per_s']:.1f}" if "tflop_per_s" in r else "-"] for r in results]  # fmt: skip
+    cols = ["B", "Hq", "Hkv", "D", "context", "T", "tree", "mmha us", "one-token us", "mmha/one-token",
+            *[f"{p} us" for p in PEERS], "mmha/best peer", "GB/s", "TFLOP/s"]  # fmt: skip
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mmha.bench --tree", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few rows")
+    ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
+    ap.add_argument("--out", type=Path, default=Path("bench_tree"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m mmha.bench --tree needs a CUDA GPU")
+        return 1
+    torch._dynamo.config.cache_size_limit = 64  # flex compiles once per shape
+    header = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for row in rows(args.quick):
+        results.append(run_row(row, tuple(args.peers)))
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        brief = {
+            k: v for k, v in results[-1].items() if k.endswith("_us") or k in ("context", "nodes", "batch")
+        }
+        print(json.dumps(brief), flush=True)
+        (args.out / "bench_tree.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
+    text = table(results)
+    (args.out / "bench_tree.md").write_text(text + "\n")
+    print(f"GPU: {header['gpu']} | torch {header['torch']} | CUDA {header['cuda']} | decode timing")
+    print(text)
+    bad = misses(results)
+    print(f"targets: {len(bad)} misses" if bad else "targets: met on every row")
+    for m in bad:
+        print(f"  {m}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Tree steps on the GPU (mmha.ops.decode_tree, KVCache.step_tree / accept): the kernel against
+mmha.reference.decode_tree for chains, stars, random trees and ragged rows, every dtype, head dim
+and tile source, single pass and split; T = 1 equal to a one-token step bit for bit; the device
+guard; accept after a GPU tree step equal to one-token steps; capture in a CUDA graph; greedy
+speculative decoding on the GPU equal to plain greedy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fp8_cases import quantize_cache
+from helpers import FLOOR, assert_bits_equal, gpu, make_case
+from test_generate import random_prompts
+from test_tree import random_tree
+
+from mmha import ops, reference, tree
+from mmha.cache import KVCache
+
+pytestmark = gpu
+FP8 = torch.float8_e4m3fn
+KINDS = ["chain", "star", "roots", "random"]
+
+
+def tree_case(batch, hq, hkv, d, lengths, s_max, dtype, nodes, kind, *, seed=0, counts=None, rotary=True,
+              bias=False, kv_dtype=None):  # fmt: skip
+    """Random qkv [B, T, W], caches (NaN past each row's length), parents of `kind`, counts."""
+    case = make_case(batch, hq, hkv, d, lengths, s_max, dtype, seed=seed, bias=bias,
+                     rotary_dim=d if rotary else 0)  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(batch, nodes, (hq + 2 * hkv) * d, generator=g).to(dtype).cuda()
+    rng = random.Random(seed)
+    parents = torch.tensor([random_tree(rng, nodes, kind) for _ in range(batch)], dtype=torch.int32).cuda()
+    counts = counts if counts is not None else [nodes] * batch
+    scales = {}
+    if kv_dtype is not None:
+        amax_k = case.k_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3, 4))
+        amax_v = case.v_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3))
+        k_scale, v_scale = reference.fp8_scale(amax_k * 1.5), reference.fp8_scale(amax_v * 1.5)
+        case = quantize_cache(case, k_scale, v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    return case, qkv, parents, counts, scales
+
+
+def run_tree(case, qkv, parents, counts, scales, **kw):
+    kc, vc = case.clone_caches()
+    out, lse = ops.decode_tree(
+        qkv, kc, vc, case.lengths, parents, node_counts=torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        return_lse=True, **case.kwargs(), **scales, **kw,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out, lse, kc, vc
+
+
+def ref_tree(case, qkv, parents, counts, scales, compute_dtype):
+    kc, vc = case.clone_caches()
+    s = {k: v for k, v in scales.items()}
+    out = reference.decode_tree(
+        qkv, kc, vc, case.lengths, parents, node_counts=counts, compute_dtype=compute_dtype, **case.kwargs(), **s
+    )  # fmt: skip
+    return out, kc, vc
+
+
+def check_tree(case, qkv, parents, counts, scales=None, **kw):
+    """Kernel vs reference: the tolerance rule of tests/helpers.py per node, zeros past a row's
+    count, caches equal to the reference's (rotated k within one rounding step)."""
+    scales = scales or {}
+    out, lse, kc, vc = run_tree(case, qkv, parents, counts, scales, **kw)
+    ref, ref_k, ref_v = ref_tree(case, qkv, parents, counts, scales, torch.float64)
+    low, _, _ = ref_tree(case, qkv, parents, counts, scales, qkv.dtype)
+    for b, n in enumerate(counts):
+        assert out[b, n:].abs().max().item() == 0 if n < qkv.shape[1] else True, "nodes past the count"
+        o, r, lo = out[b, :n].double(), ref[b, :n].double(), low[b, :n].double()
+        assert torch.isfinite(o).all(), f"row {b}: non-finite output"
+        err = (o - r).abs().max().item()
+        base = (lo - r).abs().max().item()
+        floor = FLOOR[qkv.dtype] * (4 if scales else 1)
+        tol = 2 * base + floor * max(1.0, r.abs().max().item())
+        assert err <= tol, f"row {b}: max error {err:.3e} > tolerance {tol:.3e}"
+    if case.rotary:
+        diff = (kc.float() - ref_k.float()).abs().nan_to_num(0).max().item()
+        assert diff <= 2e-2 * max(1.0, ref_k.float().nan_to_num(0).abs().max().item())
+        assert_bits_equal(vc, ref_v, "v_cache")
+    else:
+        assert_bits_equal(kc, ref_k, "k_cache")
+        assert_bits_equal(vc, ref_v, "v_cache")
+    return out, lse
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_tree_shapes_against_reference(kind, splits, source):
+    nodes = 13
+    lengths = [0, 63, 64, 300, 1000 - nodes]  # ragged, one row filling the cache to S_max
+    counts = [nodes, 5, nodes, 1, nodes]
+    case, qkv, parents, counts, _ = tree_case(5, 8, 2, 128, lengths, 1024, torch.float16, nodes, kind,
+                                              seed=len(kind) + splits, counts=counts)  # fmt: skip
+    check_tree(case, qkv, parents, counts, num_splits=splits, tile_source=source)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_tree_dtypes_and_head_dims(dtype, head_dim, splits):
+    nodes = 9
+    case, qkv, parents, counts, _ = tree_case(3, 4, 2, head_dim, [0, 37, 500], 512 + 64, dtype, nodes,
+                                              "random", seed=head_dim, bias=True)  # fmt: skip
+    check_tree(case, qkv, parents, counts, num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tree_fp8_caches(dtype, head_dim, splits):
+    nodes = 11
+    case, qkv, parents, counts, scales = tree_case(3, 8, 2, head_dim, [0, 100, 700], 768, dtype, nodes,
+                                                   "random", seed=7 + head_dim, kv_dtype=FP8)  # fmt: skip
+    check_tree(case, qkv, parents, counts, scales, num_splits=splits)
+
+
+@pytest.mark.parametrize("heads", [(1, 1), (8, 8), (8, 1), (32, 8), (12, 4), (16, 1)], ids=str)
+@pytest.mark.parametrize("nodes", [2, 17, 64])
+def test_tree_groups_and_node_counts(heads, nodes):
+    hq, hkv = heads
+    case, qkv, parents, counts, _ = tree_case(2, hq, hkv, 64, [10, 400], 512, torch.float16, nodes, "random",
+                                              seed=hq * 7 + nodes)  # fmt: skip
+    check_tree(case, qkv, parents, counts)
+
+
+def test_seed_configuration():
+    # The design this project started from: batch 4, one head, head_dim 64, 54 nodes, prompt 10.
+    case, qkv, parents, counts, _ = tree_case(
+        4, 1, 1, 64, [10] * 4, 128, torch.float16, 54, "random", seed=54
+    )
+    check_tree(case, qkv, parents, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_one_node_equals_a_one_token_step_bit_for_bit(dtype, splits):
+    case = make_case(4, 8, 2, 128, [0, 5, 64, 700], 1024, dtype, seed=11, rotary_dim=128)
+    kc1, vc1 = case.clone_caches()
+    kc2, vc2 = case.clone_caches()
+    kw = dict(num_splits=splits, stages=3, return_lse=True, **case.kwargs())
+    out1, lse1 = ops.decode_attention(case.qkv, kc1, vc1, case.lengths, **kw)
+    parents = torch.full((4, 1), -1, dtype=torch.int32, device="cuda")
+    out2, lse2 = ops.decode_tree(case.qkv[:, None], kc2, vc2, case.lengths, parents, **kw)
+    assert_bits_equal(out2[:, 0], out1, "out")
+    assert_bits_equal(lse2[:, 0], lse1, "lse")
+    assert_bits_equal(kc2, kc1, "k_cache")
+    assert_bits_equal(vc2, vc1, "v_cache")
+
+
+def test_device_guard_refuses_bad_trees_and_lengths():
+    nodes = 6
+    case, qkv, parents, counts, _ = tree_case(4, 8, 2, 64, [3, 10, 20, 512 - 3], 512, torch.float16, nodes,
+                                              "chain", seed=5)  # fmt: skip
+    parents[1, 4] = 4  # not an earlier node
+    kc, vc = case.clone_caches()
+    ws = ops.Workspace.allocate("cuda", 4, 8, 64, 1, nodes)
+    out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, **case.kwargs())
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[3]).all()  # row 3: 509 + 6 > 512
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    for row in (1, 3):  # nothing written for the refused rows
+        assert_bits_equal(kc[row], case.k_cache[row], f"k_cache row {row}")
+        assert_bits_equal(vc[row], case.v_cache[row], f"v_cache row {row}")
+    assert ws.status.tolist() == [0, ops.STATUS_TREE, 0, ops.STATUS_LENGTH]
+    with pytest.raises(ops.LengthError):
+        ws.check()
+    assert ws.status.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"parents\[1, 4\] must be -1"):
+        ops.decode_tree(qkv, kc, vc, case.lengths, parents, **case.kwargs())
+    with pytest.raises(ValueError, match="parents must be an int32 tensor"):
+        ops.decode_tree(qkv, kc, vc, case.lengths, parents.cpu(), **case.kwargs())
+
+
+def test_tree_error_names_rows():
+    case, qkv, parents, _, _ = tree_case(2, 4, 4, 64, [3, 10], 128, torch.float16, 4, "chain", seed=6)
+    parents[0, 2] = -2
+    ws = ops.Workspace.allocate("cuda", 2, 4, 64, 1, 4)
+    kc, vc = case.clone_caches()
+    ops.decode_tree(qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, **case.kwargs())
+    with pytest.raises(ops.TreeError, match=r"rows \[0\]"):
+        ws.check()
+
+
+def _cache(dtype=torch.float16, kv_dtype=None, batch=3, s_max=256):
+    return KVCache(2, batch, s_max, 8, 2, 64, dtype, "cuda", rotary_dim=64, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+def test_accept_after_a_gpu_tree_step_equals_one_token_steps(kv_dtype):
+    g = torch.Generator().manual_seed(8)
+    dtype = torch.float16
+    nodes = 7
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 2, 4], [-1, 0, 1, 2, 3, 4, 5], [-1, -1, 0, 1, 1, 0, 2]],
+                           dtype=torch.int32)  # fmt: skip
+    paths = [[0, 1, 3, 4, 6], [0, 1, 2], []]
+    k = torch.randn(3, 30, 2, 64, generator=g).to(dtype).cuda()
+    qkv = torch.randn(3, nodes, (8 + 4) * 64, generator=g).to(dtype).cuda()
+    lengths = [5, 30, 17]
+    a = _cache(dtype, kv_dtype)
+    for layer in range(2):
+        a.prefill(layer, k, k, lengths)
+    for layer in range(2):
+        a.step_tree(layer, qkv, parents)
+    a.accept([0, 1, 2], paths)
+    assert a.lengths.tolist() == [10, 33, 17]
+    for r in range(3):  # each row alone, one-token steps over its accepted path
+        solo = _cache(dtype, kv_dtype, batch=1)
+        for layer in range(2):
+            if kv_dtype is not None:
+                solo.set_scales(layer, a.k_scales[layer], a.v_scales[layer])
+            solo.prefill(layer, k[r : r + 1], k[r : r + 1], [lengths[r]])
+        for node in paths[r]:
+            for layer in range(2):
+                solo.step(layer, qkv[r : r + 1, node])
+            solo.advance()
+        n = a.lengths[r].item()
+        for layer in range(2):
+            assert_bits_equal(
+                a.k_caches[layer][r, :, :, :n], solo.k_caches[layer][0, :, :, :n], f"k {layer} {r}"
+            )
+            assert_bits_equal(a.v_caches[layer][r, :, :n], solo.v_caches[layer][0, :, :n], f"v {layer} {r}")
+
+
+def test_tree_step_in_a_cuda_graph_replays_with_new_trees():
+    nodes = 8
+    c = _cache()
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(3, 40, 2, 64, generator=g).half().cuda()
+    c.prefill(0, k, k, [4, 40, 22])
+    qkv = torch.randn(3, nodes, 12 * 64, generator=g).half().cuda()
+    parents = torch.tensor([random_tree(random.Random(r), nodes, "random") for r in range(3)],
+                           dtype=torch.int32, device="cuda")  # fmt: skip
+    counts = torch.tensor([nodes, 3, nodes], dtype=torch.int32, device="cuda")
+    c.step_tree(0, qkv, parents, node_counts=counts)  # warm-up (workspace, plan) outside capture
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        out = c.step_tree(0, qkv, parents, node_counts=counts)
+    torch.cuda.current_stream().wait_stream(s)
+    for r in range(3):
+        parents[r] = torch.tensor(random_tree(random.Random(100 + r), nodes, "random"), dtype=torch.int32)
+        counts.fill_(nodes - 1)
+        qkv.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = c.step_tree(0, qkv, parents, node_counts=counts.tolist())
+        assert_bits_equal(out, want, "graph replay vs eager")
+
+
+def test_step_tree_refuses_modifier_free_calls_only_where_needed():
+    c = _cache()
+    qkv = torch.zeros(3, 70, 12 * 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="1..64 nodes"):
+        c.step_tree(0, qkv, torch.full((3, 70), -1, dtype=torch.int32))
+
+
+def test_gpu_speculative_demo_is_lossless():
+    """The demo model (fp32 caches: the CUDA-core loop) drafting with its own first layer: the
+    tokens of plain greedy decoding, on the GPU."""
+    from mmha.models.generate import speculative_demo
+    from mmha.models.llama import PRESETS, TinyLlama
+
+    model = TinyLlama(PRESETS["tiny"], seed=1).eval().cuda()
+    prompts = random_prompts(3, [3, 9, 6], model.cfg.vocab_size, seed=2)
+    for shape in ([2, 2, 1], [1, 1, 1], [4]):
+        a = speculative_demo(model, prompts, 12, 1, shape)
+        assert a["identical"], (shape, a)
+        assert a["mean_accepted"] >= 1
+
+
+def test_nodes_constant_matches_the_extension():
+    from mmha._ext import _C
+
+    assert _C.MAX_TREE_NODES == tree.MAX_NODES
