@@ -349,8 +349,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
              "counters must start 8-byte aligned for a tree step");
   if (num_splits > 1) {
     const int64_t need = batch * nodes * num_heads * num_splits * (head_dim + 2);
-    MMHA_CHECK(partials.numel() >= need, "partials must hold at least B * T * Hq * num_splits * (D + 2) = ",
-               need, " floats, got ", partials.numel());
+    MMHA_CHECK(partials.numel() >= need, "partials must hold at least ",
+               tree ? "B * T * Hq * num_splits * (D + 2) = " : "B * Hq * num_splits * (D + 2) = ", need,
+               " floats, got ", partials.numel());
     check_contiguous(partials, "partials");
     MMHA_CHECK(reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
                "partials must start 16-byte aligned (the merge reads it in 16-byte vectors)");

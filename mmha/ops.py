@@ -80,11 +80,9 @@ STATUS_TREE = 4
 
 
 def tree_counters(batch: int, num_heads: int, nodes: int) -> int:
-    """int32 counters a step of ``nodes`` query rows per row needs (csrc/mmha_ops.cpp's
-    tree_workspace): merge counters and the work counter, then a tree step's masks, depths and row
-    counts."""
-    if nodes == 1:
-        return batch * num_heads + 2
+    """int32 counters a tree step of ``nodes`` nodes per row needs (csrc/mmha_ops.cpp's
+    tree_workspace; more than a one-token step's ``B * Hq + 2``): merge counters and the work
+    counter, then the trees' masks, depths and row counts."""
     anc = (batch * nodes * num_heads + 3) // 2 * 2
     return anc + 3 * batch * nodes + batch
 

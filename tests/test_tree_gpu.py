@@ -279,3 +279,46 @@ def test_nodes_constant_matches_the_extension():
     from mmha._ext import _C
 
     assert _C.MAX_TREE_NODES == tree.MAX_NODES
+
+
+def test_raw_op_refuses_bad_tree_arguments():
+    case, qkv, parents, _, _ = tree_case(2, 4, 2, 64, [3, 10], 128, torch.float16, 4, "chain", seed=12)
+    ws = ops.Workspace.allocate("cuda", 2, 4, 64, 1, 4)
+    out = torch.empty(2, 4, 4 * 64, dtype=torch.float16, device="cuda")
+    lse = torch.empty(2, 4, 4, device="cuda")
+    kc, vc = case.clone_caches()
+
+    def call(**kw):
+        args = dict(
+            qkv=qkv, out=out, lse=lse, parents=parents, node_counts=None, counters=ws.counters, window=0
+        )
+        args.update(kw)
+        torch.ops.mmha.decode_attention(
+            args["qkv"], kc, vc, case.lengths, None, args["out"], args["lse"], ws.partials, args["counters"],
+            ws.status, 4, 2, 0.125, 0, 10000.0, False, 1, True, 2, 0, None, None, args["window"], 0.0, None,
+            None, args["parents"], args["node_counts"],
+        )  # fmt: skip
+
+    for kw, msg in [
+        (dict(parents=parents.long()), "parents must have dtype Int"),
+        (dict(parents=parents[:, :0]), r"parents must have shape \[2, T\] with 1 <= T <= 64"),
+        (dict(qkv=qkv[:, :3]), "qkv must have T = 4 nodes"),
+        (dict(out=out[:, 0]), r"out must have shape \[2, 4, 256\]"),
+        (
+            dict(node_counts=torch.tensor([1, 5], dtype=torch.int32, device="cuda")),
+            r"node_counts\[1\] must be",
+        ),
+        (dict(window=8), "tree steps take no score modifiers yet"),
+        (dict(counters=ws.counters[:20]), r"counters must hold at least B \* T \* Hq"),
+    ]:
+        with pytest.raises(RuntimeError, match=msg):
+            call(**kw)
+    assert_bits_equal(kc, case.k_cache, "k_cache after refusals")
+    assert_bits_equal(vc, case.v_cache, "v_cache after refusals")
+    with pytest.raises(RuntimeError, match="node_counts must be None without parents"):
+        torch.ops.mmha.decode_attention(
+            case.qkv, kc, vc, case.lengths, None, torch.empty(2, 256, dtype=torch.float16, device="cuda"),
+            torch.empty(2, 4, device="cuda"), ws.partials, ws.counters, ws.status, 4, 2, 0.125, 0, 10000.0,
+            False, 1, True, 2, 0, None, None, 0, 0.0, None, None, None, torch.ones(2, dtype=torch.int32,
+            device="cuda"),
+        )  # fmt: skip
