@@ -160,7 +160,9 @@ def test_device_guard_refuses_bad_trees_and_lengths():
     parents[1, 4] = 4  # not an earlier node
     kc, vc = case.clone_caches()
     ws = ops.Workspace.allocate("cuda", 4, 8, 64, 1, nodes)
-    out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, **case.kwargs())
+    out = ops.decode_tree(
+        qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, num_splits=1, **case.kwargs()
+    )
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[3]).all()  # row 3: 509 + 6 > 512
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
@@ -182,7 +184,9 @@ def test_tree_error_names_rows():
     parents[0, 2] = -2
     ws = ops.Workspace.allocate("cuda", 2, 4, 64, 1, 4)
     kc, vc = case.clone_caches()
-    ops.decode_tree(qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, **case.kwargs())
+    ops.decode_tree(
+        qkv, kc, vc, case.lengths, parents, workspace=ws, validate=False, num_splits=1, **case.kwargs()
+    )
     with pytest.raises(ops.TreeError, match=r"rows \[0\]"):
         ws.check()
 
@@ -214,6 +218,7 @@ def test_accept_after_a_gpu_tree_step_equals_one_token_steps(kv_dtype):
         for layer in range(2):
             if kv_dtype is not None:
                 solo.set_scales(layer, a.k_scales[layer], a.v_scales[layer])
+        for layer in range(2):
             solo.prefill(layer, k[r : r + 1], k[r : r + 1], [lengths[r]])
         for node in paths[r]:
             for layer in range(2):
@@ -237,12 +242,13 @@ def test_tree_step_in_a_cuda_graph_replays_with_new_trees():
     parents = torch.tensor([random_tree(random.Random(r), nodes, "random") for r in range(3)],
                            dtype=torch.int32, device="cuda")  # fmt: skip
     counts = torch.tensor([nodes, 3, nodes], dtype=torch.int32, device="cuda")
-    c.step_tree(0, qkv, parents, node_counts=counts)  # warm-up (workspace, plan) outside capture
+    plan = dict(num_splits=2, stages=3)  # eager and captured steps on the same plan
+    c.step_tree(0, qkv, parents, node_counts=counts, **plan)  # warm-up (workspace) outside capture
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.cuda.graph(graph):
-        out = c.step_tree(0, qkv, parents, node_counts=counts)
+        out = c.step_tree(0, qkv, parents, node_counts=counts, **plan)
     torch.cuda.current_stream().wait_stream(s)
     for r in range(3):
         parents[r] = torch.tensor(random_tree(random.Random(100 + r), nodes, "random"), dtype=torch.int32)
@@ -250,7 +256,7 @@ def test_tree_step_in_a_cuda_graph_replays_with_new_trees():
         qkv.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        want = c.step_tree(0, qkv, parents, node_counts=counts.tolist())
+        want = c.step_tree(0, qkv, parents, node_counts=counts.tolist(), **plan)
         assert_bits_equal(out, want, "graph replay vs eager")
 
 
