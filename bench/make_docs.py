@@ -13,8 +13,9 @@ printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's 
 docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
 --hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
 docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
-GPU model (copied to docs/data/bench_mods_<gpu>.json). --ab: what ``bench/ab.sh`` wrote (ab.md) for
-a kernel change, after a first line saying what the two builds were; repeatable.
+GPU model (copied to docs/data/bench_mods_<gpu>.json). --tree: a ``python -m mmha.bench --tree``
+bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --ab: what ``bench/ab.sh``
+wrote (ab.md) for a kernel change, after a first line saying what the two builds were; repeatable.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ def main() -> None:
     ap.add_argument("--hf", type=Path, action="append", default=[])
     ap.add_argument("--ab", type=Path, action="append", default=[])
     ap.add_argument("--mods", type=Path, action="append", default=[])
+    ap.add_argument("--tree", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -334,6 +336,30 @@ def main() -> None:
             lines += [
                 f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
                 mods.table(data["rows"]), "",
+                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
+                *[f"- {m}" for m in bad], "",
+            ]  # fmt: skip
+    if args.tree:
+        from mmha.bench import tree
+
+        lines += [
+            "## Tree steps", "",
+            "`python -m mmha.bench --tree` (its module docstring says how): a tree-masked step of T nodes"
+            " (check + append, then attention) against mmha's one-token step on the same caches, T one-token"
+            " calls, SDPA with the tree as a boolean mask and flex_attention with a block mask; decode"
+            " timing, fp16. GB/s: K/V bytes of cache + nodes over the time; TFLOP/s: Q.K and P.V of every node over"
+            " every key. Targets: T = 64 at contexts >= 4K at most 1.3x the one-token step, faster than every"
+            " peer.",
+            "",
+        ]  # fmt: skip
+        for path in args.tree:
+            data = json.loads(path.read_text())
+            h = data["header"]
+            keep(path, f"bench_tree_{slug(h['gpu'])}.json")
+            bad = tree.misses(data["rows"])
+            lines += [
+                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+                tree.table(data["rows"]), "",
                 "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
                 *[f"- {m}" for m in bad], "",
             ]  # fmt: skip

@@ -58,6 +58,37 @@ def mods_cases() -> None:
                 assert torch.isfinite(out).all()
 
 
+def tree_cases() -> None:
+    """Tree steps: both tile sources, single pass and split, a refused tree and an overflowing row."""
+    lengths = [0, 1, 17, 127, 255 - 9]
+    for dtype, head_dim, sources in (
+        (torch.float16, 128, ("tma", "cp_async")),
+        (torch.float32, 64, ("auto",)),
+    ):
+        for splits in (1, 5):
+            for source in sources:
+                case = make_case(
+                    5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True, rotary_dim=head_dim
+                )
+                qkv = torch.randn(5, 9, case.qkv.shape[1], device="cuda").to(dtype)
+                parents = torch.tensor(
+                    [[-1] + [(t - 1) // 2 for t in range(1, 9)]] * 5, dtype=torch.int32
+                ).cuda()
+                counts = torch.tensor([9, 3, 9, 1, 9], dtype=torch.int32, device="cuda")
+                kc, vc = case.clone_caches()
+                out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, node_counts=counts, num_splits=splits,
+                                      stages=2, tile_source=source, **case.kwargs())  # fmt: skip
+                assert torch.isfinite(out).all()
+                parents[1, 2] = 5  # a later node: refused on the device
+                case.lengths[4] = 250  # 250 + 9 > 256
+                ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, splits, 9)
+                out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, num_splits=splits, stages=2,
+                                      tile_source=source, workspace=ws, validate=False, **case.kwargs())  # fmt: skip
+                torch.cuda.synchronize()
+                assert ws.status.tolist() == [0, 4, 0, 0, 1], ws.status.tolist()
+                assert torch.isnan(out[[1, 4]]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+
+
 def main() -> None:
     for dtype, head_dim, heads in (
         (torch.float16, 128, (8, 2)),
@@ -88,6 +119,7 @@ def main() -> None:
             assert torch.isnan(out[[0, 1, 3, 4]]).all() and torch.isfinite(out[2]).all()
     fp8_cases()
     mods_cases()
+    tree_cases()
     print("sanitize cases done")
 
 

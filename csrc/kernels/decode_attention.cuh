@@ -68,27 +68,38 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
 }
 
 // The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
-// s_q, column g's raw values at q(g); for the item whose chunk holds the new token of a one-token
+// s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
+// the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
 // step, its k (bias, rotary) and v as the cache stores them (rounded to C, or quantised with the
 // kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v, and (column block 0 only, so
 // exactly once per row and kv head) into slot pos of both caches. Threads tid < nthreads take part.
-template <typename T, typename C, int HEAD_DIM, int QB, class QRow>
-__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, QRow q,
+template <typename T, typename C, int HEAD_DIM, int QB>
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, C* k_head, C* v_head,
                                                          float k_scale, float v_scale, float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
                                                          int nthreads) {
   constexpr int VEC = kVec<C>;
   const T* bias = static_cast<const T*>(p.qkv_bias);
-  for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
-    const int g = idx / HEAD_DIM;
-    const int d = idx % HEAD_DIM;
-    float v = 0.f;
-    if (g < w.nh) {
-      const Column c = column_of(p, w, g);
-      v = rotated(q(g), bias ? bias + c.head * HEAD_DIM : nullptr, d, query_position(p, w, c), p);
+  if (!tree_step(p)) {
+    for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, w.pos, p)
+                           : 0.f;
     }
-    s_q[g][d] = v;
+  } else {
+    for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      float v = 0.f;
+      if (g < w.nh) {
+        const Column c = column_of(p, w, g);
+        v = rotated(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, d,
+                    query_position(p, w, c), p);
+      }
+      s_q[g][d] = v;
+    }
   }
   if (w.owner()) {
     const int kvh = w.kvh, pos = w.pos;
@@ -511,13 +522,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       out_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
-      const T* staged_q = rows.q;
       load_query_and_new_token<T, C, HEAD_DIM, QB>(
-          p, w,
-          [&](int g) {  // staged_or_global_q: a tree step's columns come from qkv
-            return tree_step(p) ? global_q<T, HEAD_DIM>(p, column_of(p, w, g)) : staged_q + g * HEAD_DIM;
-          },
-          rows,
+          p, w, rows.q, rows,
           static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax, static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
           h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
       sync();
@@ -575,7 +581,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
   T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
   load_query_and_new_token<T, T, HEAD_DIM, QB>(
-      p, w, [&](int g) { return global_q<T, HEAD_DIM>(p, column_of(p, w, g)); }, global_rows<T, HEAD_DIM>(p, w.b, w.kvh),
+      p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh),
       k_head, v_head, 1.f, 1.f, s_q, s_new_k, s_new_v, tid, nthreads);
   __syncthreads();
   const AttendArgs<T> args{k_head, v_head, smax, w.start, w.lo, w.end, w.newslot, p.scale * kLog2e};
