@@ -348,8 +348,8 @@ def main() -> None:
             " (check + append, then attention) against mmha's one-token step on the same caches, T one-token"
             " calls, SDPA with the tree as a boolean mask and flex_attention with a block mask; decode"
             " timing, fp16. GB/s: K/V bytes of cache + nodes over the time; TFLOP/s: Q.K and P.V of every"
-            " node over every key. Targets: T = 64 at contexts >= 4K at most 1.3x the one-token step, faster than every"
-            " peer.",
+            " node over every key. Targets: T = 64 at contexts >= 4K at most 1.3x the one-token step,"
+            " faster than every peer.",
             "",
         ]  # fmt: skip
         for path in args.tree:
