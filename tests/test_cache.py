@@ -188,7 +188,9 @@ def test_workspace_check_raises_for_flagged_rows_and_clears():
     from mmha import ops
 
     ws = ops.Workspace.allocate("cpu", 3, 4, 64, 2)
-    assert ws.fits(3, 4, 64, 2) and ws.counters.numel() == 3 * 4 + 2 and ws.status.numel() == 3
+    # merge + work counters (3 * 4 + 2), then a one-node tree's area from an even offset (3 * 3 + 3)
+    assert ws.fits(3, 4, 64, 2) and ws.counters.numel() == 3 * 4 + 2 + 3 * 3 + 3 and ws.status.numel() == 3
+    assert not ws.fits(3, 4, 64, 2, nodes=2)
     ws.check()  # nothing raised
     ws.status[2] = 1
     with pytest.raises(ops.LengthError, match=r"lengths of rows \[2\] were outside \[0, S_max - 1\]"):
