@@ -640,6 +640,8 @@ class KVCache:
             return self._step_tree_kernel(
                 layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
             )
+        if return_lse:  # refused before anything is written
+            raise ValueError("return_lse needs the GPU kernel (mmha.reference.decode_tree returns out only)")
         kw = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
             rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
@@ -656,25 +658,13 @@ class KVCache:
             **kw,
         )
         self._tree = rows
-        if return_lse:
-            raise ValueError("return_lse needs the GPU kernel (mmha.reference.decode_tree returns out only)")
         return out
 
     def _step_tree_kernel(
         self, layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
     ):
         """step_tree on the GPU; rows: the checked host trees (None inside capture: not read)."""
-        batch, nodes = qkv.shape[0], qkv.shape[1]
-        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        if qkv.shape[2] != width or not 1 <= batch <= self.max_batch:
-            raise ValueError(
-                f"qkv must have shape [B <= {self.max_batch}, T, (num_heads + 2 * num_kv_heads) * head_dim "
-                f"= {width}], got {tuple(qkv.shape)}"
-            )
-        if qkv.dtype != self.dtype or qkv.device != self.device:
-            raise ValueError(
-                f"qkv must have dtype {self.dtype} on {self.device}, got {qkv.dtype} on {qkv.device}"
-            )
+        batch, nodes = qkv.shape[0], qkv.shape[1]  # qkv checked by step_tree
         capturing = rows is None
         if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.shape != (batch, nodes):
             raise ValueError(f"parents must be a tensor of shape [{batch}, {nodes}]")
