@@ -51,6 +51,15 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TILE_THREADS") = mmha::kTileThreads;
   m.attr("MIN_STAGES") = mmha::kMinStages;
   m.attr("MAX_STAGES") = mmha::kMaxStages;
+  m.attr("WIDE_COLUMNS") = mmha::kWideColumns;
+  m.attr("WIDE_MIN_COLUMNS") = mmha::kWideMinColumns;
+  m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
+  m.def(
+      "columns_block",
+      [](int64_t columns, bool tree, bool tiles, int head_dim) {
+        return mmha::columns_block(columns, tree, tiles, head_dim);
+      },
+      "Query columns per work item for `columns` columns per (row, kv head)");
   m.def(
       "tile_static_smem",
       [](int head_dim, int elem_bytes, int qb) { return mmha::tile_static_smem(head_dim, elem_bytes, qb); },

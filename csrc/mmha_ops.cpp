@@ -83,13 +83,6 @@ bool head_dim_supported(int64_t d) {
   return false;
 }
 
-int pick_q_group_block(int64_t group) {
-  for (int i = 0; i < kNumQGroupBlocks; ++i) {
-    if (kQGroupBlocks[i] >= group) return kQGroupBlocks[i];
-  }
-  return kQGroupBlocks[kNumQGroupBlocks - 1];
-}
-
 DType to_dtype(at::ScalarType t) {
   switch (t) {
     case at::kHalf: return DType::kFloat16;
@@ -374,15 +367,17 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index());
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
-                                       pick_q_group_block(num_heads / num_kv_heads * nodes)) + 1024;
+                                       columns_block(num_heads / num_kv_heads * nodes, tree && nodes > 1, tiles,
+                                                     static_cast<int>(head_dim))) + 1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
              max_stages, "] for head_dim ", head_dim, " (shared memory of this GPU), got ", stages);
 
-  // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block.
+  // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block
+  // (a tree step's many columns: wide items).
   const int64_t columns = num_heads / num_kv_heads * nodes;
-  const int q_group_block = pick_q_group_block(columns);
+  const int q_group_block = columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim));
   const int64_t q_groups = (columns + q_group_block - 1) / q_group_block;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);

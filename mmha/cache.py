@@ -684,7 +684,7 @@ class KVCache:
                 keys = max(self._host_lengths[r] + len(rows[r]) for r in range(batch))
             plan = ops.plan_for(
                 self.device, batch, self.num_heads * nodes, self.num_kv_heads, self.head_dim, keys,
-                self.dtype, "auto", self.kv_dtype,
+                self.dtype, "auto", self.kv_dtype, tree=nodes > 1,
             )  # fmt: skip
             num_splits = plan.num_splits if num_splits is None else num_splits
             stages = plan.stages if stages is None else stages

@@ -22,6 +22,12 @@ FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 # Query heads handled by one block (K/V of a kv head is read once per block).
 Q_GROUP_BLOCKS = (1, 2, 4, 8)
 MAX_SPLITS = 64
+# Tree steps with at least WIDE_MIN_COLUMNS query columns (nodes x group) per kv head run wide
+# items of WIDE_COLUMNS columns on the tile loop, at head dims up to WIDE_MAX_HEAD_DIM
+# (csrc/kernels/attend_wide.cuh): a kv head's K/V is read once per WIDE_COLUMNS columns.
+WIDE_COLUMNS = 64
+WIDE_MIN_COLUMNS = 32
+WIDE_MAX_HEAD_DIM = 128
 
 # The tile loop (fp16 / bf16): blocks of 4 consumer warps and a producer warp around a ring of
 # stages, each holding K and V of TILE_KEYS keys.
@@ -92,10 +98,20 @@ def q_group_block(group: int) -> int:
     return Q_GROUP_BLOCKS[-1]
 
 
-def base_blocks(batch: int, num_heads: int, num_kv_heads: int) -> int:
-    """Blocks of an unsplit grid: one per (row, kv head, query-head block)."""
+def columns_block(columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128) -> int:
+    """Query columns per work item for ``columns`` columns per (row, kv head) (mirrors the C++
+    ``columns_block``): ``q_group_block``, or ``WIDE_COLUMNS`` for a tree step of two or more
+    nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns and ``head_dim <=
+    WIDE_MAX_HEAD_DIM``."""
+    if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS:
+        return WIDE_COLUMNS
+    return q_group_block(columns)
+
+
+def base_blocks(batch: int, num_heads: int, num_kv_heads: int, qb: int | None = None) -> int:
+    """Blocks of an unsplit grid: one per (row, kv head, query-head block of ``qb``)."""
     group = num_heads // num_kv_heads
-    return batch * num_kv_heads * math.ceil(group / q_group_block(group))
+    return batch * num_kv_heads * math.ceil(group / (qb or q_group_block(group)))
 
 
 def uses_tensor_cores(kv_dtype: torch.dtype) -> bool:
@@ -131,6 +147,9 @@ def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
 def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     """Bound on the tile kernel's static shared memory at ``qb`` query heads per block (mirrors
     ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
+    if qb == WIDE_COLUMNS:  # the wide consumer: q staging (or merge weights), barriers, headers
+        staging = 4 * 16 * (head_dim + 8) * 2
+        return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + 256
     return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
             + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
 
@@ -213,6 +232,7 @@ def choose_variant(
     device: Device = H100,
     variant: str = "auto",
     kv_dtype: torch.dtype | None = None,
+    tree: bool = False,
 ) -> Plan:
     """Pick single pass or split sequence, the split count and the stages, from shapes alone.
 
@@ -249,6 +269,11 @@ def choose_variant(
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     ``kv_dtype`` is the caches' dtype (default ``dtype``; fp8 e4m3 halves a stage).
+
+    ``tree``: a tree step of two or more nodes, whose ``num_heads`` counts (node, head) columns
+    (``Hq * T``); from
+    ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide (``columns_block``): they
+    compute more than they read, so their grid fills every resident block, as fp8's does.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -260,14 +285,15 @@ def choose_variant(
     check_kv_dtype(dtype, kv_dtype)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    base = base_blocks(batch, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
+    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim)
+    wide = qb == WIDE_COLUMNS
+    base = base_blocks(batch, num_heads, num_kv_heads, qb)
     if tiles:
         elem = torch.empty((), dtype=kv_dtype).element_size()
         act = torch.empty((), dtype=dtype).element_size()
-        qb = q_group_block(num_heads // num_kv_heads)
         stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
         grains = -(-seq_len // TILE_KEYS)
         allowed = max(1, min(MAX_SPLITS, grains))
@@ -277,7 +303,7 @@ def choose_variant(
         # for half the bytes, so one block's consumers per SM cannot keep up: fp8 grids fill
         # every resident block (H200: B=16 Hkv=8 S=32768 ran at 61 % of the fp8 floor with
         # one item per SM).
-        fill = sms * (blocks_per_sm if elem == 1 else 1)
+        fill = sms * (blocks_per_sm if elem == 1 or wide else 1)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))

@@ -44,12 +44,12 @@ def _device_index(device) -> int:
 
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
-    dtype: torch.dtype, variant: str = "auto", kv_dtype: torch.dtype | None = None,
+    dtype: torch.dtype, variant: str = "auto", kv_dtype: torch.dtype | None = None, tree: bool = False,
 ) -> dispatch.Plan:  # fmt: skip
     """``dispatch.choose_variant`` with this device's numbers."""
     return dispatch.choose_variant(
         batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant,
-        kv_dtype,
+        kv_dtype, tree,
     )  # fmt: skip
 
 
@@ -325,7 +325,7 @@ def decode_tree(
         keys = max_seq_len if max_len is None else min(max_len, max_seq_len)
         plan = plan_for(
             qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype,
-            variant, k_cache.dtype,
+            variant, k_cache.dtype, tree=nodes > 1,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages

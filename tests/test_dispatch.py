@@ -116,10 +116,33 @@ def test_python_and_cpp_constants_agree():
     assert _C.TILE_KEYS == dispatch.TILE_KEYS
     assert _C.TILE_THREADS == dispatch.TILE_THREADS
     assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
+    assert (_C.WIDE_COLUMNS, _C.WIDE_MIN_COLUMNS, _C.WIDE_MAX_HEAD_DIM) == (
+        dispatch.WIDE_COLUMNS, dispatch.WIDE_MIN_COLUMNS, dispatch.WIDE_MAX_HEAD_DIM
+    )  # fmt: skip
     for d in dispatch.SUPPORTED_HEAD_DIMS:
         assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
-        for qb in dispatch.Q_GROUP_BLOCKS:
+        for qb in dispatch.Q_GROUP_BLOCKS + (dispatch.WIDE_COLUMNS,):
             assert _C.tile_static_smem(d, 2, qb) == dispatch.tile_static_smem(d, 2, qb)
+        for columns in (1, 3, 8, 9, 31, 32, 64, 256):
+            for tree in (False, True):
+                for tiles in (False, True):
+                    want = dispatch.columns_block(columns, tree, tiles, d)
+                    assert _C.columns_block(columns, tree, tiles, d) == want, (columns, tree, tiles, d)
+
+
+def test_columns_block_of_tree_steps():
+    # One-token steps and the CUDA-core loop keep query-head blocks; trees of many columns go wide.
+    assert dispatch.columns_block(256, tree=False) == 8
+    assert dispatch.columns_block(256, tree=True, tiles=False) == 8
+    assert dispatch.columns_block(31, tree=True) == 8
+    assert dispatch.columns_block(32, tree=True) == dispatch.WIDE_COLUMNS
+    assert dispatch.columns_block(256, tree=True, head_dim=256) == 8
+    # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
+    # every resident block.
+    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100, tree=True)
+    narrow = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100)
+    assert H100.num_sms < plan.num_splits * 8 * 4 <= H100.num_sms * plan.blocks_per_sm
+    assert narrow.num_splits == 1  # 8 * 32 narrow items already fill the SMs
 
 
 @pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
@@ -131,7 +154,8 @@ def test_planned_occupancy_is_what_the_kernel_gets(dtype, head_dim):
     dev = ops.device_spec(torch.cuda.current_device())
     code = {F16: 0, BF16: 1}[dtype]
     sources = (1, 2) if head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9 else (1,)
-    for qb in dispatch.Q_GROUP_BLOCKS:
+    wide = (dispatch.WIDE_COLUMNS,) if head_dim <= dispatch.WIDE_MAX_HEAD_DIM else ()
+    for qb in dispatch.Q_GROUP_BLOCKS + wide:
         stages, blocks = dispatch.tile_stages(head_dim, 2, dev, qb)
         for source in sources:
             got = _C.blocks_per_sm(code, head_dim, qb, stages, source)
@@ -149,3 +173,6 @@ def test_every_dtype_and_head_dim_has_an_instantiation_file():
             text = (root / f"decode_{name}_hd{d}.cu").read_text()
             for qb in dispatch.Q_GROUP_BLOCKS:
                 assert f", {d}, {qb}>(" in text
+            if name != "fp32" and d <= dispatch.WIDE_MAX_HEAD_DIM:
+                wide = (root / f"decode_wide_{name}_hd{d}.cu").read_text()
+                assert f", {d}, {dispatch.WIDE_COLUMNS}>(" in wide

@@ -103,11 +103,35 @@ def test_tree_shapes_against_reference(kind, splits, source):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_tree_dtypes_and_head_dims(dtype, head_dim, splits):
-    nodes = 9
+@pytest.mark.parametrize("nodes", [9, 33])  # 18 columns per kv head (narrow items), 66 (wide: 64 + 2)
+def test_tree_dtypes_and_head_dims(dtype, head_dim, splits, nodes):
     case, qkv, parents, counts, _ = tree_case(3, 4, 2, head_dim, [0, 37, 500], 512 + 64, dtype, nodes,
-                                              "random", seed=head_dim, bias=True)  # fmt: skip
+                                              "random", seed=head_dim + nodes, bias=True,
+                                              counts=[nodes, nodes - 5, nodes])  # fmt: skip
     check_tree(case, qkv, parents, counts, num_splits=splits)
+
+
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_wide_items_over_tile_and_split_edges(source, splits):
+    # Wide items (64 columns: 16 nodes x G = 4) over rows whose keys end on, before and after tile
+    # boundaries, a row of none cached, and unused warps (the last item of 20 nodes holds 16).
+    nodes = 20
+    lengths = [0, 1, 63 - nodes, 64 - nodes, 65 - nodes, 127, 128, 1000, 2048 - nodes]
+    counts = [nodes, 16, nodes, 3, nodes, 1, nodes, 19, nodes]
+    case, qkv, parents, counts, _ = tree_case(9, 16, 4, 128, lengths, 2048, torch.float16, nodes, "random",
+                                              seed=splits, counts=counts)  # fmt: skip
+    check_tree(case, qkv, parents, counts, num_splits=splits, tile_source=source)
+
+
+def test_wide_items_with_large_logits():
+    # Scores far above the online softmax's slack in one tile and far below in the next: the
+    # running max moves both ways within an item.
+    nodes = 16
+    case, qkv, parents, counts, _ = tree_case(2, 8, 2, 64, [500, 1500], 2048, torch.bfloat16, nodes, "chain",
+                                              seed=3, rotary=False)  # fmt: skip
+    case.k_cache[:, :, :, 300:340] *= 40
+    check_tree(case, qkv, parents, counts, num_splits=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

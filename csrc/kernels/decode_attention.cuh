@@ -17,6 +17,7 @@
 
 #include "attend_simt.cuh"
 #include "attend_tiles.cuh"
+#include "attend_wide.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
 #include "new_token.cuh"
@@ -135,50 +136,52 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
-// The item's result: out and lse (single pass) or its partial (split): acc at
+// One value of an item's result (column col, head dim d): out and lse (single pass) or its partial (split): acc at
 // [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
 // them, so every acc row starts 16-byte aligned for the merge's vector loads. Per column g: max
 // m[g], sum l[g], and acc(g, d), the block's accumulator already rescaled to m[g]. Columns of
 // tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
 // out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
-// single pass adds the head's sink (if any) to the sum here; a split's merge does.
+// single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
+// stores an item's every value (threads tid < nthreads) from the block's combine.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem& w, const Column& col, int d,
+                                            float a, float mx, float sum, float out_scale) {
+  const int num_splits = p.num_splits;
+  const int64_t h = col.flat(p.num_heads);
+  if (col.node >= w.nodes) {  // a tree node the row does not use
+    if (w.split == 0) {
+      static_cast<T*>(p.out)[h * HEAD_DIM + d] = from_float<T>(0.f);
+      if (d == 0) p.lse[h] = -INFINITY;
+    }
+  } else if (num_splits == 1) {
+    if (p.sinks != nullptr) {  // rescale to max(m, sink): a large sink cannot overflow the sum
+      const float sink = sink_log2(p, col.head);
+      const float top = fmaxf(mx, sink);
+      const float f = exp2f(mx - top);
+      sum = sum * f + exp2f(sink - top);
+      a *= f;
+      mx = top;
+    }
+    static_cast<T*>(p.out)[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
+    if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+  } else {
+    float* part_acc = p.partials;
+    float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
+    const int64_t slot = h * num_splits + w.split;
+    part_acc[slot * HEAD_DIM + d] = a;
+    if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(mx, sum);
+  }
+}
+
 template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float out_scale, int tid, int nthreads) {
-  const int num_splits = p.num_splits;
-  T* out = static_cast<T*>(p.out);
-  float* lse = p.lse;
-  float* part_acc = p.partials;
-  float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    const Column col = column_of(p, w, g);
-    const int64_t h = col.flat(p.num_heads);
-    float a = acc(g, d);
-    if (col.node >= w.nodes) {  // a tree node the row does not use
-      if (w.split == 0) {
-        out[h * HEAD_DIM + d] = from_float<T>(0.f);
-        if (d == 0) lse[h] = -INFINITY;
-      }
-    } else if (num_splits == 1) {
-      float sum = l(g);
-      float mx = m(g);
-      if (p.sinks != nullptr) {  // rescale to max(m, sink): a large sink cannot overflow the sum
-        const float sink = sink_log2(p, col.head);
-        const float top = fmaxf(mx, sink);
-        const float f = exp2f(mx - top);
-        sum = sum * f + exp2f(sink - top);
-        a *= f;
-        mx = top;
-      }
-      out[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
-      if (d == 0) lse[h] = (mx + log2f(sum)) * kLn2;
-    } else {
-      const int64_t slot = h * num_splits + w.split;
-      part_acc[slot * HEAD_DIM + d] = a;
-      if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(m(g), l(g));
-    }
+    const bool ml = p.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
+    store_value<T, HEAD_DIM>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f, out_scale);
   }
 }
 
@@ -323,8 +326,10 @@ struct ItemStage {
 // issued.
 template <typename T, typename C, int HEAD_DIM, int QB>
 struct NextItem {
-  static constexpr int Q_PER_LANE = (QB * HEAD_DIM + 31) / 32;
-  static constexpr int T_PER_LANE = (HEAD_DIM + 31) / 32;
+  // Wide items (tree steps) read q from qkv in the consumers and append nothing: no staging.
+  static constexpr bool kStaged = QB != kWideColumns;
+  static constexpr int Q_PER_LANE = kStaged ? (QB * HEAD_DIM + 31) / 32 : 1;
+  static constexpr int T_PER_LANE = kStaged ? (HEAD_DIM + 31) / 32 : 1;
   int index;
   int pos;
   int nodes;                           // the row's new tokens (row_nodes)
@@ -348,6 +353,7 @@ struct NextItem {
       k_scale = p.k_scale[w.kvh];
       v_scale = p.v_scale[w.kvh];
     }
+    if constexpr (!kStaged) return;
     const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.kvh);
     // One-token steps: the item's columns are consecutive heads of the row. A tree step's consumers
     // read their columns from qkv themselves (staged_or_global_q).
@@ -382,6 +388,88 @@ struct NextItem {
     }
   }
 };
+
+// The producer warp of a tile-loop block: block j's first item is item j, later ones come from
+// the work counter. For each item it fetches the next item's number and loads (NextItem) while it
+// issues this item's tiles into the ring, stages a one-token item's q and new token (s_item), and
+// tags every tile with a header; after the last item, a header that says so.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+__device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
+                                              ItemStage<T, HEAD_DIM, QB>* s_item, unsigned char* stages,
+                                              int items, int lane) {
+  using Source = SourceOf<C, HEAD_DIM, SRC>;
+  using L = TileLayout<C, HEAD_DIM>;
+  using Next = NextItem<T, C, HEAD_DIM, QB>;
+  const int smax = p.max_seq_len;
+  // Block j's first item is item j; later ones come from the work counter (items past the grid).
+  const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
+  RingCursor cur;
+  Next next;
+  next.index = blockIdx.x;
+  next.load(p, items, lane);
+  int seq = 0;  // items staged so far: item seq uses slot seq % 2
+  while (next.index < items) {
+    const int index = next.index;
+    WorkItem w = work_item_head<QB>(p, index);
+    work_item_range(p, w, next.pos, next.nodes, kTileKeys);
+    const float k_scale = next.k_scale, v_scale = next.v_scale;
+    // The next item's number, then its loads: in flight while this item's tiles go out.
+    const int fetched = fetch();
+    if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
+      poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
+    } else if (!next.scales_ok) {
+      w.bad = true;
+      poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
+    }
+    if (!w.busy()) {
+      next.index = __shfl_sync(kFullMask, fetched, 0);
+      next.load(p, items, lane);
+      continue;
+    }
+    const int slot = seq & 1;
+    const int64_t kv_head = w.kv_head(p.num_kv_heads);
+    const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
+                         static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
+                         smax, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+    const int nt = w.t1 - w.t0;
+    const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+    for (int i = 0; i < nt; ++i) {
+      if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+      Source::issue(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      if constexpr (Next::kStaged) {
+        if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
+          if (seq >= 2) mbar_wait(&s_item->empty[slot], ((seq >> 1) - 1) & 1);
+          next.store(*s_item, slot, lane);
+        }
+      }
+      if (lane == 0) {
+        s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
+                                  slot, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active, w.start, w.end,
+                                  w.nodes, w.lo, k_scale, v_scale};
+      }
+      mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
+      Source::commit(&ring.full[cur.s], lane);
+      cur.next(p.stages);
+      if (i == 0) {
+        next.index = __shfl_sync(kFullMask, fetched, 0);
+        next.load(p, items, lane);
+      }
+    }
+    ++seq;
+  }
+  // No more items: a header that says so, then this block's count toward resetting the
+  // work counter (the last block to finish leaves it at zero for the next launch).
+  if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+  if (lane == 0) s_hdr[cur.s].item = -1;
+  mbar_arrive(&ring.header[cur.s]);
+  if (lane == 0) {
+    __threadfence();
+    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      p.work[0] = 0;
+      p.work[1] = 0;
+    }
+  }
+}
 
 // The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) takes item
 // blockIdx.x, then items from the step's work counter until none is left. The producer fetches the next item, its
@@ -431,73 +519,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __syncthreads();
 
   if (warp == kConsumerWarps) {
-    // ---------------------------------------------------------------- producer
-    // Block j's first item is item j; later ones come from the work counter (items past the grid).
-    const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
-    RingCursor cur;
-    NextItem<T, C, HEAD_DIM, QB> next;
-    next.index = blockIdx.x;
-    next.load(p, items, lane);
-    int seq = 0;  // items staged so far: item seq uses slot seq % 2
-    while (next.index < items) {
-      const int index = next.index;
-      WorkItem w = work_item_head<QB>(p, index);
-      work_item_range(p, w, next.pos, next.nodes, kTileKeys);
-      const float k_scale = next.k_scale, v_scale = next.v_scale;
-      // The next item's number, then its loads: in flight while this item's tiles go out.
-      const int fetched = fetch();
-      if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
-        poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
-      } else if (!next.scales_ok) {
-        w.bad = true;
-        poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
-      }
-      if (!w.busy()) {
-        next.index = __shfl_sync(kFullMask, fetched, 0);
-        next.load(p, items, lane);
-        continue;
-      }
-      const int slot = seq & 1;
-      const int64_t kv_head = w.kv_head(p.num_kv_heads);
-      const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                           static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                           smax, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map};
-      const int nt = w.t1 - w.t0;
-      const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
-      for (int i = 0; i < nt; ++i) {
-        if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-        Source::issue(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
-        if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
-          if (seq >= 2) mbar_wait(&s_item.empty[slot], ((seq >> 1) - 1) & 1);
-          next.store(s_item, slot, lane);
-        }
-        if (lane == 0) {
-          s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
-                                    slot, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active, w.start, w.end,
-                                    w.nodes, w.lo, k_scale, v_scale};
-        }
-        mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
-        Source::commit(&ring.full[cur.s], lane);
-        cur.next(p.stages);
-        if (i == 0) {
-          next.index = __shfl_sync(kFullMask, fetched, 0);
-          next.load(p, items, lane);
-        }
-      }
-      ++seq;
-    }
-    // No more items: a header that says so, then this block's count toward resetting the
-    // work counter (the last block to finish leaves it at zero for the next launch).
-    if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-    if (lane == 0) s_hdr[cur.s].item = -1;
-    mbar_arrive(&ring.header[cur.s]);
-    if (lane == 0) {
-      __threadfence();
-      if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        p.work[0] = 0;
-        p.work[1] = 0;
-      }
-    }
+    produce_tiles<T, C, HEAD_DIM, QB, SRC>(p, ring, s_hdr, &s_item, stages, items, lane);
     return;
   }
 
@@ -550,6 +572,101 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
           out_scale, tid, CONSUMERS);
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_m, s_l and s_w are free for the next item
+    }
+  }
+}
+
+// The tile loop for wide items (tree steps with many columns; attend_wide.cuh): the same
+// producer and ring, consumers that each hold 16 columns over all keys of every tile. At an
+// item's first tile each warp builds its q from qkv while the tile is in flight; tiles that end
+// past the item's keys have their stray V rows zeroed by all consumers together (named barrier
+// 1); at the last tile each warp stores its columns, and a split's last item merges.
+template <typename T, typename C, int HEAD_DIM, TileSource SRC>
+__device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
+  using Source = SourceOf<C, HEAD_DIM, SRC>;
+  using L = TileLayout<C, HEAD_DIM>;
+  using Wide = WideConsumer<C, HEAD_DIM>;
+  constexpr int QB = kWideColumns;
+  constexpr int CONSUMERS = kConsumerWarps * 32;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int items = num_items(p);
+
+  using M = typename Wide::M;
+  // The warps' q staging areas at an item's first tile, the split merge's weights at its last
+  // (a barrier ends every merge before any warp stages its next q).
+  constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES > QB * kMaxSplits * 4
+                                ? kConsumerWarps * Wide::Q_STAGE_BYTES
+                                : QB * kMaxSplits * 4;
+  __shared__ __align__(16) unsigned char s_buf[BUF_BYTES];
+  __shared__ bool s_last;
+  __shared__ TileRing ring;
+  __shared__ TileHeader s_hdr[kMaxStages];
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+  auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
+  M* s_q = reinterpret_cast<M*>(s_buf + warp * Wide::Q_STAGE_BYTES);
+  if (tid == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
+      mbar_init(&ring.header[s], 32);
+      mbar_init(&ring.empty[s], CONSUMERS);
+    }
+    mbar_init_fence();
+  }
+  if (warp == kConsumerWarps && lane == 0) {
+    Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
+  }
+  __syncthreads();
+
+  if (warp == kConsumerWarps) {
+    produce_tiles<T, C, HEAD_DIM, QB, SRC>(p, ring, s_hdr, nullptr, stages, items, lane);
+    return;
+  }
+
+  const float scale_log2 = p.scale * kLog2e;
+  const auto sync = [] { named_barrier(1, CONSUMERS); };
+  RingCursor cur;
+  Wide c;
+  WorkItem w;
+  float out_scale = 1.f;
+  for (;;) {
+    mbar_wait(&ring.header[cur.s], cur.n & 1);
+    const TileHeader h = s_hdr[cur.s];
+    if (h.item < 0) break;
+    unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
+    if (h.flags & kFirstTile) {
+      w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
+      w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
+      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
+      out_scale = h.v_scale;
+      c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
+    }
+    mbar_wait(&ring.full[cur.s], cur.n & 1);
+    const int it = h.k0;
+    if (it + kTileKeys > w.end || it < w.lo) {
+      Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
+      sync();
+    }
+    if (c.busy) c.step(stage, it, w.lo, w.end, lane);
+    mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
+    cur.next(p.stages);
+    if (h.flags & kLastTile) {
+      if (c.busy) {
+        Column col[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) col[r] = column_of(p, w, min(Wide::column(warp, lane, r), w.nh - 1));
+        const bool used[2] = {Wide::column(warp, lane, 0) < w.nh, Wide::column(warp, lane, 1) < w.nh};
+        c.finish(lane, [&](int r, int d, float a) {
+          if (used[r]) store_value<T, HEAD_DIM>(p, w, col[r], d, a, c.m[r], c.l[r], out_scale);
+        });
+      }
+      if (p.num_splits > 1) {
+        merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
+        sync();  // s_w is the q staging area again
+      }
     }
   }
 }
@@ -623,7 +740,9 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
-  if constexpr (kTiles<C>) {
+  if constexpr (QB == kWideColumns) {
+    run_wide_items<T, C, HEAD_DIM, SRC>(p);
+  } else if constexpr (kTiles<C>) {
     run_tile_items<T, C, HEAD_DIM, QB, SRC>(p);
   } else {
     run_simt_item<T, HEAD_DIM, QB>(p);

@@ -2,6 +2,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "decode_launch.h"
 #include "vec.cuh"
 
@@ -11,6 +13,10 @@
 namespace mmha {
 namespace {
 
+// Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
+template <typename C, int HEAD_DIM>
+constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadDim;
+
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
   switch (p.q_group_block) {
@@ -18,6 +24,9 @@ cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
     case 2: return launch_decode_attention<T, C, HEAD_DIM, 2>(p, stream);
     case 4: return launch_decode_attention<T, C, HEAD_DIM, 4>(p, stream);
     case 8: return launch_decode_attention<T, C, HEAD_DIM, 8>(p, stream);
+    case kWideColumns:
+      if constexpr (kHasWide<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideColumns>(p, stream);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -42,6 +51,9 @@ int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
     case 2: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 2>(stages, source);
     case 4: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 4>(stages, source);
     case 8: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 8>(stages, source);
+    case kWideColumns:
+      if constexpr (kHasWide<C, HEAD_DIM>) return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideColumns>(stages, source);
+      return 0;
     default: return 0;
   }
 }

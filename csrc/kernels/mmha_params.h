@@ -38,10 +38,22 @@ constexpr int kTileKeys = 16 * kConsumerWarps;
 constexpr int kTileThreads = (kConsumerWarps + 1) * 32;
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
+// Tree steps with many query columns per kv head (a node count times the group) run the tile
+// loop's wide consumer (attend_wide.cuh): an item holds kWideColumns columns, 16 per consumer
+// warp as the M of its m16n8k16 products, and every warp takes all keys of a tile, so a kv head's
+// K/V is read once per kWideColumns columns. From kWideMinColumns columns on, at head dims up to
+// kWideMaxHeadDim (its registers: q, O and a tile's scores of 16 columns per warp).
+constexpr int kWideColumns = 16 * kConsumerWarps;
+constexpr int kWideMinColumns = 32;
+constexpr int kWideMaxHeadDim = 128;
 // An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
 // host and dispatcher can size stages without asking the compiled kernel (mirrored by
 // tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
 constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
+  if (qb == kWideColumns) {  // the wide consumer: q staging (or merge weights), barriers, headers
+    const int staging = kConsumerWarps * 16 * (head_dim + 8) * 2;
+    return (staging > qb * 64 * 4 ? staging : qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + 256;
+  }
   return qb * head_dim * 4                   // q in fp32, then the block combine's buffer
          + 2 * head_dim * elem_bytes         // the new token's k and v
          + 2 * (qb + 2) * head_dim * elem_bytes  // two staging slots of raw q, k and v
@@ -50,6 +62,17 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
          + 3 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
          + 8 * 64                            // tile headers
          + 256;                              // alignment
+}
+// Query columns per item for `columns` columns per (row, kv head): the smallest of
+// kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
+// on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
+// as one). Mirrored by columns_block in mmha/dispatch.py.
+constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim) {
+  if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns) return kWideColumns;
+  for (int i = 0; i < kNumQGroupBlocks; ++i) {
+    if (kQGroupBlocks[i] >= columns) return kQGroupBlocks[i];
+  }
+  return kQGroupBlocks[kNumQGroupBlocks - 1];
 }
 // The CUDA-core loop (fp32 caches): blocks of kSimtWarps warps, each walking its own keys.
 constexpr int kSimtWarps = 4;

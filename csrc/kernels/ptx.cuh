@@ -115,6 +115,22 @@ __device__ __forceinline__ void split_pack<__nv_bfloat16>(float x, float y, uint
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// x and y rounded to two 16-bit values (x in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_rn(float x, float y);
+
+template <>
+__device__ __forceinline__ uint32_t pack_rn<__half>(float x, float y) {
+  const __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack_rn<__nv_bfloat16>(float x, float y) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // ---------------------------------------------------------------- shared-memory barriers
 // A stage of the tile ring has two: "full" (its copies have landed) and "empty" (every consumer
 // warp is done with it). Waits spin on the phase parity; sm_90 has a suspending try_wait.

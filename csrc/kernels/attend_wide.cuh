@@ -1,0 +1,301 @@
+// The tile loop's wide consumer: tree steps with many query columns per kv head. Torch-free.
+//
+// The narrow consumer (attend_tiles.cuh) puts up to 8 columns in the N of its m16n8k16 products
+// and splits a tile's keys over the warps, so a kv head with T x G columns has its K/V read by
+// ceil(T G / 8) items. Here an item holds kWideColumns columns, 16 per consumer warp as the M of
+// the products, and every warp takes all kTileKeys keys of each tile (FlashAttention's layout):
+//   S = Q K^T    A = 16 columns x 16 dims of q (registers), B = K^T (the narrow consumer's K
+//                fragments, tile_operands.cuh: keys 0-7 of a 16-key block are its registers 0, 2)
+//   online softmax per column over the tile's keys (4 lanes share a column)
+//   O += P V     A = P (the S accumulators of two 8-key tiles, as they lie), B = V (the narrow
+//                consumer's V^T fragments: dims 0-7 of an M tile are its registers 0, 2)
+// q and P are single 16-bit values (the narrow consumer splits them into hi + lo): the products
+// are those of FlashAttention in the cache's type, with fp32 accumulators. A warp's results are
+// complete after its item's last tile: no block combine. fp8 caches as in the narrow consumer:
+// K / V widened in registers, q brought to [2^7, 2^8) by a power of two undone on the scores, the
+// k scale folded into q and the v scale into the output.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attend_common.cuh"
+#include "new_token.cuh"
+#include "ptx.cuh"
+#include "score_mods.cuh"
+#include "tile_layout.cuh"
+#include "tile_operands.cuh"
+#include "work_items.cuh"
+
+namespace mmha {
+
+template <typename C, int HEAD_DIM>
+struct WideConsumer {
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= kWideMaxHeadDim, "wide consumer: head_dim 16k, <= 128");
+  using L = TileLayout<C, HEAD_DIM>;
+  using Ops = TileOperands<C, HEAD_DIM>;
+  using M = typename Ops::M;
+  static constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+  static constexpr int KSTEPS = HEAD_DIM / 16;      // K steps of S, M tiles of V^T
+  static constexpr int KBLOCKS = kTileKeys / 16;    // 16-key blocks of a tile
+  static constexpr int PART_BLOCKS = 4;              // 16-key blocks per online-softmax step
+  static constexpr float kRescaleSlack = 8.f;       // as in TileConsumer
+
+  const M* sq;             // the warp's q (staging area), read as A fragments at every tile
+  float m[2], l[2];        // columns g, g + 8 of the warp's 16
+  float acc[KSTEPS][2][4]; // O: M tile i of V^T, its dims 8 hh .. 8 hh + 7; [0, 1] column g, [2, 3] g + 8
+  float s_unit;            // fp8: scores are the mma's times this power of two
+  bool busy;               // the warp holds columns of the item (warp-uniform)
+  TreeMask<2> tree;
+
+  // Column of fragment row h (0: g, 1: g + 8) of this warp.
+  __device__ __forceinline__ static int column(int warp, int lane, int h) { return 16 * warp + lane / 4 + 8 * h; }
+
+  // A warp's staging area for its q: 16 columns x HEAD_DIM in M, rows padded by 16 bytes so that
+  // the ldmatrix phases (8 rows of 16 bytes) fall in distinct bank groups.
+  static constexpr int Q_PITCH = HEAD_DIM + 8;
+  static constexpr int Q_STAGE_BYTES = 16 * Q_PITCH * 2;
+
+  // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches; for
+  // fp8, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are columns 2tq + 8h + e).
+  __device__ __forceinline__ static int q_column(int d) {
+    if constexpr (kFp8) {
+      const int j = d / 16, r = d % 16;
+      return 16 * j + 2 * (r / 4) + 8 * ((r / 2) % 2) + r % 2;
+    } else {
+      return d;
+    }
+  }
+
+  // q of the warp's columns (bias, rotary at the node's position), times scale_log2 (the softmax
+  // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
+  // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
+  // fp8: a first pass finds the warp's largest |q|.
+  template <typename T>
+  __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
+                                       int lane) {
+    busy = 16 * warp < w.nh;
+    tree.on = tree_step(p);
+    tree.base = w.pos;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int cw = column(warp, lane, h);
+      tree.anc[h] = tree.on && cw < w.nh ? p.tree_anc[column_of(p, w, cw).qrow] : 0;
+    }
+    s_unit = 1.f;
+    sq = s_q;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+    if (!busy) return;
+    const T* bias = static_cast<const T*>(p.qkv_bias);
+    // Element idx of the warp's 16 x HEAD_DIM values: its q value (0 for columns past the item's).
+    const auto value = [&](int idx) {
+      const int r = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const int cw = 16 * warp + r;
+      if (cw >= w.nh) return 0.f;
+      const Column c = column_of(p, w, cw);
+      const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
+      return rotated(row, bias ? bias + c.head * HEAD_DIM : nullptr, d, query_position(p, w, c), p) * scale_log2;
+    };
+    float q_unit = 1.f;
+    if constexpr (kFp8) {
+      float qmax = 0.f;
+      for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) qmax = fmaxf(qmax, fabsf(value(idx)));
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+      if (qmax > 0.f && qmax <= 3.0e38f) {
+        int e = 0;
+        frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
+        const int shift = max(-100, min(100, 8 - e));
+        q_unit = ldexpf(1.f, shift);
+        s_unit = ldexpf(1.f, -shift);
+      }
+    }
+    for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) {
+      const int r = idx / HEAD_DIM;
+      s_q[r * Q_PITCH + q_column(idx % HEAD_DIM)] = from_float<M>(value(idx) * q_unit);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][hh][e] = 0.f;
+      }
+    }
+  }
+
+  // Zeroes the V rows of a stage's keys outside [lo, end) (the cache's keys [it, it + kTileKeys)),
+  // whatever the source left there (NaN from unused slots): every warp reads every row, so all
+  // consumer threads share the work and the caller synchronises them before any reads.
+  __device__ __forceinline__ static void clear_v(unsigned char* stage, int it, int lo, int end, int tid,
+                                                 int nthreads) {
+    for (int idx = tid; idx < kTileKeys * L::CHUNKS; idx += nthreads) {
+      const int kk = idx / L::CHUNKS;
+      const int c = idx % L::CHUNKS;
+      const int t = it + kk;
+      if (t >= end || t < lo) *reinterpret_cast<uint4*>(stage + L::v_off(kk, c)) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async_smem();
+  }
+
+  // Attend over the keys of a stage (the cache's keys [it, it + kTileKeys); those before lo or at
+  // or past end are masked), PART_BLOCKS 16-key blocks at a time (the scores of a whole tile
+  // would not fit the registers beside q and O).
+  __device__ __forceinline__ void step(const unsigned char* stage, int it, int lo, int end, int lane) {
+    // The fragments' shared-memory addresses depend on the lane only (and on constants): made
+    // opaque here, the compiler derives them inside each tile instead of hoisting ~40 of them out
+    // of the tile loop, where they spilled to local memory (reloaded every tile).
+    asm volatile("" : "+r"(lane));
+#pragma unroll
+    for (int part = 0; part < KBLOCKS / PART_BLOCKS; ++part) {
+      attend(stage, 16 * PART_BLOCKS * part, it + 16 * PART_BLOCKS * part, lo, end, lane);
+    }
+  }
+
+  // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it.
+  __device__ __forceinline__ void attend(const unsigned char* stage, int key0, int it, int lo, int end, int lane) {
+    const int tq = lane % 4;
+    float s[PART_BLOCKS][2][4];  // [16-key block][8-key half]: columns g (0, 1), g + 8 (2, 3); keys 2tq, 2tq + 1
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[kb][n][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < KSTEPS; j += 2) {
+      // A fragments of q for K steps j, j + 1: lanes 0-15 address rows 0-15 at column 16 j, 16-31 at 16 j + 8.
+      uint32_t q[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (j + u < KSTEPS) ldmatrix_x4<false>(q[u], sq + (lane % 16) * Q_PITCH + 16 * (j + u) + 8 * (lane / 16));
+      }
+#pragma unroll
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+        uint32_t k[2][4];
+        Ops::k_pair(k, stage, key0 + 16 * kb, j, lane);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (j + u < KSTEPS) {
+            mma_16816<M>(s[kb][0], q[u], k[u][0], k[u][2]);
+            mma_16816<M>(s[kb][1], q[u], k[u][1], k[u][3]);
+          }
+        }
+      }
+    }
+    const bool edge = it + 16 * PART_BLOCKS > end || it < lo;
+    const bool in_tree = tree.on && it + 16 * PART_BLOCKS > tree.base;
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = it + 16 * kb + 8 * n + 2 * tq + (e & 1);
+          float v = kFp8 ? s[kb][n][e] * s_unit : s[kb][n][e];
+          if (edge && (key >= end || key < lo)) v = -INFINITY;
+          if (in_tree && tree.hidden(e >> 1, key)) v = -INFINITY;
+          s[kb][n][e] = v;
+        }
+      }
+    }
+
+    // Online softmax per column (the 4 lanes of a quad hold its keys), the reference max raised
+    // only past kRescaleSlack as in TileConsumer.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[kb][n][0], s[kb][n][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[kb][n][2], s[kb][n][3]));
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+    }
+    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+        l[h] *= alpha[h];
+        m[h] = m_new;
+      }
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          acc[i][hh][0] *= alpha[0];
+          acc[i][hh][1] *= alpha[0];
+          acc[i][hh][2] *= alpha[1];
+          acc[i][hh][3] *= alpha[1];
+        }
+      }
+    }
+    const float m_ref[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[kb][n][e] = exp2f(s[kb][n][e] - m_ref[e >> 1]);
+          l[e >> 1] += s[kb][n][e];
+        }
+      }
+    }
+
+    // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+      const uint32_t pa[4] = {pack_rn<M>(s[kb][0][0], s[kb][0][1]), pack_rn<M>(s[kb][0][2], s[kb][0][3]),
+                              pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
+#pragma unroll
+      for (int i = 0; i < KSTEPS; i += 2) {
+        uint32_t vt[2][4];
+        Ops::v_pair(vt, stage, key0 + 16 * kb, i, lane);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (i + u < KSTEPS) {
+            mma_16816<M>(acc[i + u][0], pa, vt[u][0], vt[u][2]);
+            mma_16816<M>(acc[i + u][1], pa, vt[u][1], vt[u][3]);
+          }
+        }
+      }
+    }
+  }
+
+  // The item's sums over the quad; then store(h, d, value) gets every (row h, head dim d) of this
+  // lane with its accumulator (rescaled to m[h]).
+  template <class Store>
+  __device__ __forceinline__ void finish(int lane, Store store) {
+    const int tq = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+      l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) store(e >> 1, Ops::out_dim(i, 2 * tq + (e & 1), hh), acc[i][hh][e]);
+      }
+    }
+  }
+};
+
+}  // namespace mmha
