@@ -90,34 +90,61 @@ struct WideConsumer {
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
     if (!busy) return;
+    // The warp's columns [first, last) of the item are heads of nodes n0 .. n1; a lane takes
+    // rotation pairs and, per node, computes the pair's angle once for the node's heads.
     const T* bias = static_cast<const T*>(p.qkv_bias);
-    // Element idx of the warp's 16 x HEAD_DIM values: its q value (0 for columns past the item's).
-    const auto value = [&](int idx) {
-      const int r = idx / HEAD_DIM;
-      const int d = idx % HEAD_DIM;
-      const int cw = 16 * warp + r;
-      if (cw >= w.nh) return 0.f;
-      const Column c = column_of(p, w, cw);
-      const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
-      return rotated(row, bias ? bias + c.head * HEAD_DIM : nullptr, d, query_position(p, w, c), p) * scale_log2;
-    };
+    const int group = p.num_heads / p.num_kv_heads;
+    const int first = 16 * warp;
+    const int last = min(w.nh, first + 16);
+    const int n0 = (w.c0 + first) / group;
+    const int n1 = (w.c0 + last - 1) / group;
+    // pass 0 (fp8 only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
     float q_unit = 1.f;
-    if constexpr (kFp8) {
-      float qmax = 0.f;
-      for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) qmax = fmaxf(qmax, fabsf(value(idx)));
+    float qmax = 0.f;
+    for (int pass = kFp8 ? 0 : 1; pass < 2; ++pass) {
+      for (int i = lane; i < HEAD_DIM / 2; i += 32) {
+        const RotaryPair rp = rotary_pair(i, p);
+        for (int node = n0; node <= n1; ++node) {
+          const int c_lo = max(first, node * group - w.c0);
+          const int c_hi = min(last, (node + 1) * group - w.c0);
+          const Column c0 = column_of(p, w, c_lo);
+          float sn = 0.f, cs = 1.f;
+          if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c0)) * rp.inv_freq, &sn, &cs);
+          for (int cw = c_lo; cw < c_hi; ++cw) {
+            const int head = c0.head + cw - c_lo;
+            const T* row =
+                static_cast<const T*>(p.qkv) + static_cast<int64_t>(c0.qrow) * p.qkv_row_stride + head * HEAD_DIM;
+            float x0, x1;
+            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1);
+            x0 *= scale_log2;
+            x1 *= scale_log2;
+            if (pass == 0) {
+              qmax = fmaxf(qmax, fmaxf(fabsf(x0), fabsf(x1)));
+            } else {
+              const int r = cw - first;
+              s_q[r * Q_PITCH + q_column(rp.d0)] = from_float<M>(x0 * q_unit);
+              s_q[r * Q_PITCH + q_column(rp.d1)] = from_float<M>(x1 * q_unit);
+            }
+          }
+        }
+      }
+      if constexpr (kFp8) {
+        if (pass == 0) {
 #pragma unroll
-      for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
-      if (qmax > 0.f && qmax <= 3.0e38f) {
-        int e = 0;
-        frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
-        const int shift = max(-100, min(100, 8 - e));
-        q_unit = ldexpf(1.f, shift);
-        s_unit = ldexpf(1.f, -shift);
+          for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+          if (qmax > 0.f && qmax <= 3.0e38f) {
+            int e = 0;
+            frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
+            const int shift = max(-100, min(100, 8 - e));
+            q_unit = ldexpf(1.f, shift);
+            s_unit = ldexpf(1.f, -shift);
+          }
+        }
       }
     }
-    for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) {
-      const int r = idx / HEAD_DIM;
-      s_q[r * Q_PITCH + q_column(idx % HEAD_DIM)] = from_float<M>(value(idx) * q_unit);
+    // Rows of columns past the item's: zeros.
+    for (int idx = lane; idx < (first + 16 - last) * HEAD_DIM; idx += 32) {
+      s_q[(last - first + idx / HEAD_DIM) * Q_PITCH + idx % HEAD_DIM] = from_float<M>(0.f);
     }
     __syncwarp();
 #pragma unroll
@@ -126,6 +153,60 @@ struct WideConsumer {
       for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][hh][e] = 0.f;
+      }
+    }
+  }
+
+  // B fragments of K^T for K steps j and j + 1 (where it exists) over keys key0 .. key0 + 15:
+  // b[u][n] = {b0, b1} of keys key0 + 8 n .. + 7. For 16-bit caches one ldmatrix per K step whose
+  // matrices come out in that order (lanes 0-7: keys 0-7 of chunk 2 j, 8-15: keys 0-7 of chunk
+  // 2 j + 1, 16-31: the same of keys 8-15), so each pair lies in adjacent registers as the mma
+  // takes it; fp8 widens TileOperands' fragments into fresh registers anyway.
+  __device__ __forceinline__ static void k_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int j,
+                                                 int lane) {
+    if constexpr (kFp8) {
+      uint32_t a[2][4];
+      Ops::k_pair(a, stage, key0, j, lane);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
+        b[u][1][0] = a[u][1], b[u][1][1] = a[u][3];
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (j + u < KSTEPS) {
+          uint32_t r[4];
+          ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 8 + (lane / 16) * 8, 2 * (j + u) + (lane / 8) % 2));
+          b[u][0][0] = r[0], b[u][0][1] = r[1];
+          b[u][1][0] = r[2], b[u][1][1] = r[3];
+        }
+      }
+    }
+  }
+
+  // B fragments of V for M tiles i and i + 1 of V^T (16 dims each) over keys key0 .. key0 + 15:
+  // b[u][hh] = {b0, b1} of dims 8 hh .. 8 hh + 7 of the tile (as out_dim numbers them). 16-bit:
+  // ldmatrix.trans with lanes 0-15 on keys 0-15 of chunk 2 i, 16-31 of chunk 2 i + 1.
+  __device__ __forceinline__ static void v_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int i,
+                                                 int lane) {
+    if constexpr (kFp8) {
+      uint32_t a[2][4];
+      Ops::v_pair(a, stage, key0, i, lane);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
+        b[u][1][0] = a[u][1], b[u][1][1] = a[u][3];
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (i + u < KSTEPS) {
+          uint32_t r[4];
+          ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, 2 * (i + u) + lane / 16));
+          b[u][0][0] = r[0], b[u][0][1] = r[1];
+          b[u][1][0] = r[2], b[u][1][1] = r[3];
+        }
       }
     }
   }
@@ -180,30 +261,40 @@ struct WideConsumer {
       }
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-        uint32_t k[2][4];
-        Ops::k_pair(k, stage, key0 + 16 * kb, j, lane);
+        uint32_t k[2][2][2];
+        k_frags(k, stage, key0 + 16 * kb, j, lane);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (j + u < KSTEPS) {
-            mma_16816<M>(s[kb][0], q[u], k[u][0], k[u][2]);
-            mma_16816<M>(s[kb][1], q[u], k[u][1], k[u][3]);
+            mma_16816<M>(s[kb][0], q[u], k[u][0][0], k[u][0][1]);
+            mma_16816<M>(s[kb][1], q[u], k[u][1][0], k[u][1][1]);
           }
         }
       }
     }
     const bool edge = it + 16 * PART_BLOCKS > end || it < lo;
     const bool in_tree = tree.on && it + 16 * PART_BLOCKS > tree.base;
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = it + 16 * kb + 8 * n + 2 * tq + (e & 1);
-          float v = kFp8 ? s[kb][n][e] * s_unit : s[kb][n][e];
-          if (edge && (key >= end || key < lo)) v = -INFINITY;
-          if (in_tree && tree.hidden(e >> 1, key)) v = -INFINITY;
-          s[kb][n][e] = v;
+          for (int e = 0; e < 4; ++e) s[kb][n][e] *= s_unit;
+        }
+      }
+    }
+    if (edge || in_tree) {  // warp-uniform: most tiles skip the masks
+#pragma unroll
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = it + 16 * kb + 8 * n + 2 * tq + (e & 1);
+            const bool out = key >= end || key < lo || tree.hidden(e >> 1, key);
+            s[kb][n][e] = out ? -INFINITY : s[kb][n][e];
+          }
         }
       }
     }
@@ -264,13 +355,13 @@ struct WideConsumer {
                               pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
 #pragma unroll
       for (int i = 0; i < KSTEPS; i += 2) {
-        uint32_t vt[2][4];
-        Ops::v_pair(vt, stage, key0 + 16 * kb, i, lane);
+        uint32_t v[2][2][2];
+        v_frags(v, stage, key0 + 16 * kb, i, lane);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (i + u < KSTEPS) {
-            mma_16816<M>(acc[i + u][0], pa, vt[u][0], vt[u][2]);
-            mma_16816<M>(acc[i + u][1], pa, vt[u][1], vt[u][3]);
+            mma_16816<M>(acc[i + u][0], pa, v[u][0][0], v[u][0][1]);
+            mma_16816<M>(acc[i + u][1], pa, v[u][1][0], v[u][1][1]);
           }
         }
       }

@@ -45,7 +45,49 @@ __device__ float rotated(const T* row, const T* bias, int d, int pos, const Mmha
   const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
   float s, c;
   sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
-  return x * c + sign * y * s;
+  return __fmaf_rn(x, c, __fmul_rn(sign * y, s));  // as rotate_pair: every path rounds alike
+}
+
+// The rotation pairs of one head: pair i < rotary_dim / 2 holds dims d0 (rotated by -sin) and d1
+// (by +sin), i.e. (i, i + rd / 2) or (2 i, 2 i + 1) when interleaved; pairs past it hold
+// unrotated dims (rd + 2 k, rd + 2 k + 1). A caller that rotates many rows at one position
+// computes each pair's angle once (rotated() recomputes it per element).
+struct RotaryPair {
+  int d0, d1;
+  bool rotated;
+  float inv_freq;  // 1 / theta^(2 i / rd), as rotated() computes it
+};
+
+__device__ __forceinline__ RotaryPair rotary_pair(int i, const MmhaParams& p) {
+  const int rd = p.rotary_dim;
+  RotaryPair r;
+  r.rotated = 2 * i < rd;
+  if (r.rotated) {
+    r.d0 = p.rotary_interleaved ? 2 * i : i;
+    r.d1 = p.rotary_interleaved ? 2 * i + 1 : i + rd / 2;
+    r.inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+  } else {
+    r.d0 = rd + 2 * (i - rd / 2);
+    r.d1 = r.d0 + 1;
+    r.inv_freq = 0.f;
+  }
+  return r;
+}
+
+// (x0, x1) = row's dims (d0, d1) of pair r after bias and rotation by pos * inv_freq: the values
+// rotated() gives for d0 and d1. sn, cs: sincosf(pos * inv_freq) (unused for unrotated pairs).
+template <typename T>
+__device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const RotaryPair& r, float sn, float cs,
+                                            float& x0, float& x1) {
+  const float a = biased(row, bias, r.d0);
+  const float b = biased(row, bias, r.d1);
+  if (r.rotated) {  // explicit roundings: the same bits as rotated() whatever the compiler contracts
+    x0 = __fmaf_rn(a, cs, __fmul_rn(-b, sn));
+    x1 = __fmaf_rn(b, cs, __fmul_rn(a, sn));
+  } else {
+    x0 = a;
+    x1 = b;
+  }
 }
 
 }  // namespace mmha

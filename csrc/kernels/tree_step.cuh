@@ -1,5 +1,5 @@
-// The first of a tree step's two launches (mmha.tree): one block per (row, kv head) checks the
-// row's tree, derives each node's root path (a 64-bit mask of nodes) and depth, and appends every
+// The first of a tree step's two launches (mmha.tree): the blocks of a (row, kv head) check the
+// row's tree, derive each node's root path (a 64-bit mask of nodes) and depth, and append every
 // node's K/V (bias, rotary at length + depth, rounded or quantised as the cache stores them) at
 // slot length + t. The attention kernel that follows reads all of it from the cache and the
 // workspace, so its items never patch a new token into a tile. Torch-free.
@@ -23,6 +23,8 @@
 namespace mmha {
 
 constexpr int kTreePrepareThreads = 128;
+// Nodes whose K/V one block appends (a row's blocks along y each derive the whole tree).
+constexpr int kTreeNodesPerBlock = 8;
 
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
       __syncthreads();
     }
   }
-  if (kvh == 0) {
+  if (kvh == 0 && blockIdx.y == 0) {
     const int64_t row = static_cast<int64_t>(b) * nodes;
     for (int t = tid; t < nodes; t += kTreePrepareThreads) {
       p.tree_depth[row + t] = ok ? s_depth[t] : 0;
@@ -108,26 +110,37 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
   C* k_head = static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax;
   C* v_head = static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax;
-  for (int idx = tid; idx < n * HEAD_DIM; idx += kTreePrepareThreads) {
-    const int t = idx / HEAD_DIM;
-    const int d = idx - t * HEAD_DIM;
+  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims.
+  constexpr int PAIRS = HEAD_DIM / 2;
+  const int t0 = blockIdx.y * kTreeNodesPerBlock;
+  const int t1 = min(n, t0 + kTreeNodesPerBlock);
+  for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
+    const int t = t0 + idx / PAIRS;
+    const RotaryPair rp = rotary_pair(idx % PAIRS, p);
     const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
     const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
     const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
     const int slot = len + t;
-    k_head[(static_cast<int64_t>(d / VEC) * smax + slot) * VEC + d % VEC] =
-        to_cache<C>(rotated(k_row, k_bias, d, len + s_depth[t], p), k_scale);
-    v_head[static_cast<int64_t>(slot) * HEAD_DIM + d] = to_cache<C>(biased(v_row, v_bias, d), v_scale);
+    float sn = 0.f, cs = 1.f;
+    if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
+    float k0, k1;
+    rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1);
+    k_head[(static_cast<int64_t>(rp.d0 / VEC) * smax + slot) * VEC + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
+    k_head[(static_cast<int64_t>(rp.d1 / VEC) * smax + slot) * VEC + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
+    v_head[static_cast<int64_t>(slot) * HEAD_DIM + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+    v_head[static_cast<int64_t>(slot) * HEAD_DIM + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
   }
 }
 
-// Launches the tree's check and append (one block per row and kv head) on the step's stream.
+// Launches the tree's check and append (per row and kv head, a block per kTreeNodesPerBlock
+// nodes) on the step's stream.
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t launch_tree_prepare(const MmhaParams& p, cudaStream_t stream) {
   const int64_t blocks = static_cast<int64_t>(p.batch) * p.num_kv_heads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  tree_prepare_kernel<T, C, HEAD_DIM><<<static_cast<int>(blocks), kTreePrepareThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(blocks), (p.nodes + kTreeNodesPerBlock - 1) / kTreeNodesPerBlock);
+  tree_prepare_kernel<T, C, HEAD_DIM><<<grid, kTreePrepareThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
