@@ -56,8 +56,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
   m.def(
       "columns_block",
-      [](int64_t columns, bool tree, bool tiles, int head_dim) {
-        return mmha::columns_block(columns, tree, tiles, head_dim);
+      [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows) {
+        return mmha::columns_block(columns, tree, tiles, head_dim, kv_rows);
       },
       "Query columns per work item for `columns` columns per (row, kv head)");
   m.def(

@@ -368,7 +368,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
                                        columns_block(num_heads / num_kv_heads * nodes, tree && nodes > 1, tiles,
-                                                     static_cast<int>(head_dim))) + 1024;
+                                                     static_cast<int>(head_dim), batch * num_kv_heads)) + 1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
@@ -377,7 +377,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block
   // (a tree step's many columns: wide items).
   const int64_t columns = num_heads / num_kv_heads * nodes;
-  const int q_group_block = columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim));
+  const int q_group_block =
+      columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim), batch * num_kv_heads);
   const int64_t q_groups = (columns + q_group_block - 1) / q_group_block;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);

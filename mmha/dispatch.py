@@ -28,6 +28,13 @@ MAX_SPLITS = 64
 WIDE_COLUMNS = 64
 WIDE_MIN_COLUMNS = 32
 WIDE_MAX_HEAD_DIM = 128
+# Below WIDE_ALWAYS_COLUMNS, wide items only where a step has at least WIDE_MIN_ITEMS of them
+# (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
+# (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
+# timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide
+# items win, 114 against 134 and 179 against 310).
+WIDE_ALWAYS_COLUMNS = 128
+WIDE_MIN_ITEMS = 64
 
 # The tile loop (fp16 / bf16): blocks of 4 consumer warps and a producer warp around a ring of
 # stages, each holding K and V of TILE_KEYS keys.
@@ -98,12 +105,17 @@ def q_group_block(group: int) -> int:
     return Q_GROUP_BLOCKS[-1]
 
 
-def columns_block(columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128) -> int:
+def columns_block(
+    columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128, kv_rows: int = 1
+) -> int:
     """Query columns per work item for ``columns`` columns per (row, kv head) (mirrors the C++
     ``columns_block``): ``q_group_block``, or ``WIDE_COLUMNS`` for a tree step of two or more
-    nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns and ``head_dim <=
-    WIDE_MAX_HEAD_DIM``."""
-    if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS:
+    nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns, ``head_dim <=
+    WIDE_MAX_HEAD_DIM``, and either ``WIDE_ALWAYS_COLUMNS`` columns or ``WIDE_MIN_ITEMS`` wide
+    items over its ``kv_rows`` (rows x kv heads)."""
+    blocks = -(-columns // WIDE_COLUMNS)
+    enough = columns >= WIDE_ALWAYS_COLUMNS or kv_rows * blocks >= WIDE_MIN_ITEMS
+    if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS and enough:
         return WIDE_COLUMNS
     return q_group_block(columns)
 
@@ -288,7 +300,7 @@ def choose_variant(
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
-    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim)
+    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads)
     wide = qb == WIDE_COLUMNS
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     if tiles:

@@ -59,29 +59,31 @@ def mods_cases() -> None:
 
 
 def tree_cases() -> None:
-    """Tree steps: both tile sources, single pass and split, a refused tree and an overflowing row."""
-    lengths = [0, 1, 17, 127, 255 - 9]
-    for dtype, head_dim, sources in (
-        (torch.float16, 128, ("tma", "cp_async")),
-        (torch.float32, 64, ("auto",)),
+    """Tree steps: both tile sources, single pass and split, narrow (9 nodes) and wide (33 nodes:
+    132 columns per kv head) items, a refused tree and an overflowing row."""
+    for dtype, head_dim, sources, nodes in (
+        (torch.float16, 128, ("tma", "cp_async"), 9),
+        (torch.float16, 128, ("tma", "cp_async"), 33),
+        (torch.float32, 64, ("auto",), 9),
     ):
+        lengths = [0, 1, 17, 127, 256 - nodes]
         for splits in (1, 5):
             for source in sources:
                 case = make_case(
                     5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True, rotary_dim=head_dim
                 )
-                qkv = torch.randn(5, 9, case.qkv.shape[1], device="cuda").to(dtype)
+                qkv = torch.randn(5, nodes, case.qkv.shape[1], device="cuda").to(dtype)
                 parents = torch.tensor(
-                    [[-1] + [(t - 1) // 2 for t in range(1, 9)]] * 5, dtype=torch.int32
+                    [[-1] + [(t - 1) // 2 for t in range(1, nodes)]] * 5, dtype=torch.int32
                 ).cuda()
-                counts = torch.tensor([9, 3, 9, 1, 9], dtype=torch.int32, device="cuda")
+                counts = torch.tensor([nodes, 3, nodes, 1, nodes], dtype=torch.int32, device="cuda")
                 kc, vc = case.clone_caches()
                 out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, node_counts=counts, num_splits=splits,
                                       stages=2, tile_source=source, **case.kwargs())  # fmt: skip
                 assert torch.isfinite(out).all()
                 parents[1, 2] = 5  # a later node: refused on the device
-                case.lengths[4] = 250  # 250 + 9 > 256
-                ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, splits, 9)
+                case.lengths[4] = 250  # 250 + nodes > 256
+                ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, splits, nodes)
                 out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, num_splits=splits, stages=2,
                                       tile_source=source, workspace=ws, validate=False, **case.kwargs())  # fmt: skip
                 torch.cuda.synchronize()

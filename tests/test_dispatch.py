@@ -123,19 +123,23 @@ def test_python_and_cpp_constants_agree():
         assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
         for qb in dispatch.Q_GROUP_BLOCKS + (dispatch.WIDE_COLUMNS,):
             assert _C.tile_static_smem(d, 2, qb) == dispatch.tile_static_smem(d, 2, qb)
-        for columns in (1, 3, 8, 9, 31, 32, 64, 256):
+        for columns in (1, 3, 8, 9, 31, 32, 64, 127, 128, 256):
             for tree in (False, True):
                 for tiles in (False, True):
-                    want = dispatch.columns_block(columns, tree, tiles, d)
-                    assert _C.columns_block(columns, tree, tiles, d) == want, (columns, tree, tiles, d)
+                    for kv_rows in (1, 8, 63, 64, 512):
+                        want = dispatch.columns_block(columns, tree, tiles, d, kv_rows)
+                        got = _C.columns_block(columns, tree, tiles, d, kv_rows)
+                        assert got == want, (columns, tree, tiles, d, kv_rows)
 
 
 def test_columns_block_of_tree_steps():
     # One-token steps and the CUDA-core loop keep query-head blocks; trees of many columns go wide.
     assert dispatch.columns_block(256, tree=False) == 8
     assert dispatch.columns_block(256, tree=True, tiles=False) == 8
-    assert dispatch.columns_block(31, tree=True) == 8
-    assert dispatch.columns_block(32, tree=True) == dispatch.WIDE_COLUMNS
+    assert dispatch.columns_block(31, tree=True, kv_rows=512) == 8
+    assert dispatch.columns_block(32, tree=True, kv_rows=64) == dispatch.WIDE_COLUMNS
+    assert dispatch.columns_block(64, tree=True, kv_rows=8) == 8  # too few wide items: narrow
+    assert dispatch.columns_block(128, tree=True, kv_rows=1) == dispatch.WIDE_COLUMNS
     assert dispatch.columns_block(256, tree=True, head_dim=256) == 8
     # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
     # every resident block.

@@ -15,7 +15,7 @@ from helpers import FLOOR, assert_bits_equal, gpu, make_case
 from test_generate import random_prompts
 from test_tree import random_tree
 
-from mmha import ops, reference, tree
+from mmha import dispatch, ops, reference, tree
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -103,9 +103,14 @@ def test_tree_shapes_against_reference(kind, splits, source):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("nodes", [9, 33])  # 18 columns per kv head (narrow items), 66 (wide: 64 + 2)
+@pytest.mark.parametrize("nodes", [9, 33])  # 36 columns per kv head (narrow items), 132 (wide: 64 + 64 + 4)
 def test_tree_dtypes_and_head_dims(dtype, head_dim, splits, nodes):
-    case, qkv, parents, counts, _ = tree_case(3, 4, 2, head_dim, [0, 37, 500], 512 + 64, dtype, nodes,
+    wide = (
+        dispatch.columns_block(4 * nodes, True, dtype != torch.float32, head_dim, 3 * 2)
+        == dispatch.WIDE_COLUMNS
+    )
+    assert wide == (nodes == 33 and dtype != torch.float32 and head_dim <= dispatch.WIDE_MAX_HEAD_DIM)
+    case, qkv, parents, counts, _ = tree_case(3, 8, 2, head_dim, [0, 37, 500], 512 + 64, dtype, nodes,
                                               "random", seed=head_dim + nodes, bias=True,
                                               counts=[nodes, nodes - 5, nodes])  # fmt: skip
     check_tree(case, qkv, parents, counts, num_splits=splits)
@@ -117,6 +122,7 @@ def test_wide_items_over_tile_and_split_edges(source, splits):
     # Wide items (64 columns: 16 nodes x G = 4) over rows whose keys end on, before and after tile
     # boundaries, a row of none cached, and unused warps (the last item of 20 nodes holds 16).
     nodes = 20
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 9 * 4) == dispatch.WIDE_COLUMNS
     lengths = [0, 1, 63 - nodes, 64 - nodes, 65 - nodes, 127, 128, 1000, 2048 - nodes]
     counts = [nodes, 16, nodes, 3, nodes, 1, nodes, 19, nodes]
     case, qkv, parents, counts, _ = tree_case(9, 16, 4, 128, lengths, 2048, torch.float16, nodes, "random",
@@ -127,7 +133,7 @@ def test_wide_items_over_tile_and_split_edges(source, splits):
 def test_wide_items_with_large_logits():
     # Scores far above the online softmax's slack in one tile and far below in the next: the
     # running max moves both ways within an item.
-    nodes = 16
+    nodes = 32  # 128 columns per kv head: wide items
     case, qkv, parents, counts, _ = tree_case(2, 8, 2, 64, [500, 1500], 2048, torch.bfloat16, nodes, "chain",
                                               seed=3, rotary=False)  # fmt: skip
     case.k_cache[:, :, :, 300:340] *= 40
@@ -137,8 +143,8 @@ def test_wide_items_with_large_logits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_tree_fp8_caches(dtype, head_dim, splits):
-    nodes = 11
+@pytest.mark.parametrize("nodes", [11, 40])  # 44 columns per kv head (narrow items), 160 (wide)
+def test_tree_fp8_caches(dtype, head_dim, splits, nodes):
     case, qkv, parents, counts, scales = tree_case(3, 8, 2, head_dim, [0, 100, 700], 768, dtype, nodes,
                                                    "random", seed=7 + head_dim, kv_dtype=FP8)  # fmt: skip
     check_tree(case, qkv, parents, counts, scales, num_splits=splits)

@@ -99,17 +99,24 @@ struct WideConsumer {
     const int n0 = (w.c0 + first) / group;
     const int n1 = (w.c0 + last - 1) / group;
     // pass 0 (fp8 only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
+    // Lane k holds node n0 + k's position (at most 16 nodes per warp): one load for all of them.
+    const int my_col = max(first, (n0 + lane) * group - w.c0);
+    const int my_pos = n0 + lane <= n1 ? query_position(p, w, column_of(p, w, my_col)) : 0;
     float q_unit = 1.f;
     float qmax = 0.f;
     for (int pass = kFp8 ? 0 : 1; pass < 2; ++pass) {
-      for (int i = lane; i < HEAD_DIM / 2; i += 32) {
+      for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffles below
+        const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
+        const bool on = i0 + lane < HEAD_DIM / 2;
         const RotaryPair rp = rotary_pair(i, p);
+#pragma unroll 4
         for (int node = n0; node <= n1; ++node) {
           const int c_lo = max(first, node * group - w.c0);
-          const int c_hi = min(last, (node + 1) * group - w.c0);
+          const int c_hi = on ? min(last, (node + 1) * group - w.c0) : c_lo;
           const Column c0 = column_of(p, w, c_lo);
+          const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
           float sn = 0.f, cs = 1.f;
-          if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c0)) * rp.inv_freq, &sn, &cs);
+          if (rp.rotated) sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
           for (int cw = c_lo; cw < c_hi; ++cw) {
             const int head = c0.head + cw - c_lo;
             const T* row =

@@ -46,6 +46,13 @@ constexpr int kMaxStages = 8;
 constexpr int kWideColumns = 16 * kConsumerWarps;
 constexpr int kWideMinColumns = 32;
 constexpr int kWideMaxHeadDim = 128;
+// Below kWideAlwaysColumns, wide items only where the step has at least kWideMinItems of them
+// (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
+// (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
+// timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide
+// items win, 114 against 134 and 179 against 310).
+constexpr int kWideAlwaysColumns = 128;
+constexpr int kWideMinItems = 64;
 // An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
 // host and dispatcher can size stages without asking the compiled kernel (mirrored by
 // tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
@@ -66,9 +73,12 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
 // Query columns per item for `columns` columns per (row, kv head): the smallest of
 // kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
 // on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
-// as one). Mirrored by columns_block in mmha/dispatch.py.
-constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim) {
-  if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns) return kWideColumns;
+// as one); kv_rows = batch x kv heads. Mirrored by columns_block in mmha/dispatch.py.
+constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows) {
+  if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns &&
+      (columns >= kWideAlwaysColumns || kv_rows * ((columns + kWideColumns - 1) / kWideColumns) >= kWideMinItems)) {
+    return kWideColumns;
+  }
   for (int i = 0; i < kNumQGroupBlocks; ++i) {
     if (kQGroupBlocks[i] >= columns) return kQGroupBlocks[i];
   }
