@@ -79,8 +79,15 @@ def check_tree(case, qkv, parents, counts, scales=None, **kw):
         tol = 2 * base + floor * max(1.0, r.abs().max().item())
         assert err <= tol, f"row {b}: max error {err:.3e} > tolerance {tol:.3e}"
     if case.rotary:
-        diff = (kc.float() - ref_k.float()).abs().nan_to_num(0).max().item()
-        assert diff <= 2e-2 * max(1.0, ref_k.float().nan_to_num(0).abs().max().item())
+        a, r = kc.float().nan_to_num(0), ref_k.float().nan_to_num(0)
+        diff = (a - r).abs()
+        if kc.dtype == FP8:  # fp32 against float64 rotation: at most one e4m3 step (3 mantissa bits)
+            step = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), r.abs()).clamp_min(2.0**-6))) - 3)
+            assert (diff <= step).all(), (
+                f"k_cache: {(diff > step).sum().item()} values off by more than one step"
+            )
+        else:
+            assert diff.max().item() <= 2e-2 * max(1.0, r.abs().max().item())
         assert_bits_equal(vc, ref_v, "v_cache")
     else:
         assert_bits_equal(kc, ref_k, "k_cache")
