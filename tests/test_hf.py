@@ -183,12 +183,15 @@ class _AlwaysWrongDraft(HFDecoder):
         return logits.scatter(-1, logits.argmax(-1, keepdim=True), float("-inf"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_GPU, reason="needs a CUDA GPU and the built extension"))])  # fmt: skip
 @pytest.mark.parametrize("draft_kind", ["same", "other", "wrong"])
 @pytest.mark.parametrize("shape", [(2, 2, 1), (1, 1, 1, 1), (3,)])
-def test_cpu_speculative_greedy_is_lossless(draft_kind, shape):
+def test_speculative_greedy_is_lossless(device, draft_kind, shape):
     """Speculative decoding with a draft equal to the target, a different random model, and a
-    draft that is always wrong: the target's plain greedy tokens, token for token (fp32)."""
-    target = build("llama", "cpu", torch.float32)
+    draft that is always wrong: the target's plain greedy tokens, token for token (fp32; on a GPU
+    the tree steps and one-token steps run the kernels)."""
+    target = build("llama", device, torch.float32)
     ps = prompts(target.config.vocab_size)
     new = 24
     seq = max(PROMPT_LENGTHS) + new + 40
@@ -197,7 +200,7 @@ def test_cpu_speculative_greedy_is_lossless(draft_kind, shape):
         plain = HFDecoder(target, len(ps), seq).generate(ps, new)
         if draft_kind == "other":
             torch.manual_seed(5)
-            other = build("llama", "cpu", torch.float32, num_hidden_layers=1)
+            other = build("llama", device, torch.float32, num_hidden_layers=1)
             with torch.no_grad():
                 for p in other.parameters():
                     p.add_(torch.randn_like(p) * 0.5)

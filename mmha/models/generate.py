@@ -304,9 +304,9 @@ def main(argv: list[str]) -> int:
     has_gpu = torch.cuda.is_available()
     from .._ext import extension_available
 
-    if not has_gpu or not extension_available() or args.paged or args.speculative:
-        if (args.paged or args.speculative) and has_gpu:
-            why = ("paged caches" if args.paged else "tree steps") + " have no kernel yet"
+    if not has_gpu or not extension_available() or args.paged:
+        if args.paged and has_gpu:
+            why = "paged caches have no kernel yet"
         else:
             why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
         has_gpu = False
@@ -330,10 +330,16 @@ def main(argv: list[str]) -> int:
         a = speculative_demo(
             model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape
         )
-        print(f"speculative greedy decoding, draft = the first {args.draft_layers} of {cfg.num_layers} "
-              f"layers, trees of {a['nodes']} nodes {args.tree_shape}: {a['rounds']} rounds for "
-              f"{args.new_tokens} tokens ({a['mean_accepted']:.2f} tokens accepted per round); plain greedy "
-              f"{a['plain_s'] * 1e3:.0f} ms, speculative {a['speculative_s'] * 1e3:.0f} ms (reference path); "
+        tokens = args.new_tokens * len(prompts[: args.batch])
+        path = "GPU kernel" if has_gpu else "reference path"
+        print(f"speculative greedy decoding, model {args.model} ({args.dtype}), batch {args.batch}, "
+              f"draft = the first {args.draft_layers} of {cfg.num_layers} layers, "
+              f"trees of {a['nodes']} nodes {args.tree_shape}: "
+              f"{a['rounds']} rounds for {args.new_tokens} tokens "
+              f"({a['mean_accepted']:.2f} tokens accepted per round); "
+              f"plain greedy {a['plain_s'] * 1e3:.0f} ms "
+              f"({tokens / a['plain_s']:.0f} tokens/s), speculative {a['speculative_s'] * 1e3:.0f} ms "
+              f"({tokens / a['speculative_s']:.0f} tokens/s), eager on the {path}; "
               f"tokens identical to plain greedy: {a['identical']}")  # fmt: skip
         return 0 if a["identical"] else 1
     cache_kind = f"{args.kv_dtype} cache" + (f" (paged, blocks of {args.block_size})" if args.paged else "")
