@@ -703,25 +703,23 @@ class KVCache:
             self._tree = rows
         return out
 
-    def accept(self, rows: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+    def accept(self, rows: Sequence[int], paths: Sequence[Sequence[int]] | torch.Tensor) -> None:
         """After ``step_tree`` on every layer: each row of ``rows`` keeps the nodes of its path
         (root first; an empty path keeps none), moved on the device to slots ``length ..
         length + len(path) - 1`` in path order in every layer; its length advances by
         ``len(path)``, and the other nodes are forgotten. Paths are checked against the last
-        step_tree's parents; nothing changes on a refusal."""
-        from . import tree
+        step_tree's parents; nothing changes on a refusal.
 
-        trees = getattr(self, "_tree", None)
-        if trees is None:
-            raise ValueError("accept needs a step_tree first")
+        ``paths`` may be an integer tensor ``[len(rows), P]`` on the cache's device, each row its
+        path then ``-1``s: the moves and the lengths' update are then device work only, which a
+        CUDA graph can capture with the tree steps (``rows`` consecutive there). Outside capture
+        the paths are read and checked as above; inside capture nothing is checked (a path that
+        is not one of the tree's moves what it names, clamped to the capacity) and the host
+        mirror of the lengths stays behind: call ``sync_lengths()`` after replays."""
+        if isinstance(paths, torch.Tensor):
+            return self._accept_tensor(rows, paths)
         rows = self._check_rows(rows)
-        if len(paths) != len(rows):
-            raise ValueError(f"paths must hold one path per row ({len(rows)}), got {len(paths)}")
-        checked = []
-        for i, (r, path) in enumerate(zip(rows, paths, strict=True)):
-            if r >= len(trees) or not self._active[r]:
-                raise ValueError(f"rows[{i}] = {r} took no part in the last step_tree (or is free)")
-            checked.append(tree.check_path(trees[r], path, i) if len(path) else [])
+        checked = self._checked_paths(rows, paths)
         for r, path in zip(rows, checked, strict=True):
             n = self._host_lengths[r]
             if not path or path == list(range(len(path))):
@@ -732,6 +730,79 @@ class KVCache:
                 kc[r, :, :, dst] = kc[r, :, :, src].clone()
                 vc[r, :, dst] = vc[r, :, src].clone()
         self._set_lengths(rows, [self._host_lengths[r] + len(p) for r, p in zip(rows, checked, strict=True)])
+
+    def _checked_paths(self, rows: list[int], paths: Sequence[Sequence[int]]) -> list[list[int]]:
+        """accept's checks of host paths against the last step_tree's trees."""
+        from . import tree
+
+        trees = getattr(self, "_tree", None)
+        if trees is None:
+            raise ValueError("accept needs a step_tree first")
+        if len(paths) != len(rows):
+            raise ValueError(f"paths must hold one path per row ({len(rows)}), got {len(paths)}")
+        checked = []
+        for i, (r, path) in enumerate(zip(rows, paths, strict=True)):
+            if r >= len(trees) or not self._active[r]:
+                raise ValueError(f"rows[{i}] = {r} took no part in the last step_tree (or is free)")
+            checked.append(tree.check_path(trees[r], path, i) if len(path) else [])
+        return checked
+
+    def _accept_tensor(self, rows: Sequence[int], paths: torch.Tensor) -> None:
+        """accept with device paths: gathers of every kept node's K/V, scattered to its slot."""
+        rows = self._check_rows(rows)
+        if self.paged:
+            raise ValueError("accept with tensor paths needs a contiguous cache (paged=False)")
+        if (
+            paths.dim() != 2
+            or paths.shape[0] != len(rows)
+            or paths.device != self.device
+            or paths.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"paths must be an int32 / int64 tensor [{len(rows)}, P] on {self.device}, got "
+                f"{paths.dtype} {tuple(paths.shape)} on {paths.device}"
+            )
+        capturing = self._capturing()
+        kept = None
+        if not capturing:
+            host = paths.tolist()
+            kept = [[n for n in p if n >= 0] for p in host]
+            for i, p in enumerate(host):
+                if any(n >= 0 for n in p[len(kept[i]) :]) or any(n < -1 for n in p):
+                    raise ValueError(f"paths[{i}] must be its path, then -1s, got {p}")
+            kept = self._checked_paths(rows, kept)
+        if not rows:
+            return
+        if rows != list(range(rows[0], rows[0] + len(rows))):
+            if capturing:
+                raise ValueError(f"rows must be consecutive inside CUDA-graph capture, got {rows}")
+            idx = torch.tensor(rows, dtype=torch.long).to(self.device)
+        else:
+            idx = torch.arange(rows[0], rows[0] + len(rows), dtype=torch.long, device=self.device)
+        p = paths.long()
+        width = p.shape[1]
+        n = self.lengths[idx].long()
+        count = (p >= 0).sum(1)
+        t = torch.arange(width, device=self.device).expand(len(rows), width)
+        # Past a path's end, repeat its last move (an identical write); an empty path copies slot n
+        # onto itself.
+        t = torch.where(t < count[:, None], t, (count - 1).clamp_min(0)[:, None])
+        top = self.max_seq_len - 1
+        src = (n[:, None] + p.gather(1, t).clamp_min(0)).clamp(max=top)
+        dst = (n[:, None] + t).clamp(max=top)
+        r = idx[:, None].expand(len(rows), width)
+        for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+            kc[r, :, :, dst] = kc[r, :, :, src]
+            vc[r, :, dst] = vc[r, :, src]
+        self.lengths.index_add_(0, idx, count.to(self.lengths.dtype))
+        if kept is not None:
+            for row, path in zip(rows, kept, strict=True):
+                self._host_lengths[row] += len(path)
+
+    def sync_lengths(self) -> None:
+        """Read the device lengths into the host mirror (one synchronisation): after replays of a
+        graph that captured ``accept`` with tensor paths."""
+        self._host_lengths = [int(v) for v in self.lengths.tolist()]
 
     def _step_paged(self, qkv, kc, vc, batch: int, common: dict):
         rows = [r for r in range(batch) if self._active[r]]

@@ -88,6 +88,56 @@ def test_accept_moves_the_path_and_equals_one_token_steps():
     assert torch.equal(c.step(0, nxt), seq.step(0, nxt))
 
 
+def _tree_cache(device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d = 4, 2, 32
+    c = KVCache(2, 3, 64, hq, hkv, d, dtype, device, rotary_dim=d)
+    k = torch.randn(3, 10, hkv, d, generator=g).to(device, dtype)
+    for layer in range(2):
+        c.prefill(layer, k, k, [10, 3, 7])
+    parents = torch.tensor(
+        [[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 1, -1, 4], [-1, 0, 1, 2, 3, 4]], dtype=torch.int32
+    )
+    qkv = torch.randn(3, 6, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
+    for layer in range(2):
+        c.step_tree(layer, qkv, parents.to(device))
+    return c
+
+
+def test_accept_with_tensor_paths_equals_list_paths():
+    paths = [[0, 2, 4, 5], [4, 5], []]
+    a, b = _tree_cache(), _tree_cache()
+    a.accept([0, 1, 2], paths)
+    t = torch.tensor([p + [-1] * (5 - len(p)) for p in paths], dtype=torch.int32)
+    b.accept([0, 1, 2], t)
+    assert a.host_lengths == b.host_lengths == [14, 5, 7]
+    assert torch.equal(a.lengths, b.lengths)
+    for layer in range(2):
+        for row, used in enumerate((10 + 6, 3 + 6, 7 + 6)):  # the prompts and the trees' slots
+            assert torch.equal(a.k_caches[layer][row, :, :, :used], b.k_caches[layer][row, :, :, :used])
+            assert torch.equal(a.v_caches[layer][row, :, :used], b.v_caches[layer][row, :, :used])
+    c = _tree_cache()  # non-consecutive rows, a path already in place
+    c.accept([2, 0], torch.tensor([[0, 1, 2], [0, 1, -1]]))
+    assert c.host_lengths == [12, 3, 10]
+
+
+def test_accept_refuses_bad_tensor_paths_and_changes_nothing():
+    c = _tree_cache()
+    before = [x.clone() for x in c.k_caches + c.v_caches] + [c.lengths.clone()]
+    for bad, match in (
+        (torch.tensor([[0, -1, 2]]), r"paths\[0\] must be its path, then -1s"),
+        (torch.tensor([[0, 3]]), r"paths\[0\] must be a path from a root"),
+        (torch.tensor([[0, 1]], dtype=torch.float32), "paths must be an int32 / int64 tensor"),
+        (torch.tensor([[0], [0]]), r"paths must be an int32 / int64 tensor \[1, P\]"),
+        (torch.tensor([[0, -2]]), r"paths\[0\] must be its path, then -1s"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            c.accept([0], bad)
+    after = [x for x in c.k_caches + c.v_caches] + [c.lengths]
+    assert all(torch.equal(x.nan_to_num(0), y.nan_to_num(0)) for x, y in zip(before, after, strict=True))
+    assert c.host_lengths == [10, 3, 7]
+
+
 def test_bad_trees_and_paths_are_refused_and_change_nothing():
     c = KVCache(1, 2, 16, 4, 2, 32, torch.float32, "cpu")
     c.prefill(0, torch.randn(2, 10, 2, 32), torch.randn(2, 10, 2, 32), [10, 2])

@@ -297,6 +297,67 @@ def test_tree_step_in_a_cuda_graph_replays_with_new_trees():
         assert_bits_equal(out, want, "graph replay vs eager")
 
 
+def test_tree_steps_and_accept_in_one_cuda_graph():
+    # A verification round as one graph: step_tree on every layer, then accept with device paths;
+    # replayed with new trees, qkv and paths, it leaves the cache as eager steps and list paths do.
+    nodes = 8
+    c, e = _cache(), _cache()
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(3, 40, 2, 64, generator=g).half().cuda()
+    for cache in (c, e):
+        for layer in range(2):
+            cache.prefill(layer, k, k, [4, 40, 22])
+    qkv = torch.randn(3, nodes, 12 * 64, generator=g).half().cuda()
+    trees = [random_tree(random.Random(r), nodes, "random") for r in range(3)]
+    parents = torch.tensor(trees, dtype=torch.int32, device="cuda")
+    paths = torch.full((3, nodes), -1, dtype=torch.int32, device="cuda")
+    plan = dict(num_splits=2, stages=3)
+
+    def round_(cache, ps):
+        outs = [
+            cache.step_tree(layer, qkv, parents if ps is None else parents.tolist(), **plan)
+            for layer in range(2)
+        ]
+        cache.accept([0, 1, 2], paths if ps is None else ps)
+        return outs
+
+    c.step_tree(0, qkv, parents, **plan)  # warm-up (workspace) outside capture
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        outs = round_(c, None)
+    torch.cuda.current_stream().wait_stream(s)
+    for i in range(3):
+        trees = [random_tree(random.Random(50 + 3 * i + r), nodes, "random") for r in range(3)]
+        rng = random.Random(i)
+        ps = []
+        for t in trees:  # a random root-to-node path of each tree (possibly empty)
+            node = rng.randrange(-1, nodes)
+            path = []
+            while node >= 0:
+                path.insert(0, node)
+                node = t[node]
+            ps.append(path)
+        parents.copy_(torch.tensor(trees, dtype=torch.int32))
+        paths.copy_(torch.tensor([p + [-1] * (nodes - len(p)) for p in ps], dtype=torch.int32))
+        qkv.normal_()
+        graph.replay()
+        want = round_(e, ps)
+        torch.cuda.synchronize()
+        for layer in range(2):
+            assert_bits_equal(outs[layer], want[layer], f"round {i} layer {layer}")
+        assert torch.equal(c.lengths, e.lengths)
+        for row, n in enumerate(e.host_lengths):
+            for layer in range(2):
+                assert_bits_equal(
+                    c.k_caches[layer][row, :, :, :n], e.k_caches[layer][row, :, :, :n], "k_cache"
+                )
+                assert_bits_equal(c.v_caches[layer][row, :, :n], e.v_caches[layer][row, :, :n], "v_cache")
+    c.sync_lengths()
+    assert c.host_lengths == e.host_lengths
+
+
 def test_step_tree_refuses_modifier_free_calls_only_where_needed():
     c = _cache()
     qkv = torch.zeros(3, 70, 12 * 64, dtype=torch.float16, device="cuda")
