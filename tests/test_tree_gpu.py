@@ -314,10 +314,7 @@ def test_tree_steps_and_accept_in_one_cuda_graph():
     plan = dict(num_splits=2, stages=3)
 
     def round_(cache, ps):
-        outs = [
-            cache.step_tree(layer, qkv, parents if ps is None else parents.tolist(), **plan)
-            for layer in range(2)
-        ]
+        outs = [cache.step_tree(layer, qkv, parents, **plan) for layer in range(2)]
         cache.accept([0, 1, 2], paths if ps is None else ps)
         return outs
 
