@@ -136,8 +136,8 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
-// One value of an item's result (column col, head dim d): out and lse (single pass) or its partial (split): acc at
-// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
+// One value of an item's result (column col, head dim d): out and lse (single pass) or its
+// partial (split): acc at [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
 // them, so every acc row starts 16-byte aligned for the merge's vector loads. Per column g: max
 // m[g], sum l[g], and acc(g, d), the block's accumulator already rescaled to m[g]. Columns of
 // tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
@@ -401,7 +401,6 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   using L = TileLayout<C, HEAD_DIM>;
   using Next = NextItem<T, C, HEAD_DIM, QB>;
   const int smax = p.max_seq_len;
-  // Block j's first item is item j; later ones come from the work counter (items past the grid).
   const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
   RingCursor cur;
   Next next;
