@@ -136,10 +136,10 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
-// One value of an item's result (column col, head dim d): out and lse (single pass) or its
-// partial (split): acc at [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
-// them, so every acc row starts 16-byte aligned for the merge's vector loads. Per column g: max
-// m[g], sum l[g], and acc(g, d), the block's accumulator already rescaled to m[g]. Columns of
+// One value of an item's result (column col, head dim d; max mx, sum, and a, the accumulator
+// already rescaled to mx): out and lse (single pass) or its partial (split): acc at
+// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
+// them, so every acc row starts 16-byte aligned for the merge's vector loads. Columns of
 // tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
 // out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
 // single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
