@@ -16,7 +16,8 @@ TORCH_LIBRARY(mmha, m) {
       "int rotary_dim, float rotary_theta, bool rotary_interleaved, int num_splits, "
       "bool check_lengths=True, int stages=2, int tile_source=0, Tensor? k_scale=None, "
       "Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None) -> ()");
+      "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None, Tensor? block_tables=None, "
+      "Tensor? row_active=None) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.

@@ -168,7 +168,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
                       const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts) {
+                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts,
+                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -187,6 +188,11 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     MMHA_CHECK(tree, "node_counts must be None without parents (it counts a tree step's nodes)");
     check_cuda(*node_counts, "node_counts", device);
   }
+  const bool pages = block_tables.has_value();
+  if (pages) check_cuda(*block_tables, "block_tables", device);
+  if (row_active.has_value()) check_cuda(*row_active, "row_active", device);
+  MMHA_CHECK(!(pages && tree), "parents must be None with block_tables: tree steps on paged caches are not "
+             "supported yet (use contiguous caches)");
 
   // Dtypes.
   const at::ScalarType dtype = qkv.scalar_type();
@@ -224,24 +230,49 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   MMHA_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
              ") must be divisible by num_kv_heads (", num_kv_heads, ")");
 
-  // Caches: k [B, Hkv, D/x, S_max, x], v [B, Hkv, S_max, D].
-  MMHA_CHECK(v_cache.dim() == 4, "v_cache must have 4 dims [B, Hkv, S_max, D], got shape ",
-             shape_str(v_cache));
-  const int64_t batch = v_cache.size(0);
+  // Caches: k [B, Hkv, D/x, S_max, x], v [B, Hkv, S_max, D]; paged: pools k [num_blocks, Hkv,
+  // D/x, bs, x], v [num_blocks, Hkv, bs, D] and block_tables [B, max_blocks] (S_max = max_blocks * bs).
+  const char* v_dims = pages ? "[num_blocks, Hkv, block_size, D]" : "[B, Hkv, S_max, D]";
+  const char* k_dims = pages ? "[num_blocks, Hkv, D/x, block_size, x]" : "[B, Hkv, D/x, S_max, x]";
+  MMHA_CHECK(v_cache.dim() == 4, "v_cache must have 4 dims ", v_dims, ", got shape ", shape_str(v_cache));
   const int64_t head_dim = v_cache.size(3);
-  const int64_t max_seq_len = v_cache.size(2);
+  const int64_t slots_dim = v_cache.size(2);  // S_max, or the block size
+  int64_t batch = v_cache.size(0);
+  int64_t max_seq_len = slots_dim;
+  int64_t block_shift = 0;
+  if (pages) {
+    check_dtype(*block_tables, "block_tables", at::kInt);
+    MMHA_CHECK(block_tables->dim() == 2 && block_tables->size(1) >= 1, "block_tables must have shape [B, max_blocks], "
+               "got shape ", shape_str(*block_tables));
+    check_contiguous(*block_tables, "block_tables");
+    MMHA_CHECK(slots_dim == 16 || slots_dim == 32 || slots_dim == 64 || slots_dim == 128,
+               "v_cache must have a block size of 16, 32, 64 or 128 slots in dim 2 (pages ", v_dims, "), got shape ",
+               shape_str(v_cache));
+    while ((int64_t{1} << block_shift) < slots_dim) ++block_shift;
+    batch = block_tables->size(0);
+    max_seq_len = block_tables->size(1) * slots_dim;
+    MMHA_CHECK(max_seq_len <= INT32_MAX, "block_tables must have max_blocks * block_size <= 2^31 - 1, got shape ",
+               shape_str(*block_tables));
+    MMHA_CHECK(v_cache.size(0) >= 1 && v_cache.size(0) <= INT32_MAX, "v_cache must have 1 to 2^31 - 1 blocks, got shape ",
+               shape_str(v_cache));
+  }
+  if (row_active.has_value()) {
+    check_dtype(*row_active, "row_active", at::kInt);
+    MMHA_CHECK(row_active->dim() == 1 && row_active->size(0) == batch, "row_active must have shape [", batch,
+               "], got shape ", shape_str(*row_active));
+    check_contiguous(*row_active, "row_active");
+  }
   MMHA_CHECK(head_dim_supported(head_dim), "Unsupported head_dim: ", head_dim,
              " (supported: ", supported_head_dims(), ")");
   const int64_t cache_elem = static_cast<int64_t>(k_cache.element_size());
   const int64_t x = 16 / cache_elem;
-  MMHA_CHECK(k_cache.dim() == 5, "k_cache must have 5 dims [B, Hkv, D/x, S_max, x], got shape ",
-             shape_str(k_cache));
+  MMHA_CHECK(k_cache.dim() == 5, "k_cache must have 5 dims ", k_dims, ", got shape ", shape_str(k_cache));
   MMHA_CHECK(k_cache.size(4) == x, "k_cache must have x = 16 / element_size = ", x,
              " in its last dim, got shape ", shape_str(k_cache));
-  MMHA_CHECK(k_cache.size(0) == batch && k_cache.size(1) == v_cache.size(1) &&
-                 k_cache.size(2) * x == head_dim && k_cache.size(3) == max_seq_len,
-             "k_cache must have shape [", batch, ", ", v_cache.size(1), ", ", head_dim / x, ", ",
-             max_seq_len, ", ", x, "] to match v_cache ", shape_str(v_cache), ", got shape ",
+  MMHA_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                 k_cache.size(2) * x == head_dim && k_cache.size(3) == slots_dim,
+             "k_cache must have shape [", v_cache.size(0), ", ", v_cache.size(1), ", ", head_dim / x, ", ",
+             slots_dim, ", ", x, "] to match v_cache ", shape_str(v_cache), ", got shape ",
              shape_str(k_cache));
   MMHA_CHECK(v_cache.size(1) == num_kv_heads, "v_cache must have num_kv_heads (", num_kv_heads,
              ") heads in dim 1, got shape ", shape_str(v_cache));
@@ -277,7 +308,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   MMHA_CHECK(qkv.dim() == qdims, "qkv must have ", qdims, " dims ",
              tree ? "[B, T, (Hq + 2 * Hkv) * D]" : "[B, (Hq + 2 * Hkv) * D]", ", got shape ", shape_str(qkv));
   MMHA_CHECK(qkv.size(0) == batch, "qkv must have batch ", batch,
-             " (the caches' batch), got shape ", shape_str(qkv));
+             pages ? " (block_tables' rows)" : " (the caches' batch)", ", got shape ", shape_str(qkv));
   MMHA_CHECK(!tree || qkv.size(1) == nodes, "qkv must have T = ", nodes,
              " nodes (parents' width) in dim 1, got shape ", shape_str(qkv));
   MMHA_CHECK(qkv.size(qdims - 1) == width, "qkv must have width (num_heads + 2 * num_kv_heads) * head_dim = (",
@@ -358,6 +389,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const bool tiles = uses_tensor_cores(to_dtype(cache_dtype));
   MMHA_CHECK(tile_source >= 0 && tile_source <= 2,
              "tile_source must be 0 (auto), 1 (cp.async) or 2 (tma), got ", tile_source);
+  MMHA_CHECK(tile_source != 2 || !pages, "tile_source 2 (tma) cannot read paged caches (block_tables given): "
+             "use 0 (auto) or 1 (cp.async)");
   MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(cache_dtype), static_cast<int>(head_dim)),
              "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, or "
              "float8_e4m3fn caches with head_dim a multiple of 128, got ", cache_dtype, " and head_dim ", head_dim);
@@ -430,9 +463,16 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     p.tree_depth = p.counters + tw.depth;
     p.tree_rows = p.counters + tw.rows;
   }
+  if (pages) {
+    p.block_tables = block_tables->data_ptr<int32_t>();
+    p.max_blocks = static_cast<int32_t>(block_tables->size(1));
+    p.num_blocks = static_cast<int32_t>(v_cache.size(0));
+    p.block_shift = static_cast<int32_t>(block_shift);
+  }
+  p.row_active = row_active.has_value() ? row_active->data_ptr<int32_t>() : nullptr;
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
-  if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {
+  if (tiles && tile_source != 1 && !pages && tma_head_dim(p.cache_dtype, p.head_dim)) {
     const bool forced = tile_source == 2;
     const bool can = device_has_tma(device.index()) && cache_maps_fit(p);
     MMHA_CHECK(can || !forced, "tile_source 2 (tma) needs a GPU of compute capability 9.0 or newer and "

@@ -29,6 +29,11 @@ namespace mmha {
 // (rotary at lengths[b] + depth) and attends to the cache and its root path; counters also hold
 // the tree's workspace (B * T * Hq + 2, then 3 * B * T + B int32 from an even offset). A row whose
 // tree breaks the rules writes nothing, gets NaN output and status bit kStatusTree.
+// Paged caches (mmha.paging): block_tables (int32 [B, max_blocks]) with k_cache / v_cache pools
+// [num_blocks, Hkv, D/x, bs, x] / [num_blocks, Hkv, bs, D], bs in {16, 32, 64, 128}; tiles come by
+// cp.async. A row whose table names a block outside the pool for one of its slots writes
+// nothing, gets NaN output and status bit kStatusPages. row_active (int32 [B]): rows with 0 take
+// no part (nothing read or written, zero output, lse -inf).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -38,6 +43,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t stages, int64_t tile_source, const std::optional<at::Tensor>& k_scale,
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
                       const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts);
+                      const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts,
+                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active);
 
 }  // namespace mmha

@@ -70,7 +70,8 @@ class KVCache:
         block_size, D]``, and ``block_tables [max_batch, ceil(max_seq_len / block_size)]`` int32
         says which blocks each row owns (host allocator ``pool``; updated in place). Rows own the
         blocks of their tokens and of the next token's slot; ``fork`` shares a prefix's full blocks.
-        Steps run on the CPU (the reference path); the CUDA kernel does not read pages yet.
+        On a GPU the kernel reads the pages through the tables (tiles by cp.async); released rows
+        take no part in a step (zero output). Tree steps need a contiguous cache.
     k_scales, v_scales : ``[num_layers, Hkv]`` fp32 on ``device`` (fp8 caches; None otherwise):
         the cache stores ``saturate(k / k_scale)`` rounded to e4m3. They start at 1 and are set by
         ``set_scales`` or by the first ``prefill`` of a layer (from the prompt's absolute maxima).
@@ -146,11 +147,6 @@ class KVCache:
                 raise ValueError(
                     f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
                     f"next token, got {num_blocks!r}"
-                )
-            if self.device.type == "cuda":
-                raise ValueError(
-                    "paged=True runs on the CPU only for now: mmha's CUDA kernel does not read block tables "
-                    "yet (use a contiguous cache on the GPU)"
                 )
             k_shape = layout.k_pages_shape(num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
             v_shape = layout.v_pages_shape(num_blocks, num_kv_heads, block_size, head_dim)
@@ -515,10 +511,12 @@ class KVCache:
             common.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
         if mods.any:
             common.update(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-        if self.paged:  # free rows own no blocks: they write nothing and get zeros
+        if self.paged and not self.use_kernel:  # free rows own no blocks: they write nothing and get zeros
             return self._step_paged(qkv, kc, vc, batch, common)
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
+        if self.paged:  # free rows own no blocks: row_active makes them write nothing and get zeros
+            common.update(block_tables=self.block_tables[:batch], row_active=self._active_mask[:batch])
         if num_splits is None or stages is None:
             plan = self.plan(batch, variant, window)
             num_splits = plan.num_splits if num_splits is None else num_splits

@@ -22,7 +22,7 @@ if _C is not None:
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
         check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
-        alibi_slopes=None, sinks=None, parents=None, node_counts=None,
+        alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
     ):  # fmt: skip
         return None
 
@@ -73,10 +73,16 @@ class ScaleError(StepError):
     the kernel ran: the step wrote nothing to the caches and returned NaN for every row."""
 
 
-# Bits of Workspace.status (kStatusLength, kStatusScale in csrc/kernels/mmha_params.h).
+class PageError(StepError):
+    """A paged cache's block table named a block outside the pool for a slot a row needed when
+    the kernel ran: the row wrote nothing to the caches and returned NaN."""
+
+
+# Bits of Workspace.status (kStatus* in csrc/kernels/mmha_params.h).
 STATUS_LENGTH = 1
 STATUS_SCALE = 2
 STATUS_TREE = 4
+STATUS_PAGES = 8
 
 
 def tree_counters(batch: int, num_heads: int, nodes: int) -> int:
@@ -133,6 +139,7 @@ class Workspace:
             lengths = [r for r, v in enumerate(status) if v & STATUS_LENGTH]
             scales = [r for r, v in enumerate(status) if v & STATUS_SCALE]
             trees = [r for r, v in enumerate(status) if v & STATUS_TREE]
+            pages = [r for r, v in enumerate(status) if v & STATUS_PAGES]
             if lengths:
                 raise LengthError(
                     f"lengths of rows {lengths} were outside [0, S_max - 1] (a tree step: [0, S_max - "
@@ -142,6 +149,11 @@ class Workspace:
             if trees:
                 raise TreeError(
                     f"parents or node_counts of rows {trees} broke mmha.tree's rules when the kernel ran: "
+                    "nothing was written to their cache slots and their output is NaN"
+                )
+            if pages:
+                raise PageError(
+                    f"block tables of rows {pages} named a block outside the page pool when the kernel ran: "
                     "nothing was written to their cache slots and their output is NaN"
                 )
             raise ScaleError(
@@ -185,6 +197,8 @@ def decode_attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    row_active: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused append + attention for one decode step on the GPU.
 
@@ -194,6 +208,15 @@ def decode_attention(
     k_cache : ``[B, Hkv, D / x, S_max, x]``, new k written at slot ``lengths[b]``; qkv's dtype,
         or ``torch.float8_e4m3fn`` (x = 16) under fp16 / bf16 qkv.
     v_cache : ``[B, Hkv, S_max, D]``, new v written at slot ``lengths[b]``.
+    block_tables : a paged cache (``mmha.paging``): int32 ``[B, max_blocks]`` on the GPU, row
+        ``b``'s slot ``t`` in block ``block_tables[b, t // bs]`` of the pools ``k_cache [num_blocks,
+        Hkv, D/x, bs, x]`` and ``v_cache [num_blocks, Hkv, bs, D]`` (bs 16, 32, 64 or 128; S_max =
+        max_blocks * bs); tiles come by cp.async. With ``validate_lengths`` the tables are read and
+        checked on the host (``mmha.reference.check_block_tables``); without, a row whose table
+        names a block outside the pool for a slot it needs writes nothing, gets NaN output and
+        raises its status flag (``workspace.check()``: ``PageError``).
+    row_active : int32 ``[B]`` on the GPU: rows with 0 take no part (nothing read or written,
+        zero output, lse -inf), e.g. released rows of a paged cache, which own no blocks.
     k_scale, v_scale : fp8 caches only, fp32 ``[Hkv]`` on the GPU: the cache stores
         ``saturate(k / k_scale[h])`` rounded to e4m3 (``mmha.reference.quantize_fp8``); scores
         use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
@@ -233,6 +256,19 @@ def decode_attention(
             f"qkv must have dtype float16 or bfloat16 with a float8_e4m3fn cache, got {qkv.dtype}"
         )
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
+    if block_tables is not None:
+        if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+            got = tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables)
+            raise ValueError(f"block_tables must be an int32 tensor [B, max_blocks], got {got}")
+        batch, max_seq_len = block_tables.shape[0], block_tables.shape[1] * v_cache.shape[-2]
+        if check and qkv.shape[0] == batch and lengths.shape == (batch,):
+            active = None if row_active is None else row_active.tolist()
+            rows = [r for r in range(batch) if active is None or active[r]]
+            host = lengths.tolist()
+            if rows:
+                reference.check_block_tables(
+                    block_tables[rows], [host[r] for r in rows], v_cache.shape[0], v_cache.shape[-2]
+                )
     if num_splits is None or stages is None:
         plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
@@ -250,7 +286,8 @@ def decode_attention(
         workspace.counters, workspace.status, num_heads, num_kv_heads,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
-        TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(),
+        TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(), block_tables=block_tables,
+        row_active=row_active,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

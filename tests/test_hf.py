@@ -106,6 +106,14 @@ def test_cpu_paged_cache_matches_generate(block_size):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_paged_cache_matches_generate(block_size):
+    check_matches_generate(
+        build("llama", "cuda", torch.float32), new_tokens=40, paged=True, block_size=block_size
+    )
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_gpu_kernel_matches_generate(model_type):
     check_matches_generate(build(model_type, "cuda", torch.float32), new_tokens=64)

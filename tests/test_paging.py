@@ -208,13 +208,6 @@ def test_rejected_calls_change_nothing():
     paged.pool.check()
 
 
-def test_paged_cache_on_a_gpu_is_refused_with_a_reason():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with pytest.raises(ValueError, match="does not read block tables yet"):
-        KVCache(1, 1, 64, 2, 1, 32, torch.float16, "cuda", paged=True)
-
-
 # ------------------------------------------------------------------ fuzz
 @pytest.mark.parametrize("seed", range(6))
 def test_fuzz_allocator_operations_against_a_contiguous_mirror(seed):

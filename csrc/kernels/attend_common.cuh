@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cache_slots.cuh"
 #include "mmha_params.h"
 #include "vec.cuh"
 
@@ -16,11 +17,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // before lo, a window's start, masked), with the new token at slot pos (its K/V are read from
 // shared memory, not from the cache). The shared arrays (q, new K/V) and the score modifiers
 // are passed alongside.
-template <typename T>
+template <typename T, int HEAD_DIM>
 struct AttendArgs {
-  const T* k_head;   // [D/x, S_max, x]
-  const T* v_head;   // [S_max, D]
-  int smax;
+  HeadSlots<T, HEAD_DIM> slots;  // where the (row, kv head)'s slots live
   int start;
   int lo;
   int end;

@@ -57,16 +57,16 @@ struct SimtAttend {
   // Walks keys [a.start, a.end) (those before a.lo neither read nor counted; scores modified by
   // mods; a tree step's slots masked by tree), then leaves per-warp (max, sum) in s_m, s_l and returns the per-warp accumulators
   // [kSimtWarps * ACC_ROWS][QB][HEAD_DIM], after a block barrier.
-  __device__ __forceinline__ static const float* run(const AttendArgs<T>& a, const ScoreTransform<QB>& mods,
+  __device__ __forceinline__ static const float* run(const AttendArgs<T, HEAD_DIM>& a, const ScoreTransform<QB>& mods,
                                                      const TreeMask<QB>& tree, float (*s_m)[QB], float (*s_l)[QB],
                                                      const float (&s_q)[QB][HEAD_DIM],
                                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
     constexpr int VEC = kVec<T>;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int start = a.start, lo = a.lo, end = a.end, pos = a.pos, smax = a.smax;
-    const T* k_head = a.k_head;
-    const T* v_head = a.v_head;
+    const int start = a.start, lo = a.lo, end = a.end, pos = a.pos;
+    const HeadSlots<T, HEAD_DIM>& slots = a.slots;
+    const bool paged = slots.table != nullptr;
     const float scale_log2 = a.scale_log2;
     __shared__ __align__(16) float s_p[kSimtWarps][W::KEYS][QB];
     __shared__ __align__(16) float s_acc_simt[kSimtWarps * W::ROWS][QB][HEAD_DIM];
@@ -93,6 +93,7 @@ struct SimtAttend {
 #pragma unroll
       for (int u = 0; u < W::U; ++u) {
         const int t = it + u * W::KPW + kj;
+        const int blk = paged && t < end && t >= lo ? slots.block(t) : 0;
 #pragma unroll
         for (int c = 0; c < W::CPT; ++c) {
           const int ch = c * W::TPK + ti;
@@ -101,7 +102,7 @@ struct SimtAttend {
           } else if (t == pos) {
             kraw[u][c] = *reinterpret_cast<const uint4*>(&s_new_k[ch * VEC]);
           } else {
-            kraw[u][c] = load16(k_head + (static_cast<int64_t>(ch) * smax + t) * VEC);
+            kraw[u][c] = load16(slots.k + slots.k_at(blk, t, ch));
           }
         }
       }
@@ -110,6 +111,7 @@ struct SimtAttend {
         const int kk = st * W::ROWS + vr;
         const int t = it + kk;
         const bool valid = v_lane && kk < W::KEYS && t < end && t >= lo;
+        const int blk = paged && valid ? slots.block(t) : 0;
 #pragma unroll
         for (int n = 0; n < W::VCPL; ++n) {
           const int ch = n * W::VLPR + vc;
@@ -118,7 +120,7 @@ struct SimtAttend {
           } else if (t == pos) {
             vraw[st][n] = *reinterpret_cast<const uint4*>(&s_new_v[ch * VEC]);
           } else {
-            vraw[st][n] = load16(v_head + static_cast<int64_t>(t) * HEAD_DIM + ch * VEC);
+            vraw[st][n] = load16(slots.v + slots.v_at(blk, t) + ch * VEC);
           }
         }
       }

@@ -325,7 +325,8 @@ struct TileConsumer {
 struct TileHeader {
   int item;       // < 0: the producer has no more items (nothing else in this header is set)
   int k0;         // first key of the tile
-  int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile
+  int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile;
+                  // kPagesRefused (last tile): a block of the item's paged row is outside the pool
   int slot;
   int b, kvh, qg, split, nh, pos, active, start, end;
   int nodes;               // the row's new tokens (1, or a tree's node count)
@@ -334,5 +335,6 @@ struct TileHeader {
 };
 constexpr int kFirstTile = 1;
 constexpr int kLastTile = 2;
+constexpr int kPagesRefused = 4;
 
 }  // namespace mmha

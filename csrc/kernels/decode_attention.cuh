@@ -18,6 +18,7 @@
 #include "attend_simt.cuh"
 #include "attend_tiles.cuh"
 #include "attend_wide.cuh"
+#include "cache_slots.cuh"
 #include "decode_launch.h"
 #include "mmha_params.h"
 #include "new_token.cuh"
@@ -72,15 +73,14 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
 // s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
 // the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
 // step, its k (bias, rotary) and v as the cache stores them (rounded to C, or quantised with the
-// kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v, and (column block 0 only, so
-// exactly once per row and kv head) into slot pos of both caches. Threads tid < nthreads take part.
+// kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v (append_new_token writes them to
+// the caches once the item knows it may). Threads tid < nthreads take part.
 template <typename T, typename C, int HEAD_DIM, int QB>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
-                                                         const TokenRows<T>& rows, C* k_head, C* v_head,
-                                                         float k_scale, float v_scale, float (&s_q)[QB][HEAD_DIM],
+                                                         const TokenRows<T>& rows, float k_scale, float v_scale,
+                                                         float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
                                                          int nthreads) {
-  constexpr int VEC = kVec<C>;
   const T* bias = static_cast<const T*>(p.qkv_bias);
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
@@ -106,32 +106,43 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     const int kvh = w.kvh, pos = w.pos;
     const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
-    const int64_t smax = p.max_seq_len;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      const C k = to_cache<C>(rotated(rows.k, k_bias, d, pos, p), k_scale);
-      const C v = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
-      s_new_k[d] = k;
-      s_new_v[d] = v;
-      if (w.qg == 0) {  // items of other column blocks of this kv head read the same slot
-        k_head[(static_cast<int64_t>(d / VEC) * smax + pos) * VEC + d % VEC] = k;
-        v_head[static_cast<int64_t>(pos) * HEAD_DIM + d] = v;
-      }
+      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, p), k_scale);
+      s_new_v[d] = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
     }
+  }
+}
+
+// The append of a one-token step: the item holding the new token's slot writes its K/V (from
+// s_new_k / s_new_v) into slot pos of both caches, column block 0 only, so exactly once per row
+// and kv head (items of other column blocks take the slot from their own shared copy). A paged
+// row's block of slot pos was checked by the item's producer (a refused item appends nothing).
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ void append_new_token(const MmhaParams& p, const WorkItem& w, const C (&s_new_k)[HEAD_DIM],
+                                                 const C (&s_new_v)[HEAD_DIM], int tid, int nthreads) {
+  constexpr int VEC = kVec<C>;
+  if (!w.owner() || w.qg != 0) return;
+  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+  const int blk = slots.table != nullptr ? slots.block(w.pos) : 0;
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    slots.k[slots.k_at(blk, w.pos, d / VEC) + d % VEC] = s_new_k[d];
+    slots.v[slots.v_at(blk, w.pos) + d] = s_new_v[d];
   }
 }
 
 // An out-of-range length (the host checks were bypassed or raced) or an fp8 scale that is not
 // finite and positive: nothing is read from or written to the caches; the item's output is NaN
-// and its row's status flag (kStatusLength or kStatusScale) is raised.
+// and its row's status flag (kStatusLength or kStatusScale) is raised. A row that takes no part
+// (row_active) gets zeros and lse -inf, and no flag (flag 0, idle).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int32_t flag, int tid,
-                                           int nthreads) {
+                                           int nthreads, bool idle = false) {
   if (w.split != 0) return;
   T* out = static_cast<T*>(p.out);
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int64_t f = column_of(p, w, idx / HEAD_DIM).flat(p.num_heads);
-    out[f * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(NAN);
-    if (idx % HEAD_DIM == 0) p.lse[f] = NAN;
+    out[f * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(idle ? 0.f : NAN);
+    if (idx % HEAD_DIM == 0) p.lse[f] = idle ? -INFINITY : NAN;
   }
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
@@ -183,6 +194,14 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     const bool ml = p.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
     store_value<T, HEAD_DIM>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f, out_scale);
   }
+}
+
+// store_item of an item refused by the paged-cache guard: NaN output (single pass) or NaN
+// partials, which make the split merge's output NaN.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void store_refused_item(const MmhaParams& p, const WorkItem& w, int tid, int nthreads) {
+  store_item<T, HEAD_DIM>(
+      p, w, [](int) { return NAN; }, [](int) { return NAN; }, [](int, int) { return NAN; }, 1.f, tid, nthreads);
 }
 
 // The max over a block's WARPS loop warps of head g's running max, and their sums rescaled to it.
@@ -400,7 +419,6 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
   using Next = NextItem<T, C, HEAD_DIM, QB>;
-  const int smax = p.max_seq_len;
   const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
   RingCursor cur;
   Next next;
@@ -416,6 +434,8 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const int fetched = fetch();
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
       poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
+    } else if (w.idle) {
+      poison_row<T, HEAD_DIM>(p, w, 0, lane, 32, true);
     } else if (!next.scales_ok) {
       w.bad = true;
       poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
@@ -427,14 +447,35 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     }
     const int slot = seq & 1;
     const int64_t kv_head = w.kv_head(p.num_kv_heads);
-    const TileArgs<C> ta{static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM * smax,
-                         static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-                         smax, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map};
+    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+    const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
+                         hs.table, hs.shift, hs.block_stride};
     const int nt = w.t1 - w.t0;
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+    // A paged row's blocks: each tile's, looked up a tile ahead; the item that appends also checks
+    // the blocks of the row's keys before its own ([lo, start)), a share per tile. A block outside
+    // the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN output (a
+    // split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
+    // Only cp.async reads pages, and tree steps (wide items) take contiguous caches.
+    constexpr bool kPages = SRC == TileSource::kCpAsync && QB != kWideColumns;
+    bool pages_bad = false;
+    TilePages pages{{0, 0, 0, 0}};
+    if constexpr (kPages) pages = tile_pages(ta, walk.key(0), p.num_blocks, pages_bad);
+    const bool check_before = kPages && ta.table != nullptr && w.owner() && w.start > w.lo;
+    const int before0 = w.lo >> hs.shift;
+    const int before1 = check_before ? ((w.start - 1) >> hs.shift) + 1 : before0;
+    const int before_share = (before1 - before0 + nt - 1) / nt;
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-      Source::issue(ta, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      bool refused = false;
+      if constexpr (kPages) {
+        if (i + 1 < nt) pages = tile_pages(ta, walk.key(i + 1), p.num_blocks, pages_bad);
+        for (int e = before0 + i * before_share + lane; e < min(before0 + (i + 1) * before_share, before1); e += 32) {
+          pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
+        }
+        refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
+      }
       if constexpr (Next::kStaged) {
         if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
           if (seq >= 2) mbar_wait(&s_item->empty[slot], ((seq >> 1) - 1) & 1);
@@ -442,9 +483,11 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
         }
       }
       if (lane == 0) {
-        s_hdr[cur.s] = TileHeader{index, walk.key(i), (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0),
+        s_hdr[cur.s] = TileHeader{index, walk.key(i),
+                                  (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0),
                                   slot, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active, w.start, w.end,
                                   w.nodes, w.lo, k_scale, v_scale};
+        if (refused) atomicOr(p.status + w.b, kStatusPages);
       }
       mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
       Source::commit(&ring.full[cur.s], lane);
@@ -487,7 +530,6 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int smax = p.max_seq_len;
   const int items = num_items(p);
 
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
@@ -535,18 +577,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const TileHeader h = s_hdr[cur.s];
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
-    const int64_t kv_head = static_cast<int64_t>(h.b) * p.num_kv_heads + h.kvh;
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
-      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
+      w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       out_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
-      load_query_and_new_token<T, C, HEAD_DIM, QB>(
-          p, w, rows.q, rows,
-          static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax, static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax,
-          h.k_scale, h.v_scale, s_q, s_new_k, s_new_v, tid, CONSUMERS);
+      load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
+                                                   tid, CONSUMERS);
       sync();
       mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
@@ -565,10 +604,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.flags & kLastTile) {
       sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
       c.combine(s_m, s_l, &s_q[0][0], warp, lane);
-      store_item<T, HEAD_DIM>(
-          p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
-          [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-          out_scale, tid, CONSUMERS);
+      if (h.flags & kPagesRefused) {
+        store_refused_item<T, HEAD_DIM>(p, w, tid, CONSUMERS);
+      } else {
+        store_item<T, HEAD_DIM>(
+            p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
+            [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
+            out_scale, tid, CONSUMERS);
+        append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
+      }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_m, s_l and s_w are free for the next item
     }
@@ -639,7 +683,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
-      w.bad = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
+      w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       out_scale = h.v_scale;
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
     }
@@ -676,13 +720,13 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   using Simt = SimtAttend<T, HEAD_DIM, QB>;
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
-  const int smax = p.max_seq_len;
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
   work_item_range(p, w, p.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
   if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
     poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
     return;
   }
+  if (w.idle) poison_row<T, HEAD_DIM>(p, w, 0, tid, nthreads, true);
   if (!w.busy()) return;
 
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];
@@ -693,14 +737,23 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
 
-  const int64_t kv_head = w.kv_head(p.num_kv_heads);
-  T* k_head = static_cast<T*>(p.k_cache) + kv_head * HEAD_DIM * smax;  // [D/x, S_max, x]
-  T* v_head = static_cast<T*>(p.v_cache) + kv_head * HEAD_DIM * smax;  // [S_max, D]
+  const HeadSlots<T, HEAD_DIM> slots = head_slots<T, HEAD_DIM>(p, w.b, w.kvh);
   load_query_and_new_token<T, T, HEAD_DIM, QB>(
-      p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh),
-      k_head, v_head, 1.f, 1.f, s_q, s_new_k, s_new_v, tid, nthreads);
-  __syncthreads();
-  const AttendArgs<T> args{k_head, v_head, smax, w.start, w.lo, w.end, w.newslot, p.scale * kLog2e};
+      p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh), 1.f, 1.f, s_q,
+      s_new_k, s_new_v, tid, nthreads);
+  // A paged row: the blocks of the item's keys (and, for the item that appends, of the row's keys
+  // before them) must be in the pool, or the item is refused (NaN, no append, kStatusPages).
+  const int first = w.owner() ? w.lo : max(w.lo, w.start);
+  if (!__syncthreads_and(blocks_ok(p, slots, first, w.end - 1, tid, nthreads))) {
+    if (tid == 0) atomicOr(p.status + w.b, kStatusPages);
+    store_refused_item<T, HEAD_DIM>(p, w, tid, nthreads);
+    if (p.num_splits > 1) {
+      merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
+    }
+    return;
+  }
+  append_new_token<T, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, nthreads);
+  const AttendArgs<T, HEAD_DIM> args{slots, w.start, w.lo, w.end, w.newslot, p.scale * kLog2e};
   int heads[QB];
   TreeMask<QB> tree;
   tree.on = tree_step(p);
@@ -824,6 +877,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   err = grid_blocks<T, C, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
+  if (p.parents != nullptr && p.block_tables != nullptr) return cudaErrorInvalidValue;  // no paged trees yet
+  if (p.block_tables != nullptr && SRC == TileSource::kTma) return cudaErrorInvalidValue;  // cp.async pages
   if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
     err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
     if (err != cudaSuccess) return err;

@@ -120,6 +120,7 @@ constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
 constexpr int32_t kStatusLength = 1;
 constexpr int32_t kStatusScale = 2;
 constexpr int32_t kStatusTree = 4;  // a tree step's parents or node count broke mmha.tree's rules
+constexpr int32_t kStatusPages = 8;  // a paged cache's block table named a block outside the pool
 
 // Nodes of a tree step at most (mmha.tree.MAX_NODES): a node's ancestors are one 64-bit mask.
 constexpr int kMaxTreeNodes = 64;
@@ -174,6 +175,18 @@ struct MmhaParams {
   int32_t* tree_rows;          // [B] (workspace): the row's node count, or -1 where it was refused
   int32_t* tree_depth;         // [B * nodes] (workspace): node depth (rotary position length + depth)
   uint64_t* tree_anc;          // [B * nodes] (workspace): bit j set: node j is on node t's root path
+
+  // Paged caches (mmha.paging; cache_slots.cuh): k_cache and v_cache are pools of num_blocks
+  // blocks, k [num_blocks, Hkv, D/x, bs, x] and v [num_blocks, Hkv, bs, D] with bs = 1 << block_shift;
+  // slot t of row b lives in block block_tables[b * max_blocks + t / bs] (max_seq_len = max_blocks
+  // * bs). nullptr: contiguous caches [B, Hkv, D/x, S_max, x] / [B, Hkv, S_max, D].
+  const int32_t* block_tables;
+  int32_t max_blocks;
+  int32_t num_blocks;
+  int32_t block_shift;
+  // [B] or nullptr: a row whose entry is 0 takes no part in the step (nothing read or written,
+  // zero output, lse -inf), as a released row of a paged cache that owns no blocks.
+  const int32_t* row_active;
 
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;

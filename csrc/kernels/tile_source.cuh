@@ -6,7 +6,9 @@
 // A source provides (all 32 producer lanes call issue and commit):
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
 //   prefetch(args)                      anything worth fetching at block entry (lane 0)
-//   issue(args, stage, k0, full, lane)  start bringing keys [k0, k0 + kTileKeys) into the stage
+//   issue(args, pages, stage, k0, full, lane)
+//                                       start bringing keys [k0, k0 + kTileKeys) into the stage
+//                                       (a paged cache's: from the pool blocks `pages` names)
 //   commit(full, lane)                  arrive on the full barrier for the tile's copies (the
 //                                       producer's own shared-memory writes, a tile header and a
 //                                       staged q, are published by each writing lane's arrival on
@@ -25,19 +27,54 @@
 
 namespace mmha {
 
-// One block's (row, kv head) of the contiguous caches (elements T: 16-bit, or e4m3 bytes).
+// One block's (row, kv head) of the caches (elements T: 16-bit, or e4m3 bytes); the fields of
+// HeadSlots (cache_slots.cuh) that say where a slot lives.
 template <typename T>
 struct TileArgs {
-  const T* k_head;  // [D/x, S_max, x]
-  const T* v_head;  // [S_max, D]
-  int smax;
+  const T* k_head;  // contiguous: [D/x, S_max, x]; paged: the head's part of pool block 0
+  const T* v_head;  // contiguous: [S_max, D]; paged: likewise
+  int smax;         // slots of one K chunk run: S_max, or the block size (paged)
   int lo;           // keys before lo (a window's start) are never needed
   int end;          // keys at or past end are never needed
   int pos;          // the new token's slot (its K/V come from shared memory)
   int kv_head;      // row * Hkv + kv head: the tensor maps' head coordinate
   const CUtensorMap* k_map;
   const CUtensorMap* v_map;
+  const int32_t* table;  // paged: the row's block table; nullptr: contiguous
+  int shift;             // paged: log2 of the block size
+  int64_t block_stride;  // paged: elements between pool blocks
 };
+
+// The pool blocks of one tile's keys (paged caches): 64 keys lie in at most 4 blocks of >= 16
+// slots, sub-block s being table entry (k0 >> shift) + s. Entries of blocks that hold none of the
+// tile's needed keys ([lo, end)) are not read and stay 0; an entry outside the pool raises `bad`
+// and reads as block 0 (its keys are read from there, and the item is refused).
+struct TilePages {
+  int id[4];
+  __device__ __forceinline__ int of(int t, int k0, int shift) const {
+    const int s = (t >> shift) - (k0 >> shift);
+    return s == 0 ? id[0] : s == 1 ? id[1] : s == 2 ? id[2] : id[3];
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ TilePages tile_pages(const TileArgs<T>& a, int k0, int num_blocks, bool& bad) {
+  TilePages pg{{0, 0, 0, 0}};
+  if (a.table == nullptr) return pg;
+  const int lo = max(k0, a.lo);
+  const int hi = min(k0 + kTileKeys, a.end);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int blk = (k0 >> a.shift) + s;
+    if (max(lo, blk << a.shift) < min(hi, (blk + 1) << a.shift)) {
+      const int id = __ldg(a.table + blk);
+      const bool ok = id >= 0 && id < num_blocks;
+      bad = bad || !ok;
+      pg.id[s] = ok ? id : 0;
+    }
+  }
+  return pg;
+}
 
 // 16-byte cp.async by the 32 lanes of the producer warp (sm_80 and newer, every head dim). Keys
 // before lo, at or past end and the new token's slot are zero-filled without being read; each
@@ -49,8 +86,12 @@ struct CpAsyncTiles {
   __device__ __forceinline__ static void prefetch(const TileArgs<T>&) {}
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
 
-  __device__ __forceinline__ static void issue(const TileArgs<T>& a, unsigned char* stage, int k0,
-                                               uint64_t* /*full*/, int lane) {
+  __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
+                                               int k0, uint64_t* /*full*/, int lane) {
+    if (a.table != nullptr) {
+      issue_paged(a, pg, stage, k0, lane);
+      return;
+    }
     // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
     // chunk (512 contiguous bytes of the cache) at a time, chunk after chunk.
 #pragma unroll 4
@@ -76,11 +117,41 @@ struct CpAsyncTiles {
     }
   }
 
+  // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax).
+  __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
+                                                     int k0, int lane) {
+    const int mask = a.smax - 1;
+#pragma unroll 4
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int key = i % L::KEYS;
+      const int c = i / L::KEYS;
+      const int t = k0 + key;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
+      const T* src = ok ? a.k_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
+                              (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC
+                        : a.k_head;
+      cp_async16(stage + L::k_off(key, c), src, ok);
+    }
+#pragma unroll 4
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int r = i / L::CHUNKS;
+      const int c = i % L::CHUNKS;
+      const int t = k0 + r;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
+      const T* src = ok ? a.v_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
+                              static_cast<int64_t>(t & mask) * HEAD_DIM + c * L::VEC
+                        : a.v_head;
+      cp_async16(stage + L::v_off(r, c), src, ok);
+    }
+  }
+
   // Each lane's copies arrive when they land (noinc: counted in FULL_ARRIVALS).
   __device__ __forceinline__ static void commit(uint64_t* full, int /*lane*/) { cp_async_arrive(full); }
 };
 
-// Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
+// Hopper bulk tensor copies (sm_90; contiguous caches only): lane 0 of the producer warp issues one K box (all chunks x
 // KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and V_LINES V boxes
 // (KEYS lines of 128 bytes, swizzled) per tile; the maps see every cache as 16-bit elements, and the copy engine completes the full
 // barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token, keys in
@@ -105,8 +176,8 @@ struct TmaTiles {
 
   // The copies count their bytes against the full barrier (expect_tx, no arrival yet), so the
   // producer may write the tile's header and staged q while they are in flight.
-  __device__ __forceinline__ static void issue(const TileArgs<T>& a, unsigned char* stage, int k0,
-                                               uint64_t* full, int lane) {
+  __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& /*pg*/, unsigned char* stage,
+                                               int k0, uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (lane == 0) {
       mbar_expect_tx(full, TX_BYTES);

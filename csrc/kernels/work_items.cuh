@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cache_slots.cuh"
 #include "mmha_params.h"
 #include "score_mods.cuh"
 
@@ -26,11 +27,12 @@ struct WorkItem {
   int nodes;         // new tokens of the row: 1, or a tree's node count
   int newslot;       // the slot whose K/V the consumers take from shared memory (pos), or -1 (tree)
   bool bad;          // a refused row: nothing is read or written for it
+  bool idle;         // a row that takes no part (row_active): zero output, nothing read or written
   int active;        // splits of this row that hold keys
   int t0, t1;        // grains [t0, t1) of the row
   int start, end;    // keys [start, end)
   int lo;            // the row's first attended slot (a window's start; else 0)
-  __device__ __forceinline__ bool busy() const { return !bad && split < active; }
+  __device__ __forceinline__ bool busy() const { return !bad && !idle && split < active; }
   // Holds the new token's slot (one-token steps: its item appends it).
   __device__ __forceinline__ bool owner() const { return newslot >= 0 && newslot < end; }
   __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
@@ -84,8 +86,10 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 // the CUDA-core loop) from the one holding lo; active splits take ntiles * s / active .. ntiles *
 // (s + 1) / active of them (equal to one grain). Splits past the row's grains have nothing to do
 // and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
-// capacity make the row bad.
+// capacity make the row bad; a row that takes no part (row_takes_part) is idle.
 __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int nodes, int grain) {
+  w.idle = !row_takes_part(p, w.b);
+  if (w.idle) pos = 0, nodes = 1;  // its length is not looked at
   w.pos = pos;
   w.nodes = nodes;
   w.bad = pos < 0 || nodes < 1 || pos > p.max_seq_len - nodes;

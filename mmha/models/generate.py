@@ -304,11 +304,8 @@ def main(argv: list[str]) -> int:
     has_gpu = torch.cuda.is_available()
     from .._ext import extension_available
 
-    if not has_gpu or not extension_available() or args.paged:
-        if args.paged and has_gpu:
-            why = "paged caches have no kernel yet"
-        else:
-            why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
+    if not has_gpu or not extension_available():
+        why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
         has_gpu = False
         print(f"mmha {cmd}: {why}: running the reference path on the CPU at a small size.")
         args.model, args.batch, args.graph = "tiny", 2, False

@@ -160,7 +160,7 @@ class HFDecoder:
         ``torch.float8_e4m3fn`` stores K/V in fp8 with per-layer, per-kv-head scales taken from
         the first prompts' absolute maxima times ``kv_scale_margin`` (``KVCache.prefill``), or set
         with ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
-        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; CPU only for now).
+        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; eager steps).
         ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
         this many (padded) tokens."""
         config = model.config

@@ -1,0 +1,81 @@
+// Where a cache slot lives: the seam between the kernels and the caches' storage. Contiguous
+// caches hold a (row, kv head)'s slots in one run (k [B, Hkv, D/x, S_max, x], v [B, Hkv, S_max,
+// D]); paged caches (mmha.paging) in blocks of bs slots of one pool (k [num_blocks, Hkv, D/x, bs,
+// x], v [num_blocks, Hkv, bs, D]), row b's slot t in block block_tables[b][t / bs]. Everything
+// that reads or writes a slot (tile sources, the CUDA-core loop, the append) goes through
+// HeadSlots. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mmha_params.h"
+#include "vec.cuh"
+
+namespace mmha {
+
+__device__ __forceinline__ bool paged(const MmhaParams& p) { return p.block_tables != nullptr; }
+
+// Whether a block table entry names a block of the pool.
+__device__ __forceinline__ bool block_ok(const MmhaParams& p, int id) {
+  return id >= 0 && id < p.num_blocks;
+}
+
+// Whether row b takes part in the step (row_active; every row without it).
+__device__ __forceinline__ bool row_takes_part(const MmhaParams& p, int b) {
+  return p.row_active == nullptr || p.row_active[b] != 0;
+}
+
+// One (row, kv head)'s slots in caches of C. For a paged cache, k and v point at the head's part
+// of block 0 and a slot's block is added as id * block_stride; contiguous caches have no table
+// (pitch S_max, every slot in "block" 0).
+template <typename C, int HEAD_DIM>
+struct HeadSlots {
+  static constexpr int VEC = kVec<C>;
+  C* k;
+  C* v;
+  const int32_t* table;  // the row's block table, or nullptr (contiguous)
+  int pitch;             // slots of one K chunk run: S_max, or the block size
+  int shift;             // log2 of the block size (paged)
+  int64_t block_stride;  // elements between consecutive blocks (paged)
+
+  // The block id of slot t (paged caches; the caller checks it with block_ok).
+  __device__ __forceinline__ int block(int t) const { return __ldg(table + (t >> shift)); }
+  // Elements from k to chunk c of slot t, and from v to slot t's row, with t in block blk (paged).
+  __device__ __forceinline__ int64_t k_at(int blk, int t, int c) const {
+    if (table == nullptr) return (static_cast<int64_t>(c) * pitch + t) * VEC;
+    return static_cast<int64_t>(blk) * block_stride + (static_cast<int64_t>(c) * pitch + (t & (pitch - 1))) * VEC;
+  }
+  __device__ __forceinline__ int64_t v_at(int blk, int t) const {
+    if (table == nullptr) return static_cast<int64_t>(t) * HEAD_DIM;
+    return static_cast<int64_t>(blk) * block_stride + static_cast<int64_t>(t & (pitch - 1)) * HEAD_DIM;
+  }
+};
+
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const MmhaParams& p, int b, int kvh) {
+  C* k = static_cast<C*>(p.k_cache);
+  C* v = static_cast<C*>(p.v_cache);
+  if (!paged(p)) {
+    const int64_t head = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * HEAD_DIM * p.max_seq_len;
+    return {k + head, v + head, nullptr, p.max_seq_len, 0, 0};
+  }
+  const int bs = 1 << p.block_shift;
+  const int64_t head = static_cast<int64_t>(kvh) * HEAD_DIM * bs;  // K and V alike: D * bs per head
+  return {k + head, v + head, p.block_tables + static_cast<int64_t>(b) * p.max_blocks, bs, p.block_shift,
+          static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM * bs};
+}
+
+// Whether every block of slots [first, last] of a paged row is in the pool (threads tid <
+// nthreads each check a share; combine their answers). True for contiguous caches.
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ bool blocks_ok(const MmhaParams& p, const HeadSlots<C, HEAD_DIM>& s, int first, int last,
+                                          int tid, int nthreads) {
+  if (s.table == nullptr || last < first) return true;
+  bool ok = true;
+  for (int e = (first >> s.shift) + tid; e <= (last >> s.shift); e += nthreads) ok = ok && block_ok(p, __ldg(s.table + e));
+  return ok;
+}
+
+}  // namespace mmha
