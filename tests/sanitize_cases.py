@@ -3,7 +3,9 @@ rows, a row filled to capacity, NaN in unused slots, single pass and split/merge
 and two stage counts of the tile loop, the CUDA-core loop, and out-of-range lengths (past the
 capacity, negative) on every variant; fp8 caches on both sources, split and not, with a bad scale;
 score modifiers (a window whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources
-and the CUDA-core loop, split and not: nothing may be read or written outside the caches."""
+and the CUDA-core loop, split and not; paged caches (pools with no spare block, tables with
+entries past the rows' blocks unset, a window, a released row, block ids outside the pool):
+nothing may be read or written outside the caches."""
 
 import torch
 from helpers import make_case
@@ -91,6 +93,54 @@ def tree_cases() -> None:
                 assert torch.isnan(out[[1, 4]]).all() and torch.isfinite(out[[0, 2, 3]]).all()
 
 
+def paged_cases() -> None:
+    """Paged caches: the pool holds exactly the rows' blocks (a read past them leaves it), tables
+    end in -1, one row is released (row_active 0, no blocks), one has a block id outside the pool."""
+    for dtype, head_dim, kv in (
+        (torch.float16, 128, None),
+        (torch.float16, 128, "fp8"),
+        (torch.float32, 64, None),
+    ):
+        bs, lengths = 16, [0, 17, 100, 31, 63]
+        case = make_case(5, 8, 2, head_dim, lengths, 128, dtype, seed=3, bias=True, rotary_dim=head_dim)
+        scales = (None, None)
+        if kv == "fp8":
+            scales = (torch.full((2,), 0.05, device="cuda"), torch.full((2,), 0.05, device="cuda"))
+            case.k_cache = (case.k_cache.float() / 0.05).to(torch.float8_e4m3fn)
+            case.v_cache = (case.v_cache.float() / 0.05).to(torch.float8_e4m3fn)
+        need = [n // bs + 1 for n in lengths]
+        ids = torch.randperm(sum(need)).tolist()
+        tables = torch.full((5, 8), -1, dtype=torch.int32)
+        kp = torch.empty(
+            (sum(need), *case.k_cache.shape[1:3], bs, case.k_cache.shape[4]), dtype=case.k_cache.dtype
+        )
+        vp = torch.empty((sum(need), case.v_cache.shape[1], bs, head_dim), dtype=case.v_cache.dtype)
+        kp, vp = kp.cuda(), vp.cuda()
+        for r, n in enumerate(need):
+            for j in range(n):
+                blk = ids.pop()
+                tables[r, j] = blk
+                kp[blk] = case.k_cache[r, :, :, j * bs : (j + 1) * bs]
+                vp[blk] = case.v_cache[r, :, j * bs : (j + 1) * bs]
+        tables = tables.cuda()
+        active = torch.tensor([1, 1, 1, 0, 1], dtype=torch.int32, device="cuda")
+        kw = dict(tile_source="auto", stages=2, k_scale=scales[0], v_scale=scales[1], **case.kwargs())
+        for splits in (1, 5):
+            for window in (None, 40):
+                out = ops.decode_attention(case.qkv, kp, vp, case.lengths, num_splits=splits, block_tables=tables,
+                                           row_active=active, window=window, **kw)  # fmt: skip
+                assert torch.isfinite(out).all() and (out[3] == 0).all()
+            bad = tables.clone()
+            bad[2, 3] = sum(need)  # outside the pool
+            bad[4, 0] = -1
+            ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, splits)
+            out = ops.decode_attention(case.qkv, kp, vp, case.lengths, num_splits=splits, block_tables=bad,
+                                       row_active=active, workspace=ws, validate_lengths=False, **kw)  # fmt: skip
+            torch.cuda.synchronize()
+            assert ws.status.tolist() == [0, 0, 8, 0, 8], ws.status.tolist()
+            assert torch.isnan(out[[2, 4]]).all() and torch.isfinite(out[[0, 1, 3]]).all()
+
+
 def main() -> None:
     for dtype, head_dim, heads in (
         (torch.float16, 128, (8, 2)),
@@ -122,6 +172,7 @@ def main() -> None:
     fp8_cases()
     mods_cases()
     tree_cases()
+    paged_cases()
     print("sanitize cases done")
 
 

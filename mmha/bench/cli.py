@@ -3,7 +3,8 @@
 ``--grid canonical`` runs the grid of ``shared/BENCHMARK.md`` in fp16 and bf16 (plus head dims
 64 and 256 and the small-head rows in fp16); ``--quick`` a short subset;
 ``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep; ``--mods`` the score
-modifiers' rows (``mmha.bench.mods``); ``--tree`` tree steps (``mmha.bench.tree``). Every method is checked
+modifiers' rows (``mmha.bench.mods``); ``--tree`` tree steps (``mmha.bench.tree``); ``--paged``
+paged caches (``mmha.bench.paged``). Every method is checked
 against an fp32 reference before it is timed. The primary time is the decode timing (one layer of
 a decode step: ``mmha.bench.timing``), next to the read floor timed the same way; the cold-L2
 single call and a repeated-call graph are secondary (mmha and the best peer). Output: a short
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import mods
 
         return mods.main([a for a in argv if a != "--mods"])
+    if "--paged" in argv:  # paged caches against contiguous ones (mmha.bench.paged)
+        from . import paged
+
+        return paged.main([a for a in argv if a != "--paged"])
     if "--tree" in argv:  # tree steps: rows and peers of their own (mmha.bench.tree)
         from . import tree
 
