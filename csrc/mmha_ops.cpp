@@ -389,8 +389,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const bool tiles = uses_tensor_cores(to_dtype(cache_dtype));
   MMHA_CHECK(tile_source >= 0 && tile_source <= 2,
              "tile_source must be 0 (auto), 1 (cp.async) or 2 (tma), got ", tile_source);
-  MMHA_CHECK(tile_source != 2 || !pages, "tile_source 2 (tma) cannot read paged caches (block_tables given): "
-             "use 0 (auto) or 1 (cp.async)");
   MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(cache_dtype), static_cast<int>(head_dim)),
              "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, or "
              "float8_e4m3fn caches with head_dim a multiple of 128, got ", cache_dtype, " and head_dim ", head_dim);
@@ -472,7 +470,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.row_active = row_active.has_value() ? row_active->data_ptr<int32_t>() : nullptr;
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
-  if (tiles && tile_source != 1 && !pages && tma_head_dim(p.cache_dtype, p.head_dim)) {
+  if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {
     const bool forced = tile_source == 2;
     const bool can = device_has_tma(device.index()) && cache_maps_fit(p);
     MMHA_CHECK(can || !forced, "tile_source 2 (tma) needs a GPU of compute capability 9.0 or newer and "

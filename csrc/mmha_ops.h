@@ -30,9 +30,10 @@ namespace mmha {
 // the tree's workspace (B * T * Hq + 2, then 3 * B * T + B int32 from an even offset). A row whose
 // tree breaks the rules writes nothing, gets NaN output and status bit kStatusTree.
 // Paged caches (mmha.paging): block_tables (int32 [B, max_blocks]) with k_cache / v_cache pools
-// [num_blocks, Hkv, D/x, bs, x] / [num_blocks, Hkv, bs, D], bs in {16, 32, 64, 128}; tiles come by
-// cp.async. A row whose table names a block outside the pool for one of its slots writes
-// nothing, gets NaN output and status bit kStatusPages. row_active (int32 [B]): rows with 0 take
+// [num_blocks, Hkv, D/x, bs, x] / [num_blocks, Hkv, bs, D], bs in {16, 32, 64, 128}; tiles come
+// from either source (on sm_90, bulk copies per pool block). A row whose table names a block
+// outside the pool for one of its slots writes nothing, gets NaN output and status bit
+// kStatusPages. row_active (int32 [B]): rows with 0 take
 // no part (nothing read or written, zero output, lse -inf).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,

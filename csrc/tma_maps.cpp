@@ -46,6 +46,10 @@ bool device_has_tma(int device) {
 }
 
 bool cache_maps_fit(const MmhaParams& p) {
+  if (p.block_tables != nullptr) {  // pages: the V map's rows (num_blocks * Hkv * bs) in an int
+    const int64_t rows = static_cast<int64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
+    return tma_head_dim(p.cache_dtype, p.head_dim) && rows < INT_MAX;
+  }
   const int64_t x = 8;  // 16-bit elements per 16-byte chunk
   const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
   const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * elem_bytes(p.cache_dtype);
@@ -66,6 +70,19 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint64_t smax = static_cast<cuuint64_t>(p.max_seq_len);
   const cuuint64_t heads = static_cast<cuuint64_t>(p.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
   const cuuint32_t ones[3] = {1, 1, 1};
+
+  if (p.block_tables != nullptr) {
+    // Pages: K comes by plain bulk copies; V [num_blocks, Hkv, bs, D] as rows of d elements, a
+    // box of one 128-byte line by min(bs, 64) rows (tile_source.cuh).
+    const cuuint64_t rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
+    const cuuint64_t v_dims[2] = {d, rows};
+    const cuuint64_t v_strides[1] = {d * elem};
+    const cuuint32_t v_box[2] = {64, static_cast<cuuint32_t>(p.block_shift < 6 ? 1 << p.block_shift : 64)};
+    const CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.v_cache, v_dims, v_strides, v_box, ones,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  }
 
   // K [B, Hkv, D/x, S_max, x]: each (row, kv head, chunk) is S_max * x contiguous elements, seen
   // as S_max / 32 groups of 32 keys (S_max % 32 == 0: cache_maps_fit), so one box of 2 groups x

@@ -211,7 +211,7 @@ def decode_attention(
     block_tables : a paged cache (``mmha.paging``): int32 ``[B, max_blocks]`` on the GPU, row
         ``b``'s slot ``t`` in block ``block_tables[b, t // bs]`` of the pools ``k_cache [num_blocks,
         Hkv, D/x, bs, x]`` and ``v_cache [num_blocks, Hkv, bs, D]`` (bs 16, 32, 64 or 128; S_max =
-        max_blocks * bs); tiles come by cp.async. With ``validate_lengths`` the tables are read and
+        max_blocks * bs); tiles by either source. With ``validate_lengths`` the tables are read and
         checked on the host (``mmha.reference.check_block_tables``); without, a row whose table
         names a block outside the pool for a slot it needs writes nothing, gets NaN output and
         raises its status flag (``workspace.check()``: ``PageError``).

@@ -8,6 +8,7 @@ entries past the rows' blocks unset, a window, a released row, block ids outside
 nothing may be read or written outside the caches."""
 
 import torch
+from fp8_cases import fp8_case
 from helpers import make_case
 
 from mmha import ops
@@ -102,12 +103,13 @@ def paged_cases() -> None:
         (torch.float32, 64, None),
     ):
         bs, lengths = 16, [0, 17, 100, 31, 63]
-        case = make_case(5, 8, 2, head_dim, lengths, 128, dtype, seed=3, bias=True, rotary_dim=head_dim)
         scales = (None, None)
         if kv == "fp8":
-            scales = (torch.full((2,), 0.05, device="cuda"), torch.full((2,), 0.05, device="cuda"))
-            case.k_cache = (case.k_cache.float() / 0.05).to(torch.float8_e4m3fn)
-            case.v_cache = (case.v_cache.float() / 0.05).to(torch.float8_e4m3fn)
+            case, *scales = fp8_case(
+                5, 8, 2, head_dim, lengths, 128, dtype, seed=3, bias=True, rotary_dim=head_dim
+            )
+        else:
+            case = make_case(5, 8, 2, head_dim, lengths, 128, dtype, seed=3, bias=True, rotary_dim=head_dim)
         need = [n // bs + 1 for n in lengths]
         ids = torch.randperm(sum(need)).tolist()
         tables = torch.full((5, 8), -1, dtype=torch.int32)

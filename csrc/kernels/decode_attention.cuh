@@ -449,15 +449,15 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const int64_t kv_head = w.kv_head(p.num_kv_heads);
     const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
     const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
-                         hs.table, hs.shift, hs.block_stride};
+                         hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
     const int nt = w.t1 - w.t0;
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
     // A paged row's blocks: each tile's, looked up a tile ahead; the item that appends also checks
     // the blocks of the row's keys before its own ([lo, start)), a share per tile. A block outside
     // the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN output (a
     // split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
-    // Only cp.async reads pages, and tree steps (wide items) take contiguous caches.
-    constexpr bool kPages = SRC == TileSource::kCpAsync && QB != kWideColumns;
+    // Tree steps (wide items) take contiguous caches.
+    constexpr bool kPages = QB != kWideColumns;
     bool pages_bad = false;
     TilePages pages{{0, 0, 0, 0}};
     if constexpr (kPages) pages = tile_pages(ta, walk.key(0), p.num_blocks, pages_bad);
@@ -878,7 +878,6 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
   if (p.parents != nullptr && p.block_tables != nullptr) return cudaErrorInvalidValue;  // no paged trees yet
-  if (p.block_tables != nullptr && SRC == TileSource::kTma) return cudaErrorInvalidValue;  // cp.async pages
   if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
     err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
     if (err != cudaSuccess) return err;

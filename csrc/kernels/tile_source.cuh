@@ -43,6 +43,8 @@ struct TileArgs {
   const int32_t* table;  // paged: the row's block table; nullptr: contiguous
   int shift;             // paged: log2 of the block size
   int64_t block_stride;  // paged: elements between pool blocks
+  int block_rows;        // paged, bulk tensor copies: V map rows per pool block (Hkv * bs)
+  int head_row;          // paged, bulk tensor copies: the kv head's first V map row in a block (kvh * bs)
 };
 
 // The pool blocks of one tile's keys (paged caches): 64 keys lie in at most 4 blocks of >= 16
@@ -151,7 +153,7 @@ struct CpAsyncTiles {
   __device__ __forceinline__ static void commit(uint64_t* full, int /*lane*/) { cp_async_arrive(full); }
 };
 
-// Hopper bulk tensor copies (sm_90; contiguous caches only): lane 0 of the producer warp issues one K box (all chunks x
+// Hopper bulk tensor copies (sm_90): lane 0 of the producer warp issues one K box (all chunks x
 // KEYS keys: CHUNKS runs of KEYS * 16 contiguous bytes, chunk after chunk) and V_LINES V boxes
 // (KEYS lines of 128 bytes, swizzled) per tile; the maps see every cache as 16-bit elements, and the copy engine completes the full
 // barrier. Keys past S_max are zero-filled by the copy engine; the slot of the new token, keys in
@@ -176,9 +178,13 @@ struct TmaTiles {
 
   // The copies count their bytes against the full barrier (expect_tx, no arrival yet), so the
   // producer may write the tile's header and staged q while they are in flight.
-  __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& /*pg*/, unsigned char* stage,
+  __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
                                                int k0, uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (a.table != nullptr) {
+      issue_paged(a, pg, stage, k0, full, lane);
+      return;
+    }
     if (lane == 0) {
       mbar_expect_tx(full, TX_BYTES);
       // K map: [B * Hkv * CHUNKS rows][S_max / 32 groups][32 keys * 16 bytes] (tma_maps.cpp).
@@ -190,6 +196,40 @@ struct TmaTiles {
     }
 #else
     __trap();  // the host launches this source on sm_90 devices only
+#endif
+  }
+
+  // A paged cache's tile: per sub-block of min(bs, 64) keys (one pool block each), K as one bulk
+  // copy per chunk (a block's chunk is bs * 16 contiguous bytes) and V as one box per 128-byte
+  // line of the pool's V map (rows: block * Hkv * bs + kv head * bs + slot, swizzled as the
+  // contiguous boxes: the swizzle follows the shared-memory address). Sub-blocks the tile does not
+  // need are read from block 0 (the byte count stays whole) and patched by the consumers, as keys
+  // past the end are in the contiguous case. The lanes share the copies.
+  __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
+                                                     int k0, uint64_t* full, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (lane == 0) mbar_expect_tx(full, TX_BYTES);
+    __syncwarp();
+    const int sub_shift = a.shift < 6 ? a.shift : 6;  // log2 of keys per sub-block
+    const int subs = L::KEYS >> sub_shift;
+    const int mask = a.smax - 1;
+    for (int q = lane; q < L::CHUNKS * subs; q += 32) {
+      const int s = q / L::CHUNKS;
+      const int c = q - s * L::CHUNKS;
+      const int key = s << sub_shift;
+      const int t = k0 + key;
+      const T* src = a.k_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
+                     (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC;
+      bulk_load(stage + L::k_off(key, c), src, 16u << sub_shift, full);
+    }
+    for (int q = lane; q < L::V_LINES * subs; q += 32) {
+      const int s = q / L::V_LINES;
+      const int j = q - s * L::V_LINES;
+      const int key = s << sub_shift;
+      const int t = k0 + key;
+      const int row = pg.of(t, k0, a.shift) * a.block_rows + a.head_row + (t & mask);
+      tma_load_2d(stage + L::K_BYTES + (j * L::KEYS + key) * L::V_LINE_BYTES, a.v_map, 64 * j, row, full);
+    }
 #endif
   }
 
