@@ -48,7 +48,8 @@ bool device_has_tma(int device) {
 bool cache_maps_fit(const MmhaParams& p) {
   if (p.block_tables != nullptr) {  // pages: the V map's rows (num_blocks * Hkv * bs) in an int
     const int64_t rows = static_cast<int64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
-    return tma_head_dim(p.cache_dtype, p.head_dim) && rows < INT_MAX;
+    const int64_t k_rows = static_cast<int64_t>(p.num_blocks) * p.num_kv_heads * p.head_dim * elem_bytes(p.cache_dtype) / 16;
+    return tma_head_dim(p.cache_dtype, p.head_dim) && rows < INT_MAX && k_rows < INT_MAX;
   }
   const int64_t x = 8;  // 16-bit elements per 16-byte chunk
   const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
@@ -72,15 +73,26 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint32_t ones[3] = {1, 1, 1};
 
   if (p.block_tables != nullptr) {
-    // Pages: K comes by plain bulk copies; V [num_blocks, Hkv, bs, D] as rows of d elements, a
-    // box of one 128-byte line by min(bs, 64) rows (tile_source.cuh).
+    // Pages: V [num_blocks, Hkv, bs, D] as rows of d elements, a box of one 128-byte line by
+    // min(bs, 64) rows (tile_source.cuh); K by plain bulk copies below 64 slots per block.
     const cuuint64_t rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
     const cuuint64_t v_dims[2] = {d, rows};
     const cuuint64_t v_strides[1] = {d * elem};
     const cuuint32_t v_box[2] = {64, static_cast<cuuint32_t>(p.block_shift < 6 ? 1 << p.block_shift : 64)};
-    const CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.v_cache, v_dims, v_strides, v_box, ones,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.v_cache, v_dims, v_strides, v_box, ones,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS || p.block_shift < 6) return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+    // Blocks of >= 64 slots: K [num_blocks, Hkv, D/x, bs, x] as the contiguous map with bs for
+    // S_max, so a tile (64 keys of one block) is one box, as in the contiguous case.
+    const cuuint64_t bs = cuuint64_t{1} << p.block_shift;
+    const cuuint64_t k_rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads * (d / x);
+    const cuuint64_t k_dims[3] = {32 * x, bs / 32, k_rows};
+    const cuuint64_t k_strides[2] = {32 * x * elem, bs * x * elem};
+    const cuuint32_t k_box[3] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(kTileKeys / 32),
+                                 static_cast<cuuint32_t>(d / x)};
+    r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.k_cache, k_dims, k_strides, k_box, ones,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
   }
 

@@ -199,7 +199,8 @@ struct TmaTiles {
 #endif
   }
 
-  // A paged cache's tile: per sub-block of min(bs, 64) keys (one pool block each), K as one bulk
+  // A paged cache's tile: blocks of >= 64 slots hold it whole (a K box of the map over the pool,
+  // and V boxes); smaller ones per sub-block of bs keys (one pool block each), K as one bulk
   // copy per chunk (a block's chunk is bs * 16 contiguous bytes) and V as one box per 128-byte
   // line of the pool's V map (rows: block * Hkv * bs + kv head * bs + slot, swizzled as the
   // contiguous boxes: the swizzle follows the shared-memory address). Sub-blocks the tile does not
@@ -208,11 +209,23 @@ struct TmaTiles {
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
                                                      int k0, uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int mask = a.smax - 1;
+    if (a.shift >= 6) {  // the tile lies in one block: one K box and a V box per line, as contiguous
+      if (lane == 0) {
+        const int row = pg.id[0] * a.block_rows + a.head_row + (k0 & mask);
+        mbar_expect_tx(full, TX_BYTES);
+        tma_load_3d(stage, a.k_map, 0, (k0 & mask) / 32, (row >> a.shift) * L::CHUNKS, full);
+#pragma unroll
+        for (int j = 0; j < L::V_LINES; ++j) {
+          tma_load_2d(stage + L::K_BYTES + j * L::KEYS * L::V_LINE_BYTES, a.v_map, 64 * j, row, full);
+        }
+      }
+      return;
+    }
     if (lane == 0) mbar_expect_tx(full, TX_BYTES);
     __syncwarp();
     const int sub_shift = a.shift < 6 ? a.shift : 6;  // log2 of keys per sub-block
     const int subs = L::KEYS >> sub_shift;
-    const int mask = a.smax - 1;
     for (int q = lane; q < L::CHUNKS * subs; q += 32) {
       const int s = q / L::CHUNKS;
       const int c = q - s * L::CHUNKS;
