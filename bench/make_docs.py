@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--ab", type=Path, action="append", default=[])
     ap.add_argument("--mods", type=Path, action="append", default=[])
     ap.add_argument("--tree", type=Path, action="append", default=[])
+    ap.add_argument("--paged", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -360,6 +361,36 @@ def main() -> None:
             lines += [
                 f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
                 tree.table(data["rows"]), "",
+                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
+                *[f"- {m}" for m in bad], "",
+            ]  # fmt: skip
+    if args.paged:
+        from mmha.bench import paged
+
+        lines += [
+            "## Paged caches", "",
+            "`python -m mmha.bench --paged` (its module docstring says how): each canonical row's caches as"
+            " pages scattered at random through a pool with spare blocks, against mmha on the contiguous"
+            " caches and SDPA's cuDNN kernel in the same run; decode timing, fp16. Target: paged at most"
+            " 1.03x contiguous on every row.",
+            "",
+        ]  # fmt: skip
+        for path in args.paged:
+            data = json.loads(path.read_text())
+            h = data["header"]
+            keep(path, f"bench_paged_{slug(h['gpu'])}.json")
+            bad = paged.misses(data["rows"])
+            mem = [
+                f"- blocks of {m['block_size']}: {m['batch']} rows of mixed length ({m['tokens']} tokens)"
+                f" hold {m['paged_bytes'] / 2**20:.0f} MiB of pages against"
+                f" {m['contiguous_bytes'] / 2**20:.0f} MiB"
+                f" for a contiguous cache of capacity {m['capacity']} ({m['paged_over_contiguous']:.3f}x;"
+                " Hkv 8, D 128, fp16, one layer)"
+                for m in data.get("memory", [])
+            ]
+            lines += [
+                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+                paged.table(data["rows"]), "", "Memory:", "", *mem, "",
                 "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
                 *[f"- {m}" for m in bad], "",
             ]  # fmt: skip
