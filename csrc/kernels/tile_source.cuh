@@ -94,35 +94,28 @@ struct CpAsyncTiles {
       issue_paged(a, pg, stage, k0, lane);
       return;
     }
-    // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
-    // chunk (512 contiguous bytes of the cache) at a time, chunk after chunk.
-#pragma unroll 4
-    for (int j = 0; j < PIECES; ++j) {
-      const int i = lane + 32 * j;
-      const int key = i % L::KEYS;
-      const int c = i / L::KEYS;
-      const int t = k0 + key;
-      const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      const T* src = ok ? a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC : a.k_head;
-      cp_async16(stage + L::k_off(key, c), src, ok);
-    }
-    // V: piece i is chunk i % CHUNKS of key i / CHUNKS (rows are contiguous in the cache).
-#pragma unroll 4
-    for (int j = 0; j < PIECES; ++j) {
-      const int i = lane + 32 * j;
-      const int r = i / L::CHUNKS;
-      const int c = i % L::CHUNKS;
-      const int t = k0 + r;
-      const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      const T* src = ok ? a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC : a.v_head;
-      cp_async16(stage + L::v_off(r, c), src, ok);
-    }
+    pieces(a, stage, k0, lane, [&](int t, int c) { return a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC; },
+           [&](int t, int c) { return a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC; });
   }
 
   // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax).
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
                                                      int k0, int lane) {
     const int mask = a.smax - 1;
+    const auto block = [&](int t) { return static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride; };
+    pieces(
+        a, stage, k0, lane,
+        [&](int t, int c) { return a.k_head + block(t) + (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC; },
+        [&](int t, int c) { return a.v_head + block(t) + static_cast<int64_t>(t & mask) * HEAD_DIM + c * L::VEC; });
+  }
+
+  // The tile's 16-byte pieces, K then V; k_src(t, c) / v_src(t, c): where chunk c of key t is.
+  // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
+  // chunk (512 contiguous bytes of a contiguous cache) at a time, chunk after chunk. V: piece i
+  // is chunk i % CHUNKS of key i / CHUNKS (rows are contiguous in the cache).
+  template <class KSrc, class VSrc>
+  __device__ __forceinline__ static void pieces(const TileArgs<T>& a, unsigned char* stage, int k0, int lane,
+                                                KSrc k_src, VSrc v_src) {
 #pragma unroll 4
     for (int j = 0; j < PIECES; ++j) {
       const int i = lane + 32 * j;
@@ -130,10 +123,7 @@ struct CpAsyncTiles {
       const int c = i / L::KEYS;
       const int t = k0 + key;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      const T* src = ok ? a.k_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
-                              (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC
-                        : a.k_head;
-      cp_async16(stage + L::k_off(key, c), src, ok);
+      cp_async16(stage + L::k_off(key, c), ok ? k_src(t, c) : a.k_head, ok);
     }
 #pragma unroll 4
     for (int j = 0; j < PIECES; ++j) {
@@ -142,10 +132,7 @@ struct CpAsyncTiles {
       const int c = i % L::CHUNKS;
       const int t = k0 + r;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      const T* src = ok ? a.v_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
-                              static_cast<int64_t>(t & mask) * HEAD_DIM + c * L::VEC
-                        : a.v_head;
-      cp_async16(stage + L::v_off(r, c), src, ok);
+      cp_async16(stage + L::v_off(r, c), ok ? v_src(t, c) : a.v_head, ok);
     }
   }
 

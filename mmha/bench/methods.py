@@ -31,21 +31,24 @@ def plan_str(plan: dispatch.Plan) -> str:
     return f"{plan.num_splits}x{plan.stages}"
 
 
-def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto"):
-    """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it."""
+def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages=None):
+    """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it; ``pages``:
+    ``(k_pages, v_pages, block_tables)`` in place of the problem's contiguous caches."""
     cfg = prob.cfg
     ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, plan.num_splits)
     out = torch.empty(cfg.batch, cfg.num_heads * cfg.head_dim, dtype=cfg.torch_dtype, device="cuda")
     lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device="cuda")
     op = torch.ops.mmha.decode_attention.default
+    k_cache, v_cache, tables = pages if pages is not None else (prob.k_cache, prob.v_cache, None)
     args = (
-        prob.qkv, prob.k_cache, prob.v_cache, prob.lengths, None, out, lse, ws.partials, ws.counters,
+        prob.qkv, k_cache, v_cache, prob.lengths, None, out, lse, ws.partials, ws.counters,
         ws.status, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, plan.num_splits, False,
         plan.stages, ops.TILE_SOURCES[tile_source], prob.k_scale, prob.v_scale,
     )  # fmt: skip
+    kw = {} if tables is None else {"block_tables": tables}
 
     def fn():
-        op(*args)
+        op(*args, **kw)
         return out
 
     return fn

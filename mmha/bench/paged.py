@@ -25,7 +25,7 @@ import torch
 
 from .. import ops, paging
 from .cli import gpu_header, time_method
-from .methods import MMHA
+from .methods import MMHA, mmha_fn
 from .problems import CANONICAL, QUICK, TOLERANCE, Config, layer_problems
 
 BLOCK_SIZES = (16, 64)
@@ -53,27 +53,8 @@ def to_pages(prob, block_size: int, gen: torch.Generator):
     return kp, vp, ids.view(b, nblk).to(torch.int32)
 
 
-def paged_fn(prob, kp, vp, tables, plan):
-    cfg = prob.cfg
-    ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, plan.num_splits)
-    out = torch.empty(cfg.batch, cfg.num_heads * cfg.head_dim, dtype=cfg.torch_dtype, device="cuda")
-    lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device="cuda")
-    op = torch.ops.mmha.decode_attention.default
-    args = (
-        prob.qkv, kp, vp, prob.lengths, None, out, lse, ws.partials, ws.counters, ws.status, cfg.num_heads,
-        cfg.num_kv_heads, prob.scale, 0, 10000.0, False, plan.num_splits, False, plan.stages, 0,
-    )  # fmt: skip
-
-    def fn():
-        op(*args, block_tables=tables)
-        return out
-
-    return fn
-
-
 def run_row(cfg: Config, block_sizes, contiguous: dict) -> list[dict]:
     from . import timing
-    from .methods import mmha_fn
 
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
                         cfg.torch_dtype)  # fmt: skip
@@ -95,7 +76,7 @@ def run_row(cfg: Config, block_sizes, contiguous: dict) -> list[dict]:
             gen = torch.Generator().manual_seed(bs)
             probs = layer_problems(cfg, "mmha")
             pages = [to_pages(p, bs, gen) for p in probs]
-            fns = [paged_fn(p, *pg, plan) for p, pg in zip(probs, pages, strict=True)]
+            fns = [mmha_fn(p, plan, pages=pg) for p, pg in zip(probs, pages, strict=True)]
             got = fns[0]().clone()
             want = mmha_fn(probs[0], plan)()
             torch.cuda.synchronize()
