@@ -73,16 +73,21 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint32_t ones[3] = {1, 1, 1};
 
   if (p.block_tables != nullptr) {
-    // Pages: V [num_blocks, Hkv, bs, D] as rows of d elements, a box of one 128-byte line by
-    // min(bs, 64) rows (tile_source.cuh); K by plain bulk copies below 64 slots per block.
+    // Pages: V [num_blocks, Hkv, bs, D] as rows of d elements (tile_source.cuh). Blocks of >= 64
+    // slots: a box of one 128-byte line by 64 rows. Smaller blocks: the lines as a third
+    // dimension (stride 128 bytes, under the rows' stride), so that one box of all lines of bs
+    // rows lands line after line, a stage's V group; their K goes by plain bulk copies.
     const cuuint64_t rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
-    const cuuint64_t v_dims[2] = {d, rows};
-    const cuuint64_t v_strides[1] = {d * elem};
-    const cuuint32_t v_box[2] = {64, static_cast<cuuint32_t>(p.block_shift < 6 ? 1 << p.block_shift : 64)};
-    CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.v_cache, v_dims, v_strides, v_box, ones,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+    const bool small = p.block_shift < 6;
+    const cuuint64_t v_dims[3] = {64, rows, d / 64};
+    const cuuint64_t v_strides[2] = {d * elem, 64 * elem};
+    const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(small ? 1 << p.block_shift : 64),
+                                 static_cast<cuuint32_t>(d / 64)};
+    const cuuint64_t v_dims2[2] = {d, rows};
+    CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, small ? 3 : 2, p.v_cache, small ? v_dims : v_dims2,
+                        v_strides, v_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS || p.block_shift < 6) return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+    if (r != CUDA_SUCCESS || small) return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
     // Blocks of >= 64 slots: K [num_blocks, Hkv, D/x, bs, x] as the contiguous map with bs for
     // S_max, so a tile (64 keys of one block) is one box, as in the contiguous case.
     const cuuint64_t bs = cuuint64_t{1} << p.block_shift;

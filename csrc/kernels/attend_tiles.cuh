@@ -149,33 +149,34 @@ struct TileConsumer {
     }
   }
 
-  // Keys [key0, key0 + 16) of a stage are the cache's keys [it, it + 16). The new token's slot
+  // Keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys, TileLayout::k_off) are the
+  // cache's keys [it, it + 16). The new token's slot
   // (pos) takes its K/V from shared memory; V rows before lo (a window's start) or at or past end
   // are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
-  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int lo, int end, int pos,
-                                               const C* s_new_k, const C* s_new_v, int lane) {
+  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
+                                               int pos, const C* s_new_k, const C* s_new_v, int lane) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
       const int t = it + kk;
       if (t == pos) {
-        *reinterpret_cast<uint4*>(stage + L::k_off(key0 + kk, c)) =
+        *reinterpret_cast<uint4*>(stage + L::k_off(key0 + kk, c, kg)) =
             *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
-        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) =
+        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) =
             *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
       } else if (t >= end || t < lo) {
-        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) = make_uint4(0, 0, 0, 0);
       }
     }
     fence_proxy_async_smem();
     __syncwarp();
   }
 
-  // Attend over keys [key0, key0 + 16) of a stage (the cache's keys [it, it + 16); those before
-  // lo or at or past end are masked), the query at slot pos.
-  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int it, int lo, int end, int pos,
-                                       int lane) {
+  // Attend over keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys; the cache's keys
+  // [it, it + 16), those before lo or at or past end masked), the query at slot pos.
+  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int kg, int it, int lo, int end,
+                                       int pos, int lane) {
     const int g = lane / 4;
     // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8. The hi and
     // lo parts of q accumulate in two independent chains (a consumer warp is often alone on its
@@ -185,7 +186,7 @@ struct TileConsumer {
 #pragma unroll
     for (int j = 0; j < KSTEPS; j += 2) {
       uint32_t k[2][4];
-      Ops::k_pair(k, stage, key0, j, lane);
+      Ops::k_pair(k, stage, key0, j, lane, kg);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (j + u < KSTEPS) {
@@ -258,7 +259,7 @@ struct TileConsumer {
 #pragma unroll
     for (int i = 0; i < KSTEPS; i += 2) {
       uint32_t vt[2][4];
-      Ops::v_pair(vt, stage, key0, i, lane);
+      Ops::v_pair(vt, stage, key0, i, lane, kg);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (i + u < KSTEPS) {

@@ -408,6 +408,10 @@ struct NextItem {
   }
 };
 
+// Table entries of a paged row's earlier blocks that a lane of the appending item's producer
+// loads per tile (to be checked a tile later); a larger share is checked as loaded.
+constexpr int kBeforeLoads = 2;
+
 // The producer warp of a tile-loop block: block j's first item is item j, later ones come from
 // the work counter. For each item it fetches the next item's number and loads (NextItem) while it
 // issues this item's tiles into the ring, stages a one-token item's q and new token (s_item), and
@@ -452,27 +456,51 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
                          hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
     const int nt = w.t1 - w.t0;
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
-    // A paged row's blocks: each tile's, looked up a tile ahead; the item that appends also checks
-    // the blocks of the row's keys before its own ([lo, start)), a share per tile. A block outside
-    // the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN output (a
-    // split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
+    // A paged row's blocks: each tile's table entries loaded two tiles ahead and checked one tile
+    // ahead (the loads' latency behind a tile's copies, not in the producer's way); the item that
+    // appends also checks the blocks of the row's keys before its own ([lo, start)), a share per
+    // tile, each share checked a tile after its loads (the last share by the last tile). A block
+    // outside the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN
+    // output (a split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
     // Tree steps (wide items) take contiguous caches.
     constexpr bool kPages = QB != kWideColumns;
     bool pages_bad = false;
-    TilePages pages{{0, 0, 0, 0}};
-    if constexpr (kPages) pages = tile_pages(ta, walk.key(0), p.num_blocks, pages_bad);
+    TilePages pages{{0, 0, 0, 0}}, ahead{{0, 0, 0, 0}};
+    if constexpr (kPages) {
+      pages = load_pages(ta, walk.key(0)).checked(p.num_blocks, pages_bad);
+      if (nt > 1) ahead = load_pages(ta, walk.key(1));
+    }
     const bool check_before = kPages && ta.table != nullptr && w.owner() && w.start > w.lo;
     const int before0 = w.lo >> hs.shift;
     const int before1 = check_before ? ((w.start - 1) >> hs.shift) + 1 : before0;
-    const int before_share = (before1 - before0 + nt - 1) / nt;
+    const int before_tiles = nt > 1 ? nt - 1 : 1;
+    const int before_share = (before1 - before0 + before_tiles - 1) / before_tiles;
+    int before_ids[kBeforeLoads];  // this lane's share of the last tile's entries, checked this tile
+#pragma unroll
+    for (int u = 0; u < kBeforeLoads; ++u) before_ids[u] = 0;
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       bool refused = false;
       if constexpr (kPages) {
-        if (i + 1 < nt) pages = tile_pages(ta, walk.key(i + 1), p.num_blocks, pages_bad);
-        for (int e = before0 + i * before_share + lane; e < min(before0 + (i + 1) * before_share, before1); e += 32) {
-          pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
+        if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
+        if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
+        if (check_before) {
+#pragma unroll
+          for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
+          const int e0 = before0 + i * before_share, e1 = min(e0 + before_share, before1);
+#pragma unroll
+          for (int u = 0; u < kBeforeLoads; ++u) {
+            const int e = e0 + lane + 32 * u;
+            before_ids[u] = e < e1 ? __ldg(ta.table + e) : 0;
+          }
+          for (int e = e0 + lane + 32 * kBeforeLoads; e < e1; e += 32) {  // a share past the registers
+            pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
+          }
+          if (i == nt - 1) {
+#pragma unroll
+            for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
+          }
         }
         refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
       }
@@ -568,6 +596,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
   const int key0 = 16 * warp;
+  const int kg = L::k_group(p);
   RingCursor cur;
   TileConsumer<C, HEAD_DIM, QB> c;
   WorkItem w;
@@ -595,9 +624,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const int it = h.k0 + key0;
     if (it < w.end) {
       if ((it <= w.newslot && w.newslot < it + 16) || it + 16 > w.end || it < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, it, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
+        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, kg, it, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
       }
-      c.step(stage, key0, it, w.lo, w.end, w.pos, lane);
+      c.step(stage, key0, kg, it, w.lo, w.end, w.pos, lane);
     }
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);

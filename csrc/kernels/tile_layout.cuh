@@ -15,14 +15,20 @@ struct TileLayout {
   static constexpr int VEC = kVec<T>;            // elements per 16-byte chunk
   static constexpr int CHUNKS = HEAD_DIM / VEC;  // 16-byte chunks per key row
   static constexpr int KEYS = kTileKeys;
-  // K: [CHUNKS][KEYS][VEC] as in the cache ([D/x, S, x]): the 8 keys an ldmatrix phase reads for
-  // one chunk are 128 contiguous bytes (conflict-free), and each chunk of a tile is KEYS * 16
-  // contiguous bytes of the cache, read in one go.
+  // K: in groups of G = 2^kg consecutive keys, [KEYS / G][CHUNKS][G][VEC], each group as a run
+  // of the cache holds it ([D/x, S, x], or a pool block's [D/x, bs, x]): kg = TILE_GROUP (the
+  // whole tile as one group, [CHUNKS][KEYS][VEC]) for contiguous caches and blocks of >= KEYS
+  // slots, one group per pool block for blocks of 16 or 32 (kg = block_shift: a block's K is one
+  // contiguous run of the pool, read in one go). The 8 keys an ldmatrix phase reads for one chunk
+  // are 128 contiguous bytes either way (conflict-free; groups hold >= 16 keys).
+  static constexpr int TILE_GROUP = 6;  // log2 KEYS
+  static_assert(KEYS == 1 << TILE_GROUP, "TILE_GROUP is log2 of the tile's keys");
   static constexpr int K_BYTES = KEYS * HEAD_DIM * static_cast<int>(sizeof(T));
-  // V: where a row is a whole number of 128-byte lines (v_whole_lines), [V_LINES][KEYS][128
-  // bytes], with chunk c of key r at chunk c ^ (r % 8) of its line: the copy engine's 128-byte
-  // swizzle, so the 8 keys an ldmatrix.trans phase reads for one chunk fall in 8 different bank
-  // groups. Otherwise rows padded by 16 bytes (cp.async only), which spreads those 8 keys over
+  // V: where a row is a whole number of 128-byte lines (v_whole_lines), in the K groups of 2^kg
+  // keys, [KEYS / G][V_LINES][G][128 bytes] ([V_LINES][KEYS][128 bytes] for the whole tile), with
+  // chunk c of key r at chunk c ^ (r % 8) of its line: the copy engine's 128-byte swizzle (a group
+  // is one box of it), so the 8 keys an ldmatrix.trans phase reads for one chunk fall in 8
+  // different bank groups. Otherwise rows padded by 16 bytes (cp.async only), which spreads those 8 keys over
   // 8 bank groups as well (but for 80 fp8 dims: 96-byte rows, 2-way conflicts).
   static constexpr bool V_SWIZZLE = v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(T)));
   static constexpr int V_LINE_BYTES = 128;
@@ -33,12 +39,21 @@ struct TileLayout {
   static_assert(STAGE_BYTES >= K_BYTES + V_BYTES, "stage too small");
   static_assert(K_BYTES % 1024 == 0, "V lines must start 1024-byte aligned (128-byte swizzle atom)");
 
-  // Byte offset of chunk c of tile key k in the K part.
-  __device__ __forceinline__ static int k_off(int k, int c) { return (c * KEYS + k) * 16; }
-  // Byte offset of chunk c of tile key r in the stage (V follows K).
-  __device__ __forceinline__ static int v_off(int r, int c) {
+  // Byte offset of chunk c of tile key k in the K part, in groups of 2^kg keys.
+  __device__ __forceinline__ static int k_off(int k, int c, int kg) {
+    const int in_group = k & ((1 << kg) - 1);
+    return ((k - in_group) * CHUNKS + (c << kg) + in_group) * 16;
+  }
+  // The K group of a launch: one per pool block of < KEYS slots, else the whole tile.
+  __device__ __forceinline__ static int k_group(const MmhaParams& p) {
+    return p.block_tables != nullptr && p.block_shift < TILE_GROUP ? p.block_shift : TILE_GROUP;
+  }
+  // Byte offset of chunk c of tile key r in the stage (V follows K), in groups of 2^kg keys.
+  __device__ __forceinline__ static int v_off(int r, int c, int kg) {
     if constexpr (V_SWIZZLE) {
-      return K_BYTES + ((c / 8) * KEYS + r) * V_LINE_BYTES + ((c % 8) ^ (r % 8)) * 16;
+      const int in_group = r & ((1 << kg) - 1);
+      return K_BYTES + ((r - in_group) * V_LINES + ((c / 8) << kg) + in_group) * V_LINE_BYTES +
+             ((c % 8) ^ (r % 8)) * 16;
     } else {
       return K_BYTES + r * V_PITCH * static_cast<int>(sizeof(T)) + c * 16;
     }

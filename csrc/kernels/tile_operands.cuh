@@ -9,9 +9,12 @@
 //                              lane quad tq at K step j; elements d and d + 1 go in its halves
 //   out_dim(i, g, h)           the head-dim index of O^T's accumulator row g (h = 0) or g + 8
 //                              (h = 1) of M tile i
-//   k_pair(a, stage, key0, j)  A fragments of S^T = K Q^T for K steps j and j + 1 (keys key0 ..
-//                              key0 + 15; step j + 1 only where it exists)
-//   v_pair(a, stage, key0, i)  A fragments of O^T += V^T P^T for M tiles i and i + 1
+//   k_pair(a, stage, key0, j, lane, kg)
+//                              A fragments of S^T = K Q^T for K steps j and j + 1 (keys key0 ..
+//                              key0 + 15; step j + 1 only where it exists), K in groups of 2^kg
+//                              keys (TileLayout::k_off)
+//   v_pair(a, stage, key0, i, lane, kg)
+//                              A fragments of O^T += V^T P^T for M tiles i and i + 1
 // q_dim and out_dim say which head dims a fragment row stands for: an fp8 chunk is 16 dims of
 // one key, and ldmatrix hands each lane 4 consecutive bytes, so the readers of fp8 permute the
 // head dim (consistently for q and K, and for V and the output) instead of the bytes.
@@ -36,20 +39,22 @@ struct TileOperands {
   __device__ __forceinline__ static int q_dim(int j, int tq, int h) { return 16 * j + 2 * tq + 8 * h; }
   __device__ __forceinline__ static int out_dim(int i, int g, int h) { return 16 * i + g + 8 * h; }
 
-  // Lanes 0-15 address keys 0-15 of 8-element chunk 2j, lanes 16-31 of chunk 2j + 1.
+  // Lanes 0-15 address keys 0-15 of 8-element chunk 2j, lanes 16-31 of chunk 2j + 1 (a lane's
+  // address moves by 2^kg * 16 bytes per chunk).
   __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
-                                                int lane) {
-    ldmatrix_x4<false>(a[0], stage + L::k_off(key0 + lane % 16, 2 * j + lane / 16));
-    if (j + 1 < KSTEPS) ldmatrix_x4<false>(a[1], stage + L::k_off(key0 + lane % 16, 2 * j + 2 + lane / 16));
+                                                int lane, int kg) {
+    const unsigned char* base = stage + L::k_off(key0 + lane % 16, lane / 16, kg);
+    ldmatrix_x4<false>(a[0], base + ((2 * j) << (kg + 4)));
+    if (j + 1 < KSTEPS) ldmatrix_x4<false>(a[1], base + ((2 * j + 2) << (kg + 4)));
   }
 
   // ldmatrix.trans of keys v_row (+ 8), chunks 2i + v_half.
   __device__ __forceinline__ static void v_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int i,
-                                                int lane) {
+                                                int lane, int kg) {
     const int v_row = key0 + lane % 8 + (lane / 16) * 8;
     const int v_half = (lane / 8) % 2;
-    ldmatrix_x4<true>(a[0], stage + L::v_off(v_row, 2 * i + v_half));
-    if (i + 1 < KSTEPS) ldmatrix_x4<true>(a[1], stage + L::v_off(v_row, 2 * i + 2 + v_half));
+    ldmatrix_x4<true>(a[0], stage + L::v_off(v_row, 2 * i + v_half, kg));
+    if (i + 1 < KSTEPS) ldmatrix_x4<true>(a[1], stage + L::v_off(v_row, 2 * i + 2 + v_half, kg));
   }
 };
 
@@ -70,13 +75,13 @@ struct TileOperands<e4m3, HEAD_DIM> {
 
   // Lanes 0-7 address keys 0-7 of chunk j, 8-15 keys 8-15 of chunk j, 16-31 the same of j + 1.
   __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
-                                                int lane) {
+                                                int lane, int kg) {
     uint32_t r[4];
     if (j + 1 < KSTEPS) {
-      ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 16, j + lane / 16));
+      ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 16, lane / 16, kg) + (j << (kg + 4)));
     } else {
       uint32_t r2[2];
-      ldmatrix_x2<false>(r2, stage + L::k_off(key0 + lane % 16, j));
+      ldmatrix_x2<false>(r2, stage + L::k_off(key0 + lane % 16, 0, kg) + (j << (kg + 4)));
       r[0] = r2[0], r[1] = r2[1], r[2] = r[3] = 0;
     }
 #pragma unroll
@@ -91,13 +96,13 @@ struct TileOperands<e4m3, HEAD_DIM> {
   // Transposed: lane (g, tq) receives [key 2tq: dims 2g, 2g + 1][key 2tq + 1: the same] of each
   // matrix; a byte permute makes it [dim 2g: keys 2tq, 2tq + 1][dim 2g + 1: the same].
   __device__ __forceinline__ static void v_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int i,
-                                                int lane) {
+                                                int lane, int kg) {
     uint32_t r[4];
     if (i + 1 < KSTEPS) {
-      ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, i + lane / 16));
+      ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, i + lane / 16, kg));
     } else {
       uint32_t r2[2];
-      ldmatrix_x2<true>(r2, stage + L::v_off(key0 + lane % 16, i));
+      ldmatrix_x2<true>(r2, stage + L::v_off(key0 + lane % 16, i, kg));
       r[0] = r2[0], r[1] = r2[1], r[2] = r[3] = 0;
     }
 #pragma unroll

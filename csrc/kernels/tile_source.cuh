@@ -49,18 +49,30 @@ struct TileArgs {
 
 // The pool blocks of one tile's keys (paged caches): 64 keys lie in at most 4 blocks of >= 16
 // slots, sub-block s being table entry (k0 >> shift) + s. Entries of blocks that hold none of the
-// tile's needed keys ([lo, end)) are not read and stay 0; an entry outside the pool raises `bad`
-// and reads as block 0 (its keys are read from there, and the item is refused).
+// tile's needed keys ([lo, end)) are not read and stay 0. A lookup is split in two so that the
+// table's latency hides behind a tile's copies: load_pages starts the loads, checked (a tile
+// later) reads them, turning an entry outside the pool into block 0 (its keys are read from there,
+// and the item is refused) and raising `bad`.
 struct TilePages {
   int id[4];
   __device__ __forceinline__ int of(int t, int k0, int shift) const {
     const int s = (t >> shift) - (k0 >> shift);
     return s == 0 ? id[0] : s == 1 ? id[1] : s == 2 ? id[2] : id[3];
   }
+  __device__ __forceinline__ TilePages checked(int num_blocks, bool& bad) const {
+    TilePages pg;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const bool ok = id[s] >= 0 && id[s] < num_blocks;
+      bad = bad || !ok;
+      pg.id[s] = ok ? id[s] : 0;
+    }
+    return pg;
+  }
 };
 
 template <typename T>
-__device__ __forceinline__ TilePages tile_pages(const TileArgs<T>& a, int k0, int num_blocks, bool& bad) {
+__device__ __forceinline__ TilePages load_pages(const TileArgs<T>& a, int k0) {
   TilePages pg{{0, 0, 0, 0}};
   if (a.table == nullptr) return pg;
   const int lo = max(k0, a.lo);
@@ -68,12 +80,7 @@ __device__ __forceinline__ TilePages tile_pages(const TileArgs<T>& a, int k0, in
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int blk = (k0 >> a.shift) + s;
-    if (max(lo, blk << a.shift) < min(hi, (blk + 1) << a.shift)) {
-      const int id = __ldg(a.table + blk);
-      const bool ok = id >= 0 && id < num_blocks;
-      bad = bad || !ok;
-      pg.id[s] = ok ? id : 0;
-    }
+    if (max(lo, blk << a.shift) < min(hi, (blk + 1) << a.shift)) pg.id[s] = __ldg(a.table + blk);
   }
   return pg;
 }
@@ -94,27 +101,29 @@ struct CpAsyncTiles {
       issue_paged(a, pg, stage, k0, lane);
       return;
     }
-    pieces(a, stage, k0, lane, [&](int t, int c) { return a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC; },
+    pieces(a, stage, k0, lane, L::TILE_GROUP,
+           [&](int t, int c) { return a.k_head + (static_cast<int64_t>(c) * a.smax + t) * L::VEC; },
            [&](int t, int c) { return a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC; });
   }
 
-  // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax).
+  // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax),
+  // K in groups of one block where blocks are smaller than the tile (TileLayout::k_off).
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
                                                      int k0, int lane) {
     const int mask = a.smax - 1;
     const auto block = [&](int t) { return static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride; };
     pieces(
-        a, stage, k0, lane,
+        a, stage, k0, lane, min(a.shift, L::TILE_GROUP),
         [&](int t, int c) { return a.k_head + block(t) + (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC; },
         [&](int t, int c) { return a.v_head + block(t) + static_cast<int64_t>(t & mask) * HEAD_DIM + c * L::VEC; });
   }
 
-  // The tile's 16-byte pieces, K then V; k_src(t, c) / v_src(t, c): where chunk c of key t is.
-  // K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32 consecutive keys of one
-  // chunk (512 contiguous bytes of a contiguous cache) at a time, chunk after chunk. V: piece i
-  // is chunk i % CHUNKS of key i / CHUNKS (rows are contiguous in the cache).
+  // The tile's 16-byte pieces, K (in groups of 2^kg keys) then V; k_src(t, c) / v_src(t, c):
+  // where chunk c of key t is. K: piece i is key i % KEYS of chunk i / KEYS, so a warp copies 32
+  // consecutive keys of one chunk (512 contiguous bytes of a contiguous cache) at a time, chunk
+  // after chunk. V: piece i is chunk i % CHUNKS of key i / CHUNKS (rows are contiguous in the cache).
   template <class KSrc, class VSrc>
-  __device__ __forceinline__ static void pieces(const TileArgs<T>& a, unsigned char* stage, int k0, int lane,
+  __device__ __forceinline__ static void pieces(const TileArgs<T>& a, unsigned char* stage, int k0, int lane, int kg,
                                                 KSrc k_src, VSrc v_src) {
 #pragma unroll 4
     for (int j = 0; j < PIECES; ++j) {
@@ -123,7 +132,7 @@ struct CpAsyncTiles {
       const int c = i / L::KEYS;
       const int t = k0 + key;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      cp_async16(stage + L::k_off(key, c), ok ? k_src(t, c) : a.k_head, ok);
+      cp_async16(stage + L::k_off(key, c, kg), ok ? k_src(t, c) : a.k_head, ok);
     }
 #pragma unroll 4
     for (int j = 0; j < PIECES; ++j) {
@@ -132,7 +141,7 @@ struct CpAsyncTiles {
       const int c = i % L::CHUNKS;
       const int t = k0 + r;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      cp_async16(stage + L::v_off(r, c), ok ? v_src(t, c) : a.v_head, ok);
+      cp_async16(stage + L::v_off(r, c, kg), ok ? v_src(t, c) : a.v_head, ok);
     }
   }
 
@@ -187,12 +196,13 @@ struct TmaTiles {
   }
 
   // A paged cache's tile: blocks of >= 64 slots hold it whole (a K box of the map over the pool,
-  // and V boxes); smaller ones per sub-block of bs keys (one pool block each), K as one bulk
-  // copy per chunk (a block's chunk is bs * 16 contiguous bytes) and V as one box per 128-byte
-  // line of the pool's V map (rows: block * Hkv * bs + kv head * bs + slot, swizzled as the
-  // contiguous boxes: the swizzle follows the shared-memory address). Sub-blocks the tile does not
-  // need are read from block 0 (the byte count stays whole) and patched by the consumers, as keys
-  // past the end are in the contiguous case. The lanes share the copies.
+  // and V boxes); smaller ones per sub-block of bs keys (one pool block each, one K/V group of the
+  // stage): K as one bulk copy of the block's whole K (CHUNKS * bs * 16 contiguous bytes of the
+  // pool) and V as one box of the pool's V map (all V_LINES lines of bs rows; rows: block * Hkv *
+  // bs + kv head * bs + slot, swizzled as the contiguous boxes: the swizzle follows the
+  // shared-memory address). Sub-blocks the tile does not need are read from block 0 (the byte
+  // count stays whole) and patched by the consumers, as keys past the end are in the contiguous
+  // case. Lane s issues sub-block s's copies.
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
                                                      int k0, uint64_t* full, int lane) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -211,24 +221,14 @@ struct TmaTiles {
     }
     if (lane == 0) mbar_expect_tx(full, TX_BYTES);
     __syncwarp();
-    const int sub_shift = a.shift < 6 ? a.shift : 6;  // log2 of keys per sub-block
+    const int sub_shift = a.shift;  // log2 of keys per sub-block (16 or 32)
     const int subs = L::KEYS >> sub_shift;
-    for (int q = lane; q < L::CHUNKS * subs; q += 32) {
-      const int s = q / L::CHUNKS;
-      const int c = q - s * L::CHUNKS;
-      const int key = s << sub_shift;
-      const int t = k0 + key;
-      const T* src = a.k_head + static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride +
-                     (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC;
-      bulk_load(stage + L::k_off(key, c), src, 16u << sub_shift, full);
-    }
-    for (int q = lane; q < L::V_LINES * subs; q += 32) {
-      const int s = q / L::V_LINES;
-      const int j = q - s * L::V_LINES;
-      const int key = s << sub_shift;
-      const int t = k0 + key;
-      const int row = pg.of(t, k0, a.shift) * a.block_rows + a.head_row + (t & mask);
-      tma_load_2d(stage + L::K_BYTES + (j * L::KEYS + key) * L::V_LINE_BYTES, a.v_map, 64 * j, row, full);
+    if (lane < subs) {
+      const int key = lane << sub_shift;
+      const int id = pg.of(k0 + key, k0, a.shift);
+      bulk_load(stage + L::k_off(key, 0, sub_shift), a.k_head + static_cast<int64_t>(id) * a.block_stride,
+                (L::CHUNKS * 16u) << sub_shift, full);
+      tma_load_3d(stage + L::v_off(key, 0, sub_shift), a.v_map, 0, id * a.block_rows + a.head_row, 0, full);
     }
 #endif
   }
