@@ -191,8 +191,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const bool pages = block_tables.has_value();
   if (pages) check_cuda(*block_tables, "block_tables", device);
   if (row_active.has_value()) check_cuda(*row_active, "row_active", device);
-  MMHA_CHECK(!(pages && tree), "parents must be None with block_tables: tree steps on paged caches are not "
-             "supported yet (use contiguous caches)");
 
   // Dtypes.
   const at::ScalarType dtype = qkv.scalar_type();

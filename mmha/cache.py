@@ -600,12 +600,12 @@ class KVCache:
         each row's verified path (use the same ``parents`` for every layer). On a GPU the kernel
         (``mmha.ops.decode_tree``) takes ``parents`` (int32) and ``node_counts`` as device tensors
         (host values are copied over); their values are checked on the host outside CUDA-graph
-        capture, and a captured step reads them from the device each replay. Contiguous caches."""
+        capture, and a captured step reads them from the device each replay. A paged cache gives
+        each active row the blocks of its node slots first (all or nothing; inside capture they
+        must be there already: ``reserve_slots``); free rows take no part (zero output)."""
         from . import tree
 
         self._check_layer(layer)
-        if self.paged:
-            raise ValueError("step_tree needs a contiguous cache (paged trees are not supported yet)")
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 3 or qkv.shape[2] != width or not 1 <= qkv.shape[0] <= self.max_batch:
             raise ValueError(
@@ -628,12 +628,21 @@ class KVCache:
             raise ValueError(
                 f"qkv must have T = {parents.shape[1]} nodes (parents' width), got {qkv.shape[1]}"
             )
-        over = [r for r in range(batch) if self._host_lengths[r] + len(rows[r]) > self.max_seq_len]
+        over = [
+            r
+            for r in range(batch)
+            if self._active[r] and self._host_lengths[r] + len(rows[r]) > self.max_seq_len
+        ]
         if over:
             raise ValueError(
                 f"rows {over} would overflow the capacity: length + node count > max_seq_len "
                 f"({self.max_seq_len})"
             )
+        if self.paged:  # the blocks of every node's slot (a no-op after the first layer)
+            active = [r for r in range(batch) if self._active[r]]
+            self.pool.ensure(
+                active, [self._host_lengths[r] + len(rows[r]) - 1 for r in active], "step_tree"
+            )  # fmt: skip
         if self.use_kernel:
             return self._step_tree_kernel(
                 layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
@@ -647,15 +656,32 @@ class KVCache:
         )  # fmt: skip
         if self.fp8:
             kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
-        out = reference.decode_tree(
-            qkv,
-            self.k_caches[layer][:batch],
-            self.v_caches[layer][:batch],
-            self.lengths[:batch],
-            parents,
-            **kw,
-        )
+        if self.paged:
+            out = self._step_tree_paged(layer, qkv, parents, batch, kw)
+        else:
+            out = reference.decode_tree(
+                qkv,
+                self.k_caches[layer][:batch],
+                self.v_caches[layer][:batch],
+                self.lengths[:batch],
+                parents,
+                **kw,
+            )
         self._tree = rows
+        return out
+
+    def _step_tree_paged(self, layer: int, qkv, parents, batch: int, kw: dict) -> torch.Tensor:
+        """The reference tree step over pages for the active rows (free rows: zero output)."""
+        rows = [r for r in range(batch) if self._active[r]]
+        counts = kw.pop("node_counts")
+        width = self.num_heads * self.head_dim
+        out = torch.zeros(batch, qkv.shape[1], width, dtype=qkv.dtype, device=qkv.device)
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=qkv.device)
+            out[idx] = reference.decode_tree_paged(
+                qkv[idx], self.k_caches[layer], self.v_caches[layer], self.block_tables[idx],
+                self.lengths[idx], parents[idx], node_counts=[counts[r] for r in rows], **kw,
+            )  # fmt: skip
         return out
 
     def _step_tree_kernel(
@@ -690,8 +716,13 @@ class KVCache:
         kw = {}
         if self.fp8:
             kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        if self.paged:  # free rows own no blocks: row_active makes them write nothing and get zeros
+            kw.update(block_tables=self.block_tables[:batch], row_active=self._active_mask[:batch])
+        else:
+            kc, vc = kc[:batch], vc[:batch]
         out = ops.decode_tree(
-            qkv, self.k_caches[layer][:batch], self.v_caches[layer][:batch], self.lengths[:batch], parents,
+            qkv, kc, vc, self.lengths[:batch], parents,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, node_counts=node_counts,
             qkv_bias=qkv_bias, scale=self.scale, rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
             rotary_interleaved=self.rotary_interleaved, num_splits=num_splits, stages=stages,
@@ -713,21 +744,73 @@ class KVCache:
         CUDA graph can capture with the tree steps (``rows`` consecutive there). Outside capture
         the paths are read and checked as above; inside capture nothing is checked (a path that
         is not one of the tree's moves what it names, clamped to the capacity) and the host
-        mirror of the lengths stays behind: call ``sync_lengths()`` after replays."""
+        mirror of the lengths stays behind: call ``sync_lengths()`` after replays.
+
+        A paged cache moves the nodes through the rows' block tables and then gives each row the
+        block of its next token (all or nothing, checked before anything moves; inside capture
+        the tables must hold it already: ``reserve_slots``)."""
         if isinstance(paths, torch.Tensor):
             return self._accept_tensor(rows, paths)
         rows = self._check_rows(rows)
         checked = self._checked_paths(rows, paths)
+        grown = [self._host_lengths[r] + len(p) for r, p in zip(rows, checked, strict=True)]
+        if self.paged:
+            self._check_pool_for(rows, grown, "accept")
         for r, path in zip(rows, checked, strict=True):
             n = self._host_lengths[r]
             if not path or path == list(range(len(path))):
                 continue  # already in place
-            src = torch.tensor([n + t for t in path], dtype=torch.long, device=self.device)
-            dst = torch.arange(n, n + len(path), dtype=torch.long, device=self.device)
+            src = [n + t for t in path]
+            dst = list(range(n, n + len(path)))
             for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
-                kc[r, :, :, dst] = kc[r, :, :, src].clone()
-                vc[r, :, dst] = vc[r, :, src].clone()
-        self._set_lengths(rows, [self._host_lengths[r] + len(p) for r, p in zip(rows, checked, strict=True)])
+                if self.paged:
+                    (sb, so), (db, do) = self._page_slots(r, src), self._page_slots(r, dst)
+                    kc[db, :, :, do] = kc[sb, :, :, so]
+                    vc[db, :, do] = vc[sb, :, so]
+                else:
+                    s_idx = torch.tensor(src, dtype=torch.long, device=self.device)
+                    d_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
+                    kc[r, :, :, d_idx] = kc[r, :, :, s_idx].clone()
+                    vc[r, :, d_idx] = vc[r, :, s_idx].clone()
+        self._set_lengths(rows, grown)
+        if self.paged:
+            self.pool.ensure(rows, self._next_slot_lengths(rows), "accept")
+
+    def _page_slots(self, row: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged: the (block, offset) index tensors of a row's slots."""
+        bs = self.pool.block_size
+        blocks = self.pool.rows[row]
+        blk = torch.tensor([blocks[s // bs] for s in slots], dtype=torch.long, device=self.device)
+        off = torch.tensor([s % bs for s in slots], dtype=torch.long, device=self.device)
+        return blk, off
+
+    def _check_pool_for(self, rows: list[int], lengths: list[int], what: str) -> None:
+        """Paged: raise PoolExhausted (before anything changes) if rows about to hold ``lengths``
+        tokens need more free blocks than the pool has (their next token's slot included)."""
+        next_slot = [min(n, self.max_seq_len - 1) for n in lengths]
+        need = self.pool.need(rows, next_slot)
+        if need > self.pool.free_blocks:
+            raise paging.PoolExhausted(
+                f"{what}: the page pool has {self.pool.free_blocks} free blocks, {need} are needed for "
+                f"rows {rows}; nothing was changed"
+            )
+
+    def reserve_slots(self, count: int) -> None:
+        """Paged caches: every active row gets the blocks of its slots ``length .. length + count
+        - 1`` (all or nothing). ``step_tree`` and ``accept`` do this themselves outside CUDA-graph
+        capture; a captured tree step of ``count`` nodes (and a captured ``accept``) reads the
+        tables as they are, so call this before each replay (after ``sync_lengths()``)."""
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive int, got {count!r}")
+        if not self.paged:
+            return
+        rows = self.active_rows
+        over = [r for r in rows if self._host_lengths[r] + count > self.max_seq_len]
+        if over:
+            raise ValueError(
+                f"rows {over} would overflow the capacity: length + count > max_seq_len ({self.max_seq_len})"
+            )
+        self.pool.ensure(rows, [self._host_lengths[r] + count - 1 for r in rows], "reserve_slots")
 
     def _checked_paths(self, rows: list[int], paths: Sequence[Sequence[int]]) -> list[list[int]]:
         """accept's checks of host paths against the last step_tree's trees."""
@@ -748,8 +831,6 @@ class KVCache:
     def _accept_tensor(self, rows: Sequence[int], paths: torch.Tensor) -> None:
         """accept with device paths: gathers of every kept node's K/V, scattered to its slot."""
         rows = self._check_rows(rows)
-        if self.paged:
-            raise ValueError("accept with tensor paths needs a contiguous cache (paged=False)")
         if (
             paths.dim() != 2
             or paths.shape[0] != len(rows)
@@ -769,6 +850,9 @@ class KVCache:
                 if any(n >= 0 for n in p[len(kept[i]) :]) or any(n < -1 for n in p):
                     raise ValueError(f"paths[{i}] must be its path, then -1s, got {p}")
             kept = self._checked_paths(rows, kept)
+            if self.paged:
+                grown = [self._host_lengths[r] + len(k) for r, k in zip(rows, kept, strict=True)]
+                self._check_pool_for(rows, grown, "accept")
         if not rows:
             return
         if rows != list(range(rows[0], rows[0] + len(rows))):
@@ -788,14 +872,23 @@ class KVCache:
         top = self.max_seq_len - 1
         src = (n[:, None] + p.gather(1, t).clamp_min(0)).clamp(max=top)
         dst = (n[:, None] + t).clamp(max=top)
-        r = idx[:, None].expand(len(rows), width)
+        if self.paged:  # slots through the tables: (block, offset) pairs
+            bs = self.pool.block_size
+            tables = self.block_tables[idx].long()
+            src_at = (tables.gather(1, src // bs), src % bs)
+            dst_at = (tables.gather(1, dst // bs), dst % bs)
+        else:
+            r = idx[:, None].expand(len(rows), width)
+            src_at, dst_at = (r, src), (r, dst)
         for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
-            kc[r, :, :, dst] = kc[r, :, :, src]
-            vc[r, :, dst] = vc[r, :, src]
+            kc[dst_at[0], :, :, dst_at[1]] = kc[src_at[0], :, :, src_at[1]]
+            vc[dst_at[0], :, dst_at[1]] = vc[src_at[0], :, src_at[1]]
         self.lengths.index_add_(0, idx, count.to(self.lengths.dtype))
         if kept is not None:
             for row, path in zip(rows, kept, strict=True):
                 self._host_lengths[row] += len(path)
+            if self.paged:
+                self.pool.ensure(rows, self._next_slot_lengths(rows), "accept")
 
     def sync_lengths(self) -> None:
         """Read the device lengths into the host mirror (one synchronisation): after replays of a

@@ -317,6 +317,8 @@ def decode_tree(
     validate: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+    row_active: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A tree-masked multi-token step on the GPU (``mmha.tree``; ``mmha.reference.decode_tree``
     defines it): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T <= 64 nodes of ``parents`` (int32 ``[B,
@@ -328,7 +330,10 @@ def decode_tree(
     ``validate`` reads ``parents``, ``node_counts`` and ``lengths`` on the host and raises
     ``ValueError`` naming the entry (one synchronisation; skipped inside CUDA-graph capture).
     Without it a row that breaks the rules writes nothing, gets NaN output and raises its status
-    flag (``workspace.check()``: ``TreeError`` or ``LengthError``). Other arguments as in
+    flag (``workspace.check()``: ``TreeError`` or ``LengthError``). A paged cache
+    (``block_tables``) must hold the blocks of slots ``0 .. lengths[b] + count - 1`` (checked on
+    the host with ``validate``; without, a row whose table names a block outside the pool writes
+    nothing, gets NaN output and raises ``PageError``). Other arguments as in
     ``decode_attention``; ``max_len`` is the longest ``lengths[b] + T`` the caller knows of.
     Returns ``out [B, T, Hq * D]`` (and fp32 ``lse [B, T, Hq]``)."""
     from . import tree
@@ -349,9 +354,25 @@ def decode_tree(
     ):
         raise ValueError(f"node_counts must be None or an int32 tensor on {qkv.device}")
     batch, head_dim, max_seq_len = v_cache.shape[0], v_cache.shape[-1], v_cache.shape[-2]
+    if block_tables is not None:
+        if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+            got = tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables)
+            raise ValueError(f"block_tables must be an int32 tensor [B, max_blocks], got {got}")
+        batch, max_seq_len = block_tables.shape[0], block_tables.shape[1] * v_cache.shape[-2]
+    active = None
+    if check and row_active is not None and row_active.shape == (batch,):
+        active = [bool(a) for a in row_active.tolist()]
     if check:
         counts = None if node_counts is None else node_counts.tolist()
-        tree.check_parents(parents, batch, counts)
+        trees = tree.check_parents(parents, batch, counts)
+        if block_tables is not None and lengths.shape == (batch,):
+            host = lengths.tolist()
+            rows = [r for r in range(batch) if active is None or active[r]]
+            if rows:
+                reference.check_block_tables(
+                    block_tables[rows], [host[r] + len(trees[r]) - 1 for r in rows], v_cache.shape[0],
+                    v_cache.shape[-2],
+                )  # fmt: skip
     if parents.dim() != 2 or not 1 <= parents.shape[1] <= tree.MAX_NODES:
         raise ValueError(
             f"parents must have shape [{batch}, T <= {tree.MAX_NODES}], got {tuple(parents.shape)}"
@@ -376,5 +397,6 @@ def decode_tree(
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
         TILE_SOURCES[tile_source], k_scale, v_scale, 0, 0.0, None, None, parents, node_counts,
+        block_tables=block_tables, row_active=row_active,
     )  # fmt: skip
     return (out, lse) if return_lse else out

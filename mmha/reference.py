@@ -439,3 +439,48 @@ def decode_tree(
         o = torch.einsum("thl,hld->thd", torch.softmax(scores, dim=-1), values)
         out[row, :n] = o.reshape(n, -1).to(qkv.dtype)
     return out
+
+
+def decode_tree_paged(
+    qkv: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    node_counts: list[int] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """``decode_tree`` over a paged cache (pages as in ``decode_step_paged``): each row's blocks of
+    slots ``0 .. lengths[b] + count - 1`` are gathered into a contiguous cache, the tree step runs
+    there, and the nodes' slots are written back to their pages."""
+    from . import tree
+
+    bs = k_pages.shape[3]
+    rows = tree.check_parents(parents, qkv.shape[0], node_counts)
+    pos = [int(p) for p in lengths.tolist()]
+    for row, p in enumerate(pos):
+        if p < 0:
+            raise ValueError(f"lengths[{row}] must be >= 0, got {p}")
+    last = [p + len(r) - 1 for p, r in zip(pos, rows, strict=True)]  # each row's last slot
+    check_block_tables(block_tables, last, k_pages.shape[0], bs)
+    tables = block_tables.tolist()
+    outs = []
+    for b, p in enumerate(pos):
+        n = len(rows[b])
+        blocks = tables[b][: (p + n - 1) // bs + 1]
+        kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
+        outs.append(
+            decode_tree(
+                qkv[b : b + 1], kc, vc, lengths[b : b + 1], parents[b : b + 1], num_heads=num_heads,
+                num_kv_heads=num_kv_heads, node_counts=[n], **kwargs,
+            )
+        )  # fmt: skip
+        for t in range(p, p + n):
+            blk, off = blocks[t // bs], t % bs
+            k_pages[blk, :, :, off, :] = kc[0, :, :, t, :]
+            v_pages[blk, :, off, :] = vc[0, :, t, :]
+    return torch.cat(outs)

@@ -284,3 +284,85 @@ def test_fuzz_allocator_operations_against_a_contiguous_mirror(seed):
                 owners.setdefault(blk, set()).add(family[r])
         assert all(len(f) == 1 for f in owners.values()), "a block shared across rows that never forked"
         rows_equal(paged, flat, paged.active_rows)
+
+
+def tree_rounds(paged: KVCache, flat: KVCache, rounds: int, nodes: int, seed: int, tensor_paths=(1,)):
+    """Tree steps and accept on both caches (rows' paths at random through random trees; round r
+    passes the paths as a tensor when r is in tensor_paths): outputs equal, the kept K/V equal."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    b = paged.max_batch
+    dev = paged.device
+    wide = (paged.num_heads + 2 * paged.num_kv_heads) * paged.head_dim
+    for rnd in range(rounds):
+        parents = torch.tensor(
+            [[-1] + [rng.randrange(-1, i) for i in range(1, nodes)] for _ in range(b)], dtype=torch.int32
+        ).to(dev)
+        qkv = torch.randn(b, nodes, wide, generator=g).to(paged.dtype).to(dev)
+        for layer in range(paged.num_layers):
+            a, c = paged.step_tree(layer, qkv, parents), flat.step_tree(layer, qkv, parents)
+            live = paged.active_rows
+            assert torch.equal(a[live].view(torch.uint8), c[live].view(torch.uint8)), f"round {rnd}"
+        paths = []
+        for r in range(b):  # a root-first path of this row's tree (possibly empty)
+            host = parents[r].tolist()
+            node = rng.randrange(-1, nodes)
+            path = []
+            while node >= 0:
+                path.append(node)
+                node = host[node]
+            paths.append(path[::-1])
+        rows = paged.active_rows
+        chosen = [paths[r] for r in rows]
+        if rnd in tensor_paths:
+            width = max(1, max(len(p) for p in chosen))
+            t = torch.tensor([p + [-1] * (width - len(p)) for p in chosen], dtype=torch.int64).to(dev)
+            paged.accept(rows, t)
+            flat.accept(rows, t)
+        else:
+            paged.accept(rows, chosen)
+            flat.accept(rows, chosen)
+        assert paged.host_lengths == flat.host_lengths
+        paged.pool.check()
+    rows_equal(paged, flat, paged.active_rows)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kvcache_paged_tree_steps_and_accept_equal_contiguous(kv_dtype, block_size):
+    """Tree steps over pages (the nodes' blocks taken before the step), accept through the tables
+    (host and tensor paths), a forked row sharing its prefix blocks and a released row: outputs
+    and kept tokens equal a contiguous cache's."""
+    paged, flat = pair(kv_dtype, block_size=block_size, s_max=140)
+    g = torch.Generator().manual_seed(block_size)
+    k = torch.randn(4, 40, 2, 32, generator=g).half()
+    for c in (paged, flat):
+        c.release(range(4))
+        for layer in range(2):
+            c.prefill(layer, k[:3], k[:3], [40, 15, 16], rows=[0, 1, 2])
+    paged.fork(0, [3])
+    flat.admit([3])
+    for layer in range(2):
+        flat.k_caches[layer][3] = flat.k_caches[layer][0]
+        flat.v_caches[layer][3] = flat.v_caches[layer][0]
+    flat._set_lengths([3], [40])
+    for c in (paged, flat):
+        c.release([1])
+    tree_rounds(paged, flat, 4, 7, seed=block_size)
+
+
+def test_paged_tree_step_takes_blocks_all_or_nothing():
+    paged, _ = pair(block_size=16, num_blocks=5, max_batch=2, s_max=64)
+    k = torch.randn(2, 15, 2, 32).half()
+    for layer in range(2):
+        paged.prefill(layer, k, k, [15, 15])
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]] * 2, dtype=torch.int32)
+    qkv = torch.randn(2, 8, 8 * 32).half()
+    paged.step_tree(0, qkv, parents)  # slots 15..22: one more block per row (4 of 5 taken)
+    assert paged.pool.free_blocks == 1
+    before = (paged.pool.tables.clone(), paged.k_caches[0].clone())
+    big = torch.tensor([[-1] + list(range(19))] * 2, dtype=torch.int32)
+    with pytest.raises(paging.PoolExhausted):  # slots 15..34 need 3 blocks per row: 2 more free needed
+        paged.step_tree(0, torch.randn(2, 20, 8 * 32).half(), big)
+    assert torch.equal(paged.pool.tables, before[0]) and torch.equal(paged.k_caches[0], before[1])
+    paged.pool.check()

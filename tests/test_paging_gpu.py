@@ -326,3 +326,146 @@ def test_generate_paged_equals_contiguous():
         generate(model, reqs, 3, 96, paged=paged, block_size=16)  # 6 requests through 3 rows
         outs.append([r.output for r in reqs])
     assert outs[0] == outs[1]
+
+
+# ------------------------------------------------------------------ tree steps
+def tree_both(case, qkv, parents, counts, scales, block_size, splits, source, seed=0):
+    """A tree step on the contiguous caches (cp.async tiles) and on their pages (`source`)."""
+    kp, vp, tables = to_pages(case.k_cache, case.v_cache, block_size, seed)
+    common = dict(
+        node_counts=torch.tensor(counts, dtype=torch.int32, device="cuda"), num_splits=splits, stages=2,
+        return_lse=True, **case.kwargs(), **scales,
+    )  # fmt: skip
+    kc, vc = case.clone_caches()
+    flat = ops.decode_tree(qkv, kc, vc, case.lengths, parents, tile_source="cp_async", **common)
+    paged = ops.decode_tree(
+        qkv, kp, vp, case.lengths, parents, block_tables=tables, tile_source=source, **common
+    )
+    torch.cuda.synchronize()
+    gk, gv = gathered(kp, vp, tables)
+    assert torch.equal(bits(flat[0]), bits(paged[0])) and torch.equal(flat[1], paged[1])
+    for row, n in enumerate(case.lengths.tolist()):  # the cache and every node's slot
+        last = n + counts[row]
+        assert torch.equal(bits(kc[row, :, :, :last]), bits(gk[row, :, :, :last]))
+        assert torch.equal(bits(vc[row, :, :last]), bits(gv[row, :, :last]))
+    return kp, vp, tables
+
+
+@pytest.mark.parametrize("block_size", paging.BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, FP8], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_tree_pages_equal_contiguous_bit_for_bit(block_size, dtype, splits, source):
+    from test_tree_gpu import tree_case
+
+    if dtype == torch.float32 and source == "tma":
+        pytest.skip("fp32 caches run the CUDA-core loop")
+    kv = dtype if dtype == FP8 else None
+    act = torch.float16 if dtype == FP8 else dtype
+    lengths = [0, block_size - 3, 3 * block_size + 5, 383, 440]
+    nodes = 9
+    counts = [9, 4, 9, 1, 7]
+    case, qkv, parents, counts, scales = tree_case(
+        len(lengths), 8, 2, 128, lengths, 512, act, nodes, "random", seed=block_size + splits, counts=counts,
+        kv_dtype=kv,
+    )  # fmt: skip
+    tree_both(case, qkv, parents, counts, scales, block_size, splits, source, seed=splits)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_tree_pages_head_dims(head_dim):
+    from test_tree_gpu import tree_case
+
+    lengths = [7, 100, 250]
+    case, qkv, parents, counts, scales = tree_case(
+        3, 8, 2, head_dim, lengths, 320, torch.bfloat16, 5, "random", seed=head_dim, bias=True
+    )  # fmt: skip
+    tree_both(case, qkv, parents, counts, scales, 16, 2, "auto", seed=head_dim)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("where", ["node_slot", "cached_block"])
+def test_tree_bad_block_refuses_the_row_and_writes_nothing(splits, where):
+    from test_tree_gpu import tree_case
+
+    lengths = [100, 300, 33]
+    case, qkv, parents, counts, scales = tree_case(
+        3, 8, 2, 128, lengths, 512, torch.float16, 6, "random", seed=4
+    )
+    kp, vp, tables = to_pages(case.k_cache, case.v_cache, 32, seed=4)
+    bad_row = 1
+    entry = (lengths[1] + 5) // 32 if where == "node_slot" else 2  # a node's slot's block, or an early one
+    tables[bad_row, entry] = paging.NO_BLOCK
+    before = (bits(kp).clone(), bits(vp).clone())
+    ws = ops.Workspace.allocate("cuda", 3, 8, 128, splits, 6)
+    out = ops.decode_tree(
+        qkv, kp, vp, case.lengths, parents, block_tables=tables, num_splits=splits, workspace=ws, validate=False,
+        **case.kwargs(),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert out[bad_row].isnan().all() and out[[0, 2]].isfinite().all()
+    changed = (bits(kp) != before[0]).nonzero()[:, 0].unique().tolist()
+    good = {int(tables[r, s // 32]) for r in (0, 2) for s in range(lengths[r], lengths[r] + 6)}
+    assert set(changed) <= good
+    with pytest.raises(ops.PageError, match=r"rows \[1\]"):
+        ws.check()
+    with pytest.raises(ValueError, match=r"block_tables\[1, "):  # validated: refused on the host
+        ops.decode_tree(qkv, kp, vp, case.lengths, parents, block_tables=tables, **case.kwargs())
+
+
+def test_tree_rows_that_take_no_part():
+    from test_tree_gpu import tree_case
+
+    case, qkv, parents, counts, scales = tree_case(3, 8, 2, 128, [10, 90, 64], 256, torch.float16, 4, "chain")
+    kp, vp, tables = to_pages(case.k_cache, case.v_cache, 16, seed=2)
+    tables[1] = paging.NO_BLOCK
+    active = torch.tensor([1, 0, 1], dtype=torch.int32, device="cuda")
+    ws = ops.Workspace.allocate("cuda", 3, 8, 128, 2, 4)
+    out = ops.decode_tree(
+        qkv, kp, vp, case.lengths, parents, block_tables=tables, row_active=active, num_splits=2, workspace=ws,
+        **case.kwargs(),
+    )  # fmt: skip
+    assert (out[1] == 0).all() and out[[0, 2]].isfinite().all()
+    ws.check()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_kvcache_tree_steps_and_accept_over_pages(kv_dtype, block_size):
+    """The GPU twin of test_paging's scenario: tree steps over pages, accept through the tables
+    (host and tensor paths), a forked row and a released one, against a contiguous cache."""
+    from test_paging import tree_rounds
+
+    paged, flat = cache_pair(kv_dtype, block_size, s_max=400)
+    g = torch.Generator().manual_seed(block_size)
+    k = torch.randn(4, 120, 2, 64, generator=g).half().cuda()
+    for c in (paged, flat):
+        c.release(range(4))
+        for layer in range(2):
+            c.prefill(layer, k[:3], k[:3], [120, 15, 64], rows=[0, 1, 2])
+    paged.fork(0, [3])
+    flat.admit([3])
+    for layer in range(2):
+        flat.k_caches[layer][3] = flat.k_caches[layer][0]
+        flat.v_caches[layer][3] = flat.v_caches[layer][0]
+    flat._set_lengths([3], [120])
+    for c in (paged, flat):
+        c.release([1])
+    tree_rounds(paged, flat, 5, 12, seed=block_size, tensor_paths=(1, 3))
+    paged.check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_speculative_demo_over_pages_is_lossless(dtype):
+    from test_generate import random_prompts
+
+    from mmha.models.generate import speculative_demo
+    from mmha.models.llama import PRESETS, TinyLlama
+
+    model = TinyLlama(PRESETS["tiny"], seed=1).to("cuda", dtype).eval()
+    prompts = random_prompts(3, [3, 9, 6], model.cfg.vocab_size, seed=2)
+    for shape in ([2, 2, 1], [4]):
+        a = speculative_demo(model, prompts, 12, 1, shape, paged=True, block_size=16)
+        if dtype == torch.float32:
+            assert a["identical"], (shape, a)
+        assert a["mean_accepted"] >= 1

@@ -462,15 +462,13 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     // tile, each share checked a tile after its loads (the last share by the last tile). A block
     // outside the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN
     // output (a split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
-    // Tree steps (wide items) take contiguous caches.
-    constexpr bool kPages = QB != kWideColumns;
+    // Tree steps have appended before (tree_prepare_kernel, which refuses a row with a bad block:
+    // its items are bad), so their items own no new slot and are never refused here.
     bool pages_bad = false;
-    TilePages pages{{0, 0, 0, 0}}, ahead{{0, 0, 0, 0}};
-    if constexpr (kPages) {
-      pages = load_pages(ta, walk.key(0)).checked(p.num_blocks, pages_bad);
-      if (nt > 1) ahead = load_pages(ta, walk.key(1));
-    }
-    const bool check_before = kPages && ta.table != nullptr && w.owner() && w.start > w.lo;
+    TilePages pages = load_pages(ta, walk.key(0)).checked(p.num_blocks, pages_bad);
+    TilePages ahead{{0, 0, 0, 0}};
+    if (nt > 1) ahead = load_pages(ta, walk.key(1));
+    const bool check_before = ta.table != nullptr && w.owner() && w.start > w.lo;
     const int before0 = w.lo >> hs.shift;
     const int before1 = check_before ? ((w.start - 1) >> hs.shift) + 1 : before0;
     const int before_tiles = nt > 1 ? nt - 1 : 1;
@@ -481,29 +479,26 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
-      bool refused = false;
-      if constexpr (kPages) {
-        if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
-        if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
-        if (check_before) {
+      if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
+      if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
+      if (check_before) {
+#pragma unroll
+        for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
+        const int e0 = before0 + i * before_share, e1 = min(e0 + before_share, before1);
+#pragma unroll
+        for (int u = 0; u < kBeforeLoads; ++u) {
+          const int e = e0 + lane + 32 * u;
+          before_ids[u] = e < e1 ? __ldg(ta.table + e) : 0;
+        }
+        for (int e = e0 + lane + 32 * kBeforeLoads; e < e1; e += 32) {  // a share past the registers
+          pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
+        }
+        if (i == nt - 1) {
 #pragma unroll
           for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
-          const int e0 = before0 + i * before_share, e1 = min(e0 + before_share, before1);
-#pragma unroll
-          for (int u = 0; u < kBeforeLoads; ++u) {
-            const int e = e0 + lane + 32 * u;
-            before_ids[u] = e < e1 ? __ldg(ta.table + e) : 0;
-          }
-          for (int e = e0 + lane + 32 * kBeforeLoads; e < e1; e += 32) {  // a share past the registers
-            pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
-          }
-          if (i == nt - 1) {
-#pragma unroll
-            for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
-          }
         }
-        refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
       }
+      const bool refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
       if constexpr (Next::kStaged) {
         if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
           if (seq >= 2) mbar_wait(&s_item->empty[slot], ((seq >> 1) - 1) & 1);
@@ -699,6 +694,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
 
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
+  const int kg = L::k_group(p);
   RingCursor cur;
   Wide c;
   WorkItem w;
@@ -719,10 +715,10 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0;
     if (it + kTileKeys > w.end || it < w.lo) {
-      Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
+      Wide::clear_v(stage, kg, it, w.lo, w.end, tid, CONSUMERS);
       sync();
     }
-    if (c.busy) c.step(stage, it, w.lo, w.end, lane);
+    if (c.busy) c.step(stage, kg, it, w.lo, w.end, lane);
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {

@@ -6,7 +6,10 @@
 //
 // A row is refused (nothing written, tree_rows[b] = -1, its status flag raised; the attention
 // kernel gives it NaN output) when its node count is outside [1, nodes] or a parent breaks the
-// rules (kStatusTree), or its slots length .. length + n - 1 leave [0, S_max) (kStatusLength).
+// rules (kStatusTree), its slots length .. length + n - 1 leave [0, S_max) (kStatusLength), or a
+// paged row's table names a block outside the pool for a slot it attends to or writes (a window's
+// start .. length + n - 1; kStatusPages: the attention kernel then reads only blocks this check
+// passed).
 // An fp8 scale that is not finite and positive writes nothing either; the attention kernel
 // refuses the step for it (kStatusScale), as for one-token steps.
 #pragma once
@@ -16,8 +19,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cache_slots.cuh"
 #include "mmha_params.h"
 #include "new_token.cuh"
+#include "score_mods.cuh"
 #include "vec.cuh"
 
 namespace mmha {
@@ -38,6 +43,16 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   __shared__ int s_depth[kMaxTreeNodes];
   __shared__ uint64_t s_anc[kMaxTreeNodes];
 
+  if (!row_takes_part(p, b)) {  // a released row (row_active): nothing read or written
+    if (kvh == 0 && blockIdx.y == 0) {
+      for (int t = tid; t < nodes; t += kTreePrepareThreads) {
+        p.tree_depth[static_cast<int64_t>(b) * nodes + t] = 0;
+        p.tree_anc[static_cast<int64_t>(b) * nodes + t] = 0;
+      }
+      if (tid == 0) p.tree_rows[b] = 0;
+    }
+    return;
+  }
   const int len = p.lengths[b];
   const int n = p.node_counts != nullptr ? p.node_counts[b] : nodes;
   if (tid == 0) {
@@ -47,6 +62,12 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     s_flags = flags;
   }
   __syncthreads();
+  if (paged(p) && n >= 1 && n <= nodes && len >= 0 && len <= p.max_seq_len - n) {
+    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, b, kvh);
+    if (!blocks_ok(p, hs, window_start(p, len), len + n - 1, tid, kTreePrepareThreads)) {
+      atomicOr(&s_flags, kStatusPages);
+    }
+  }
   if (tid < nodes) {
     const int parent = p.parents[static_cast<int64_t>(b) * nodes + tid];
     const bool used = tid < n;
@@ -106,10 +127,7 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
-  const int64_t smax = p.max_seq_len;
-  const int64_t kv_head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
-  C* k_head = static_cast<C*>(p.k_cache) + kv_head * HEAD_DIM * smax;
-  C* v_head = static_cast<C*>(p.v_cache) + kv_head * HEAD_DIM * smax;
+  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, b, kvh);
   // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims.
   constexpr int PAIRS = HEAD_DIM / 2;
   const int t0 = blockIdx.y * kTreeNodesPerBlock;
@@ -121,14 +139,15 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
     const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
     const int slot = len + t;
+    const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked above
     float sn = 0.f, cs = 1.f;
     if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
     float k0, k1;
     rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1);
-    k_head[(static_cast<int64_t>(rp.d0 / VEC) * smax + slot) * VEC + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
-    k_head[(static_cast<int64_t>(rp.d1 / VEC) * smax + slot) * VEC + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
-    v_head[static_cast<int64_t>(slot) * HEAD_DIM + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-    v_head[static_cast<int64_t>(slot) * HEAD_DIM + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+    hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
+    hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
+    hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+    hs.v[hs.v_at(blk, slot) + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
   }
 }
 

@@ -232,11 +232,17 @@ def agree(
 
 @torch.no_grad()
 def speculative_demo(
-    model: TinyLlama, prompts: list[list[int]], new_tokens: int, draft_layers: int, shape: list[int]
+    model: TinyLlama,
+    prompts: list[list[int]],
+    new_tokens: int,
+    draft_layers: int,
+    shape: list[int],
+    paged: bool = False,
+    block_size: int = 16,
 ) -> dict:
     """Greedy speculative decoding of ``prompts`` with the model's first ``draft_layers`` layers as
     the draft (``mmha.models.speculative``), against plain greedy decoding: tokens, time, the
-    tokens accepted per round."""
+    tokens accepted per round. ``paged``: every cache paged (blocks of ``block_size`` slots)."""
     from .llama import TreeDecoder
     from .speculative import speculate, tree_nodes
 
@@ -252,7 +258,8 @@ def speculative_demo(
 
     def cache(layers: int) -> KVCache:
         return KVCache(layers, b, seq, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype, dev,
-                       rotary_dim=cfg.head_dim, rotary_theta=cfg.rope_theta)  # fmt: skip
+                       rotary_dim=cfg.head_dim, rotary_theta=cfg.rope_theta, paged=paged,
+                       block_size=block_size)  # fmt: skip
 
     plain_cache = cache(cfg.num_layers)
     logits, _ = model.prefill(toks, lens, plain_cache)
@@ -325,11 +332,13 @@ def main(argv: list[str]) -> int:
     max_seq = max(args.prompt_lengths) + args.new_tokens + 1
     if args.speculative:
         a = speculative_demo(
-            model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape
-        )
+            model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape,
+            args.paged, args.block_size,
+        )  # fmt: skip
         tokens = args.new_tokens * len(prompts[: args.batch])
         path = "GPU kernel" if has_gpu else "reference path"
-        print(f"speculative greedy decoding, model {args.model} ({args.dtype}), batch {args.batch}, "
+        kind = f", paged cache (blocks of {args.block_size})" if args.paged else ""
+        print(f"speculative greedy decoding, model {args.model} ({args.dtype}{kind}), batch {args.batch}, "
               f"draft = the first {args.draft_layers} of {cfg.num_layers} layers, "
               f"trees of {a['nodes']} nodes {args.tree_shape}: "
               f"{a['rounds']} rounds for {args.new_tokens} tokens "
