@@ -76,7 +76,8 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
     // Pages: V [num_blocks, Hkv, bs, D] as rows of d elements (tile_source.cuh). Blocks of >= 64
     // slots: a box of one 128-byte line by 64 rows. Smaller blocks: the lines as a third
     // dimension (stride 128 bytes, under the rows' stride), so that one box of all lines of bs
-    // rows lands line after line, a stage's V group; their K goes by plain bulk copies.
+    // rows lands line after line, a stage's V group; their K goes by plain bulk copies, and the
+    // K map's place holds the same view with one line per box (wide items' whole-tile groups).
     const cuuint64_t rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
     const bool small = p.block_shift < 6;
     const cuuint64_t v_dims[3] = {64, rows, d / 64};
@@ -87,6 +88,11 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
     CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, small ? 3 : 2, p.v_cache, small ? v_dims : v_dims2,
                         v_strides, v_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r == CUDA_SUCCESS && small) {
+      const cuuint32_t line_box[3] = {64, v_box[1], 1};
+      r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.v_cache, v_dims, v_strides, line_box, ones,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    }
     if (r != CUDA_SUCCESS || small) return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
     // Blocks of >= 64 slots: K [num_blocks, Hkv, D/x, bs, x] as the contiguous map with bs for
     // S_max, so a tile (64 keys of one block) is one box, as in the contiguous case.

@@ -170,10 +170,10 @@ struct WideConsumer {
   // 2 j + 1, 16-31: the same of keys 8-15), so each pair lies in adjacent registers as the mma
   // takes it; fp8 widens TileOperands' fragments into fresh registers anyway.
   __device__ __forceinline__ static void k_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int j,
-                                                 int lane, int kg) {
+                                                 int lane) {
     if constexpr (kFp8) {
       uint32_t a[2][4];
-      Ops::k_pair(a, stage, key0, j, lane, kg);
+      Ops::k_pair(a, stage, key0, j, lane, L::TILE_GROUP);  // wide items' stages: whole-tile groups
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
@@ -184,7 +184,8 @@ struct WideConsumer {
       for (int u = 0; u < 2; ++u) {
         if (j + u < KSTEPS) {
           uint32_t r[4];
-          ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 8 + (lane / 16) * 8, 2 * (j + u) + (lane / 8) % 2, kg));
+          ldmatrix_x4<false>(
+              r, stage + L::k_off(key0 + lane % 8 + (lane / 16) * 8, 2 * (j + u) + (lane / 8) % 2, L::TILE_GROUP));
           b[u][0][0] = r[0], b[u][0][1] = r[1];
           b[u][1][0] = r[2], b[u][1][1] = r[3];
         }
@@ -196,10 +197,10 @@ struct WideConsumer {
   // b[u][hh] = {b0, b1} of dims 8 hh .. 8 hh + 7 of the tile (as out_dim numbers them). 16-bit:
   // ldmatrix.trans with lanes 0-15 on keys 0-15 of chunk 2 i, 16-31 of chunk 2 i + 1.
   __device__ __forceinline__ static void v_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int i,
-                                                 int lane, int kg) {
+                                                 int lane) {
     if constexpr (kFp8) {
       uint32_t a[2][4];
-      Ops::v_pair(a, stage, key0, i, lane, kg);
+      Ops::v_pair(a, stage, key0, i, lane, L::TILE_GROUP);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
@@ -210,7 +211,7 @@ struct WideConsumer {
       for (int u = 0; u < 2; ++u) {
         if (i + u < KSTEPS) {
           uint32_t r[4];
-          ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, 2 * (i + u) + lane / 16, kg));
+          ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, 2 * (i + u) + lane / 16, L::TILE_GROUP));
           b[u][0][0] = r[0], b[u][0][1] = r[1];
           b[u][1][0] = r[2], b[u][1][1] = r[3];
         }
@@ -221,34 +222,33 @@ struct WideConsumer {
   // Zeroes the V rows of a stage's keys outside [lo, end) (the cache's keys [it, it + kTileKeys)),
   // whatever the source left there (NaN from unused slots): every warp reads every row, so all
   // consumer threads share the work and the caller synchronises them before any reads.
-  __device__ __forceinline__ static void clear_v(unsigned char* stage, int kg, int it, int lo, int end, int tid,
+  __device__ __forceinline__ static void clear_v(unsigned char* stage, int it, int lo, int end, int tid,
                                                  int nthreads) {
     for (int idx = tid; idx < kTileKeys * L::CHUNKS; idx += nthreads) {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
       const int t = it + kk;
-      if (t >= end || t < lo) *reinterpret_cast<uint4*>(stage + L::v_off(kk, c, kg)) = make_uint4(0, 0, 0, 0);
+      if (t >= end || t < lo) *reinterpret_cast<uint4*>(stage + L::v_off(kk, c, L::TILE_GROUP)) = make_uint4(0, 0, 0, 0);
     }
     fence_proxy_async_smem();
   }
 
-  // Attend over the keys of a stage (K/V in groups of 2^kg keys, TileLayout; the cache's keys [it,
-  // it + kTileKeys), those before lo or at or past end masked), PART_BLOCKS 16-key blocks at a
-  // time (the scores of a whole tile would not fit the registers beside q and O).
-  __device__ __forceinline__ void step(const unsigned char* stage, int kg, int it, int lo, int end, int lane) {
+  // Attend over the keys of a stage (the cache's keys [it, it + kTileKeys); those before lo or at
+  // or past end are masked), PART_BLOCKS 16-key blocks at a time (the scores of a whole tile
+  // would not fit the registers beside q and O).
+  __device__ __forceinline__ void step(const unsigned char* stage, int it, int lo, int end, int lane) {
     // The fragments' shared-memory addresses depend on the lane only (and on constants): made
     // opaque here, the compiler derives them inside each tile instead of hoisting ~40 of them out
     // of the tile loop, where they spilled to local memory (reloaded every tile).
     asm volatile("" : "+r"(lane));
 #pragma unroll
     for (int part = 0; part < KBLOCKS / PART_BLOCKS; ++part) {
-      attend(stage, 16 * PART_BLOCKS * part, kg, it + 16 * PART_BLOCKS * part, lo, end, lane);
+      attend(stage, 16 * PART_BLOCKS * part, it + 16 * PART_BLOCKS * part, lo, end, lane);
     }
   }
 
   // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it.
-  __device__ __forceinline__ void attend(const unsigned char* stage, int key0, int kg, int it, int lo, int end,
-                                         int lane) {
+  __device__ __forceinline__ void attend(const unsigned char* stage, int key0, int it, int lo, int end, int lane) {
     const int tq = lane % 4;
     float s[PART_BLOCKS][2][4];  // [16-key block][8-key half]: columns g (0, 1), g + 8 (2, 3); keys 2tq, 2tq + 1
 #pragma unroll
@@ -270,7 +270,7 @@ struct WideConsumer {
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
         uint32_t k[2][2][2];
-        k_frags(k, stage, key0 + 16 * kb, j, lane, kg);
+        k_frags(k, stage, key0 + 16 * kb, j, lane);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (j + u < KSTEPS) {
@@ -364,7 +364,7 @@ struct WideConsumer {
 #pragma unroll
       for (int i = 0; i < KSTEPS; i += 2) {
         uint32_t v[2][2][2];
-        v_frags(v, stage, key0 + 16 * kb, i, lane, kg);
+        v_frags(v, stage, key0 + 16 * kb, i, lane);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (i + u < KSTEPS) {

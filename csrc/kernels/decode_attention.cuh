@@ -455,6 +455,8 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
                          hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
     const int nt = w.t1 - w.t0;
+    // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
+    const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p);
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
     // A paged row's blocks: each tile's table entries loaded two tiles ahead and checked one tile
     // ahead (the loads' latency behind a tile's copies, not in the producer's way); the item that
@@ -478,7 +480,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     for (int u = 0; u < kBeforeLoads; ++u) before_ids[u] = 0;
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-      Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
       if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
       if (check_before) {
@@ -694,7 +696,6 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
 
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
-  const int kg = L::k_group(p);
   RingCursor cur;
   Wide c;
   WorkItem w;
@@ -715,10 +716,10 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0;
     if (it + kTileKeys > w.end || it < w.lo) {
-      Wide::clear_v(stage, kg, it, w.lo, w.end, tid, CONSUMERS);
+      Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
       sync();
     }
-    if (c.busy) c.step(stage, kg, it, w.lo, w.end, lane);
+    if (c.busy) c.step(stage, it, w.lo, w.end, lane);
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
@@ -902,7 +903,6 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   err = grid_blocks<T, C, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
-  if (p.parents != nullptr && p.block_tables != nullptr) return cudaErrorInvalidValue;  // no paged trees yet
   if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
     err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
     if (err != cudaSuccess) return err;

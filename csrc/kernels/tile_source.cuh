@@ -6,9 +6,10 @@
 // A source provides (all 32 producer lanes call issue and commit):
 //   FULL_ARRIVALS                       arrivals that complete a stage's full barrier
 //   prefetch(args)                      anything worth fetching at block entry (lane 0)
-//   issue(args, pages, stage, k0, full, lane)
+//   issue(args, pages, stage, k0, full, lane, kg)
 //                                       start bringing keys [k0, k0 + kTileKeys) into the stage
-//                                       (a paged cache's: from the pool blocks `pages` names)
+//                                       in K/V groups of 2^kg keys (TileLayout; a paged cache's
+//                                       from the pool blocks `pages` names)
 //   commit(full, lane)                  arrive on the full barrier for the tile's copies (the
 //                                       producer's own shared-memory writes, a tile header and a
 //                                       staged q, are published by each writing lane's arrival on
@@ -96,9 +97,9 @@ struct CpAsyncTiles {
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
 
   __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
-                                               int k0, uint64_t* /*full*/, int lane) {
+                                               int k0, uint64_t* /*full*/, int lane, int kg) {
     if (a.table != nullptr) {
-      issue_paged(a, pg, stage, k0, lane);
+      issue_paged(a, pg, stage, k0, lane, kg);
       return;
     }
     pieces(a, stage, k0, lane, L::TILE_GROUP,
@@ -106,14 +107,13 @@ struct CpAsyncTiles {
            [&](int t, int c) { return a.v_head + static_cast<int64_t>(t) * HEAD_DIM + c * L::VEC; });
   }
 
-  // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax),
-  // K in groups of one block where blocks are smaller than the tile (TileLayout::k_off).
+  // A paged cache's tile: the same pieces, each from the pool block of its key (bs = a.smax).
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
-                                                     int k0, int lane) {
+                                                     int k0, int lane, int kg) {
     const int mask = a.smax - 1;
     const auto block = [&](int t) { return static_cast<int64_t>(pg.of(t, k0, a.shift)) * a.block_stride; };
     pieces(
-        a, stage, k0, lane, min(a.shift, L::TILE_GROUP),
+        a, stage, k0, lane, kg,
         [&](int t, int c) { return a.k_head + block(t) + (static_cast<int64_t>(c) * a.smax + (t & mask)) * L::VEC; },
         [&](int t, int c) { return a.v_head + block(t) + static_cast<int64_t>(t & mask) * HEAD_DIM + c * L::VEC; });
   }
@@ -175,10 +175,10 @@ struct TmaTiles {
   // The copies count their bytes against the full barrier (expect_tx, no arrival yet), so the
   // producer may write the tile's header and staged q while they are in flight.
   __device__ __forceinline__ static void issue(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
-                                               int k0, uint64_t* full, int lane) {
+                                               int k0, uint64_t* full, int lane, int kg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (a.table != nullptr) {
-      issue_paged(a, pg, stage, k0, full, lane);
+      issue_paged(a, pg, stage, k0, full, lane, kg);
       return;
     }
     if (lane == 0) {
@@ -196,15 +196,17 @@ struct TmaTiles {
   }
 
   // A paged cache's tile: blocks of >= 64 slots hold it whole (a K box of the map over the pool,
-  // and V boxes); smaller ones per sub-block of bs keys (one pool block each, one K/V group of the
-  // stage): K as one bulk copy of the block's whole K (CHUNKS * bs * 16 contiguous bytes of the
-  // pool) and V as one box of the pool's V map (all V_LINES lines of bs rows; rows: block * Hkv *
-  // bs + kv head * bs + slot, swizzled as the contiguous boxes: the swizzle follows the
-  // shared-memory address). Sub-blocks the tile does not need are read from block 0 (the byte
-  // count stays whole) and patched by the consumers, as keys past the end are in the contiguous
-  // case. Lane s issues sub-block s's copies.
+  // and V boxes); smaller ones per sub-block of bs keys (one pool block each). In groups of one
+  // block (kg = block_shift), a sub-block is one K/V group of the stage: K one bulk copy of the
+  // block's whole K (CHUNKS * bs * 16 contiguous bytes of the pool) and V one box of the pool's V
+  // map (all V_LINES lines of bs rows; rows: block * Hkv * bs + kv head * bs + slot, swizzled as
+  // the contiguous boxes: the swizzle follows the shared-memory address). In whole-tile groups
+  // (wide items), K goes as one bulk copy per chunk and V as one box per line (the line map, in
+  // the K map's place: tma_maps.cpp). Sub-blocks the tile does not need are read from block 0 (the
+  // byte count stays whole) and patched by the consumers, as keys past the end are in the
+  // contiguous case. The lanes share the copies.
   __device__ __forceinline__ static void issue_paged(const TileArgs<T>& a, const TilePages& pg, unsigned char* stage,
-                                                     int k0, uint64_t* full, int lane) {
+                                                     int k0, uint64_t* full, int lane, int kg) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const int mask = a.smax - 1;
     if (a.shift >= 6) {  // the tile lies in one block: one K box and a V box per line, as contiguous
@@ -223,12 +225,30 @@ struct TmaTiles {
     __syncwarp();
     const int sub_shift = a.shift;  // log2 of keys per sub-block (16 or 32)
     const int subs = L::KEYS >> sub_shift;
-    if (lane < subs) {
-      const int key = lane << sub_shift;
-      const int id = pg.of(k0 + key, k0, a.shift);
-      bulk_load(stage + L::k_off(key, 0, sub_shift), a.k_head + static_cast<int64_t>(id) * a.block_stride,
-                (L::CHUNKS * 16u) << sub_shift, full);
-      tma_load_3d(stage + L::v_off(key, 0, sub_shift), a.v_map, 0, id * a.block_rows + a.head_row, 0, full);
+    if (kg == sub_shift) {
+      if (lane < subs) {
+        const int key = lane << sub_shift;
+        const int id = pg.of(k0 + key, k0, a.shift);
+        bulk_load(stage + L::k_off(key, 0, kg), a.k_head + static_cast<int64_t>(id) * a.block_stride,
+                  (L::CHUNKS * 16u) << sub_shift, full);
+        tma_load_3d(stage + L::v_off(key, 0, kg), a.v_map, 0, id * a.block_rows + a.head_row, 0, full);
+      }
+      return;
+    }
+    for (int q = lane; q < L::CHUNKS * subs; q += 32) {
+      const int s = q / L::CHUNKS;
+      const int c = q - s * L::CHUNKS;
+      const int key = s << sub_shift;
+      const T* src = a.k_head + static_cast<int64_t>(pg.of(k0 + key, k0, a.shift)) * a.block_stride +
+                     (static_cast<int64_t>(c) << sub_shift) * L::VEC;
+      bulk_load(stage + L::k_off(key, c, kg), src, 16u << sub_shift, full);
+    }
+    for (int q = lane; q < L::V_LINES * subs; q += 32) {
+      const int s = q / L::V_LINES;
+      const int j = q - s * L::V_LINES;
+      const int key = s << sub_shift;
+      const int row = pg.of(k0 + key, k0, a.shift) * a.block_rows + a.head_row;
+      tma_load_3d(stage + L::v_off(key, 8 * j, kg), a.k_map, 0, row, j, full);
     }
 #endif
   }
