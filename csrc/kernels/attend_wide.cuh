@@ -173,7 +173,7 @@ struct WideConsumer {
                                                  int lane) {
     if constexpr (kFp8) {
       uint32_t a[2][4];
-      Ops::k_pair(a, stage, key0, j, lane, L::TILE_GROUP);  // wide items' stages: whole-tile groups
+      Ops::k_pair(a, stage, key0, j, lane, WholeTile{});  // wide items' stages: whole-tile groups
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
@@ -185,7 +185,7 @@ struct WideConsumer {
         if (j + u < KSTEPS) {
           uint32_t r[4];
           ldmatrix_x4<false>(
-              r, stage + L::k_off(key0 + lane % 8 + (lane / 16) * 8, 2 * (j + u) + (lane / 8) % 2, L::TILE_GROUP));
+              r, stage + L::k_off(key0 + lane % 8 + (lane / 16) * 8, 2 * (j + u) + (lane / 8) % 2, WholeTile{}));
           b[u][0][0] = r[0], b[u][0][1] = r[1];
           b[u][1][0] = r[2], b[u][1][1] = r[3];
         }
@@ -200,7 +200,7 @@ struct WideConsumer {
                                                  int lane) {
     if constexpr (kFp8) {
       uint32_t a[2][4];
-      Ops::v_pair(a, stage, key0, i, lane, L::TILE_GROUP);
+      Ops::v_pair(a, stage, key0, i, lane, WholeTile{});
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
@@ -211,7 +211,7 @@ struct WideConsumer {
       for (int u = 0; u < 2; ++u) {
         if (i + u < KSTEPS) {
           uint32_t r[4];
-          ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, 2 * (i + u) + lane / 16, L::TILE_GROUP));
+          ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, 2 * (i + u) + lane / 16, WholeTile{}));
           b[u][0][0] = r[0], b[u][0][1] = r[1];
           b[u][1][0] = r[2], b[u][1][1] = r[3];
         }
@@ -228,7 +228,7 @@ struct WideConsumer {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
       const int t = it + kk;
-      if (t >= end || t < lo) *reinterpret_cast<uint4*>(stage + L::v_off(kk, c, L::TILE_GROUP)) = make_uint4(0, 0, 0, 0);
+      if (t >= end || t < lo) *reinterpret_cast<uint4*>(stage + L::v_off(kk, c, WholeTile{})) = make_uint4(0, 0, 0, 0);
     }
     fence_proxy_async_smem();
   }

@@ -4,11 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mmha_params.h"
 #include "vec.cuh"
 
 namespace mmha {
+
+// K/V groups of a whole tile as a type (log2 kTileKeys): offsets taken with it fold to the plain
+// [CHUNKS][KEYS] / [V_LINES][KEYS] forms, which the compiler cannot derive from the general
+// ones (it does not know a tile key is < KEYS). Readers of whole-tile stages only pass it.
+using WholeTile = std::integral_constant<int, 6>;
+static_assert(kTileKeys == 1 << WholeTile::value, "WholeTile is log2 of the tile's keys");
 
 template <typename T, int HEAD_DIM>
 struct TileLayout {
@@ -21,8 +28,7 @@ struct TileLayout {
   // slots, one group per pool block for blocks of 16 or 32 (kg = block_shift: a block's K is one
   // contiguous run of the pool, read in one go). The 8 keys an ldmatrix phase reads for one chunk
   // are 128 contiguous bytes either way (conflict-free; groups hold >= 16 keys).
-  static constexpr int TILE_GROUP = 6;  // log2 KEYS
-  static_assert(KEYS == 1 << TILE_GROUP, "TILE_GROUP is log2 of the tile's keys");
+  static constexpr int TILE_GROUP = WholeTile::value;  // log2 KEYS
   static constexpr int K_BYTES = KEYS * HEAD_DIM * static_cast<int>(sizeof(T));
   // V: where a row is a whole number of 128-byte lines (v_whole_lines), in the K groups of 2^kg
   // keys, [KEYS / G][V_LINES][G][128 bytes] ([V_LINES][KEYS][128 bytes] for the whole tile), with
@@ -39,8 +45,11 @@ struct TileLayout {
   static_assert(STAGE_BYTES >= K_BYTES + V_BYTES, "stage too small");
   static_assert(K_BYTES % 1024 == 0, "V lines must start 1024-byte aligned (128-byte swizzle atom)");
 
-  // Byte offset of chunk c of tile key k in the K part, in groups of 2^kg keys.
-  __device__ __forceinline__ static int k_off(int k, int c, int kg) {
+  // Byte offset of chunk c of tile key k in the K part, in groups of 2^kg keys (G: int, or
+  // WholeTile).
+  template <typename G>
+  __device__ __forceinline__ static int k_off(int k, int c, G kg) {
+    if constexpr (std::is_same_v<G, WholeTile>) return (c * KEYS + k) * 16;
     const int in_group = k & ((1 << kg) - 1);
     return ((k - in_group) * CHUNKS + (c << kg) + in_group) * 16;
   }
@@ -49,8 +58,12 @@ struct TileLayout {
     return p.block_tables != nullptr && p.block_shift < TILE_GROUP ? p.block_shift : TILE_GROUP;
   }
   // Byte offset of chunk c of tile key r in the stage (V follows K), in groups of 2^kg keys.
-  __device__ __forceinline__ static int v_off(int r, int c, int kg) {
+  template <typename G>
+  __device__ __forceinline__ static int v_off(int r, int c, G kg) {
     if constexpr (V_SWIZZLE) {
+      if constexpr (std::is_same_v<G, WholeTile>) {
+        return K_BYTES + ((c / 8) * KEYS + r) * V_LINE_BYTES + ((c % 8) ^ (r % 8)) * 16;
+      }
       const int in_group = r & ((1 << kg) - 1);
       return K_BYTES + ((r - in_group) * V_LINES + ((c / 8) << kg) + in_group) * V_LINE_BYTES +
              ((c % 8) ^ (r % 8)) * 16;

@@ -41,16 +41,18 @@ struct TileOperands {
 
   // Lanes 0-15 address keys 0-15 of 8-element chunk 2j, lanes 16-31 of chunk 2j + 1 (a lane's
   // address moves by 2^kg * 16 bytes per chunk).
+  template <typename G>
   __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
-                                                int lane, int kg) {
+                                                int lane, G kg) {
     const unsigned char* base = stage + L::k_off(key0 + lane % 16, lane / 16, kg);
     ldmatrix_x4<false>(a[0], base + ((2 * j) << (kg + 4)));
     if (j + 1 < KSTEPS) ldmatrix_x4<false>(a[1], base + ((2 * j + 2) << (kg + 4)));
   }
 
   // ldmatrix.trans of keys v_row (+ 8), chunks 2i + v_half.
+  template <typename G>
   __device__ __forceinline__ static void v_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int i,
-                                                int lane, int kg) {
+                                                int lane, G kg) {
     const int v_row = key0 + lane % 8 + (lane / 16) * 8;
     const int v_half = (lane / 8) % 2;
     ldmatrix_x4<true>(a[0], stage + L::v_off(v_row, 2 * i + v_half, kg));
@@ -74,8 +76,9 @@ struct TileOperands<e4m3, HEAD_DIM> {
   __device__ __forceinline__ static int out_dim(int i, int g, int h) { return 16 * i + 2 * g + h; }
 
   // Lanes 0-7 address keys 0-7 of chunk j, 8-15 keys 8-15 of chunk j, 16-31 the same of j + 1.
+  template <typename G>
   __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
-                                                int lane, int kg) {
+                                                int lane, G kg) {
     uint32_t r[4];
     if (j + 1 < KSTEPS) {
       ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 16, lane / 16, kg) + (j << (kg + 4)));
@@ -95,8 +98,9 @@ struct TileOperands<e4m3, HEAD_DIM> {
 
   // Transposed: lane (g, tq) receives [key 2tq: dims 2g, 2g + 1][key 2tq + 1: the same] of each
   // matrix; a byte permute makes it [dim 2g: keys 2tq, 2tq + 1][dim 2g + 1: the same].
+  template <typename G>
   __device__ __forceinline__ static void v_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int i,
-                                                int lane, int kg) {
+                                                int lane, G kg) {
     uint32_t r[4];
     if (i + 1 < KSTEPS) {
       ldmatrix_x4<true>(r, stage + L::v_off(key0 + lane % 16, i + lane / 16, kg));
