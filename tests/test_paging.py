@@ -286,6 +286,23 @@ def test_fuzz_allocator_operations_against_a_contiguous_mirror(seed):
         rows_equal(paged, flat, paged.active_rows)
 
 
+def fork_and_release(paged: KVCache, flat: KVCache, k: torch.Tensor, lengths: list[int]) -> None:
+    """Rows 0-2 prefilled with k (as k and v) at lengths, row 3 a fork of row 0 (the contiguous
+    cache: a copy), row 1 released."""
+    for c in (paged, flat):
+        c.release(range(4))
+        for layer in range(c.num_layers):
+            c.prefill(layer, k, k, lengths, rows=[0, 1, 2])
+    paged.fork(0, [3])
+    flat.admit([3])
+    for layer in range(flat.num_layers):
+        flat.k_caches[layer][3] = flat.k_caches[layer][0]
+        flat.v_caches[layer][3] = flat.v_caches[layer][0]
+    flat._set_lengths([3], [lengths[0]])
+    for c in (paged, flat):
+        c.release([1])
+
+
 def tree_rounds(paged: KVCache, flat: KVCache, rounds: int, nodes: int, seed: int, tensor_paths=(1,)):
     """Tree steps and accept on both caches (rows' paths at random through random trees; round r
     passes the paths as a tensor when r is in tensor_paths): outputs equal, the kept K/V equal."""
@@ -335,19 +352,7 @@ def test_kvcache_paged_tree_steps_and_accept_equal_contiguous(kv_dtype, block_si
     and kept tokens equal a contiguous cache's."""
     paged, flat = pair(kv_dtype, block_size=block_size, s_max=140)
     g = torch.Generator().manual_seed(block_size)
-    k = torch.randn(4, 40, 2, 32, generator=g).half()
-    for c in (paged, flat):
-        c.release(range(4))
-        for layer in range(2):
-            c.prefill(layer, k[:3], k[:3], [40, 15, 16], rows=[0, 1, 2])
-    paged.fork(0, [3])
-    flat.admit([3])
-    for layer in range(2):
-        flat.k_caches[layer][3] = flat.k_caches[layer][0]
-        flat.v_caches[layer][3] = flat.v_caches[layer][0]
-    flat._set_lengths([3], [40])
-    for c in (paged, flat):
-        c.release([1])
+    fork_and_release(paged, flat, torch.randn(3, 40, 2, 32, generator=g).half(), [40, 15, 16])
     tree_rounds(paged, flat, 4, 7, seed=block_size)
 
 

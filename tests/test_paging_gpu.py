@@ -434,23 +434,11 @@ def test_tree_rows_that_take_no_part():
 def test_kvcache_tree_steps_and_accept_over_pages(kv_dtype, block_size):
     """The GPU twin of test_paging's scenario: tree steps over pages, accept through the tables
     (host and tensor paths), a forked row and a released one, against a contiguous cache."""
-    from test_paging import tree_rounds
+    from test_paging import fork_and_release, tree_rounds
 
     paged, flat = cache_pair(kv_dtype, block_size, s_max=400)
     g = torch.Generator().manual_seed(block_size)
-    k = torch.randn(4, 120, 2, 64, generator=g).half().cuda()
-    for c in (paged, flat):
-        c.release(range(4))
-        for layer in range(2):
-            c.prefill(layer, k[:3], k[:3], [120, 15, 64], rows=[0, 1, 2])
-    paged.fork(0, [3])
-    flat.admit([3])
-    for layer in range(2):
-        flat.k_caches[layer][3] = flat.k_caches[layer][0]
-        flat.v_caches[layer][3] = flat.v_caches[layer][0]
-    flat._set_lengths([3], [120])
-    for c in (paged, flat):
-        c.release([1])
+    fork_and_release(paged, flat, torch.randn(3, 120, 2, 64, generator=g).half().cuda(), [120, 15, 64])
     tree_rounds(paged, flat, 5, 12, seed=block_size, tensor_paths=(1, 3))
     paged.check()
 
