@@ -142,6 +142,20 @@ def write_outputs(rows: list[dict], header: dict, out: Path) -> None:
     (out / "bench.md").write_text(report.header_line(header) + "\n\n" + report.table(rows, full=True) + "\n")
 
 
+def print_report(out_md: Path, header: dict, text: str, bad: list[str], notes: list[str] = ()) -> None:
+    """A secondary benchmark's (--paged, --mods, --tree) closing: its table written to out_md and
+    printed under the GPU line, then notes, then the target misses."""
+    out_md.write_text(text + "\n")
+    print(f"GPU: {header['gpu']} | torch {header['torch']} | CUDA {header['cuda']} | decode timing | "
+          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
+    print(text)
+    for line in notes:
+        print(line)
+    print(f"targets: {len(bad)} misses" if bad else "targets: met on every row")
+    for m in bad:
+        print(f"  {m}")
+
+
 def progress(items, desc: str):
     try:
         from tqdm import tqdm

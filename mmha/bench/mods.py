@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference
+from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .timing import decode_us
 
@@ -285,14 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         brief = {k: v for k, v in results[-1].items() if k.endswith("_us") or k in ("modifier", "seq_len")}
         print(json.dumps(brief), flush=True)
         (args.out / "bench_mods.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
-    text = table(results)
-    (args.out / "bench_mods.md").write_text(text + "\n")
-    print(f"GPU: {header['gpu']} | torch {header['torch']} | CUDA {header['cuda']} | decode timing")
-    print(text)
-    bad = misses(results)
-    print(f"targets: {len(bad)} misses" if bad else "targets: met on every row")
-    for m in bad:
-        print(f"  {m}")
+    print_report(args.out / "bench_mods.md", header, table(results), misses(results))
     return 0
 
 

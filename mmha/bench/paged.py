@@ -18,13 +18,12 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from .. import ops, paging
-from .cli import gpu_header, time_method
+from .cli import gpu_header, print_report, time_method
 from .methods import MMHA, mmha_fn
 from .problems import CANONICAL, QUICK, TOLERANCE, Config, layer_problems
 
@@ -182,19 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "bench_paged.json").write_text(
             json.dumps({"header": header, "rows": results, "memory": mem}, indent=1)
         )
-    text = table(results)
-    (args.out / "bench_paged.md").write_text(text + "\n")
-    print(f"GPU: {header['gpu']} | torch {header['torch']} | CUDA {header['cuda']} | decode timing | "
-          f"{time.strftime('%Y-%m-%d')}")  # fmt: skip
-    print(text)
-    for m in mem:
-        print(f"memory, block {m['block_size']}: {m['batch']} rows of mixed length ({m['tokens']} tokens) in "
-              f"{m['paged_bytes'] / 2**20:.0f} MiB of pages against {m['contiguous_bytes'] / 2**20:.0f} MiB "
-              f"contiguous at capacity {m['capacity']} ({m['paged_over_contiguous']:.3f}x)")  # fmt: skip
-    bad = misses(results)
-    print(f"targets: {len(bad)} misses" if bad else "targets: met on every row")
-    for m in bad:
-        print(f"  {m}")
+    notes = [
+        f"memory, block {m['block_size']}: {m['batch']} rows of mixed length ({m['tokens']} tokens) in "
+        f"{m['paged_bytes'] / 2**20:.0f} MiB of pages against {m['contiguous_bytes'] / 2**20:.0f} MiB "
+        f"contiguous at capacity {m['capacity']} ({m['paged_over_contiguous']:.3f}x)"
+        for m in mem
+    ]
+    print_report(args.out / "bench_paged.md", header, table(results), misses(results), notes)
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference, tree
+from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .timing import decode_us
 
@@ -289,14 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(brief), flush=True)
         (args.out / "bench_tree.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
-    text = table(results)
-    (args.out / "bench_tree.md").write_text(text + "\n")
-    print(f"GPU: {header['gpu']} | torch {header['torch']} | CUDA {header['cuda']} | decode timing")
-    print(text)
-    bad = misses(results)
-    print(f"targets: {len(bad)} misses" if bad else "targets: met on every row")
-    for m in bad:
-        print(f"  {m}")
+    print_report(args.out / "bench_tree.md", header, table(results), misses(results))
     return 0
 
 
