@@ -68,6 +68,25 @@ def keep(src: Path, name: str) -> Path:
     return dst
 
 
+def gpu_sections(paths: list[Path], name: str, module, extra=None) -> list[str]:
+    """One section per GPU of a secondary benchmark (``module``: mods, tree or paged, with its
+    ``table`` and ``misses``): its JSON kept as bench_<name>_<gpu>.json, the table, ``extra(data)``
+    lines, the target misses."""
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        h = data["header"]
+        keep(path, f"bench_{name}_{slug(h['gpu'])}.json")
+        bad = module.misses(data["rows"])
+        lines += [
+            f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+            module.table(data["rows"]), "", *(extra(data) if extra else []),
+            "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
+            *[f"- {m}" for m in bad], "",
+        ]  # fmt: skip
+    return lines
+
+
 def slug(gpu: str) -> str:
     return "h100" if "H100" in gpu else "h200" if "H200" in gpu else gpu.lower().replace(" ", "_")
 
@@ -329,17 +348,7 @@ def main() -> None:
             " the plain row of its length, the others at most 1.03x the plain row, faster than every peer.",
             "",
         ]  # fmt: skip
-        for path in args.mods:
-            data = json.loads(path.read_text())
-            h = data["header"]
-            keep(path, f"bench_mods_{slug(h['gpu'])}.json")
-            bad = mods.misses(data["rows"])
-            lines += [
-                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
-                mods.table(data["rows"]), "",
-                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
-                *[f"- {m}" for m in bad], "",
-            ]  # fmt: skip
+        lines += gpu_sections(args.mods, "mods", mods)
     if args.tree:
         from mmha.bench import tree
 
@@ -353,17 +362,7 @@ def main() -> None:
             " faster than every peer.",
             "",
         ]  # fmt: skip
-        for path in args.tree:
-            data = json.loads(path.read_text())
-            h = data["header"]
-            keep(path, f"bench_tree_{slug(h['gpu'])}.json")
-            bad = tree.misses(data["rows"])
-            lines += [
-                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
-                tree.table(data["rows"]), "",
-                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
-                *[f"- {m}" for m in bad], "",
-            ]  # fmt: skip
+        lines += gpu_sections(args.tree, "tree", tree)
     if args.paged:
         from mmha.bench import paged
 
@@ -375,25 +374,18 @@ def main() -> None:
             " 1.03x contiguous on every row.",
             "",
         ]  # fmt: skip
-        for path in args.paged:
-            data = json.loads(path.read_text())
-            h = data["header"]
-            keep(path, f"bench_paged_{slug(h['gpu'])}.json")
-            bad = paged.misses(data["rows"])
-            mem = [
+
+        def memory(data: dict) -> list[str]:
+            return ["Memory:", "", *[
                 f"- blocks of {m['block_size']}: {m['batch']} rows of mixed length ({m['tokens']} tokens)"
                 f" hold {m['paged_bytes'] / 2**20:.0f} MiB of pages against"
                 f" {m['contiguous_bytes'] / 2**20:.0f} MiB"
                 f" for a contiguous cache of capacity {m['capacity']} ({m['paged_over_contiguous']:.3f}x;"
                 " Hkv 8, D 128, fp16, one layer)"
                 for m in data.get("memory", [])
-            ]
-            lines += [
-                f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
-                paged.table(data["rows"]), "", "Memory:", "", *mem, "",
-                "Targets: " + ("met on every row." if not bad else f"{len(bad)} misses:"), "",
-                *[f"- {m}" for m in bad], "",
-            ]  # fmt: skip
+            ], ""]  # fmt: skip
+
+        lines += gpu_sections(args.paged, "paged", paged, memory)
     if args.hf:
         model = json.loads(args.hf[0].read_text())["header"]["model"]
         lines += [
