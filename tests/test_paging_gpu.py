@@ -10,6 +10,7 @@ import pytest
 import torch
 from fp8_cases import fp8_case
 from helpers import FLOOR, gpu, make_case
+from test_paging import fork_and_release, rows_equal, tree_rounds
 
 from mmha import layout, ops, paging, reference
 from mmha.cache import KVCache
@@ -226,17 +227,6 @@ def cache_pair(kv_dtype=None, block_size=16, max_batch=4, s_max=300, num_blocks=
     return paged, flat
 
 
-def assert_rows_equal(paged, flat, rows):
-    for layer in range(paged.num_layers):
-        for r in rows:
-            n = paged.host_lengths[r]
-            blocks = paged.pool.rows[r]
-            got_k = layout.gather_k(paged.k_caches[layer], blocks)[0, :, :, :n]
-            got_v = layout.gather_v(paged.v_caches[layer], blocks)[0, :, :n]
-            assert torch.equal(bits(got_k), bits(flat.k_caches[layer][r, :, :, :n]))
-            assert torch.equal(bits(got_v), bits(flat.v_caches[layer][r, :, :n]))
-
-
 def width():
     return (8 + 2 * 2) * 64
 
@@ -277,7 +267,7 @@ def test_kvcache_steps_fork_and_continuous_batching(kv_dtype, block_size):
                     c.prefill(layer, k[3:4], v[3:4], [61], rows=[3], scales="keep")
         paged.check()
     paged.pool.check()
-    assert_rows_equal(paged, flat, paged.active_rows)
+    rows_equal(paged, flat, paged.active_rows)
 
 
 def test_kvcache_graph_replays_across_block_allocations():
@@ -311,7 +301,7 @@ def test_kvcache_graph_replays_across_block_allocations():
             assert torch.equal(bits(a), bits(b))
     paged.check()
     paged.pool.check()
-    assert_rows_equal(paged, twin, range(4))
+    rows_equal(paged, twin, range(4))
 
 
 def test_generate_paged_equals_contiguous():
@@ -434,8 +424,6 @@ def test_tree_rows_that_take_no_part():
 def test_kvcache_tree_steps_and_accept_over_pages(kv_dtype, block_size):
     """The GPU twin of test_paging's scenario: tree steps over pages, accept through the tables
     (host and tensor paths), a forked row and a released one, against a contiguous cache."""
-    from test_paging import fork_and_release, tree_rounds
-
     paged, flat = cache_pair(kv_dtype, block_size, s_max=400)
     g = torch.Generator().manual_seed(block_size)
     fork_and_release(paged, flat, torch.randn(3, 120, 2, 64, generator=g).half().cuda(), [120, 15, 64])
