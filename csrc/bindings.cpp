@@ -17,7 +17,8 @@ TORCH_LIBRARY(mmha, m) {
       "bool check_lengths=True, int stages=2, int tile_source=0, Tensor? k_scale=None, "
       "Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? alibi_slopes=None, "
       "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None, Tensor? block_tables=None, "
-      "Tensor? row_active=None) -> ()");
+      "Tensor? row_active=None, Tensor? out_shift=None, Tensor? out_smooth=None, Tensor? out_scales=None, "
+      "float out_scale=0.0, int out_round=0, int out_min=-127) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -55,11 +56,14 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WIDE_COLUMNS") = mmha::kWideColumns;
   m.attr("WIDE_MIN_COLUMNS") = mmha::kWideMinColumns;
   m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
+  m.attr("EPILOGUE_COLUMNS") = mmha::kEpilogueColumns;
   m.def(
       "columns_block",
-      [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows) {
-        return mmha::columns_block(columns, tree, tiles, head_dim, kv_rows);
+      [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows, bool epilogue) {
+        return mmha::columns_block(columns, tree, tiles, head_dim, kv_rows, epilogue);
       },
+      pybind11::arg("columns"), pybind11::arg("tree"), pybind11::arg("tiles"), pybind11::arg("head_dim"),
+      pybind11::arg("kv_rows"), pybind11::arg("epilogue") = false,
       "Query columns per work item for `columns` columns per (row, kv head)");
   m.def(
       "tile_static_smem",

@@ -169,7 +169,10 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
                       const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
                       const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts,
-                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active) {
+                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active,
+                      const std::optional<at::Tensor>& out_shift, const std::optional<at::Tensor>& out_smooth,
+                      const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
+                      int64_t out_min) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -214,7 +217,17 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                "k_scale and v_scale must be None unless the caches are float8_e4m3fn, got caches of dtype ",
                cache_dtype);
   }
-  check_dtype(out, "out", dtype);
+  // The output: qkv's dtype, or int8 / float8_e4m3fn holding the epilogue's quantised values.
+  const bool quantised = out.scalar_type() == at::kChar || out.scalar_type() == at::kFloat8_e4m3fn;
+  if (quantised) {
+    MMHA_CHECK(out_scales.has_value() != (out_scale != 0), "out_scale (a float > 0) or out_scales (fp32 [Hq * D]) "
+               "must be given, exactly one, for an out of dtype ", out.scalar_type(), ", got out_scale ", out_scale,
+               out_scales.has_value() ? " and out_scales" : " and no out_scales");
+  } else {
+    check_dtype(out, "out", dtype);
+    MMHA_CHECK(!out_scales.has_value() && out_scale == 0, "out_scale and out_scales must be unset unless out has "
+               "dtype int8 or float8_e4m3fn (a quantised output), got out of dtype ", out.scalar_type());
+  }
   if (qkv_bias.has_value()) check_dtype(*qkv_bias, "qkv_bias", dtype);
   check_dtype(lengths, "lengths", at::kInt);
   check_dtype(lse, "lse", at::kFloat);
@@ -349,6 +362,36 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     check_contiguous(**t, name);
   }
 
+  // Output epilogue: per-channel tensors fp32 [Hq * D]; a scale finite and positive.
+  for (const auto& [t, name] : {std::pair{&out_shift, "out_shift"}, std::pair{&out_smooth, "out_smooth"},
+                                std::pair{&out_scales, "out_scales"}}) {
+    if (!t->has_value()) continue;
+    check_cuda(**t, name, device);
+    check_dtype(**t, name, at::kFloat);
+    MMHA_CHECK((*t)->dim() == 1 && (*t)->size(0) == num_heads * head_dim, name, " must have shape [",
+               num_heads * head_dim, "] (num_heads * head_dim, one per output channel), got shape ", shape_str(**t));
+    check_contiguous(**t, name);
+  }
+  const bool epilogue = out_shift.has_value() || out_smooth.has_value() || quantised;
+  if (epilogue) {
+    // The epilogue reads the per-channel tensors and writes out four channels at a time.
+    for (const auto& [t, name] : {std::pair{&out_shift, "out_shift"}, std::pair{&out_smooth, "out_smooth"},
+                                  std::pair{&out_scales, "out_scales"}}) {
+      MMHA_CHECK(!t->has_value() || reinterpret_cast<uintptr_t>((*t)->data_ptr()) % 16 == 0, name,
+                 " must start 16-byte aligned (the epilogue reads it in 16-byte vectors)");
+    }
+    MMHA_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+               "out must start 16-byte aligned with an output epilogue");
+  }
+  MMHA_CHECK(out_scale == 0 || (std::isfinite(static_cast<float>(out_scale)) && static_cast<float>(out_scale) > 0),
+             "out_scale must be finite and > 0 in fp32 (0: none), got ", out_scale);
+  MMHA_CHECK(out_round == 0 || out_round == 1, "out_round must be 0 (half to even) or 1 (half away from zero), got ",
+             out_round);
+  MMHA_CHECK(out_min == -127 || out_min == -128, "out_min must be -127 or -128, got ", out_min);
+  MMHA_CHECK(out.scalar_type() != at::kFloat8_e4m3fn || (out_round == 0 && out_min == -127),
+             "out_round and out_min must be 0 and -127 for a float8_e4m3fn out (it rounds to nearest even and "
+             "saturates to +-448), got ", out_round, " and ", out_min);
+
   // Rotary embedding and scale.
   MMHA_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
              "rotary_dim must be even and in [0, head_dim = ", head_dim, "], got ", rotary_dim);
@@ -397,7 +440,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
                                        columns_block(num_heads / num_kv_heads * nodes, tree && nodes > 1, tiles,
-                                                     static_cast<int>(head_dim), batch * num_kv_heads)) + 1024;
+                                                     static_cast<int>(head_dim), batch * num_kv_heads, epilogue)) +
+                      1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(stages >= kMinStages && stages <= max_stages, "stages must be in [", kMinStages, ", ",
@@ -407,7 +451,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // (a tree step's many columns: wide items).
   const int64_t columns = num_heads / num_kv_heads * nodes;
   const int q_group_block =
-      columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim), batch * num_kv_heads);
+      columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim), batch * num_kv_heads, epilogue);
   const int64_t q_groups = (columns + q_group_block - 1) / q_group_block;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);
@@ -466,6 +510,16 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     p.block_shift = static_cast<int32_t>(block_shift);
   }
   p.row_active = row_active.has_value() ? row_active->data_ptr<int32_t>() : nullptr;
+  p.out_kind = out.scalar_type() == at::kChar           ? OutKind::kInt8
+               : out.scalar_type() == at::kFloat8_e4m3fn ? OutKind::kE4M3
+                                                        : OutKind::kActivations;
+  p.out_shift = out_shift.has_value() ? out_shift->data_ptr<float>() : nullptr;
+  p.out_smooth = out_smooth.has_value() ? out_smooth->data_ptr<float>() : nullptr;
+  p.out_scales = out_scales.has_value() ? out_scales->data_ptr<float>() : nullptr;
+  p.out_scale = static_cast<float>(out_scale);
+  p.out_round = static_cast<int32_t>(out_round);
+  p.out_min = static_cast<int32_t>(out_min);
+  p.out_epilogue = epilogue;
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
   if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {

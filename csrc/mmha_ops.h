@@ -35,6 +35,11 @@ namespace mmha {
 // outside the pool for one of its slots writes nothing, gets NaN output and status bit
 // kStatusPages. row_active (int32 [B]): rows with 0 take
 // no part (nothing read or written, zero output, lse -inf).
+// Output epilogue (mmha/epilogue.py defines it), per output channel c = head * D + d:
+// y = (x + out_shift[c]) * out_smooth[c] (fp32 [Hq * D] each, optional); an out of dtype int8 or
+// float8_e4m3fn holds y * scale quantised, scale = out_scales[c] (fp32 [Hq * D]) or out_scale (> 0;
+// exactly one of them), int8 rounded half to even (out_round 0) or half away from zero (1) and
+// saturated to [out_min, 127] (out_min -127 or -128). Values of the tensors are the caller's to check.
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -45,6 +50,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& v_scale, int64_t window, double softcap,
                       const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
                       const std::optional<at::Tensor>& parents, const std::optional<at::Tensor>& node_counts,
-                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active);
+                      const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active,
+                      const std::optional<at::Tensor>& out_shift, const std::optional<at::Tensor>& out_smooth,
+                      const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
+                      int64_t out_min);
 
 }  // namespace mmha

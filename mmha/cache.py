@@ -16,6 +16,7 @@ import torch
 
 from . import dispatch, layout, ops, paging, reference
 from ._ext import extension_available
+from .epilogue import OutEpilogue
 
 _warned_reference = False
 # GPU caches hold a multiple of this many slots per row (see KVCache.capacity).
@@ -408,9 +409,11 @@ class KVCache:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers - 1}], got {layer!r}")
 
-    def plan(self, batch: int, variant: str = "auto", window: int | None = None) -> dispatch.Plan:
+    def plan(
+        self, batch: int, variant: str = "auto", window: int | None = None, epilogue: bool = False
+    ) -> dispatch.Plan:
         """The dispatch decision for the next step over the first ``batch`` rows (host only); a
-        sliding ``window`` bounds the keys a row reads."""
+        sliding ``window`` bounds the keys a row reads; ``epilogue``: the step has an output epilogue."""
         if self.dispatch_on == "capacity":
             seq = self.max_seq_len
         else:
@@ -427,10 +430,11 @@ class KVCache:
                 1,
                 variant,
                 self.kv_dtype,
+                epilogue=epilogue,
             )
         return ops.plan_for(
             self.device, batch, self.num_heads, self.num_kv_heads, self.head_dim, seq, self.dtype,
-            variant, self.kv_dtype,
+            variant, self.kv_dtype, epilogue=epilogue,
         )  # fmt: skip
 
     def step(
@@ -448,6 +452,7 @@ class KVCache:
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        epilogue: OutEpilogue | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``layer`` for rows ``0..B-1``: append the new K/V, attend.
 
@@ -457,9 +462,12 @@ class KVCache:
         ``mmha.ops.decode_attention``). ``window``, ``softcap``, ``alibi_slopes`` and ``sinks``
         modify the scores (``mmha.reference.ScoreMods``; per call, so each layer may have its own);
         the values of ``alibi_slopes`` and ``sinks`` are read on the host the first time a tensor
-        (at its version) is seen, outside CUDA-graph capture and ``torch.compile``.
+        (at its version) is seen, outside CUDA-graph capture and ``torch.compile``. ``epilogue``
+        (``mmha.epilogue.OutEpilogue``, per call: each layer its own) shifts, smooths and quantises
+        the output in the kernel; ``out`` then has its dtype.
         """
         self._check_layer(layer)
+        self._check_epilogue(epilogue)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 2 or qkv.shape[1] != width:
             raise ValueError(
@@ -511,6 +519,8 @@ class KVCache:
             common.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
         if mods.any:
             common.update(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if epilogue is not None:
+            common.update(epilogue=epilogue)
         if self.paged and not self.use_kernel:  # free rows own no blocks: they write nothing and get zeros
             return self._step_paged(qkv, kc, vc, batch, common)
         if not self.use_kernel:
@@ -518,7 +528,7 @@ class KVCache:
         if self.paged:  # free rows own no blocks: row_active makes them write nothing and get zeros
             common.update(block_tables=self.block_tables[:batch], row_active=self._active_mask[:batch])
         if num_splits is None or stages is None:
-            plan = self.plan(batch, variant, window)
+            plan = self.plan(batch, variant, window, epilogue is not None)
             num_splits = plan.num_splits if num_splits is None else num_splits
             stages = plan.stages if stages is None else stages
         ws = self._reserve_workspace(num_splits)
@@ -534,6 +544,19 @@ class KVCache:
             validate_lengths=False,
             **common,
         )
+
+    def _check_epilogue(self, epilogue) -> None:
+        if epilogue is None:
+            return
+        if not isinstance(epilogue, OutEpilogue):
+            got = type(epilogue).__name__
+            raise ValueError(f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {got}")
+        epilogue.check_for(self.num_heads, self.head_dim, self.device)
+
+    def _zero_out(self, shape: tuple[int, ...], epilogue: OutEpilogue | None) -> torch.Tensor:
+        """The output of rows that take no part: zeros (through the epilogue, as the kernel gives)."""
+        zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return zeros if epilogue is None else epilogue.apply(zeros, self.dtype)
 
     def _reserve_workspace(self, num_splits: int, nodes: int = 1) -> ops.Workspace:
         ws = self._workspace
@@ -592,6 +615,7 @@ class KVCache:
         num_splits: int | None = None,
         stages: int | None = None,
         tile_source: str = "auto",
+        epilogue: OutEpilogue | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A tree-masked multi-token step of ``layer`` (``mmha.tree``) for rows ``0..B-1``:
         ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T nodes of ``parents [B, T]``; node ``t`` is
@@ -602,10 +626,12 @@ class KVCache:
         (host values are copied over); their values are checked on the host outside CUDA-graph
         capture, and a captured step reads them from the device each replay. A paged cache gives
         each active row the blocks of its node slots first (all or nothing; inside capture they
-        must be there already: ``reserve_slots``); free rows take no part (zero output)."""
+        must be there already: ``reserve_slots``); free rows take no part (zero output).
+        ``epilogue`` as in ``step``."""
         from . import tree
 
         self._check_layer(layer)
+        self._check_epilogue(epilogue)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 3 or qkv.shape[2] != width or not 1 <= qkv.shape[0] <= self.max_batch:
             raise ValueError(
@@ -619,8 +645,9 @@ class KVCache:
         batch = qkv.shape[0]
         if self.use_kernel and self._capturing():
             return self._step_tree_kernel(
-                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, None
-            )
+                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, None,
+                epilogue,
+            )  # fmt: skip
         if isinstance(node_counts, torch.Tensor):
             node_counts = node_counts.tolist()
         rows = tree.check_parents(parents, batch, node_counts)
@@ -645,14 +672,16 @@ class KVCache:
             )  # fmt: skip
         if self.use_kernel:
             return self._step_tree_kernel(
-                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
-            )
+                layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows,
+                epilogue,
+            )  # fmt: skip
         if return_lse:  # refused before anything is written
             raise ValueError("return_lse needs the GPU kernel (mmha.reference.decode_tree returns out only)")
         kw = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, scale=self.scale,
             rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
             rotary_interleaved=self.rotary_interleaved, node_counts=[len(r) for r in rows], qkv_bias=qkv_bias,
+            epilogue=epilogue,
         )  # fmt: skip
         if self.fp8:
             kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
@@ -675,7 +704,7 @@ class KVCache:
         rows = [r for r in range(batch) if self._active[r]]
         counts = kw.pop("node_counts")
         width = self.num_heads * self.head_dim
-        out = torch.zeros(batch, qkv.shape[1], width, dtype=qkv.dtype, device=qkv.device)
+        out = self._zero_out((batch, qkv.shape[1], width), kw["epilogue"])
         if rows:
             idx = torch.tensor(rows, dtype=torch.long, device=qkv.device)
             out[idx] = reference.decode_tree_paged(
@@ -685,8 +714,9 @@ class KVCache:
         return out
 
     def _step_tree_kernel(
-        self, layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows
-    ):
+        self, layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, rows,
+        epilogue=None,
+    ):  # fmt: skip
         """step_tree on the GPU; rows: the checked host trees (None inside capture: not read)."""
         batch, nodes = qkv.shape[0], qkv.shape[1]  # qkv checked by step_tree
         capturing = rows is None
@@ -708,7 +738,7 @@ class KVCache:
                 keys = max(self._host_lengths[r] + len(rows[r]) for r in range(batch))
             plan = ops.plan_for(
                 self.device, batch, self.num_heads * nodes, self.num_kv_heads, self.head_dim, keys,
-                self.dtype, "auto", self.kv_dtype, tree=nodes > 1,
+                self.dtype, "auto", self.kv_dtype, tree=nodes > 1, epilogue=epilogue is not None,
             )  # fmt: skip
             num_splits = plan.num_splits if num_splits is None else num_splits
             stages = plan.stages if stages is None else stages
@@ -726,7 +756,8 @@ class KVCache:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, node_counts=node_counts,
             qkv_bias=qkv_bias, scale=self.scale, rotary_dim=self.rotary_dim, rotary_theta=self.rotary_theta,
             rotary_interleaved=self.rotary_interleaved, num_splits=num_splits, stages=stages,
-            tile_source=tile_source, return_lse=return_lse, workspace=ws, validate=False, **kw,
+            tile_source=tile_source, return_lse=return_lse, workspace=ws, validate=False,
+            epilogue=epilogue, **kw,
         )  # fmt: skip
         if rows is not None:
             self._tree = rows
@@ -898,7 +929,7 @@ class KVCache:
     def _step_paged(self, qkv, kc, vc, batch: int, common: dict):
         rows = [r for r in range(batch) if self._active[r]]
         return_lse = common.pop("return_lse")
-        out = torch.zeros(batch, self.num_heads * self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        out = self._zero_out((batch, self.num_heads * self.head_dim), common.get("epilogue"))
         lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=qkv.device)
         if rows:
             idx = torch.tensor(rows, dtype=torch.long, device=qkv.device)

@@ -28,6 +28,10 @@ MAX_SPLITS = 64
 WIDE_COLUMNS = 64
 WIDE_MIN_COLUMNS = 32
 WIDE_MAX_HEAD_DIM = 128
+# A step with an output epilogue (mmha.epilogue) runs kernels compiled with it, which exist for
+# items of EPILOGUE_COLUMNS columns, and of one column on the tile loop (csrc/kernels/mmha_params.h
+# kEpilogueColumns).
+EPILOGUE_COLUMNS = 8
 # Below WIDE_ALWAYS_COLUMNS, wide items only where a step has at least WIDE_MIN_ITEMS of them
 # (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
 # (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
@@ -106,13 +110,17 @@ def q_group_block(group: int) -> int:
 
 
 def columns_block(
-    columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128, kv_rows: int = 1
-) -> int:
+    columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128, kv_rows: int = 1,
+    epilogue: bool = False,
+) -> int:  # fmt: skip
     """Query columns per work item for ``columns`` columns per (row, kv head) (mirrors the C++
     ``columns_block``): ``q_group_block``, or ``WIDE_COLUMNS`` for a tree step of two or more
     nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns, ``head_dim <=
     WIDE_MAX_HEAD_DIM``, and either ``WIDE_ALWAYS_COLUMNS`` columns or ``WIDE_MIN_ITEMS`` wide
-    items over its ``kv_rows`` (rows x kv heads)."""
+    items over its ``kv_rows`` (rows x kv heads); with an output epilogue ``EPILOGUE_COLUMNS``, or
+    1 for one column on the tile loop."""
+    if epilogue:
+        return 1 if tiles and columns == 1 else EPILOGUE_COLUMNS
     blocks = -(-columns // WIDE_COLUMNS)
     enough = columns >= WIDE_ALWAYS_COLUMNS or kv_rows * blocks >= WIDE_MIN_ITEMS
     if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS and enough:
@@ -245,6 +253,7 @@ def choose_variant(
     variant: str = "auto",
     kv_dtype: torch.dtype | None = None,
     tree: bool = False,
+    epilogue: bool = False,
 ) -> Plan:
     """Pick single pass or split sequence, the split count and the stages, from shapes alone.
 
@@ -286,6 +295,9 @@ def choose_variant(
     (``Hq * T``); from
     ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide (``columns_block``): they
     compute more than they read, so their grid fills every resident block, as fp8's does.
+
+    ``epilogue``: the step has an output epilogue, whose kernels take ``EPILOGUE_COLUMNS``
+    columns per item (``columns_block``).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -300,7 +312,7 @@ def choose_variant(
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
-    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads)
+    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
     wide = qb == WIDE_COLUMNS
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     if tiles:

@@ -14,6 +14,7 @@ import torch
 
 from . import dispatch, reference
 from ._ext import _C, IMPORT_ERROR
+from .epilogue import OutEpilogue
 
 if _C is not None:
 
@@ -23,6 +24,7 @@ if _C is not None:
         num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits,
         check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
         alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
+        out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
     ):  # fmt: skip
         return None
 
@@ -45,11 +47,12 @@ def _device_index(device) -> int:
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
     dtype: torch.dtype, variant: str = "auto", kv_dtype: torch.dtype | None = None, tree: bool = False,
+    epilogue: bool = False,
 ) -> dispatch.Plan:  # fmt: skip
     """``dispatch.choose_variant`` with this device's numbers."""
     return dispatch.choose_variant(
         batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant,
-        kv_dtype, tree,
+        kv_dtype, tree, epilogue,
     )  # fmt: skip
 
 
@@ -199,6 +202,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     row_active: torch.Tensor | None = None,
+    epilogue: OutEpilogue | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused append + attention for one decode step on the GPU.
 
@@ -240,9 +244,14 @@ def decode_attention(
         sync; skipped inside CUDA-graph capture); callers that track lengths themselves
         (``KVCache``) pass ``False`` and rely on the status flags.
 
+    epilogue : the output epilogue (``mmha.epilogue.OutEpilogue``): shift and smooth per output
+        channel and, with a scale, the output quantised to int8 or e4m3 in the same kernel (a
+        split's merge applies it once, after the rescale).
+
     Returns
     -------
-    out ``[B, Hq * D]`` in the input dtype, and with ``return_lse`` the fp32 ``lse [B, Hq]``.
+    out ``[B, Hq * D]`` in the input dtype (the epilogue's dtype where it quantises), and with
+    ``return_lse`` the fp32 ``lse [B, Hq]``.
     """
     _require_extension()
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
@@ -273,13 +282,15 @@ def decode_attention(
         plan = plan_for(
             qkv.device, batch, num_heads, num_kv_heads, head_dim,
             dispatch.keys_read(max_seq_len if max_len is None else max_len, window), qkv.dtype, variant,
-            k_cache.dtype,
+            k_cache.dtype, epilogue=epilogue is not None,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits)
-    out = torch.empty((batch, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    out_args = _epilogue_args(epilogue, num_heads, head_dim, qkv)
+    out_dtype = qkv.dtype if epilogue is None else epilogue.out_dtype(qkv.dtype)
+    out = torch.empty((batch, num_heads * head_dim), dtype=out_dtype, device=qkv.device)
     lse = torch.empty((batch, num_heads), dtype=torch.float32, device=qkv.device)
     torch.ops.mmha.decode_attention(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
@@ -287,7 +298,7 @@ def decode_attention(
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
         TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(), block_tables=block_tables,
-        row_active=row_active,
+        row_active=row_active, **out_args,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -319,6 +330,7 @@ def decode_tree(
     v_scale: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     row_active: torch.Tensor | None = None,
+    epilogue: OutEpilogue | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A tree-masked multi-token step on the GPU (``mmha.tree``; ``mmha.reference.decode_tree``
     defines it): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T <= 64 nodes of ``parents`` (int32 ``[B,
@@ -335,7 +347,8 @@ def decode_tree(
     the host with ``validate``; without, a row whose table names a block outside the pool writes
     nothing, gets NaN output and raises ``PageError``). Other arguments as in
     ``decode_attention``; ``max_len`` is the longest ``lengths[b] + T`` the caller knows of.
-    Returns ``out [B, T, Hq * D]`` (and fp32 ``lse [B, T, Hq]``)."""
+    ``epilogue`` applies to every node's output (``mmha.epilogue``). Returns ``out [B, T, Hq * D]``
+    (and fp32 ``lse [B, T, Hq]``)."""
     from . import tree
 
     _require_extension()
@@ -383,13 +396,15 @@ def decode_tree(
         keys = max_seq_len if max_len is None else min(max_len, max_seq_len)
         plan = plan_for(
             qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype,
-            variant, k_cache.dtype, tree=nodes > 1,
+            variant, k_cache.dtype, tree=nodes > 1, epilogue=epilogue is not None,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits, nodes):
         workspace = Workspace.allocate(qkv.device, batch, num_heads, head_dim, num_splits, nodes)
-    out = torch.empty((batch, nodes, num_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    out_args = _epilogue_args(epilogue, num_heads, head_dim, qkv)
+    out_dtype = qkv.dtype if epilogue is None else epilogue.out_dtype(qkv.dtype)
+    out = torch.empty((batch, nodes, num_heads * head_dim), dtype=out_dtype, device=qkv.device)
     lse = torch.empty((batch, nodes, num_heads), dtype=torch.float32, device=qkv.device)
     torch.ops.mmha.decode_attention(
         qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, workspace.partials,
@@ -397,6 +412,17 @@ def decode_tree(
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
         TILE_SOURCES[tile_source], k_scale, v_scale, 0, 0.0, None, None, parents, node_counts,
-        block_tables=block_tables, row_active=row_active,
+        block_tables=block_tables, row_active=row_active, **out_args,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _epilogue_args(epilogue: OutEpilogue | None, num_heads: int, head_dim: int, qkv: torch.Tensor) -> dict:
+    """The raw operator's epilogue arguments, after checking the epilogue fits the step."""
+    if epilogue is None:
+        return {}
+    if not isinstance(epilogue, OutEpilogue):
+        got = type(epilogue).__name__
+        raise ValueError(f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {got}")
+    epilogue.check_for(num_heads, head_dim, qkv.device)
+    return epilogue.kernel_args()

@@ -19,6 +19,9 @@ ALiBi ``s += slope[h] * (t - pos)``; sliding window: only slots ``t > pos - wind
 (``window`` slots, the new token's included); attention sink: ``exp(sink[h])`` joins the softmax's
 denominator (``lse`` includes it, and the weights sum to less than one).
 
+An output epilogue (``mmha.epilogue.OutEpilogue``: shift, smooth, int8 / e4m3 quantisation)
+applies to ``out`` rounded to fp32 (``epilogue=``); without one ``out`` is rounded to qkv's dtype.
+
 ``lengths`` are not changed (the cache manager advances them once per step).
 """
 
@@ -29,6 +32,7 @@ import math
 import torch
 
 from . import layout
+from .epilogue import OutEpilogue
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -252,6 +256,7 @@ def decode_step(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    epilogue: OutEpilogue | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append the new K/V to the caches and return ``out [B, Hq * D]`` (and ``lse [B, Hq]``).
 
@@ -264,6 +269,7 @@ def decode_step(
     compute_dtype : ``torch.float32`` (default) or ``torch.float64``.
     k_scale, v_scale : ``[Hkv]`` fp32, for float8_e4m3fn caches only.
     window, softcap, alibi_slopes, sinks : score modifiers (module docstring; ``ScoreMods``).
+    epilogue : the output epilogue (``mmha.epilogue.OutEpilogue``); ``out`` then has its dtype.
     """
     b, hkv, s_max, d = v_cache.shape
     _check_fp8_scales(k_cache, k_scale, v_scale)
@@ -275,6 +281,8 @@ def decode_step(
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     mods = ScoreMods(num_heads, qkv.device, window, softcap, alibi_slopes, sinks)
+    if epilogue is not None:
+        epilogue.check_for(num_heads, d, qkv.device)
     pos_list = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos_list):
         if not 0 <= p < s_max:
@@ -296,10 +304,17 @@ def decode_step(
         o, lse = attend(q[row], keys, values, scale, mods, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
-    out = torch.stack(outs).to(qkv.dtype)
+    out = _finish(torch.stack(outs), qkv.dtype, epilogue)
     if return_lse:
         return out, torch.stack(lses).float()
     return out
+
+
+def _finish(out: torch.Tensor, dtype: torch.dtype, epilogue: OutEpilogue | None) -> torch.Tensor:
+    """The attention output as a step returns it: rounded to ``dtype``, or through the epilogue."""
+    if epilogue is None:
+        return out.to(dtype)
+    return epilogue.apply(out, dtype)
 
 
 def check_block_tables(
@@ -386,12 +401,14 @@ def decode_tree(
     compute_dtype: torch.dtype = torch.float32,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    epilogue: OutEpilogue | None = None,
 ) -> torch.Tensor:
     """A tree-masked multi-token step (``mmha.tree``): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T
     nodes of ``parents [B, T]``; node ``t`` is appended at slot ``lengths[b] + t`` (rotary at
     ``lengths[b] + depth(t)``, stored as ``decode_step`` stores a token) and attends to slots
     ``0 .. lengths[b] - 1`` and to its ancestors' slots, itself included, with an explicit mask.
-    Returns ``out [B, T, Hq * D]`` (zeros for nodes past a row's count); lengths are not changed."""
+    Returns ``out [B, T, Hq * D]`` (zeros for nodes past a row's count; an ``epilogue`` applies to
+    every node's output, those zeros included); lengths are not changed."""
     from . import tree
 
     b, hkv, s_max, d = v_cache.shape
@@ -411,11 +428,13 @@ def decode_tree(
                 f"lengths[{row}] + node count must fit the capacity: {p} + {len(rows[row])} > {s_max}"
             )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if epilogue is not None:
+        epilogue.check_for(num_heads, d, qkv.device)
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)
     x_elems = k_cache.shape[-1]
-    out = torch.zeros(b, qkv.shape[1], num_heads * d, dtype=qkv.dtype, device=qkv.device)
+    out = torch.zeros(b, qkv.shape[1], num_heads * d, dtype=compute_dtype, device=qkv.device)
     group = num_heads // num_kv_heads
     for row, p in enumerate(pos_list):
         par = rows[row]
@@ -437,8 +456,8 @@ def decode_tree(
             mask[t, [p + a for a in anc]] = True
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         o = torch.einsum("thl,hld->thd", torch.softmax(scores, dim=-1), values)
-        out[row, :n] = o.reshape(n, -1).to(qkv.dtype)
-    return out
+        out[row, :n] = o.reshape(n, -1)
+    return _finish(out, qkv.dtype, epilogue)
 
 
 def decode_tree_paged(

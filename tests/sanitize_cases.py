@@ -4,8 +4,9 @@ and two stage counts of the tile loop, the CUDA-core loop, and out-of-range leng
 capacity, negative) on every variant; fp8 caches on both sources, split and not, with a bad scale;
 score modifiers (a window whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources
 and the CUDA-core loop, split and not; paged caches (pools with no spare block, tables with
-entries past the rows' blocks unset, a window, a released row, block ids outside the pool):
-nothing may be read or written outside the caches."""
+entries past the rows' blocks unset, a window, a released row, block ids outside the pool); the
+output epilogue (int8 and e4m3 outputs, per-channel tensors, refused rows): nothing may be read or
+written outside the caches and the output."""
 
 import torch
 from fp8_cases import fp8_case
@@ -59,6 +60,36 @@ def mods_cases() -> None:
                                  sinks=torch.linspace(-2, 2, 8, device="cuda"))  # fmt: skip
                 out = run(case, 8, head_dim, splits, source, 2)
                 assert torch.isfinite(out).all()
+
+
+def epilogue_cases() -> None:
+    from mmha.epilogue import OutEpilogue
+
+    lengths = [0, 1, 17, 127, 255]
+    c = 8 * 64
+    shift, smooth = torch.linspace(-1, 1, c, device="cuda"), torch.linspace(0.5, 2, c, device="cuda")
+    for dtype, head_dim in ((torch.float16, 64), (torch.float32, 64)):
+        for e in (
+            OutEpilogue(shift, smooth, 30.0, rounding="half_away", min_bound=-128),
+            OutEpilogue(scale=torch.linspace(1, 50, c, device="cuda"), dtype=torch.float8_e4m3fn),
+            OutEpilogue(shift, smooth),
+        ):
+            for splits in (1, 5):
+                case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits)
+                out = ops.decode_attention(
+                    case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, epilogue=e,
+                    **case.kwargs(),
+                )  # fmt: skip
+                assert out.dtype == e.out_dtype(dtype)
+        case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=9)
+        case.lengths[0] = 256  # refused: int8 0
+        ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, 3)
+        out = ops.decode_attention(
+            case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=3, epilogue=OutEpilogue(scale=9.0),
+            workspace=ws, validate_lengths=False, **case.kwargs(),
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        assert ws.status.tolist() == [1, 0, 0, 0, 0] and (out[0] == 0).all()
 
 
 def tree_cases() -> None:
@@ -175,6 +206,7 @@ def main() -> None:
     mods_cases()
     tree_cases()
     paged_cases()
+    epilogue_cases()
     print("sanitize cases done")
 
 

@@ -116,6 +116,7 @@ def test_python_and_cpp_constants_agree():
     assert _C.TILE_KEYS == dispatch.TILE_KEYS
     assert _C.TILE_THREADS == dispatch.TILE_THREADS
     assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
+    assert _C.EPILOGUE_COLUMNS == dispatch.EPILOGUE_COLUMNS
     assert (_C.WIDE_COLUMNS, _C.WIDE_MIN_COLUMNS, _C.WIDE_MAX_HEAD_DIM) == (
         dispatch.WIDE_COLUMNS, dispatch.WIDE_MIN_COLUMNS, dispatch.WIDE_MAX_HEAD_DIM
     )  # fmt: skip
@@ -127,9 +128,10 @@ def test_python_and_cpp_constants_agree():
             for tree in (False, True):
                 for tiles in (False, True):
                     for kv_rows in (1, 8, 63, 64, 512):
-                        want = dispatch.columns_block(columns, tree, tiles, d, kv_rows)
-                        got = _C.columns_block(columns, tree, tiles, d, kv_rows)
-                        assert got == want, (columns, tree, tiles, d, kv_rows)
+                        for epi in (False, True):
+                            want = dispatch.columns_block(columns, tree, tiles, d, kv_rows, epi)
+                            got = _C.columns_block(columns, tree, tiles, d, kv_rows, epi)
+                            assert got == want, (columns, tree, tiles, d, kv_rows, epi)
 
 
 def test_columns_block_of_tree_steps():
@@ -141,6 +143,10 @@ def test_columns_block_of_tree_steps():
     assert dispatch.columns_block(64, tree=True, kv_rows=8) == 8  # too few wide items: narrow
     assert dispatch.columns_block(128, tree=True, kv_rows=1) == dispatch.WIDE_COLUMNS
     assert dispatch.columns_block(256, tree=True, head_dim=256) == 8
+    assert dispatch.columns_block(1, epilogue=True) == 1  # the epilogue's kernels: 1 or 8 columns
+    assert dispatch.columns_block(1, tiles=False, epilogue=True) == dispatch.EPILOGUE_COLUMNS
+    assert dispatch.columns_block(2, epilogue=True) == dispatch.EPILOGUE_COLUMNS
+    assert dispatch.columns_block(256, tree=True, kv_rows=512, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
     # every resident block.
     plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100, tree=True)

@@ -22,6 +22,7 @@
 #include "decode_launch.h"
 #include "mmha_params.h"
 #include "new_token.cuh"
+#include "output_epilogue.cuh"
 #include "score_mods.cuh"
 #include "tile_source.cuh"
 #include "tree_step.cuh"
@@ -134,15 +135,16 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
 // finite and positive: nothing is read from or written to the caches; the item's output is NaN
 // and its row's status flag (kStatusLength or kStatusScale) is raised. A row that takes no part
 // (row_active) gets zeros and lse -inf, and no flag (flag 0, idle).
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& w, int32_t flag, int tid,
                                            int nthreads, bool idle = false) {
   if (w.split != 0) return;
-  T* out = static_cast<T*>(p.out);
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
-    const int64_t f = column_of(p, w, idx / HEAD_DIM).flat(p.num_heads);
-    out[f * HEAD_DIM + idx % HEAD_DIM] = from_float<T>(idle ? 0.f : NAN);
-    if (idx % HEAD_DIM == 0) p.lse[f] = idle ? -INFINITY : NAN;
+    const Column col = column_of(p, w, idx / HEAD_DIM);
+    const int64_t f = col.flat(p.num_heads);
+    const int d = idx % HEAD_DIM;
+    store_out<T, EPI>(p, f * HEAD_DIM + d, col.head * HEAD_DIM + d, idle ? 0.f : NAN);
+    if (d == 0) p.lse[f] = idle ? -INFINITY : NAN;
   }
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
@@ -152,29 +154,34 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
 // [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
 // them, so every acc row starts 16-byte aligned for the merge's vector loads. Columns of
 // tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
-// out_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
+// value_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
 // single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
 // stores an item's every value (threads tid < nthreads) from the block's combine.
-template <typename T, int HEAD_DIM>
+// A single pass's head sink (if any) joins its (max, sum), rescaled to max(mx, sink) so that a
+// large sink cannot overflow the sum; returns the factor on the accumulator (1 without a sink).
+__device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float& mx, float& sum) {
+  if (p.sinks == nullptr) return 1.f;
+  const float sink = sink_log2(p, head);
+  const float top = fmaxf(mx, sink);
+  const float f = exp2f(mx - top);
+  sum = sum * f + exp2f(sink - top);
+  mx = top;
+  return f;
+}
+
+template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem& w, const Column& col, int d,
-                                            float a, float mx, float sum, float out_scale) {
+                                            float a, float mx, float sum, float value_scale) {
   const int num_splits = p.num_splits;
   const int64_t h = col.flat(p.num_heads);
   if (col.node >= w.nodes) {  // a tree node the row does not use
     if (w.split == 0) {
-      static_cast<T*>(p.out)[h * HEAD_DIM + d] = from_float<T>(0.f);
+      store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, 0.f);
       if (d == 0) p.lse[h] = -INFINITY;
     }
   } else if (num_splits == 1) {
-    if (p.sinks != nullptr) {  // rescale to max(m, sink): a large sink cannot overflow the sum
-      const float sink = sink_log2(p, col.head);
-      const float top = fmaxf(mx, sink);
-      const float f = exp2f(mx - top);
-      sum = sum * f + exp2f(sink - top);
-      a *= f;
-      mx = top;
-    }
-    static_cast<T*>(p.out)[h * HEAD_DIM + d] = from_float<T>(a / sum * out_scale);
+    a *= with_sink(p, col.head, mx, sum);
+    store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, a / sum * value_scale);
     if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
   } else {
     float* part_acc = p.partials;
@@ -185,22 +192,43 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
   }
 }
 
-template <typename T, int HEAD_DIM, class Max, class Sum, class Acc>
+template <typename T, int HEAD_DIM, bool EPI, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
-                                           float out_scale, int tid, int nthreads) {
+                                           float value_scale, int tid, int nthreads) {
+  if (EPI && p.num_splits == 1) {  // four values per thread through the output epilogue
+    for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const Column col = column_of(p, w, g);
+      const int64_t h = col.flat(p.num_heads);
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);  // a tree node the row does not use: zeros
+      if (col.node < w.nodes) {
+        float mx = m(g), sum = l(g);
+        const float f = with_sink(p, col.head, mx, sum);  // as store_value computes each value
+        x = make_float4(acc(g, d) * f / sum * value_scale, acc(g, d + 1) * f / sum * value_scale,
+                        acc(g, d + 2) * f / sum * value_scale, acc(g, d + 3) * f / sum * value_scale);
+        if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+      } else if (d == 0) {
+        p.lse[h] = -INFINITY;
+      }
+      store_out4<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
+    }
+    return;
+  }
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
     const bool ml = p.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
-    store_value<T, HEAD_DIM>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f, out_scale);
+    store_value<T, HEAD_DIM, EPI>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f,
+                                  value_scale);
   }
 }
 
 // store_item of an item refused by the paged-cache guard: NaN output (single pass) or NaN
 // partials, which make the split merge's output NaN.
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void store_refused_item(const MmhaParams& p, const WorkItem& w, int tid, int nthreads) {
-  store_item<T, HEAD_DIM>(
+  store_item<T, HEAD_DIM, EPI>(
       p, w, [](int) { return NAN; }, [](int) { return NAN; }, [](int, int) { return NAN; }, 1.f, tid, nthreads);
 }
 
@@ -226,9 +254,9 @@ __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (
 // Split sequence: the last item of this (row, query-head block) to finish merges the partials in
 // split order (bit-identical run to run), the head's sink (if any) joining the sum once. `sync`
 // is a barrier of the nthreads taking part.
-template <typename T, int HEAD_DIM, int QB, class Sync>
+template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
-                                              bool& s_last, float out_scale, int tid, int nthreads, Sync sync) {
+                                              bool& s_last, float value_scale, int tid, int nthreads, Sync sync) {
   const int num_splits = p.num_splits;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -244,7 +272,6 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   if (!s_last) return;
   __threadfence();
 
-  T* out = static_cast<T*>(p.out);
   float* lse = p.lse;
   const float* part_acc = p.partials;
   const float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
@@ -322,11 +349,8 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
       a.z += wt * v.z;
       a.w += wt * v.w;
     }
-    T* o = out + h * HEAD_DIM + 4 * c;
-    o[0] = from_float<T>(a.x * out_scale);
-    o[1] = from_float<T>(a.y * out_scale);
-    o[2] = from_float<T>(a.z * out_scale);
-    o[3] = from_float<T>(a.w * out_scale);
+    store_out4<T, EPI>(p, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
+                  make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
   }
 }
 
@@ -416,7 +440,7 @@ constexpr int kBeforeLoads = 2;
 // the work counter. For each item it fetches the next item's number and loads (NextItem) while it
 // issues this item's tiles into the ring, stages a one-token item's q and new token (s_item), and
 // tags every tile with a header; after the last item, a header that says so.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
                                               ItemStage<T, HEAD_DIM, QB>* s_item, unsigned char* stages,
                                               int items, int lane) {
@@ -437,12 +461,12 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     // The next item's number, then its loads: in flight while this item's tiles go out.
     const int fetched = fetch();
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
-      poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
+      poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
     } else if (w.idle) {
-      poison_row<T, HEAD_DIM>(p, w, 0, lane, 32, true);
+      poison_row<T, HEAD_DIM, EPI>(p, w, 0, lane, 32, true);
     } else if (!next.scales_ok) {
       w.bad = true;
-      poison_row<T, HEAD_DIM>(p, w, kStatusScale, lane, 32);
+      poison_row<T, HEAD_DIM, EPI>(p, w, kStatusScale, lane, 32);
     }
     if (!w.busy()) {
       next.index = __shfl_sync(kFullMask, fetched, 0);
@@ -547,7 +571,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
 // Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
 // results are bit-identical run to run.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
@@ -585,7 +609,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __syncthreads();
 
   if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC>(p, ring, s_hdr, &s_item, stages, items, lane);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, &s_item, stages, items, lane);
     return;
   }
 
@@ -597,7 +621,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   RingCursor cur;
   TileConsumer<C, HEAD_DIM, QB> c;
   WorkItem w;
-  float out_scale = 1.f;
+  float value_scale = 1.f;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -608,7 +632,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
-      out_scale = h.v_scale;
+      value_scale = h.v_scale;
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
                                                    tid, CONSUMERS);
@@ -631,15 +655,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
       c.combine(s_m, s_l, &s_q[0][0], warp, lane);
       if (h.flags & kPagesRefused) {
-        store_refused_item<T, HEAD_DIM>(p, w, tid, CONSUMERS);
+        store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
-        store_item<T, HEAD_DIM>(
+        store_item<T, HEAD_DIM, EPI>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
             [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-            out_scale, tid, CONSUMERS);
+            value_scale, tid, CONSUMERS);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
-      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
+      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_m, s_l and s_w are free for the next item
     }
   }
@@ -656,6 +680,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   using L = TileLayout<C, HEAD_DIM>;
   using Wide = WideConsumer<C, HEAD_DIM>;
   constexpr int QB = kWideColumns;
+  constexpr bool EPI = false;  // steps with an output epilogue take narrow items (columns_block)
   constexpr int CONSUMERS = kConsumerWarps * 32;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -690,7 +715,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   __syncthreads();
 
   if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC>(p, ring, s_hdr, nullptr, stages, items, lane);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, nullptr, stages, items, lane);
     return;
   }
 
@@ -699,7 +724,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   RingCursor cur;
   Wide c;
   WorkItem w;
-  float out_scale = 1.f;
+  float value_scale = 1.f;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);
     const TileHeader h = s_hdr[cur.s];
@@ -710,7 +735,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
-      out_scale = h.v_scale;
+      value_scale = h.v_scale;
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
@@ -729,11 +754,11 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
         for (int r = 0; r < 2; ++r) col[r] = column_of(p, w, min(Wide::column(warp, lane, r), w.nh - 1));
         const bool used[2] = {Wide::column(warp, lane, 0) < w.nh, Wide::column(warp, lane, 1) < w.nh};
         c.finish(lane, [&](int r, int d, float a) {
-          if (used[r]) store_value<T, HEAD_DIM>(p, w, col[r], d, a, c.m[r], c.l[r], out_scale);
+          if (used[r]) store_value<T, HEAD_DIM, EPI>(p, w, col[r], d, a, c.m[r], c.l[r], value_scale);
         });
       }
       if (p.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, out_scale, tid, CONSUMERS, sync);
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
         sync();  // s_w is the q staging area again
       }
     }
@@ -741,7 +766,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
 }
 
 // The CUDA-core loop (fp32 caches): one block of kSimtWarps warps per item.
-template <typename T, int HEAD_DIM, int QB>
+template <typename T, int HEAD_DIM, int QB, bool EPI>
 __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   using Simt = SimtAttend<T, HEAD_DIM, QB>;
   const int tid = threadIdx.x;
@@ -749,10 +774,10 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
   work_item_range(p, w, p.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
   if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
-    poison_row<T, HEAD_DIM>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
+    poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
     return;
   }
-  if (w.idle) poison_row<T, HEAD_DIM>(p, w, 0, tid, nthreads, true);
+  if (w.idle) poison_row<T, HEAD_DIM, EPI>(p, w, 0, tid, nthreads, true);
   if (!w.busy()) return;
 
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];
@@ -772,9 +797,9 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int first = w.owner() ? w.lo : max(w.lo, w.start);
   if (!__syncthreads_and(blocks_ok(p, slots, first, w.end - 1, tid, nthreads))) {
     if (tid == 0) atomicOr(p.status + w.b, kStatusPages);
-    store_refused_item<T, HEAD_DIM>(p, w, tid, nthreads);
+    store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, nthreads);
     if (p.num_splits > 1) {
-      merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
+      merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
     }
     return;
   }
@@ -809,28 +834,30 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
     }
     return a;
   };
-  store_item<T, HEAD_DIM>(p, w, block_max, block_sum, block_acc, 1.f, tid, nthreads);
+  store_item<T, HEAD_DIM, EPI>(p, w, block_max, block_sum, block_acc, 1.f, tid, nthreads);
   if (p.num_splits > 1) {
-    merge_if_last<T, HEAD_DIM, QB>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
+    merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
   }
 }
 
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+// EPI: the output epilogue (output_epilogue.cuh) is compiled in; a kernel of its own, so that the
+// plain kernels' code and registers do not change (QB kEpilogueColumns only; see columns_block).
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
   if constexpr (QB == kWideColumns) {
     run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
-    run_tile_items<T, C, HEAD_DIM, QB, SRC>(p);
+    run_tile_items<T, C, HEAD_DIM, QB, SRC, EPI>(p);
   } else {
-    run_simt_item<T, HEAD_DIM, QB>(p);
+    run_simt_item<T, HEAD_DIM, QB, EPI>(p);
   }
 }
 
 // Dynamic shared memory of one launch (the tile loop's stages; the CUDA-core loop has static
 // arrays only). Above the default 48 KB the kernel must opt in, once per device (the attribute
 // is per device), for the largest launch it may see: kMaxStages, or what the device allows.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
   if constexpr (!kTiles<T>) {
     smem_bytes = 0;
@@ -848,23 +875,23 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>);
+    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>);
     if (err != cudaSuccess) return err;
     const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kMaxStages);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
-    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
+    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
     if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
     return err;
   }
 }
 
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 int blocks_per_sm_of(int stages) {
   int smem_bytes = 0;
   int blocks = 0;
-  if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC>(stages, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
+  if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(stages, smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
                                                     kBlockThreads<T>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -874,7 +901,7 @@ int blocks_per_sm_of(int stages) {
 
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
 // resident at once (its occupancy at p.stages stages), at most one per item.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
   const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.q_groups * p.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
@@ -884,7 +911,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC>,
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
                                                           kBlockThreads<T>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
@@ -894,20 +921,20 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
   return cudaSuccess;
 }
 
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
+  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
   if (err != cudaSuccess) return err;
   int blocks = 0;
-  err = grid_blocks<T, C, HEAD_DIM, QB, SRC>(p, smem_bytes, blocks);
+  err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
   if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
     err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
     if (err != cudaSuccess) return err;
   }
-  decode_attention_kernel<T, C, HEAD_DIM, QB, SRC><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+  decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -915,25 +942,39 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
 template <typename C, int HEAD_DIM>
 constexpr bool kHasTma = kTiles<C> && v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(C)));
 
-template <typename T, typename C, int HEAD_DIM, int QB>
-cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
+cudaError_t launch_source(const MmhaParams& params, cudaStream_t stream) {
   if (params.tile_source == TileSource::kTma) {
     if constexpr (kHasTma<C, HEAD_DIM>) {
-      return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma>(params, stream);
+      return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma, EPI>(params, stream);
     } else {
       return cudaErrorInvalidValue;
     }
   }
-  return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync>(params, stream);
+  return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync, EPI>(params, stream);
+}
+
+// Kernels with the output epilogue exist for QB kEpilogueColumns, and for one column on the tile
+// loop (columns_block in mmha_params.h).
+template <typename T, int QB>
+constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && QB == 1);
+
+template <typename T, typename C, int HEAD_DIM, int QB>
+cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  if (params.out_epilogue) {
+    if constexpr (kHasEpilogue<T, QB>) return launch_source<T, C, HEAD_DIM, QB, true>(params, stream);
+    return cudaErrorInvalidValue;
+  }
+  return launch_source<T, C, HEAD_DIM, QB, false>(params, stream);
 }
 
 template <typename T, typename C, int HEAD_DIM, int QB>
 int decode_attention_blocks_per_sm(int stages, TileSource source) {
   if (source == TileSource::kTma) {
-    if constexpr (kHasTma<C, HEAD_DIM>) return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kTma>(stages);
+    if constexpr (kHasTma<C, HEAD_DIM>) return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kTma, false>(stages);
     return 0;
   }
-  return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kCpAsync>(stages);
+  return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kCpAsync, false>(stages);
 }
 
 }  // namespace mmha

@@ -70,11 +70,20 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
          + 8 * 64                            // tile headers
          + 256;                              // alignment
 }
+// A step with an output epilogue runs kernels compiled with it (output_epilogue.cuh), so that the
+// plain kernels stay as they are (the epilogue's code in them cost 4 % on short rows, H200). They
+// exist for items of kEpilogueColumns columns, and of one column on the tile loop (one query head
+// per kv head: 8 columns there cost 8-17 % on short rows): two more kernels per (dtype, cache
+// dtype, head dim, tile source) rather than four.
+constexpr int kEpilogueColumns = 8;
 // Query columns per item for `columns` columns per (row, kv head): the smallest of
 // kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
 // on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
-// as one); kv_rows = batch x kv heads. Mirrored by columns_block in mmha/dispatch.py.
-constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows) {
+// as one), or kEpilogueColumns with an output epilogue; kv_rows = batch x kv heads. Mirrored by
+// columns_block in mmha/dispatch.py.
+constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows,
+                            bool epilogue = false) {
+  if (epilogue) return tiles && columns == 1 ? 1 : kEpilogueColumns;
   if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns &&
       (columns >= kWideAlwaysColumns || kv_rows * ((columns + kWideColumns - 1) / kWideColumns) >= kWideMinItems)) {
     return kWideColumns;
@@ -121,6 +130,10 @@ constexpr int32_t kStatusLength = 1;
 constexpr int32_t kStatusScale = 2;
 constexpr int32_t kStatusTree = 4;  // a tree step's parents or node count broke mmha.tree's rules
 constexpr int32_t kStatusPages = 8;  // a paged cache's block table named a block outside the pool
+
+// What the output tensor holds (output_epilogue.cuh): the activations' dtype, or the attention
+// output quantised by the epilogue to int8 or e4m3.
+enum class OutKind : int32_t { kActivations = 0, kInt8 = 1, kE4M3 = 2 };
 
 // Nodes of a tree step at most (mmha.tree.MAX_NODES): a node's ancestors are one 64-bit mask.
 constexpr int kMaxTreeNodes = 64;
@@ -187,6 +200,19 @@ struct MmhaParams {
   // [B] or nullptr: a row whose entry is 0 takes no part in the step (nothing read or written,
   // zero output, lse -inf), as a released row of a paged cache that owns no blocks.
   const int32_t* row_active;
+
+  // Output epilogue (output_epilogue.cuh; mmha.epilogue defines it), per output channel c =
+  // head * D + d: y = (x + out_shift[c]) * out_smooth[c], then for a quantised out_kind
+  // q = saturate(round(y * scale)), scale = out_scales[c] or out_scale. Off (out_epilogue false):
+  // out = x in the activations' dtype.
+  bool out_epilogue;
+  OutKind out_kind;
+  const float* out_shift;    // [Hq * D] or nullptr
+  const float* out_smooth;   // [Hq * D] or nullptr
+  const float* out_scales;   // [Hq * D] or nullptr (then out_scale)
+  float out_scale;
+  int32_t out_round;         // int8: 0 half to even, 1 half away from zero
+  int32_t out_min;           // int8: -127 or -128 (the upper bound is 127)
 
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;

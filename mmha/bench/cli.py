@@ -4,10 +4,11 @@
 64 and 256 and the small-head rows in fp16); ``--quick`` a short subset;
 ``--batch/--heads/--kv-heads/--head-dim/--seq/--dtype`` a custom sweep; ``--mods`` the score
 modifiers' rows (``mmha.bench.mods``); ``--tree`` tree steps (``mmha.bench.tree``); ``--paged``
-paged caches (``mmha.bench.paged``). Every method is checked
-against an fp32 reference before it is timed. The primary time is the decode timing (one layer of
-a decode step: ``mmha.bench.timing``), next to the read floor timed the same way; the cold-L2
-single call and a repeated-call graph are secondary (mmha and the best peer). Output: a short
+paged caches (``mmha.bench.paged``); ``--epilogue`` the fused output epilogue
+(``mmha.bench.epilogue``). Every method is checked against an fp32 reference before it is timed.
+The primary time is the decode timing (one layer of a decode step: ``mmha.bench.timing``), next
+to the read floor timed the same way; the cold-L2 single call and a repeated-call graph are
+secondary (mmha and the best peer). Output: a short
 table (``--full``: every peer and the secondary times), bench.json / bench.csv / bench.md, and
 PNG plots where matplotlib is present.
 """
@@ -175,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import paged
 
         return paged.main([a for a in argv if a != "--paged"])
+    if "--epilogue" in argv:  # the output epilogue fused against plain and separate (mmha.bench.epilogue)
+        from . import epilogue
+
+        return epilogue.main([a for a in argv if a != "--epilogue"])
     if "--tree" in argv:  # tree steps: rows and peers of their own (mmha.bench.tree)
         from . import tree
 

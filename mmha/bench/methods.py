@@ -31,12 +31,14 @@ def plan_str(plan: dispatch.Plan) -> str:
     return f"{plan.num_splits}x{plan.stages}"
 
 
-def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages=None):
+def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages=None, epilogue=None):
     """The operator on preallocated outputs and workspace, as ``KVCache.step`` calls it; ``pages``:
-    ``(k_pages, v_pages, block_tables)`` in place of the problem's contiguous caches."""
+    ``(k_pages, v_pages, block_tables)`` in place of the problem's contiguous caches; ``epilogue``:
+    a ``mmha.epilogue.OutEpilogue`` fused into the call."""
     cfg = prob.cfg
     ws = ops.Workspace.allocate("cuda", cfg.batch, cfg.num_heads, cfg.head_dim, plan.num_splits)
-    out = torch.empty(cfg.batch, cfg.num_heads * cfg.head_dim, dtype=cfg.torch_dtype, device="cuda")
+    out_dtype = cfg.torch_dtype if epilogue is None else epilogue.out_dtype(cfg.torch_dtype)
+    out = torch.empty(cfg.batch, cfg.num_heads * cfg.head_dim, dtype=out_dtype, device="cuda")
     lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device="cuda")
     op = torch.ops.mmha.decode_attention.default
     k_cache, v_cache, tables = pages if pages is not None else (prob.k_cache, prob.v_cache, None)
@@ -46,6 +48,8 @@ def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages
         plan.stages, ops.TILE_SOURCES[tile_source], prob.k_scale, prob.v_scale,
     )  # fmt: skip
     kw = {} if tables is None else {"block_tables": tables}
+    if epilogue is not None:
+        kw.update(epilogue.kernel_args())
 
     def fn():
         op(*args, **kw)
