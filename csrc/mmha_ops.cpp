@@ -220,9 +220,11 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // The output: qkv's dtype, or int8 / float8_e4m3fn holding the epilogue's quantised values.
   const bool quantised = out.scalar_type() == at::kChar || out.scalar_type() == at::kFloat8_e4m3fn;
   if (quantised) {
-    MMHA_CHECK(out_scales.has_value() != (out_scale != 0), "out_scale (a float > 0) or out_scales (fp32 [Hq * D]) "
-               "must be given, exactly one, for an out of dtype ", out.scalar_type(), ", got out_scale ", out_scale,
-               out_scales.has_value() ? " and out_scales" : " and no out_scales");
+    MMHA_CHECK(out_scales.has_value() || out_scale != 0, "out must have dtype ", dtype, ", or int8 / "
+               "float8_e4m3fn with out_scale (a float > 0) or out_scales (fp32 [Hq * D]) for a quantised output, got ",
+               out.scalar_type(), " and no scale");
+    MMHA_CHECK(!(out_scales.has_value() && out_scale != 0), "out_scale and out_scales must not both be given, got "
+               "out_scale ", out_scale, " and out_scales");
   } else {
     check_dtype(out, "out", dtype);
     MMHA_CHECK(!out_scales.has_value() && out_scale == 0, "out_scale and out_scales must be unset unless out has "
