@@ -14,7 +14,8 @@ docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accu
 --hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
 docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
 GPU model (copied to docs/data/bench_mods_<gpu>.json). --tree: a ``python -m mmha.bench --tree``
-bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --ab: what ``bench/ab.sh``
+bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --paged / --epilogue: likewise
+for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>.json). --ab: what ``bench/ab.sh``
 wrote (ab.md) for a kernel change, after a first line saying what the two builds were; repeatable.
 """
 
@@ -267,6 +268,7 @@ def main() -> None:
     ap.add_argument("--mods", type=Path, action="append", default=[])
     ap.add_argument("--tree", type=Path, action="append", default=[])
     ap.add_argument("--paged", type=Path, action="append", default=[])
+    ap.add_argument("--epilogue", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -386,6 +388,19 @@ def main() -> None:
             ], ""]  # fmt: skip
 
         lines += gpu_sections(args.paged, "paged", paged, memory)
+    if args.epilogue:
+        from mmha.bench import epilogue
+
+        lines += [
+            "## Output epilogue", "",
+            "`python -m mmha.bench --epilogue` (its module docstring says how): the canonical batch-16 and"
+            " batch-64 rows with an int8 epilogue (shift and smooth per channel, one scale) fused into the"
+            " step, against the plain step and the plain step followed by the same epilogue as a compiled"
+            " torch op, in the same run; decode timing, fp16. Target: at most 1.02x the plain call and"
+            " faster than plain + separate epilogue on every row.",
+            "",
+        ]  # fmt: skip
+        lines += gpu_sections(args.epilogue, "epilogue", epilogue)
     if args.hf:
         model = json.loads(args.hf[0].read_text())["header"]["model"]
         lines += [
