@@ -192,10 +192,14 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
   }
 }
 
-template <typename T, int HEAD_DIM, bool EPI, class Max, class Sum, class Acc>
+// VEC (kernels with the epilogue and 8 columns per item): four values per thread. The register
+// spills that decide it (fp16, head dim 128, bulk copies): 8 columns spill 20 bytes with four
+// values and 84 with one; 1 column 12 with four (65 K local-load sectors on B=16 S=512 that the
+// plain kernel does not have) and none with one.
+template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float value_scale, int tid, int nthreads) {
-  if (EPI && p.num_splits == 1) {  // four values per thread through the output epilogue
+  if (VEC && p.num_splits == 1) {  // four values per thread through the output epilogue
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
@@ -657,7 +661,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
-        store_item<T, HEAD_DIM, EPI>(
+        store_item<T, HEAD_DIM, EPI, EPI && QB == kEpilogueColumns>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
             [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
             value_scale, tid, CONSUMERS);
