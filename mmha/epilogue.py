@@ -23,8 +23,9 @@ import math
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from .dispatch import FP8
+
+FP8_MAX = 448.0  # largest finite e4m3 value (mmha.reference.FP8_MAX)
 INT8_MAX = 127
 # round argument of the raw operator (Paddle's quant_round_type: 0 rint, 1 round).
 ROUNDING = {"half_even": 0, "half_away": 1}

@@ -10,12 +10,21 @@
 
 namespace mmha {
 
+// The quantised output's byte for y * scale (y after shift and smooth): e4m3 (saturated to +-448,
+// nearest even), or int8 by cvt.rni / roundf to int32 (NaN -> 0, saturating), then [out_min, 127].
+__device__ __forceinline__ uint32_t quantised_byte(const MmhaParams& p, float y, float scale) {
+  y = __fmul_rn(y, scale);
+  if (p.out_kind == OutKind::kE4M3) return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+  const int v = p.out_round == 0 ? __float2int_rn(y) : __float2int_rn(roundf(y));
+  return static_cast<uint8_t>(static_cast<int8_t>(min(127, max(p.out_min, v))));
+}
+
 // y = (x + shift[c]) * smooth[c], then for a quantised output q = saturate(round(y * scale)).
 // Each step one fp32 operation (no contraction into a fused multiply-add), as mmha.epilogue
 // computes it, so the same x gives the same bits. int8: a NaN x converts to 0; an infinite one
 // saturates to a bound.
 __device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t i, int channel, float x,
-                                                       int plain_bytes) {
+                                                   int plain_bytes) {
   float y = x;
   if (p.out_shift != nullptr) y = __fadd_rn(y, p.out_shift[channel]);
   if (p.out_smooth != nullptr) y = __fmul_rn(y, p.out_smooth[channel]);
@@ -30,14 +39,8 @@ __device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t 
     }
     return;
   }
-  y = __fmul_rn(y, p.out_scales != nullptr ? p.out_scales[channel] : p.out_scale);
-  if (p.out_kind == OutKind::kE4M3) {
-    static_cast<uint8_t*>(p.out)[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
-    return;
-  }
-  // cvt.rni / roundf, then to int32 (NaN -> 0, saturating), then to [out_min, 127].
-  const int v = p.out_round == 0 ? __float2int_rn(y) : __float2int_rn(roundf(y));
-  static_cast<int8_t*>(p.out)[i] = static_cast<int8_t>(min(127, max(p.out_min, v)));
+  const float scale = p.out_scales != nullptr ? p.out_scales[channel] : p.out_scale;
+  static_cast<uint8_t*>(p.out)[i] = static_cast<uint8_t>(quantised_byte(p, y, scale));
 }
 
 // Output element i (flat over [rows, Hq * D]) of channel c = head * D + d from the fp32 value x:
@@ -55,7 +58,7 @@ __device__ __forceinline__ void store_out(const MmhaParams& p, int64_t i, int ch
 // the epilogue, as store_out_epilogue computes each: one 16-byte load per per-channel tensor and
 // one store of 4 outputs.
 __device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t i, int channel, float4 x,
-                                                        int plain_bytes) {
+                                                    int plain_bytes) {
   float y[4] = {x.x, x.y, x.z, x.w};
   if (p.out_shift != nullptr) {
     const float4 s = *reinterpret_cast<const float4*>(p.out_shift + channel);
@@ -79,19 +82,8 @@ __device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t
   }
   float4 sc = make_float4(p.out_scale, p.out_scale, p.out_scale, p.out_scale);
   if (p.out_scales != nullptr) sc = *reinterpret_cast<const float4*>(p.out_scales + channel);
-  y[0] = __fmul_rn(y[0], sc.x), y[1] = __fmul_rn(y[1], sc.y), y[2] = __fmul_rn(y[2], sc.z), y[3] = __fmul_rn(y[3], sc.w);
-  uint32_t packed = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    uint32_t byte;
-    if (p.out_kind == OutKind::kE4M3) {
-      byte = __nv_cvt_float_to_fp8(y[k], __NV_SATFINITE, __NV_E4M3);
-    } else {
-      const int v = p.out_round == 0 ? __float2int_rn(y[k]) : __float2int_rn(roundf(y[k]));
-      byte = static_cast<uint8_t>(static_cast<int8_t>(min(127, max(p.out_min, v))));
-    }
-    packed |= byte << (8 * k);
-  }
+  const uint32_t packed = quantised_byte(p, y[0], sc.x) | quantised_byte(p, y[1], sc.y) << 8 |
+                          quantised_byte(p, y[2], sc.z) << 16 | quantised_byte(p, y[3], sc.w) << 24;
   *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + i) = packed;
 }
 
