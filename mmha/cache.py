@@ -16,7 +16,7 @@ import torch
 
 from . import dispatch, layout, ops, paging, reference
 from ._ext import extension_available
-from .epilogue import OutEpilogue
+from .epilogue import OutEpilogue, check_epilogue
 
 _warned_reference = False
 # GPU caches hold a multiple of this many slots per row (see KVCache.capacity).
@@ -546,12 +546,7 @@ class KVCache:
         )
 
     def _check_epilogue(self, epilogue) -> None:
-        if epilogue is None:
-            return
-        if not isinstance(epilogue, OutEpilogue):
-            got = type(epilogue).__name__
-            raise ValueError(f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {got}")
-        epilogue.check_for(self.num_heads, self.head_dim, self.device)
+        check_epilogue(epilogue, self.num_heads, self.head_dim, self.device)
 
     def _zero_out(self, shape: tuple[int, ...], epilogue: OutEpilogue | None) -> torch.Tensor:
         """The output of rows that take no part: zeros (through the epilogue, as the kernel gives)."""

@@ -158,5 +158,17 @@ class OutEpilogue:
         return torch.where(torch.isnan(r), torch.zeros_like(r), r).to(torch.int8)
 
 
+def check_epilogue(epilogue, num_heads: int, head_dim: int, device) -> None:
+    """``epilogue`` is None or an ``OutEpilogue`` whose tensors fit a step of ``num_heads`` heads of
+    ``head_dim`` on ``device`` (ValueError naming ``epilogue`` otherwise)."""
+    if epilogue is None:
+        return
+    if not isinstance(epilogue, OutEpilogue):
+        raise ValueError(
+            f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {type(epilogue).__name__}"
+        )
+    epilogue.check_for(num_heads, head_dim, device)
+
+
 def _bad(ok: torch.Tensor) -> list[int]:
     return (~ok).nonzero().flatten()[:8].tolist()

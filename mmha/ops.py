@@ -14,7 +14,7 @@ import torch
 
 from . import dispatch, reference
 from ._ext import _C, IMPORT_ERROR
-from .epilogue import OutEpilogue
+from .epilogue import OutEpilogue, check_epilogue
 
 if _C is not None:
 
@@ -419,10 +419,5 @@ def decode_tree(
 
 def _epilogue_args(epilogue: OutEpilogue | None, num_heads: int, head_dim: int, qkv: torch.Tensor) -> dict:
     """The raw operator's epilogue arguments, after checking the epilogue fits the step."""
-    if epilogue is None:
-        return {}
-    if not isinstance(epilogue, OutEpilogue):
-        got = type(epilogue).__name__
-        raise ValueError(f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {got}")
-    epilogue.check_for(num_heads, head_dim, qkv.device)
-    return epilogue.kernel_args()
+    check_epilogue(epilogue, num_heads, head_dim, qkv.device)
+    return {} if epilogue is None else epilogue.kernel_args()
