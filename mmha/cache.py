@@ -467,7 +467,7 @@ class KVCache:
         the output in the kernel; ``out`` then has its dtype.
         """
         self._check_layer(layer)
-        self._check_epilogue(epilogue)
+        check_epilogue(epilogue, self.num_heads, self.head_dim, self.device)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 2 or qkv.shape[1] != width:
             raise ValueError(
@@ -544,9 +544,6 @@ class KVCache:
             validate_lengths=False,
             **common,
         )
-
-    def _check_epilogue(self, epilogue) -> None:
-        check_epilogue(epilogue, self.num_heads, self.head_dim, self.device)
 
     def _zero_out(self, shape: tuple[int, ...], epilogue: OutEpilogue | None) -> torch.Tensor:
         """The output of rows that take no part: zeros (through the epilogue, as the kernel gives)."""
@@ -626,7 +623,7 @@ class KVCache:
         from . import tree
 
         self._check_layer(layer)
-        self._check_epilogue(epilogue)
+        check_epilogue(epilogue, self.num_heads, self.head_dim, self.device)
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 3 or qkv.shape[2] != width or not 1 <= qkv.shape[0] <= self.max_batch:
             raise ValueError(

@@ -32,7 +32,7 @@ import math
 import torch
 
 from . import layout
-from .epilogue import OutEpilogue
+from .epilogue import OutEpilogue, check_epilogue
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -281,8 +281,7 @@ def decode_step(
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     mods = ScoreMods(num_heads, qkv.device, window, softcap, alibi_slopes, sinks)
-    if epilogue is not None:
-        epilogue.check_for(num_heads, d, qkv.device)
+    check_epilogue(epilogue, num_heads, d, qkv.device)
     pos_list = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos_list):
         if not 0 <= p < s_max:
@@ -428,8 +427,7 @@ def decode_tree(
                 f"lengths[{row}] + node count must fit the capacity: {p} + {len(rows[row])} > {s_max}"
             )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if epilogue is not None:
-        epilogue.check_for(num_heads, d, qkv.device)
+    check_epilogue(epilogue, num_heads, d, qkv.device)
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)

@@ -149,14 +149,6 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
   if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
 }
 
-// One value of an item's result (column col, head dim d; max mx, sum, and a, the accumulator
-// already rescaled to mx): out and lse (single pass) or its partial (split): acc at
-// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
-// them, so every acc row starts 16-byte aligned for the merge's vector loads. Columns of
-// tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
-// value_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
-// single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
-// stores an item's every value (threads tid < nthreads) from the block's combine.
 // A single pass's head sink (if any) joins its (max, sum), rescaled to max(mx, sink) so that a
 // large sink cannot overflow the sum; returns the factor on the accumulator (1 without a sink).
 __device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float& mx, float& sum) {
@@ -169,6 +161,14 @@ __device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float&
   return f;
 }
 
+// One value of an item's result (column col, head dim d; max mx, sum, and a, the accumulator
+// already rescaled to mx): out and lse (single pass) or its partial (split): acc at
+// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
+// them, so every acc row starts 16-byte aligned for the merge's vector loads. Columns of
+// tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
+// value_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
+// single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
+// stores an item's every value (threads tid < nthreads) from the block's combine.
 template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem& w, const Column& col, int d,
                                             float a, float mx, float sum, float value_scale) {
@@ -354,7 +354,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
       a.w += wt * v.w;
     }
     store_out4<T, EPI>(p, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
-                  make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
+                       make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
   }
 }
 
@@ -845,7 +845,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
 }
 
 // EPI: the output epilogue (output_epilogue.cuh) is compiled in; a kernel of its own, so that the
-// plain kernels' code and registers do not change (QB kEpilogueColumns only; see columns_block).
+// plain kernels' code and registers do not change (1 or kEpilogueColumns columns: columns_block).
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
