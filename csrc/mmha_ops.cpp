@@ -120,10 +120,12 @@ TreeWorkspace tree_workspace(int64_t batch, int64_t nodes, int64_t num_heads) {
   return w;
 }
 
-// Host read of lengths (and a tree step's node counts; after the work already queued on stream)
-// and a range check per row: slots lengths[b] .. lengths[b] + n - 1 must lie in [0, S_max).
+// Host read of lengths (and a tree step's node counts and the row modes; after the work already
+// queued on stream) and a range check per row: slots lengths[b] .. lengths[b] + n - 1 must lie in
+// [0, S_max); an attend-only row's length in [0, S_max]; idle rows are not looked at.
 void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, int64_t nodes,
-                         const std::optional<at::Tensor>& node_counts, cudaStream_t stream) {
+                         const std::optional<at::Tensor>& node_counts, const std::optional<at::Tensor>& row_active,
+                         bool tree, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MMHA_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                  capture == cudaStreamCaptureStatusNone,
@@ -137,15 +139,30 @@ void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, int64_t
     err = cudaMemcpyAsync(counts.data(), node_counts->data_ptr<int32_t>(), counts.size() * sizeof(int32_t),
                           cudaMemcpyDeviceToHost, stream);
   }
+  std::vector<int32_t> modes(row_active.has_value() ? host.size() : 0, kRowStep);
+  if (err == cudaSuccess && !modes.empty()) {
+    err = cudaMemcpyAsync(modes.data(), row_active->data_ptr<int32_t>(), modes.size() * sizeof(int32_t),
+                          cudaMemcpyDeviceToHost, stream);
+  }
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   MMHA_CHECK(err == cudaSuccess, "lengths could not be read: ", cudaGetErrorString(err));
+  for (size_t row = 0; row < modes.size(); ++row) {
+    const int32_t m = modes[row];
+    MMHA_CHECK(m == kRowIdle || m == kRowStep || (m == kRowAttend && !tree), "row_active[", row, "] must be ",
+               tree ? "0 or 1 in a tree step" : "0, 1 or 2 (idle, step, attend only)", ", got ", m);
+  }
   for (size_t row = 0; row < counts.size(); ++row) {
     MMHA_CHECK(counts[row] >= 1 && counts[row] <= nodes, "node_counts[", row, "] must be in [1, ", nodes,
                "], got ", counts[row]);
   }
   for (size_t row = 0; row < host.size(); ++row) {
     const int64_t n = counts.empty() ? nodes : counts[row];
-    if (nodes == 1 && counts.empty()) {
+    const int32_t mode = modes.empty() ? kRowStep : modes[row];
+    if (mode == kRowIdle) continue;
+    if (mode == kRowAttend) {
+      MMHA_CHECK(host[row] >= 0 && host[row] <= max_seq_len, "lengths[", row, "] must be in [0, ", max_seq_len,
+                 "] (an attend-only row reads slots before lengths[b]), got ", host[row]);
+    } else if (nodes == 1 && counts.empty()) {
       MMHA_CHECK(host[row] >= 0 && host[row] < max_seq_len, "lengths[", row, "] must be in [0, ",
                  max_seq_len - 1, "] (the cache capacity is ", max_seq_len,
                  " and the new token goes to slot lengths[b]), got ", host[row]);
@@ -461,7 +478,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  if (check_lengths) check_length_values(lengths, max_seq_len, nodes, node_counts, stream);
+  if (check_lengths) check_length_values(lengths, max_seq_len, nodes, node_counts, row_active, tree, stream);
 
   MmhaParams p{};
   p.qkv = qkv.data_ptr();

@@ -183,7 +183,11 @@ class KVCache:
         self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         self._host_lengths = [0] * max_batch
         self._active = [True] * max_batch
+        self._attend = [False] * max_batch  # attend-only rows (attend_only)
+        # Per row on the device: 1 where the row appends (what advance adds to lengths), and its
+        # mode for the kernel (reference.ROW_IDLE / ROW_STEP / ROW_ATTEND).
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        self._row_modes = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._workspace: ops.Workspace | None = None
         self._checked_mods: dict = {}  # id -> (weakref, version) of score-mod tensors whose values were read
         if self.paged:
@@ -229,10 +233,45 @@ class KVCache:
             self.lengths[idx.to(self.device)] = torch.tensor(values, dtype=torch.int32).to(self.device)
 
     def _set_active(self, rows: list[int], active: bool) -> None:
+        """Rows become active (stepping) or free; either way no longer attend-only."""
         for r in rows:
             self._active[r] = active
+            self._attend[r] = False
         if rows:
-            self._active_mask[torch.tensor(rows, dtype=torch.long).to(self.device)] = int(active)
+            idx = torch.tensor(rows, dtype=torch.long).to(self.device)
+            self._active_mask[idx] = int(active)
+            self._row_modes[idx] = reference.ROW_STEP if active else reference.ROW_IDLE
+
+    def attend_only(self, rows: Sequence[int], on: bool = True) -> None:
+        """Make active ``rows`` attend-only (``on``) or stepping again. An attend-only row's steps
+        attend to its cached tokens and write nothing (the new token is neither stored nor
+        attended; q is rotated at the row's length), ``advance`` leaves its length, and that length
+        may reach ``max_seq_len``: one shard of a context spread over several caches, whose new
+        token another cache appends (``mmha.distributed``). Contiguous caches, one-token steps;
+        ``admit``, ``release`` and ``prefill`` make rows stepping again."""
+        if self.paged:
+            raise ValueError("attend_only needs a contiguous cache (paged=False)")
+        rows = self._check_rows(rows)
+        free = [r for r in rows if not self._active[r]]
+        if free:
+            raise ValueError(f"rows must be active to be made attend-only or stepping, got free rows {free}")
+        if not on:
+            full = [r for r in rows if self._host_lengths[r] >= self.max_seq_len]
+            if full:
+                raise ValueError(
+                    f"rows {full} are full (length {self.max_seq_len}): they cannot step again"
+                )
+        for r in rows:
+            self._attend[r] = on
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long).to(self.device)
+            self._active_mask[idx] = 0 if on else 1
+            self._row_modes[idx] = reference.ROW_ATTEND if on else reference.ROW_STEP
+
+    @property
+    def attend_rows(self) -> list[int]:
+        """The attend-only rows (``attend_only``)."""
+        return [r for r in range(self.max_batch) if self._attend[r]]
 
     def _next_slot_lengths(self, rows: Sequence[int], extra: int = 0) -> list[int]:
         """Lengths the page pool must cover for rows about to hold ``length + extra`` tokens: their
@@ -494,7 +533,9 @@ class KVCache:
         )
         if check_values:
             self._mark_checked(alibi_slopes, sinks)
-        full = [r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len]
+        full = [
+            r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len and not self._attend[r]
+        ]
         if full:
             raise ValueError(
                 f"rows {full} are full: length {self.max_seq_len} == max_seq_len leaves no slot "
@@ -521,12 +562,14 @@ class KVCache:
             common.update(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if epilogue is not None:
             common.update(epilogue=epilogue)
+        if any(self._attend[:batch]):  # attend-only rows write nothing and read their cached tokens
+            common.update(row_active=self._row_modes[:batch])
         if self.paged and not self.use_kernel:  # free rows own no blocks: they write nothing and get zeros
             return self._step_paged(qkv, kc, vc, batch, common)
         if not self.use_kernel:
             return reference.decode_step(qkv, kc, vc, lengths, **common)
         if self.paged:  # free rows own no blocks: row_active makes them write nothing and get zeros
-            common.update(block_tables=self.block_tables[:batch], row_active=self._active_mask[:batch])
+            common.update(block_tables=self.block_tables[:batch], row_active=self._row_modes[:batch])
         if num_splits is None or stages is None:
             plan = self.plan(batch, variant, window, epilogue is not None)
             num_splits = plan.num_splits if num_splits is None else num_splits
@@ -635,6 +678,9 @@ class KVCache:
                 f"qkv must have dtype {self.dtype} on {self.device}, got {qkv.dtype} on {qkv.device}"
             )
         batch = qkv.shape[0]
+        attend = [r for r in range(batch) if self._attend[r]]
+        if attend:
+            raise ValueError(f"rows {attend} are attend-only (attend_only): tree steps need stepping rows")
         if self.use_kernel and self._capturing():
             return self._step_tree_kernel(
                 layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source, None,
@@ -740,7 +786,7 @@ class KVCache:
             kw.update(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
         kc, vc = self.k_caches[layer], self.v_caches[layer]
         if self.paged:  # free rows own no blocks: row_active makes them write nothing and get zeros
-            kw.update(block_tables=self.block_tables[:batch], row_active=self._active_mask[:batch])
+            kw.update(block_tables=self.block_tables[:batch], row_active=self._row_modes[:batch])
         else:
             kc, vc = kc[:batch], vc[:batch]
         out = ops.decode_tree(
@@ -943,7 +989,8 @@ class KVCache:
             self._workspace.check()
 
     def advance(self) -> None:
-        """Every active row's length moves on by one (after the last layer's ``step``).
+        """Every active row's length moves on by one (after the last layer's ``step``); attend-only
+        rows keep theirs.
 
         Inside CUDA-graph capture only the device update is recorded; call
         ``account_replay()`` after each replay to move the host mirror.
@@ -952,7 +999,7 @@ class KVCache:
             self._check_advance(1)
             self._reserve_pages(1)
             for r in range(self.max_batch):
-                if self._active[r]:
+                if self._appending(r):
                     self._host_lengths[r] += 1
         self.lengths.add_(self._active_mask)
 
@@ -996,11 +1043,15 @@ class KVCache:
             return True
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+    def _appending(self, r: int) -> bool:
+        """Whether row r's length moves with ``advance`` (active, not attend-only)."""
+        return self._active[r] and not self._attend[r]
+
     def _check_advance(self, steps: int) -> None:
         over = [
             r
             for r in range(self.max_batch)
-            if self._active[r] and self._host_lengths[r] + steps > self.max_seq_len
+            if self._appending(r) and self._host_lengths[r] + steps > self.max_seq_len
         ]
         if over:
             raise ValueError(
@@ -1013,5 +1064,5 @@ class KVCache:
         self._check_advance(steps)
         self._reserve_pages(steps)
         for r in range(self.max_batch):
-            if self._active[r]:
+            if self._appending(r):
                 self._host_lengths[r] += steps

@@ -219,8 +219,12 @@ def decode_attention(
         checked on the host (``mmha.reference.check_block_tables``); without, a row whose table
         names a block outside the pool for a slot it needs writes nothing, gets NaN output and
         raises its status flag (``workspace.check()``: ``PageError``).
-    row_active : int32 ``[B]`` on the GPU: rows with 0 take no part (nothing read or written,
-        zero output, lse -inf), e.g. released rows of a paged cache, which own no blocks.
+    row_active : int32 ``[B]`` row modes on the GPU (``mmha.reference.ROW_*``): 0 (idle) takes no
+        part (nothing read or written, zero output, lse -inf), e.g. released rows of a paged cache,
+        which own no blocks; 1 steps (the default); 2 attends to slots ``0 .. lengths[b] - 1``
+        only, with q rotated at ``lengths[b]`` (nothing written; ``lengths[b]`` may equal S_max;
+        with no slot in reach the row is idle): one shard of a context spread over caches.
+        Checked on the host with ``validate_lengths``.
     k_scale, v_scale : fp8 caches only, fp32 ``[Hkv]`` on the GPU: the cache stores
         ``saturate(k / k_scale[h])`` rounded to e4m3 (``mmha.reference.quantize_fp8``); scores
         use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
@@ -271,12 +275,14 @@ def decode_attention(
             raise ValueError(f"block_tables must be an int32 tensor [B, max_blocks], got {got}")
         batch, max_seq_len = block_tables.shape[0], block_tables.shape[1] * v_cache.shape[-2]
         if check and qkv.shape[0] == batch and lengths.shape == (batch,):
-            active = None if row_active is None else row_active.tolist()
-            rows = [r for r in range(batch) if active is None or active[r]]
+            modes = reference.check_row_modes(row_active, batch)
             host = lengths.tolist()
+            # Blocks of the slots a row reads and writes: through lengths[b], or before it (attend only).
+            need = {r: host[r] - (modes[r] == reference.ROW_ATTEND) for r in range(batch) if modes[r]}
+            rows = [r for r, n in need.items() if n >= 0]
             if rows:
                 reference.check_block_tables(
-                    block_tables[rows], [host[r] for r in rows], v_cache.shape[0], v_cache.shape[-2]
+                    block_tables[rows], [need[r] for r in rows], v_cache.shape[0], v_cache.shape[-2]
                 )
     if num_splits is None or stages is None:
         plan = plan_for(
@@ -374,7 +380,7 @@ def decode_tree(
         batch, max_seq_len = block_tables.shape[0], block_tables.shape[1] * v_cache.shape[-2]
     active = None
     if check and row_active is not None and row_active.shape == (batch,):
-        active = [bool(a) for a in row_active.tolist()]
+        active = [bool(a) for a in reference.check_row_modes(row_active, batch, tree=True)]
     if check:
         counts = None if node_counts is None else node_counts.tolist()
         trees = tree.check_parents(parents, batch, counts)

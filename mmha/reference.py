@@ -19,6 +19,12 @@ ALiBi ``s += slope[h] * (t - pos)``; sliding window: only slots ``t > pos - wind
 (``window`` slots, the new token's included); attention sink: ``exp(sink[h])`` joins the softmax's
 denominator (``lse`` includes it, and the weights sum to less than one).
 
+Row modes (``row_active``, as the kernel takes them): ``ROW_IDLE`` rows take no part (nothing
+written, zero output, lse ``-inf``); ``ROW_STEP`` rows do the above; ``ROW_ATTEND`` rows attend to
+slots ``0 .. pos - 1`` only (the window and ALiBi still place the query at slot ``pos``; nothing
+is written, ``pos`` may equal the capacity, and a row with no slot in reach is idle): one shard
+of a context spread over several caches (``mmha.distributed``).
+
 An output epilogue (``mmha.epilogue.OutEpilogue``: shift, smooth, int8 / e4m3 quantisation)
 applies to ``out`` rounded to fp32 (``epilogue=``); without one ``out`` is rounded to qkv's dtype.
 
@@ -36,6 +42,10 @@ from .epilogue import OutEpilogue, check_epilogue
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
+
+# Row modes (row_active).
+ROW_IDLE, ROW_STEP, ROW_ATTEND = 0, 1, 2
+ROW_MODES = (ROW_IDLE, ROW_STEP, ROW_ATTEND)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -257,6 +267,7 @@ def decode_step(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     epilogue: OutEpilogue | None = None,
+    row_active: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append the new K/V to the caches and return ``out [B, Hq * D]`` (and ``lse [B, Hq]``).
 
@@ -270,6 +281,8 @@ def decode_step(
     k_scale, v_scale : ``[Hkv]`` fp32, for float8_e4m3fn caches only.
     window, softcap, alibi_slopes, sinks : score modifiers (module docstring; ``ScoreMods``).
     epilogue : the output epilogue (``mmha.epilogue.OutEpilogue``); ``out`` then has its dtype.
+    row_active : ``[B]`` int row modes (``ROW_IDLE``, ``ROW_STEP``, ``ROW_ATTEND``; module
+        docstring), default every row ``ROW_STEP``.
     """
     b, hkv, s_max, d = v_cache.shape
     _check_fp8_scales(k_cache, k_scale, v_scale)
@@ -283,8 +296,13 @@ def decode_step(
     mods = ScoreMods(num_heads, qkv.device, window, softcap, alibi_slopes, sinks)
     check_epilogue(epilogue, num_heads, d, qkv.device)
     pos_list = [int(p) for p in lengths.tolist()]
+    modes = check_row_modes(row_active, b)
     for row, p in enumerate(pos_list):
-        if not 0 <= p < s_max:
+        if modes[row] == ROW_ATTEND and not 0 <= p <= s_max:
+            raise ValueError(
+                f"lengths[{row}] must be in [0, {s_max}] (an attend-only row reads slots before it), got {p}"
+            )
+        if modes[row] == ROW_STEP and not 0 <= p < s_max:
             raise ValueError(f"lengths[{row}] must be in [0, {s_max - 1}] (cache capacity {s_max}), got {p}")
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
@@ -297,9 +315,15 @@ def decode_step(
     x_elems = k_cache.shape[-1]
     outs, lses = [], []
     for row, p in enumerate(pos_list):
-        k_cache[row, :, :, p, :] = k_new[row].reshape(hkv, d // x_elems, x_elems)
-        v_cache[row, :, p, :] = v_new[row]
-        keys, values = _cached_kv(k_cache, v_cache, row, p + 1, k_scale, v_scale, compute_dtype)
+        keys_end = p + 1 if modes[row] == ROW_STEP else p
+        if modes[row] == ROW_IDLE or keys_end <= mods.first_slot(p):  # takes no part
+            outs.append(torch.zeros(num_heads * d, dtype=compute_dtype, device=qkv.device))
+            lses.append(torch.full((num_heads,), -math.inf, dtype=compute_dtype, device=qkv.device))
+            continue
+        if modes[row] == ROW_STEP:
+            k_cache[row, :, :, p, :] = k_new[row].reshape(hkv, d // x_elems, x_elems)
+            v_cache[row, :, p, :] = v_new[row]
+        keys, values = _cached_kv(k_cache, v_cache, row, keys_end, k_scale, v_scale, compute_dtype)
         o, lse = attend(q[row], keys, values, scale, mods, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
@@ -307,6 +331,22 @@ def decode_step(
     if return_lse:
         return out, torch.stack(lses).float()
     return out
+
+
+def check_row_modes(row_active: torch.Tensor | None, batch: int, tree: bool = False) -> list[int]:
+    """The host list of ``row_active``'s modes (every row ``ROW_STEP`` without it), checked: shape
+    ``[batch]`` and values in ``ROW_MODES`` (a tree step's rows idle or stepping)."""
+    if row_active is None:
+        return [ROW_STEP] * batch
+    if not isinstance(row_active, torch.Tensor) or row_active.shape != (batch,):
+        got = tuple(row_active.shape) if isinstance(row_active, torch.Tensor) else type(row_active).__name__
+        raise ValueError(f"row_active must have shape [{batch}], got {got}")
+    modes = [int(m) for m in row_active.tolist()]
+    allowed = (ROW_IDLE, ROW_STEP) if tree else ROW_MODES
+    for row, m in enumerate(modes):
+        if m not in allowed:
+            raise ValueError(f"row_active[{row}] must be one of {allowed} (row modes), got {m}")
+    return modes
 
 
 def _finish(out: torch.Tensor, dtype: torch.dtype, epilogue: OutEpilogue | None) -> torch.Tensor:

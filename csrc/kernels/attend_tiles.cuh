@@ -152,7 +152,7 @@ struct TileConsumer {
   // Keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys, TileLayout::k_off) are the
   // cache's keys [it, it + 16). The new token's slot
   // (pos) takes its K/V from shared memory; V rows before lo (a window's start) or at or past end
-  // are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
+  // (an attend-only row's pos included) are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
   __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
                                                int pos, const C* s_new_k, const C* s_new_v, int lane) {
@@ -160,13 +160,13 @@ struct TileConsumer {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
       const int t = it + kk;
-      if (t == pos) {
+      if (t >= end || t < lo) {  // first: an attend-only row's slot pos lies past its keys
+        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) = make_uint4(0, 0, 0, 0);
+      } else if (t == pos) {
         *reinterpret_cast<uint4*>(stage + L::k_off(key0 + kk, c, kg)) =
             *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) =
             *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
-      } else if (t >= end || t < lo) {
-        *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) = make_uint4(0, 0, 0, 0);
       }
     }
     fence_proxy_async_smem();

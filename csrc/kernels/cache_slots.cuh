@@ -22,10 +22,13 @@ __device__ __forceinline__ bool block_ok(const MmhaParams& p, int id) {
   return id >= 0 && id < p.num_blocks;
 }
 
-// Whether row b takes part in the step (row_active; every row without it).
-__device__ __forceinline__ bool row_takes_part(const MmhaParams& p, int b) {
-  return p.row_active == nullptr || p.row_active[b] != 0;
+// Row b's mode (row_active; kRowStep for every row without it).
+__device__ __forceinline__ int32_t row_mode(const MmhaParams& p, int b) {
+  return p.row_active == nullptr ? kRowStep : p.row_active[b];
 }
+
+// Whether row b takes part in the step.
+__device__ __forceinline__ bool row_takes_part(const MmhaParams& p, int b) { return row_mode(p, b) != kRowIdle; }
 
 // One (row, kv head)'s slots in caches of C. For a paged cache, k and v point at the head's part
 // of block 0 and a slot's block is added as id * block_stride; contiguous caches have no table

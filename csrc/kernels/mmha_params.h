@@ -138,6 +138,11 @@ enum class OutKind : int32_t { kActivations = 0, kInt8 = 1, kE4M3 = 2 };
 // Nodes of a tree step at most (mmha.tree.MAX_NODES): a node's ancestors are one 64-bit mask.
 constexpr int kMaxTreeNodes = 64;
 
+// Row modes (MmhaParams::row_active).
+constexpr int32_t kRowIdle = 0;
+constexpr int32_t kRowStep = 1;
+constexpr int32_t kRowAttend = 2;
+
 struct MmhaParams {
   const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
   const void* qkv_bias;      // [(Hq + 2 * Hkv) * D] or nullptr
@@ -197,8 +202,12 @@ struct MmhaParams {
   int32_t max_blocks;
   int32_t num_blocks;
   int32_t block_shift;
-  // [B] or nullptr: a row whose entry is 0 takes no part in the step (nothing read or written,
-  // zero output, lse -inf), as a released row of a paged cache that owns no blocks.
+  // [B] or nullptr (every row kRowStep): each row's mode. kRowIdle: the row takes no part
+  // (nothing read or written, zero output, lse -inf), as a released row of a paged cache that
+  // owns no blocks. kRowStep: the new token is appended at slot lengths[b] and slots up to it are
+  // attended. kRowAttend (one-token steps): slots before lengths[b] only; nothing is written and
+  // lengths[b] may equal S_max (one shard of a context spread over several caches); a row left
+  // with no slot in reach is idle.
   const int32_t* row_active;
 
   // Output epilogue (output_epilogue.cuh; mmha.epilogue defines it), per output channel c =

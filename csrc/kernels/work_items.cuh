@@ -25,7 +25,7 @@ struct WorkItem {
   int h0;            // one-token steps: the query head of column c0 (columns are consecutive heads)
   int pos;           // lengths[b]: the slot of the row's (first) new token
   int nodes;         // new tokens of the row: 1, or a tree's node count
-  int newslot;       // the slot whose K/V the consumers take from shared memory (pos), or -1 (tree)
+  int newslot;       // the slot whose K/V the consumers take from shared memory (pos), or -1 (tree, attend-only)
   bool bad;          // a refused row: nothing is read or written for it
   bool idle;         // a row that takes no part (row_active): zero output, nothing read or written
   int active;        // splits of this row that hold keys
@@ -86,16 +86,21 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 // the CUDA-core loop) from the one holding lo; active splits take ntiles * s / active .. ntiles *
 // (s + 1) / active of them (equal to one grain). Splits past the row's grains have nothing to do
 // and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
-// capacity make the row bad; a row that takes no part (row_takes_part) is idle.
+// capacity make the row bad; a row that takes no part (row_takes_part) is idle. An attend-only
+// row (kRowAttend) reads slots lo .. pos - 1: its new slot pos lies past the keys, so no item
+// owns (appends) it; with no slot in reach the row is idle.
 __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int nodes, int grain) {
-  w.idle = !row_takes_part(p, w.b);
+  const int32_t mode = row_mode(p, w.b);
+  w.idle = mode == kRowIdle;
   if (w.idle) pos = 0, nodes = 1;  // its length is not looked at
+  const int added = mode == kRowAttend ? 0 : nodes;  // new slots the row attends to
   w.pos = pos;
   w.nodes = nodes;
-  w.bad = pos < 0 || nodes < 1 || pos > p.max_seq_len - nodes;
-  w.newslot = tree_step(p) ? -1 : pos;
-  const int len = w.bad ? 1 : pos + nodes;
+  w.bad = pos < 0 || nodes < 1 || pos > p.max_seq_len - added;
+  w.newslot = tree_step(p) || mode == kRowAttend ? -1 : pos;
+  const int len = w.bad ? 1 : pos + added;
   w.lo = w.bad ? 0 : window_start(p, pos);
+  if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
   const int first = w.lo / grain;
   const int ntiles = (len + grain - 1) / grain - first;
   w.active = w.bad ? 0 : min(p.num_splits, ntiles);
