@@ -258,9 +258,7 @@ class KVCache:
         if not on:
             full = [r for r in rows if self._host_lengths[r] >= self.max_seq_len]
             if full:
-                raise ValueError(
-                    f"rows {full} are full (length {self.max_seq_len}): they cannot step again"
-                )
+                raise ValueError(f"rows {full} are full (length {self.max_seq_len}): they cannot step again")
         for r in rows:
             self._attend[r] = on
         if rows:
@@ -533,9 +531,7 @@ class KVCache:
         )
         if check_values:
             self._mark_checked(alibi_slopes, sinks)
-        full = [
-            r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len and not self._attend[r]
-        ]
+        full = [r for r in range(batch) if self._host_lengths[r] >= self.max_seq_len and not self._attend[r]]
         if full:
             raise ValueError(
                 f"rows {full} are full: length {self.max_seq_len} == max_seq_len leaves no slot "
