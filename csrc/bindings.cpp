@@ -18,7 +18,7 @@ TORCH_LIBRARY(mmha, m) {
       "Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? alibi_slopes=None, "
       "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None, Tensor? block_tables=None, "
       "Tensor? row_active=None, Tensor? out_shift=None, Tensor? out_smooth=None, Tensor? out_scales=None, "
-      "float out_scale=0.0, int out_round=0, int out_min=-127) -> ()");
+      "float out_scale=0.0, int out_round=0, int out_min=-127, Tensor? positions=None) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.

@@ -189,7 +189,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active,
                       const std::optional<at::Tensor>& out_shift, const std::optional<at::Tensor>& out_smooth,
                       const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
-                      int64_t out_min) {
+                      int64_t out_min, const std::optional<at::Tensor>& positions) {
   // Devices.
   MMHA_CHECK(qkv.is_cuda(), "qkv must be a CUDA tensor, got a tensor on ", qkv.device());
   const c10::Device device = qkv.device();
@@ -211,6 +211,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   const bool pages = block_tables.has_value();
   if (pages) check_cuda(*block_tables, "block_tables", device);
   if (row_active.has_value()) check_cuda(*row_active, "row_active", device);
+  if (positions.has_value()) check_cuda(*positions, "positions", device);
 
   // Dtypes.
   const at::ScalarType dtype = qkv.scalar_type();
@@ -291,6 +292,13 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     MMHA_CHECK(row_active->dim() == 1 && row_active->size(0) == batch, "row_active must have shape [", batch,
                "], got shape ", shape_str(*row_active));
     check_contiguous(*row_active, "row_active");
+  }
+  if (positions.has_value()) {
+    MMHA_CHECK(!parents.has_value(), "positions must be None in a tree step (nodes are rotated at lengths[b] + depth)");
+    check_dtype(*positions, "positions", at::kInt);
+    MMHA_CHECK(positions->dim() == 1 && positions->size(0) == batch, "positions must have shape [", batch,
+               "], got shape ", shape_str(*positions));
+    check_contiguous(*positions, "positions");
   }
   MMHA_CHECK(head_dim_supported(head_dim), "Unsupported head_dim: ", head_dim,
              " (supported: ", supported_head_dims(), ")");
@@ -506,6 +514,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.stages = static_cast<int32_t>(stages);
   p.scale = static_cast<float>(scale);
   p.rotary_dim = static_cast<int32_t>(rotary_dim);
+  p.positions = positions.has_value() ? positions->data_ptr<int32_t>() : nullptr;
   p.rotary_theta = static_cast<float>(rotary_theta);
   p.rotary_interleaved = rotary_interleaved;
   p.dtype = to_dtype(dtype);

@@ -33,8 +33,9 @@ namespace mmha {
 // [num_blocks, Hkv, D/x, bs, x] / [num_blocks, Hkv, bs, D], bs in {16, 32, 64, 128}; tiles come
 // from either source (on sm_90, bulk copies per pool block). A row whose table names a block
 // outside the pool for one of its slots writes nothing, gets NaN output and status bit
-// kStatusPages. row_active (int32 [B]): rows with 0 take
-// no part (nothing read or written, zero output, lse -inf).
+// kStatusPages. row_active (int32 [B]) row modes: 0 takes no part (nothing read or written, zero
+// output, lse -inf), 1 steps, 2 attends to slots before lengths[b] only (nothing written).
+// positions (int32 [B], one-token steps): q and the new k are rotated at positions[b], not lengths[b].
 // Output epilogue (mmha/epilogue.py defines it), per output channel c = head * D + d:
 // y = (x + out_shift[c]) * out_smooth[c] (fp32 [Hq * D] each, optional); an out of dtype int8 or
 // float8_e4m3fn holds y * scale quantised, scale = out_scales[c] (fp32 [Hq * D]) or out_scale (> 0;
@@ -53,6 +54,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& block_tables, const std::optional<at::Tensor>& row_active,
                       const std::optional<at::Tensor>& out_shift, const std::optional<at::Tensor>& out_smooth,
                       const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
-                      int64_t out_min);
+                      int64_t out_min, const std::optional<at::Tensor>& positions);
 
 }  // namespace mmha

@@ -490,6 +490,7 @@ class KVCache:
         alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
         epilogue: OutEpilogue | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``layer`` for rows ``0..B-1``: append the new K/V, attend.
 
@@ -501,7 +502,9 @@ class KVCache:
         the values of ``alibi_slopes`` and ``sinks`` are read on the host the first time a tensor
         (at its version) is seen, outside CUDA-graph capture and ``torch.compile``. ``epilogue``
         (``mmha.epilogue.OutEpilogue``, per call: each layer its own) shifts, smooths and quantises
-        the output in the kernel; ``out`` then has its dtype.
+        the output in the kernel; ``out`` then has its dtype. ``positions`` (int32 ``[B]`` on the
+        cache's device): rotary positions of the rows' tokens instead of their lengths (a cache
+        holding one shard of a longer context, ``mmha.distributed``).
         """
         self._check_layer(layer)
         check_epilogue(epilogue, self.num_heads, self.head_dim, self.device)
@@ -558,6 +561,15 @@ class KVCache:
             common.update(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if epilogue is not None:
             common.update(epilogue=epilogue)
+        if positions is not None:
+            if self.paged:
+                raise ValueError("positions needs a contiguous cache (paged=False)")
+            if (positions.shape, positions.dtype, positions.device) != ((batch,), torch.int32, self.device):
+                raise ValueError(
+                    f"positions must be an int32 tensor [{batch}] on {self.device}, got "
+                    f"{tuple(positions.shape)} {positions.dtype} {positions.device}"
+                )
+            common.update(positions=positions)
         if any(self._attend[:batch]):  # attend-only rows write nothing and read their cached tokens
             common.update(row_active=self._row_modes[:batch])
         if self.paged and not self.use_kernel:  # free rows own no blocks: they write nothing and get zeros

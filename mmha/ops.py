@@ -25,6 +25,7 @@ if _C is not None:
         check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
         alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
         out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
+        positions=None,
     ):  # fmt: skip
         return None
 
@@ -203,6 +204,7 @@ def decode_attention(
     block_tables: torch.Tensor | None = None,
     row_active: torch.Tensor | None = None,
     epilogue: OutEpilogue | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused append + attention for one decode step on the GPU.
 
@@ -225,6 +227,9 @@ def decode_attention(
         only, with q rotated at ``lengths[b]`` (nothing written; ``lengths[b]`` may equal S_max;
         with no slot in reach the row is idle): one shard of a context spread over caches.
         Checked on the host with ``validate_lengths``.
+    positions : int32 ``[B]`` on the GPU: q and the new k are rotated at ``positions[b]`` instead of
+        ``lengths[b]`` (a cache that holds one shard of a longer context); window and ALiBi still
+        count slots from ``lengths[b]``.
     k_scale, v_scale : fp8 caches only, fp32 ``[Hkv]`` on the GPU: the cache stores
         ``saturate(k / k_scale[h])`` rounded to e4m3 (``mmha.reference.quantize_fp8``); scores
         use ``K * k_scale``, the output ``V * v_scale``. Values are checked by the kernel: a scale
@@ -304,7 +309,7 @@ def decode_attention(
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         rotary_dim, rotary_theta, rotary_interleaved, num_splits, check, stages,
         TILE_SOURCES[tile_source], k_scale, v_scale, **mods.kernel_args(), block_tables=block_tables,
-        row_active=row_active, **out_args,
+        row_active=row_active, **out_args, positions=positions,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

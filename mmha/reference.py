@@ -268,6 +268,7 @@ def decode_step(
     sinks: torch.Tensor | None = None,
     epilogue: OutEpilogue | None = None,
     row_active: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Append the new K/V to the caches and return ``out [B, Hq * D]`` (and ``lse [B, Hq]``).
 
@@ -283,6 +284,8 @@ def decode_step(
     epilogue : the output epilogue (``mmha.epilogue.OutEpilogue``); ``out`` then has its dtype.
     row_active : ``[B]`` int row modes (``ROW_IDLE``, ``ROW_STEP``, ``ROW_ATTEND``; module
         docstring), default every row ``ROW_STEP``.
+    positions : ``[B]`` int: the rotary position of each row's token (default ``lengths``; slots,
+        the window and ALiBi still count from ``lengths``).
     """
     b, hkv, s_max, d = v_cache.shape
     _check_fp8_scales(k_cache, k_scale, v_scale)
@@ -308,7 +311,10 @@ def decode_step(
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)
     rotary = (rotary_dim, rotary_theta, rotary_interleaved)
-    pos = torch.tensor(pos_list, device=qkv.device)
+    if positions is not None and positions.shape != (b,):
+        raise ValueError(f"positions must have shape [{b}], got {tuple(positions.shape)}")
+    rot_pos = pos_list if positions is None else [int(p) for p in positions.tolist()]
+    pos = torch.tensor(rot_pos, device=qkv.device)
     q, k_new, v_new = _new_tokens(
         x, pos, num_heads, num_kv_heads, d, rotary, k_cache, v_cache, k_scale, v_scale
     )

@@ -83,11 +83,12 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
                                                          int nthreads) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int rpos = p.positions != nullptr ? __ldg(p.positions + w.b) : w.pos;  // rotary position (one-token steps)
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, w.pos, p)
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, p)
                            : 0.f;
     }
   } else {
@@ -104,7 +105,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     }
   }
   if (w.owner()) {
-    const int kvh = w.kvh, pos = w.pos;
+    const int kvh = w.kvh, pos = rpos;
     const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {

@@ -172,6 +172,8 @@ struct MmhaParams {
   TileSource tile_source;    // tile loop: kCpAsync or kTma (never kAuto at launch)
   float scale;               // softmax scale, usually 1 / sqrt(D)
   int32_t rotary_dim;        // 0: no rotary embedding; else even, <= D
+  const int32_t* positions;  // [B] or nullptr: one-token steps rotate q and the new k at positions[b]
+                             // (a shard of a longer context), not at lengths[b]
   float rotary_theta;
   bool rotary_interleaved;   // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + rd / 2)
   DType dtype;               // qkv and out

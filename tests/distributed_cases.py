@@ -1,0 +1,164 @@
+"""Scenarios of ``mmha.distributed`` run by every rank of a process group (gloo on CPUs, NCCL on
+GPUs): each rank builds the sharded cache and a single ``KVCache`` over the same inputs (same
+seed on every rank) and checks the sharded steps against the single cache's. Used by
+tests/test_distributed.py (CPU, spawned ranks) and tests/test_distributed_gpu.py."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import mmha
+from mmha.distributed import CollectiveError, ShardedKVCache, sharding
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(case: str, world: int, backend: str = "gloo", timeout_s: float = 60.0, **kw) -> None:
+    """Spawn ``world`` processes that each run scenario ``case``; a failure in any raises here."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(world, free_port(), backend, timeout_s, case, kw), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, backend, timeout_s, case, kw):
+    warnings.simplefilter("ignore")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    try:
+        CASES[case](rank, world, **kw)
+    finally:
+        if case != "rank_fails":  # a failed collective leaves the group unusable
+            dist.destroy_process_group()
+
+
+def _tol(dtype):
+    return {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}[dtype]
+
+
+def _caches(world, mode, device, dtype, kv_dtype=None, block=16, hq=4, hkv=2, d=16, max_batch=3, max_seq_len=160,
+            rotary_dim=8, layers=2):  # fmt: skip
+    kw = dict(rotary_dim=rotary_dim, kv_dtype=kv_dtype)
+    sharded = ShardedKVCache(
+        layers, max_batch, max_seq_len, hq, hkv, d, dtype, device, mode=mode, block=block, **kw
+    )
+    single = mmha.KVCache(layers, max_batch, max_seq_len, hq, hkv, d, dtype, device, **kw)
+    return sharded, single
+
+
+def _compare(got, want, dtype, what):
+    atol, rtol = _tol(dtype)
+    got, want = got.float(), want.float()
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)), f"{what}: non-finite entries differ"
+    torch.testing.assert_close(got[fin], want[fin], atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torch.float32, kv_dtype=None,
+                          block=16, steps=40, output=None, mods=False):  # fmt: skip
+    """Prefill ragged rows (one empty, one shorter than a block, one over several blocks), then
+    steps with a release and an admit on the way; every step's out and lse equal the single cache's."""
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    gen = torch.Generator().manual_seed(1234)
+    sharded, single = _caches(world, mode, device, dtype, kv_dtype, block)
+    hq, hkv, d = 4, 2, 16
+    lens = [0, 5, 120]
+    for layer in range(2):
+        k = torch.randn(3, 120, hkv, d, generator=gen).to(device, dtype)
+        v = torch.randn(3, 120, hkv, d, generator=gen).to(device, dtype)
+        sharded.prefill(layer, k, v, lens)
+        single.prefill(layer, k, v, lens)
+    sinks = torch.tensor([0.5, -3.0, 2.0, 0.0], device=device) if mods else None
+    softcap = 5.0 if mods else None
+    for step in range(steps):
+        if step == 7:
+            sharded.release([1])
+            single.release([1])
+        if step == 11:
+            assert sharded.admit([1]) == [1] and single.admit([1]) == [1]
+        for layer in range(2):
+            qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
+            out, lse = sharded.step(layer, qkv, return_lse=True, output=output, softcap=softcap, sinks=sinks)
+            want, want_lse = single.step(layer, qkv, return_lse=True, softcap=softcap, sinks=sinks)
+            heads_out = output == "heads" or (output is None and mode == "heads")
+            if heads_out and world > 1:
+                h0, h1 = sharding.head_range(hq, world, rank)
+                want, want_lse = want[:, h0 * d : h1 * d], want_lse[:, h0:h1]
+            rows = single.active_rows  # a released row's output is unused
+            _compare(out[rows], want[rows], dtype, f"rank {rank} step {step} layer {layer} out")
+            _compare(lse[rows], want_lse[rows], dtype, f"rank {rank} step {step} layer {layer} lse")
+        sharded.advance()
+        single.advance()
+        assert sharded.host_lengths == single.host_lengths
+    assert sharded.lengths.tolist() == single.lengths.tolist()
+    sharded.check()
+    if mode == "sequence":  # the shards hold every token once
+        local = sharded.local.host_lengths
+        totals = torch.tensor(local, device=device)
+        dist.all_reduce(totals)
+        assert totals.tolist() == single.host_lengths, (totals.tolist(), single.host_lengths)
+        for r in sharded.active_rows:
+            want_local = sharding.local_length(single.host_lengths[r], world, rank, block)
+            assert local[r] == want_local, (r, local[r], want_local)
+
+
+def heads_local_qkv(rank, world, device="cpu", dtype=torch.float32):
+    """Heads mode fed the rank's slice of qkv (a column-parallel projection) equals full qkv."""
+    gen = torch.Generator().manual_seed(99)
+    a, _ = _caches(world, "heads", device, dtype)
+    b, _ = _caches(world, "heads", device, dtype)
+    hq, hkv, d = 4, 2, 16
+    (h0, h1), (g0, g1) = sharding.head_range(hq, world, rank), sharding.head_range(hkv, world, rank)
+    for _ in range(5):
+        qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
+        mine = torch.cat(
+            [qkv[:, h0 * d : h1 * d], qkv[:, (hq + g0) * d : (hq + g1) * d],
+             qkv[:, (hq + hkv + g0) * d : (hq + hkv + g1) * d]], dim=1,
+        )  # fmt: skip
+        assert torch.equal(a.step(0, qkv), b.step(0, mine))
+        full = a.step(1, qkv, output="full")
+        assert full.shape == (3, hq * d)
+        a.advance()
+        b.advance()
+
+
+def rank_fails(rank, world, device="cpu", stay_s=0.0):
+    """Rank 1 raises before the step's collective (then exits, or stays ``stay_s`` seconds, past
+    the group's timeout): every other rank gets CollectiveError, not a hang."""
+    import time
+
+    sharded, _ = _caches(world, "sequence", device, torch.float32)
+    qkv = torch.randn(3, (4 + 4) * 16, device=device)
+    if rank == 1:
+        try:
+            sharded.step(0, qkv[:, :-1])  # a bad qkv: refused on this rank only
+        except ValueError:
+            time.sleep(stay_s)
+            return
+        raise AssertionError("rank 1 expected a ValueError")
+    try:
+        sharded.step(0, qkv)
+    except CollectiveError as e:
+        assert "layer 0" in str(e) and f"rank {rank}" in str(e), str(e)
+        return
+    raise AssertionError("expected CollectiveError")
+
+
+CASES = {
+    "decode_matches_single": decode_matches_single,
+    "heads_local_qkv": heads_local_qkv,
+    "rank_fails": rank_fails,
+}

@@ -1,0 +1,91 @@
+"""mmha.distributed on CPUs: ranks spawned over gloo, the reference path on each (tests/distributed_cases.py
+holds the scenarios); sharding and merge arithmetic in-process."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_cases import run_ranks
+
+from mmha import reference
+from mmha.distributed import merge, sharding
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.mark.parametrize("world,block", [(1, 16), (2, 16), (2, 1), (3, 4), (4, 64)])
+def test_sequence_shards_partition_every_row(world, block):
+    for length in (0, 1, block - 1, block, 3 * block + 1, 200):
+        held = [sharding.local_positions(length, world, r, block) for r in range(world)]
+        assert sorted(torch.cat(held).tolist()) == list(range(length))
+        for r in range(world):
+            assert held[r].numel() == sharding.local_length(length, world, r, block)
+            assert all(sharding.owner(int(p), world, block) == r for p in held[r])
+        if length:  # balanced to within one block
+            sizes = [h.numel() for h in held]
+            assert max(sizes) - min(sizes) <= block
+    cap = sharding.local_capacity(200, world, block)
+    assert cap == max(sharding.local_length(200, world, r, block) for r in range(world))
+
+
+def test_head_range_refuses_uneven():
+    assert sharding.head_range(8, 2, 1) == (4, 8)
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        sharding.head_range(6, 4, 0)
+
+
+def test_merge_partials_equals_attention_over_the_union():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(4, 50, 16, generator=gen, dtype=torch.float64) * 3
+    v = torch.randn(4, 50, 16, generator=gen, dtype=torch.float64)
+    want, want_lse = reference.attend(q, k, v, 0.25)
+    cuts = [0, 7, 7, 31, 50]  # one empty shard
+    outs, lses = [], []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if a == b:
+            outs.append(torch.zeros(4, 16, dtype=torch.float64))
+            lses.append(torch.full((4,), float("-inf"), dtype=torch.float64))
+        else:
+            o, lse = reference.attend(q, k[:, a:b], v[:, a:b], 0.25)
+            outs.append(o)
+            lses.append(lse)
+    out, lse = merge.merge_partials(torch.stack(outs)[:, None], torch.stack(lses)[:, None])
+    torch.testing.assert_close(out[0].double(), want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse[0].double(), want_lse, atol=1e-6, rtol=1e-6)
+    # every shard empty: zeros and -inf; a sink then gives zeros and the sink
+    out, lse = merge.merge_partials(torch.zeros(2, 1, 3, 4), torch.full((2, 1, 3), float("-inf")))
+    assert torch.equal(out, torch.zeros(1, 3, 4)) and torch.isinf(lse).all()
+    out, lse = merge.merge_partials(
+        torch.zeros(2, 1, 3, 4), torch.full((2, 1, 3), float("-inf")), torch.tensor([1.0, 2.0, 3.0])
+    )
+    assert torch.equal(out, torch.zeros(1, 3, 4)) and lse.tolist() == [[1.0, 2.0, 3.0]]
+
+
+@pytest.mark.parametrize(
+    "world,kw",
+    [
+        (2, dict(mode="sequence")),
+        (2, dict(mode="sequence", block=1)),
+        (3, dict(mode="sequence", block=8)),
+        (2, dict(mode="sequence", output="heads", mods=True)),
+        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)),
+        (2, dict(mode="heads")),
+        (2, dict(mode="heads", output="full", mods=True)),
+    ],
+    ids=["seq", "seq-block1", "seq-world3", "seq-heads-out-mods", "seq-fp8", "heads", "heads-full-mods"],
+)
+def test_decode_matches_single_cache(world, kw):
+    run_ranks("decode_matches_single", world, **kw)
+
+
+def test_heads_mode_takes_the_ranks_slice_of_qkv():
+    run_ranks("heads_local_qkv", 2)
+
+
+@pytest.mark.parametrize("stay_s", [0.0, 6.0], ids=["rank-exits", "rank-stays-past-timeout"])
+def test_a_failing_rank_ends_the_step_on_every_rank(stay_s):
+    t0 = time.monotonic()
+    run_ranks("rank_fails", 2, timeout_s=3.0, stay_s=stay_s)
+    assert time.monotonic() - t0 < 60
