@@ -38,6 +38,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _all_reduce(out: torch.Tensor, inp: torch.Tensor, **kw):
+    """In place on ``out`` (``inp`` is the same tensor): ``_run``'s calling convention."""
+    return dist.all_reduce(out, **kw)
+
+
 class CollectiveError(RuntimeError):
     """A step's collective failed: another rank raised before joining it, died, or did not join
     within the process group's timeout."""
@@ -86,6 +91,7 @@ class ShardedKVCache:
             raise ValueError(f"block must be a positive int, got {block!r}")
         self.group = group
         self.world = dist.get_world_size(group)
+        self._gloo = dist.get_backend(group) == "gloo"
         self.rank = dist.get_rank(group)
         self.mode = mode
         self.block = block
@@ -343,6 +349,15 @@ class ShardedKVCache:
             dim=-1,
         )
 
+    def _run(self, collective, out: torch.Tensor, inp: torch.Tensor, what: str, layer: int, **kw) -> None:
+        """``collective(out, inp, group=..., async_op=True, **kw)``, waited on; gloo carries CUDA
+        tensors through host copies (several ranks on one GPU)."""
+        host = self._gloo and inp.is_cuda
+        o, i = (out.cpu(), inp.cpu()) if host else (out, inp)
+        self._wait(collective(o, i, group=self.group, async_op=True, **kw), what, layer)
+        if host:
+            out.copy_(o)
+
     def _wait(self, work, what: str, layer: int) -> None:
         try:
             work.wait()
@@ -425,7 +440,7 @@ class ShardedKVCache:
     def _gather_merge(self, out, lse, sinks, layer):
         buf = merge.pack(out, lse, self.num_heads)
         gathered = buf.new_empty((self.world * buf.shape[0], *buf.shape[1:]))
-        self._wait(_all_gather(gathered, buf, group=self.group, async_op=True), "all-gather", layer)
+        self._run(_all_gather, gathered, buf, "all-gather", layer)
         outs, lses = merge.unpack(gathered.view(self.world, *buf.shape))
         return merge.merge_partials(outs, lses, sinks)
 
@@ -434,17 +449,14 @@ class ShardedKVCache:
         rescaled numerators and denominators summed onto their rank (reduce-scatter)."""
         b, hq, w = out.shape[0], self.num_heads, self.world
         top = lse.float().clone()
-        self._wait(
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "all-reduce", layer
-        )
+        self._run(_all_reduce, top, top, "all-reduce", layer, op=dist.ReduceOp.MAX)
         ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         weight = torch.exp(lse.float() - ref)  # [B, Hq]
         num = out.reshape(b, hq, -1).float() * weight[..., None]
         buf = torch.cat([num, weight[..., None]], dim=-1)  # [B, Hq, D + 1]
         buf = buf.view(b, w, hq // w, -1).transpose(0, 1).contiguous()  # rank-major: [W, B, Hq / W, D + 1]
         mine = buf.new_empty(buf.shape[1:])
-        self._wait(_reduce_scatter(mine, buf.view(-1, *buf.shape[2:]), group=self.group, async_op=True),
-                   "reduce-scatter", layer)  # fmt: skip
+        self._run(_reduce_scatter, mine, buf.view(-1, *buf.shape[2:]), "reduce-scatter", layer)
         total = mine[..., -1]
         merged = mine[..., :-1] / torch.where(total > 0, total, torch.ones_like(total))[..., None]
         h0 = self.rank * (hq // w)
@@ -475,5 +487,5 @@ class ShardedKVCache:
         """``[B, X]`` of this rank's heads -> ``[B, world * X]``, ranks' heads in order."""
         t = t.contiguous()
         gathered = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
-        self._wait(_all_gather(gathered, t, group=self.group, async_op=True), "all-gather", layer)
+        self._run(_all_gather, gathered, t, "all-gather", layer)
         return gathered.view(self.world, *t.shape).transpose(0, 1).reshape(t.shape[0], -1)
