@@ -75,8 +75,8 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     gen = torch.Generator().manual_seed(1234)
-    sharded, single = _caches(world, mode, device, dtype, kv_dtype, block)
-    hq, hkv, d = 4, 2, 16
+    hq, hkv, d = 4, 2, 16 if device == "cpu" else 32  # the kernel's smallest head dim
+    sharded, single = _caches(world, mode, device, dtype, kv_dtype, block, d=d)
     lens = [0, 5, 120]
     for layer in range(2):
         k = torch.randn(3, 120, hkv, d, generator=gen).to(device, dtype)
