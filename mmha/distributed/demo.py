@@ -1,0 +1,143 @@
+"""Decode a long context on several GPUs: ``torchrun --nproc-per-node 2 -m mmha.distributed.demo``.
+
+A Llama-8B-shaped stack (hidden 4096, 32 query heads and 8 kv heads of 128, MLP 14336, 32
+layers) with random weights, replicated on every rank, decodes ``--steps`` tokens after a
+``--context``-token context (random K/V, as a long prompt's prefill would leave) held in a
+``ShardedKVCache``: by sequence (each rank a share of every row's tokens) or by heads. Prints
+tokens/s, the time per step and the memory per GPU. Without GPUs it runs on gloo with the
+reference path (use ``--preset tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .cache import MODES, ShardedKVCache
+
+
+@dataclass(frozen=True)
+class Shape:
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+PRESETS = {
+    "llama-8b": Shape(4096, 32, 32, 8, 128, 14336),
+    "tiny": Shape(128, 2, 4, 2, 32, 256),
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Stack:
+    """Random weights for ``shape.layers`` pre-norm attention + SwiGLU blocks, made on ``device``
+    from one seed (the same on every rank)."""
+
+    def __init__(self, shape: Shape, device, dtype, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+
+        def w(out_f, in_f):
+            return (torch.randn(out_f, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
+
+        self.shape = shape
+        self.layers = [
+            (w(qkv, shape.dim), w(shape.dim, shape.heads * shape.head_dim), w(2 * shape.ffn, shape.dim),
+             w(shape.dim, shape.ffn))
+            for _ in range(shape.layers)
+        ]  # fmt: skip
+
+    @torch.no_grad()
+    def decode_step(self, x: torch.Tensor, cache: ShardedKVCache) -> torch.Tensor:
+        for i, (wqkv, wo, w_in, w_out) in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],))
+            x = x + F.linear(cache.step(i, F.linear(h, wqkv), output="full"), wo)  # weights replicated
+            gate, up = F.linear(F.rms_norm(x, (x.shape[-1],)), w_in).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_out)
+        cache.advance()
+        return x
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m mmha.distributed.demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="sequence")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-8b")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
+    ap.add_argument("--context", type=int, default=131072, help="tokens already in the cache per row")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    ap.add_argument("--block", type=int, default=256, help="tokens per block of sequence sharding")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    shape = PRESETS[args.preset]
+    if args.layers is not None:
+        shape = Shape(shape.dim, args.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    where = "NCCL on " + torch.cuda.get_device_name() if cuda else "gloo, CPU"
+    say(f"mmha.distributed.demo: {world} ranks ({where}), "
+        f"mode {args.mode}, {shape.layers} layers, Hq {shape.heads} Hkv {shape.kv_heads} D {shape.head_dim}, "
+        f"batch {args.batch}, context {args.context}, {args.dtype if cuda else 'fp32'}")  # fmt: skip
+
+    stack = Stack(shape, device, dtype)
+    cache = ShardedKVCache(
+        shape.layers, args.batch, args.context + args.steps + 1, shape.heads, shape.kv_heads, shape.head_dim,
+        dtype, device, mode=args.mode, block=args.block, rotary_dim=shape.head_dim, rotary_theta=500000.0,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(1)
+    t0 = time.perf_counter()
+    for layer in range(shape.layers):  # the context: the same random K/V on every rank, each keeps its part
+        kv = [
+            torch.randn(args.batch, args.context, shape.kv_heads, shape.head_dim, generator=g, device=device)
+            .to(dtype) for _ in range(2)
+        ]  # fmt: skip
+        cache.prefill(layer, kv[0], kv[1])
+        del kv
+    if cuda:
+        torch.cuda.synchronize()
+    say(f"context written in {time.perf_counter() - t0:.1f} s; cache per rank {cache.nbytes / 2**30:.2f} GiB")
+
+    x = torch.randn(args.batch, shape.dim, generator=g, device=device).to(dtype)
+    x = stack.decode_step(x, cache)  # warm-up (plans, workspace, NCCL communicators)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps - 1):
+        x = stack.decode_step(x, cache)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    cache.check()
+    n = max(args.steps - 1, 1)
+    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    mems = [None] * world
+    dist.all_gather_object(mems, mem)
+    say(f"decode: {elapsed / n * 1e3:.2f} ms per step, {args.batch * n / elapsed:.1f} tokens/s "
+        f"({n} steps, final length {cache.host_lengths[0]})")  # fmt: skip
+    say("peak memory per GPU (GiB): " + ", ".join(f"rank {r}: {m:.2f}" for r, m in enumerate(mems)))
+    if not torch.isfinite(x.float()).all():
+        raise SystemExit("non-finite activations")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
