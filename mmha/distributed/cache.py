@@ -313,12 +313,12 @@ class ShardedKVCache:
                         dim=0
                     )
                     self.local._check_scales_unused(layer, rows)
-                    self._set_scales_for(layer, k_amax, v_amax, scale_margin, rows)
+                    self._set_scales_for(layer, k_amax, v_amax, scale_margin)
             scales = "keep"
         self.local.prefill(layer, k_loc, v_loc, local_lens, rows, scales=scales, scale_margin=scale_margin)
         self._set(rows, lens, True)
 
-    def _set_scales_for(self, layer, k_amax, v_amax, margin, rows) -> None:
+    def _set_scales_for(self, layer, k_amax, v_amax, margin) -> None:
         if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0):
             raise ValueError(f"scale_margin must be a finite positive number, got {margin!r}")
         self.local.k_scales[layer].copy_(reference.fp8_scale(k_amax, margin))
