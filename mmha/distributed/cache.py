@@ -126,7 +126,6 @@ class ShardedKVCache:
         self.device = self.local.device
         self.fp8 = self.local.fp8
         self._host_lengths = [0] * max_batch
-        self._active = [True] * max_batch
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self.lengths = self.local.lengths if mode == "heads" else torch.zeros_like(self.local.lengths)
         self._sync_modes(range(max_batch))
@@ -139,11 +138,11 @@ class ShardedKVCache:
 
     @property
     def active_rows(self) -> list[int]:
-        return [r for r in range(self.max_batch) if self._active[r]]
+        return self.local.active_rows  # the local cache's rows are the sharded cache's
 
     @property
     def free_rows(self) -> list[int]:
-        return [r for r in range(self.max_batch) if not self._active[r]]
+        return self.local.free_rows
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +152,6 @@ class ShardedKVCache:
     def _set(self, rows: list[int], lengths: list[int], active: bool) -> None:
         for r, n in zip(rows, lengths, strict=True):
             self._host_lengths[r] = n
-            self._active[r] = active
         if rows and self.mode == "sequence":
             idx = torch.tensor(rows, dtype=torch.long).to(self.device)
             self.lengths[idx] = torch.tensor(lengths, dtype=torch.int32).to(self.device)
@@ -165,10 +163,10 @@ class ShardedKVCache:
         attends elsewhere (KVCache.attend_only), changed where it differs."""
         if self.mode != "sequence":
             return
-        attend = set(self.local.attend_rows)
+        attend, active = set(self.local.attend_rows), set(self.local.active_rows)
         to_attend, to_step = [], []
         for r in rows:
-            if not self._active[r] or self._host_lengths[r] >= self.max_seq_len:  # free or full: no next slot
+            if r not in active or self._host_lengths[r] >= self.max_seq_len:  # free or full: no next slot
                 continue
             owns = sharding.owner(self._host_lengths[r], self.world, self.block) == self.rank
             if owns and r in attend:
@@ -267,7 +265,6 @@ class ShardedKVCache:
             v = self._local_heads(v, 2, self.num_kv_heads, "v") if v.dim() == 4 else v
             self.local.prefill(layer, k, v, lengths, rows, scales=scales, scale_margin=scale_margin)
             self._host_lengths = self.local.host_lengths
-            self._active = [r in set(self.local.active_rows) for r in range(self.max_batch)]
             return
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 4 or t.shape[2:] != (self.num_kv_heads, self.head_dim):
