@@ -19,11 +19,23 @@ TORCH_LIBRARY(mmha, m) {
       "Tensor? sinks=None, Tensor? parents=None, Tensor? node_counts=None, Tensor? block_tables=None, "
       "Tensor? row_active=None, Tensor? out_shift=None, Tensor? out_smooth=None, Tensor? out_scales=None, "
       "float out_scale=0.0, int out_round=0, int out_min=-127, Tensor? positions=None) -> ()");
+  // mmha.distributed's sequence steps: a shard's (out, lse) into the fp32 buffer the collective
+  // carries, and the exact merge of every shard's buffer (csrc/kernels/shard_merge.h).
+  m.def("shard_pack(Tensor out, Tensor lse, Tensor(a!) parts) -> ()");
+  m.def("shard_merge(Tensor parts, Tensor? sinks, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
-TORCH_LIBRARY_IMPL(mmha, CUDA, m) { m.impl("decode_attention", &mmha::decode_attention); }
-TORCH_LIBRARY_IMPL(mmha, CPU, m) { m.impl("decode_attention", &mmha::decode_attention); }
+TORCH_LIBRARY_IMPL(mmha, CUDA, m) {
+  m.impl("decode_attention", &mmha::decode_attention);
+  m.impl("shard_pack", &mmha::shard_pack);
+  m.impl("shard_merge", &mmha::shard_merge);
+}
+TORCH_LIBRARY_IMPL(mmha, CPU, m) {
+  m.impl("decode_attention", &mmha::decode_attention);
+  m.impl("shard_pack", &mmha::shard_pack);
+  m.impl("shard_merge", &mmha::shard_merge);
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mmha CUDA extension: registers torch.ops.mmha.* and reports what was compiled";

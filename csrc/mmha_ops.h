@@ -56,4 +56,11 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
                       int64_t out_min, const std::optional<at::Tensor>& positions);
 
+// Context-parallel steps (mmha/distributed, csrc/kernels/shard_merge.h): pack a shard's out
+// [B, H * D] (fp16 / bf16 / fp32) and lse [B, H] into parts [G, B, H / G, D + 1] fp32, and merge
+// parts [S, B, H, D + 1] of S shards into out and lse, with an optional sink per head (fp32 [H]).
+void shard_pack(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& parts);
+void shard_merge(const at::Tensor& parts, const std::optional<at::Tensor>& sinks, const at::Tensor& out,
+                 const at::Tensor& lse);
+
 }  // namespace mmha

@@ -188,6 +188,10 @@ class KVCache:
         # mode for the kernel (reference.ROW_IDLE / ROW_STEP / ROW_ATTEND).
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self._row_modes = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        # True: every step hands the kernel the row modes (free rows idle), not only steps with an
+        # attend-only row, so that a CUDA graph captured before a row turned attend-only replays
+        # right after (mmha.distributed's sequence shards set it).
+        self.pass_row_modes = False
         self._workspace: ops.Workspace | None = None
         self._checked_mods: dict = {}  # id -> (weakref, version) of score-mod tensors whose values were read
         if self.paged:
@@ -570,7 +574,7 @@ class KVCache:
                     f"{tuple(positions.shape)} {positions.dtype} {positions.device}"
                 )
             common.update(positions=positions)
-        if any(self._attend[:batch]):  # attend-only rows write nothing and read their cached tokens
+        if self.pass_row_modes or any(self._attend[:batch]):  # attend-only rows write nothing
             common.update(row_active=self._row_modes[:batch])
         if self.paged and not self.use_kernel:  # free rows own no blocks: they write nothing and get zeros
             return self._step_paged(qkv, kc, vc, batch, common)

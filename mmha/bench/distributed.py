@@ -3,17 +3,24 @@
 Per-layer decode time of a ``ShardedKVCache`` step (the kernel on each rank's shard, the
 collective and the merge) against ``KVCache.step`` on one GPU holding the same total cache:
 sequence mode on B 1 and 16 with 1-8 GB of K/V per layer, heads mode on canonical B 16 and B 64
-rows (Hq 32, Hkv 8, D 128, fp16). Each row: ``world_size``, ``mode``, ``mmha_decode_us`` (rank
-0's median over CUDA-event-timed steps, every rank in step), ``local_step_us`` (the same ranks'
-kernel step alone), ``merge_share`` (1 - local / whole), ``single_gpu_decode_us`` (rank 0 alone)
-and ``speedup``. Lengths do not move between timed steps (each rewrites the same slot), so
-every step reads the same bytes. ``--tiny`` runs small rows on gloo without GPUs (a smoke test).
+rows (Hq 32, Hkv 8, D 128, fp16).
+
+Timing (BENCHMARK.md's decode timing, with the collectives inside): ``L`` layers' steps, each on
+its own cache, captured back to back in one CUDA graph on every rank (``L = max(2, min(32,
+ceil(1 GiB / a rank's bytes per layer)))``), the same number of replays on every rank, rank 0's
+median replay over ``L``. Each row: ``world_size``, ``mode``, ``layers``, ``mmha_decode_us`` (the
+sharded step), ``local_step_us`` (the same ranks' kernel step alone, timed the same way),
+``merge_share`` (1 - local / whole), ``eager_decode_us`` (one step called eagerly, CUDA events),
+``single_gpu_decode_us`` (``KVCache.step`` on rank 0 alone, decode timing) and ``speedup``.
+Lengths do not move between timed steps (each rewrites the same slot), so every step reads the
+same bytes. ``--tiny`` runs small rows on gloo without GPUs (host clock, no graphs; a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -22,6 +29,7 @@ import torch.distributed as dist
 
 from ..cache import KVCache
 from ..distributed import ShardedKVCache
+from . import timing
 
 HQ, HKV, D = 32, 8, 128
 SEQUENCE_ROWS = [(1, gb) for gb in (1, 2, 4, 8)] + [(16, gb) for gb in (1, 2, 4, 8)]
@@ -55,35 +63,82 @@ def _time(fn, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def layers_for(nbytes: int) -> int:
+    """Layers of a decode timing whose caches of ``nbytes`` each do not fit in the L2 together."""
+    return max(2, min(32, math.ceil((1 << 30) / max(nbytes, 1))))
+
+
+def graph_us(fns, replays: int = timing.REPLAYS) -> float:
+    """Decode timing of ``fns`` (one call per layer) on every rank in step: one graph each, the
+    same number of warm-up replays everywhere (a collective in the graph pairs the ranks'
+    replays), rank-local median per call."""
+    graph = timing.capture(fns)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(timing.WARMUP_REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    per_replay = max(start.elapsed_time(end) / timing.WARMUP_REPLAYS, 1e-3)
+    warm = torch.tensor([min(1000, int(timing.WARMUP_MS / per_replay))], device="cuda")
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    for _ in range(int(warm.item())):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
 def _fill(cache, batch: int, seq: int, device, dtype, hkv: int, d: int) -> None:
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(batch, seq, hkv, d, generator=g, device=device).to(dtype)
     v = torch.randn(batch, seq, hkv, d, generator=g, device=device).to(dtype)
-    cache.prefill(0, k, v)
+    for layer in range(cache.num_layers):
+        cache.prefill(layer, k, v)
 
 
 def run_row(mode, batch, seq, device, dtype, iters, hq=HQ, hkv=HKV, d=D, block=256) -> dict:
     cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    cache = ShardedKVCache(1, batch, seq + 1, hq, hkv, d, dtype, device, mode=mode, block=block)
+    total_bytes = 2 * batch * seq * hkv * d * torch.finfo(dtype).bits // 8  # one layer, every rank
+    layers = layers_for(total_bytes // world) if cuda else 1
+    cache = ShardedKVCache(layers, batch, seq + 1, hq, hkv, d, dtype, device, mode=mode, block=block)
     _fill(cache, batch, seq, device, dtype, hkv, d)
     g = torch.Generator(device=device).manual_seed(1)
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g, device=device).to(dtype)
+    width = (hq + 2 * hkv) * d
+    qkvs = [torch.randn(batch, width, generator=g, device=device).to(dtype) for _ in range(layers)]
     out = "full" if mode == "sequence" else "heads"
     dist.barrier()
-    whole = _time(lambda: cache.step(0, qkv, output=out), iters, cuda)
-    local_qkv = cache._local_qkv(qkv, "qkv") if mode == "heads" else qkv
+    eager = _time(lambda: cache.step(0, qkvs[0], output=out), iters, cuda)
+    local_qkvs = [cache._local_qkv(q, "qkv") for q in qkvs] if mode == "heads" else qkvs
     pos = cache.lengths[:batch] if mode == "sequence" else None
+    whole_fns = [lambda i=i: cache.step(i, qkvs[i], output=out) for i in range(layers)]
+    local_fns = [
+        lambda i=i: cache.local.step(i, local_qkvs[i], return_lse=True, positions=pos) for i in range(layers)
+    ]
     dist.barrier()
-    local = _time(lambda: cache.local.step(0, local_qkv, return_lse=True, positions=pos), iters, cuda)
+    if cuda:
+        whole, local = graph_us(whole_fns), graph_us(local_fns)
+    else:
+        whole, local = eager, _time(local_fns[0], iters, cuda)
     cache.check()
-    bytes_per_rank = cache.nbytes
+    bytes_per_rank = cache.nbytes // layers
     cache = None  # its memory back before the one-GPU cache
     single = None
     if rank == 0:
-        one = KVCache(1, batch, seq + 1, hq, hkv, d, dtype, device)
+        one_layers = layers_for(total_bytes) if cuda else 1
+        one = KVCache(one_layers, batch, seq + 1, hq, hkv, d, dtype, device)
         _fill(one, batch, seq, device, dtype, hkv, d)
-        single = _time(lambda: one.step(0, qkv), iters, cuda)
+        one_fns = [lambda i=i: one.step(i, qkvs[i % layers]) for i in range(one_layers)]
+        single = timing.decode_us(one_fns)["us"] if cuda else _time(one_fns[0], iters, cuda)
         one.check()
         one = None
     if cuda:
@@ -91,9 +146,10 @@ def run_row(mode, batch, seq, device, dtype, iters, hq=HQ, hkv=HKV, d=D, block=2
     dist.barrier()
     return dict(
         world_size=world, mode=mode, batch=batch, seq=seq, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-        dtype=str(dtype).replace("torch.", ""), kv_gb_per_layer=round(2 * batch * seq * hkv * d * 2 / 1e9, 3),
-        kv_bytes_per_rank=bytes_per_rank, mmha_decode_us=round(whole, 2), local_step_us=round(local, 2),
-        merge_share=round(1 - local / whole, 3),
+        dtype=str(dtype).replace("torch.", ""), kv_gb_per_layer=round(total_bytes / 1e9, 3),
+        kv_bytes_per_rank=bytes_per_rank, layers=layers, mmha_decode_us=round(whole, 2),
+        local_step_us=round(local, 2), merge_share=round(1 - local / whole, 3),
+        eager_decode_us=round(eager, 2),
         single_gpu_decode_us=None if single is None else round(single, 2),
         speedup=None if single is None else round(single / whole, 3),
     )  # fmt: skip
@@ -134,7 +190,8 @@ def main(argv=None) -> None:
             print(
                 f"{mode:8s} B={batch:<3d} S={seq:<8d} {row['kv_gb_per_layer']:6.2f} GB/layer: "
                 f"{row['mmha_decode_us']:9.1f} us on {row['world_size']} (kernel {row['local_step_us']:.1f}, "
-                f"merge {100 * row['merge_share']:.0f} %), one GPU {row['single_gpu_decode_us']:9.1f} us, "
+                f"merge {100 * row['merge_share']:.0f} %, eager {row['eager_decode_us']:.1f}), "
+                f"one GPU {row['single_gpu_decode_us']:9.1f} us, "
                 f"{row['speedup']:.2f}x",
                 flush=True,
             )

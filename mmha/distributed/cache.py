@@ -11,8 +11,9 @@ with the same per-layer calls; what differs is which part of each layer's cache 
   Every rank attends over its shard (``KVCache.attend_only`` rows: the rank that owns the row's
   next slot appends the new token, the others only read; q and k are rotated at the global
   position, ``positions``), returning ``(out, lse)``; one all-gather of ``[B, Hq, D + 1]`` fp32
-  and ``merge.merge_partials`` give every rank the exact output (``output="heads"``: an all-reduce
-  of the lse maxima and a reduce-scatter leave each rank its ``Hq / world`` heads).
+  and ``merge.merge`` give every rank the exact output (``output="heads"``: one all-to-all sends
+  each rank the partials of its ``Hq / world`` heads). A step issues no host synchronisation and
+  can be captured in a CUDA graph with its collectives; ``advance`` cannot.
 
 Collectives run on the group's backend (NCCL on GPUs, gloo on CPUs) and wait with the group's
 timeout: a rank that fails before a step's collective leaves the others with
@@ -38,9 +39,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(out: torch.Tensor, inp: torch.Tensor, **kw):
-    """In place on ``out`` (``inp`` is the same tensor): ``_run``'s calling convention."""
-    return dist.all_reduce(out, **kw)
+_all_to_all = dist.all_to_all_single
 
 
 class CollectiveError(RuntimeError):
@@ -123,6 +122,9 @@ class ShardedKVCache:
             scale=1.0 / math.sqrt(head_dim) if scale is None else scale, dispatch_on=dispatch_on,
             kv_dtype=kv_dtype,
         )  # fmt: skip
+        # Sequence mode turns rows attend-only and back as their next slot moves between ranks: the
+        # kernel gets the row modes on every step, so a captured graph replays right either way.
+        self.local.pass_row_modes = mode == "sequence"
         self.device = self.local.device
         self.fp8 = self.local.fp8
         self._host_lengths = [0] * max_batch
@@ -413,8 +415,11 @@ class ShardedKVCache:
                 "window and alibi_slopes need every slot at its position: use mode='heads' (sequence mode "
                 "holds a row's tokens in blocks on several ranks)"
             )
-        if sinks is not None:
-            reference.ScoreMods(self.num_heads, self.device, None, None, None, sinks)  # checks sinks
+        if sinks is not None:  # checks sinks (their values too, outside capture: one synchronisation)
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            reference.ScoreMods(
+                self.num_heads, self.device, None, None, None, sinks, check_values=not capturing
+            )
         heads_out = self.num_heads if mode_out == "full" else self.num_heads // self.world
         check_epilogue(epilogue, heads_out, self.head_dim, self.device)
         batch = qkv.shape[0] if qkv.dim() == 2 else -1
@@ -426,41 +431,27 @@ class ShardedKVCache:
             )
         positions = self.lengths[:batch] if 1 <= batch <= self.max_batch else None
         out, lse = self.local.step(layer, qkv, qkv_bias=qkv_bias, return_lse=True, positions=positions, **kw)
-        if mode_out == "full":
-            out, lse = self._gather_merge(out, lse, sinks, layer)
-        else:
-            out, lse = self._scatter_merge(out, lse, sinks, layer)
-        out = out.reshape(batch, -1)
-        out = out.to(self.dtype) if epilogue is None else epilogue.apply(out, self.dtype)
+        out, lse = self._exchange_merge(out, lse, sinks, layer, mode_out, epilogue)
         return (out, lse) if return_lse else out
 
-    def _gather_merge(self, out, lse, sinks, layer):
-        buf = merge.pack(out, lse, self.num_heads)
-        gathered = buf.new_empty((self.world * buf.shape[0], *buf.shape[1:]))
-        self._run(_all_gather, gathered, buf, "all-gather", layer)
-        outs, lses = merge.unpack(gathered.view(self.world, *buf.shape))
-        return merge.merge_partials(outs, lses, sinks)
-
-    def _scatter_merge(self, out, lse, sinks, layer):
-        """Each rank keeps heads [rank * Hq / world, ...): the lse maxima (all-reduce), then the
-        rescaled numerators and denominators summed onto their rank (reduce-scatter)."""
-        b, hq, w = out.shape[0], self.num_heads, self.world
-        top = lse.float().clone()
-        self._run(_all_reduce, top, top, "all-reduce", layer, op=dist.ReduceOp.MAX)
-        ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        weight = torch.exp(lse.float() - ref)  # [B, Hq]
-        num = out.reshape(b, hq, -1).float() * weight[..., None]
-        buf = torch.cat([num, weight[..., None]], dim=-1)  # [B, Hq, D + 1]
-        buf = buf.view(b, w, hq // w, -1).transpose(0, 1).contiguous()  # rank-major: [W, B, Hq / W, D + 1]
-        mine = buf.new_empty(buf.shape[1:])
-        self._run(_reduce_scatter, mine, buf.view(-1, *buf.shape[2:]), "reduce-scatter", layer)
-        total = mine[..., -1]
-        merged = mine[..., :-1] / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-        h0 = self.rank * (hq // w)
-        lse_mine = ref[:, h0 : h0 + hq // w] + torch.log(total)
-        if sinks is not None:
-            return merge.with_sinks(merged, lse_mine, sinks[h0 : h0 + hq // w])
-        return merged, lse_mine
+    def _exchange_merge(self, out, lse, sinks, layer, mode_out, epilogue):
+        """Every rank's ``(out, lse)`` over its shard -> the merged output of ``mode_out``'s heads:
+        one all-gather of ``[B, Hq, D + 1]`` (``"full"``), or one all-to-all that sends each rank
+        its heads' partials (``"heads"``), then ``merge.merge``."""
+        groups = 1 if mode_out == "full" else self.world
+        parts = merge.pack(out, lse, self.num_heads, groups)
+        if self.world > 1:
+            received = parts.new_empty((self.world, *parts.shape[1:]))
+            if groups == 1:
+                self._run(_all_gather, received, parts, "all-gather", layer)
+            else:
+                self._run(_all_to_all, received, parts, "all-to-all", layer)
+            parts = received
+        if sinks is not None and groups > 1:
+            per = self.num_heads // self.world
+            sinks = sinks[self.rank * per : (self.rank + 1) * per]
+        out, lse = merge.merge(parts, sinks, self.dtype if epilogue is None else torch.float32)
+        return (out if epilogue is None else epilogue.apply(out, self.dtype)), lse
 
     def _step_heads(
         self, layer, qkv, qkv_bias, return_lse, output, window, alibi_slopes, sinks, epilogue, kw
