@@ -10,7 +10,8 @@ its own cache, captured back to back in one CUDA graph on every rank (``L = max(
 ceil(1 GiB / a rank's bytes per layer)))``), the same number of replays on every rank, rank 0's
 median replay over ``L``. Each row: ``world_size``, ``mode``, ``layers``, ``mmha_decode_us`` (the
 sharded step), ``local_step_us`` (the same ranks' kernel step alone, timed the same way),
-``merge_share`` (1 - local / whole), ``eager_decode_us`` (one step called eagerly, CUDA events),
+``merge_share`` (1 - local / whole), ``eager_decode_us`` (the ``L`` steps called eagerly, back to
+back, per step),
 ``single_gpu_decode_us`` (``KVCache.step`` on rank 0 alone, decode timing) and ``speedup``.
 Lengths do not move between timed steps (each rewrites the same slot), so every step reads the
 same bytes. ``--tiny`` runs small rows on gloo without GPUs (host clock, no graphs; a smoke test).
@@ -42,24 +43,28 @@ def seq_for(batch: int, gb: float) -> int:
 
 
 def _time(fn, iters: int, cuda: bool) -> float:
-    """Median microseconds of ``fn`` over ``iters`` calls (CUDA events, or the host clock)."""
+    """Microseconds per call of ``fn`` called ``iters`` times back to back, as an eager decode loop
+    calls it (CUDA events around the loop; the host clock without a GPU), median of 5 loops."""
     import time
 
     for _ in range(3):
         fn()
     times = []
-    for _ in range(iters):
+    for _ in range(5):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
             start.record()
-            fn()
+            for _ in range(iters):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(start.elapsed_time(end) * 1e3 / iters)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e6 / iters)
     return statistics.median(times)
 
 
@@ -117,13 +122,14 @@ def run_row(mode, batch, seq, device, dtype, iters, hq=HQ, hkv=HKV, d=D, block=2
     qkvs = [torch.randn(batch, width, generator=g, device=device).to(dtype) for _ in range(layers)]
     out = "full" if mode == "sequence" else "heads"
     dist.barrier()
-    eager = _time(lambda: cache.step(0, qkvs[0], output=out), iters, cuda)
     local_qkvs = [cache._local_qkv(q, "qkv") for q in qkvs] if mode == "heads" else qkvs
     pos = cache.lengths[:batch] if mode == "sequence" else None
     whole_fns = [lambda i=i: cache.step(i, qkvs[i], output=out) for i in range(layers)]
     local_fns = [
         lambda i=i: cache.local.step(i, local_qkvs[i], return_lse=True, positions=pos) for i in range(layers)
     ]
+    dist.barrier()
+    eager = _time(lambda: [fn() for fn in whole_fns], iters, cuda) / layers
     dist.barrier()
     if cuda:
         whole, local = graph_us(whole_fns), graph_us(local_fns)
