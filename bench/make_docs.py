@@ -15,8 +15,11 @@ docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accu
 docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
 GPU model (copied to docs/data/bench_mods_<gpu>.json). --tree: a ``python -m mmha.bench --tree``
 bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --paged / --epilogue: likewise
-for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>.json). --ab: what ``bench/ab.sh``
-wrote (ab.md) for a kernel change, after a first line saying what the two builds were; repeatable.
+for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>.json). --ab: what
+``bench/ab.sh`` wrote (ab.md) for a kernel change, after a first line saying what the two builds were;
+repeatable.
+--distributed: a ``torchrun ... -m mmha.bench.distributed --out`` JSON, one per machine (world size
+and GPU: docs/data/bench_distributed_w<N>_<gpu>.json).
 """
 
 from __future__ import annotations
@@ -269,6 +272,7 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, action="append", default=[])
     ap.add_argument("--paged", type=Path, action="append", default=[])
     ap.add_argument("--epilogue", type=Path, action="append", default=[])
+    ap.add_argument("--distributed", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -401,6 +405,32 @@ def main() -> None:
             "",
         ]  # fmt: skip
         lines += gpu_sections(args.epilogue, "epilogue", epilogue)
+    if args.distributed:
+        from mmha.bench import distributed
+
+        lines += [
+            "## Decode across GPUs", "",
+            "`torchrun --nproc-per-node N -m mmha.bench.distributed` (its module docstring says how): a"
+            " `ShardedKVCache` step (each rank's kernel on its shard, the collective, the merge kernel)"
+            " against `KVCache.step` on one GPU holding the whole cache; decode timing with the"
+            " collectives inside the graph, fp16, Hq 32, Hkv 8, D 128. \"kernel\" is the ranks' local"
+            " step alone, \"merge\" the rest's share. Targets (two GPUs, sequence mode): 1.8x one GPU"
+            " from 4 GB per layer, 1.6x at 1 GB. A run on one GPU (N = 1) measures what the sharded"
+            " step adds to the kernel; it has no target.", "",
+        ]  # fmt: skip
+        for path in args.distributed:
+            data = json.loads(path.read_text())
+            h = data["header"]
+            keep(path, f"bench_distributed_w{h['world_size']}_{slug(h['gpu'])}.json")
+            bad = distributed.misses(data["rows"])
+            lines += [
+                f"### {h['world_size']} x {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+                distributed.table(data["rows"]), "",
+                "Targets: " + ("no row with a target." if not any(
+                    r["mode"] == "sequence" and r["world_size"] > 1 for r in data["rows"]
+                ) else "met on every row." if not bad else f"{len(bad)} misses:"), "",
+                *[f"- {m}" for m in bad], "",
+            ]  # fmt: skip
     if args.hf:
         model = json.loads(args.hf[0].read_text())["header"]["model"]
         lines += [

@@ -33,6 +33,8 @@ from ..distributed import ShardedKVCache
 from . import timing
 
 HQ, HKV, D = 32, 8, 128
+# Targets of sequence mode on two or more GPUs: speedup over one GPU from this many GB per layer.
+SEQUENCE_TARGETS = ((4.0, 1.8), (1.0, 1.6))
 SEQUENCE_ROWS = [(1, gb) for gb in (1, 2, 4, 8)] + [(16, gb) for gb in (1, 2, 4, 8)]
 HEADS_ROWS = [(16, 2048), (16, 8192), (16, 32768), (64, 1024), (64, 4096)]
 
@@ -161,6 +163,36 @@ def run_row(mode, batch, seq, device, dtype, iters, hq=HQ, hkv=HKV, d=D, block=2
     )  # fmt: skip
 
 
+def table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    def us(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    body = [[r["mode"], r["batch"], r["seq"], f"{r['kv_gb_per_layer']:.2f}", r["world_size"], r["layers"],
+             us(r["mmha_decode_us"]), us(r["local_step_us"]), f"{100 * r['merge_share']:.0f} %",
+             us(r["eager_decode_us"]), us(r["single_gpu_decode_us"]),
+             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"] for r in rows]  # fmt: skip
+    cols = ["mode", "B", "S", "GB/layer", "GPUs", "L", "sharded us", "kernel us", "merge", "eager us",
+            "one GPU us", "speedup"]  # fmt: skip
+    return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
+
+
+def misses(rows: list[dict]) -> list[str]:
+    """Sequence rows on two or more GPUs under their speedup target (SEQUENCE_TARGETS)."""
+    out = []
+    for r in rows:
+        if r["mode"] != "sequence" or r["world_size"] < 2 or r["speedup"] is None:
+            continue
+        target = next((t for gb, t in SEQUENCE_TARGETS if r["kv_gb_per_layer"] >= gb * 0.99), None)
+        if target is not None and r["speedup"] < target:
+            out.append(
+                f"sequence B={r['batch']} {r['kv_gb_per_layer']:.2f} GB/layer on {r['world_size']} GPUs: "
+                f"{r['speedup']:.2f}x one GPU (target {target}x)"
+            )
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m mmha.bench.distributed", description=__doc__.split("\n\n")[0]
@@ -202,8 +234,13 @@ def main(argv=None) -> None:
                 flush=True,
             )
     if dist.get_rank() == 0 and args.out:
+        header = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
+        if cuda:
+            from .cli import gpu_header
+
+            header.update(gpu_header())
         with open(args.out, "w") as f:
-            json.dump({"rows": results}, f, indent=1)
+            json.dump({"header": header, "rows": results}, f, indent=1)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
 
