@@ -117,6 +117,57 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
             assert local[r] == want_local, (r, local[r], want_local)
 
 
+def graph_matches_single(rank, world, mode="sequence", dtype=torch.float16, block=16, steps=40, output=None):
+    """GPU: both layers' sharded steps captured once in a CUDA graph (collectives and merge
+    inside) and replayed on fresh qkv, ``advance`` between replays, rows crossing ranks' blocks
+    and a release and an admit on the way: every replay's out and lse equal the single cache's
+    eager steps."""
+    device = f"cuda:{torch.cuda.current_device()}"
+    gen = torch.Generator().manual_seed(99)
+    hq, hkv, d = 4, 2, 32
+    sharded, single = _caches(world, mode, device, dtype, None, block, d=d)
+    lens = [3, 17, 100]
+    for layer in range(2):
+        k = torch.randn(3, 100, hkv, d, generator=gen).to(device, dtype)
+        v = torch.randn(3, 100, hkv, d, generator=gen).to(device, dtype)
+        sharded.prefill(layer, k, v, lens)
+        single.prefill(layer, k, v, lens)
+    qkvs = [torch.zeros(3, (hq + 2 * hkv) * d, device=device, dtype=dtype) for _ in range(2)]
+
+    def layers():
+        return [sharded.step(i, qkvs[i], return_lse=True, output=output) for i in range(2)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layers()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layers()
+    for step in range(steps):
+        if step == 7:
+            sharded.release([1])
+            single.release([1])
+        if step == 11:
+            assert sharded.admit([1]) == [1] and single.admit([1]) == [1]
+        for q in qkvs:
+            q.copy_(torch.randn(q.shape, generator=gen).to(device, dtype))
+        graph.replay()
+        for layer in range(2):
+            want, want_lse = single.step(layer, qkvs[layer], return_lse=True)
+            if output == "heads" and world > 1:
+                h0, h1 = sharding.head_range(hq, world, rank)
+                want, want_lse = want[:, h0 * d : h1 * d], want_lse[:, h0:h1]
+            rows = single.active_rows
+            out, lse = outs[layer]
+            _compare(out[rows], want[rows], dtype, f"rank {rank} replay {step} layer {layer} out")
+            _compare(lse[rows], want_lse[rows], dtype, f"rank {rank} replay {step} layer {layer} lse")
+        sharded.advance()
+        single.advance()
+    sharded.check()
+
+
 def heads_local_qkv(rank, world, device="cpu", dtype=torch.float32):
     """Heads mode fed the rank's slice of qkv (a column-parallel projection) equals full qkv."""
     gen = torch.Generator().manual_seed(99)
@@ -161,6 +212,7 @@ def rank_fails(rank, world, device="cpu", stay_s=0.0):
 
 CASES = {
     "decode_matches_single": decode_matches_single,
+    "graph_matches_single": graph_matches_single,
     "heads_local_qkv": heads_local_qkv,
     "rank_fails": rank_fails,
 }

@@ -150,3 +150,13 @@ def test_sharded_cache_on_one_gpu_over_gloo(kw):
 )
 def test_sharded_cache_over_nccl(kw):
     run_ranks("decode_matches_single", 2, backend="nccl", device="cuda", **kw)
+
+
+def test_sharded_step_in_a_cuda_graph_one_rank():
+    run_ranks("graph_matches_single", 1, backend="gloo")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("output", [None, "heads"])
+def test_sharded_step_in_a_cuda_graph_over_nccl(output):
+    run_ranks("graph_matches_single", 2, backend="nccl", output=output)

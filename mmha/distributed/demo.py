@@ -3,9 +3,11 @@
 A Llama-8B-shaped stack (hidden 4096, 32 query heads and 8 kv heads of 128, MLP 14336, 32
 layers) with random weights, replicated on every rank, decodes ``--steps`` tokens after a
 ``--context``-token context (random K/V, as a long prompt's prefill would leave) held in a
-``ShardedKVCache``: by sequence (each rank a share of every row's tokens) or by heads. Prints
-tokens/s, the time per step and the memory per GPU. Without GPUs it runs on gloo with the
-reference path (use ``--preset tiny``).
+``ShardedKVCache``: by sequence (each rank a share of every row's tokens) or by heads. On GPUs
+each step's layers (attention with its collectives, MLPs) replay as one CUDA graph and
+``advance`` follows on the host (``--eager``: every op launched from Python). Prints tokens/s,
+the time per step and the memory per GPU. Without GPUs it runs on gloo with the reference path
+(use ``--preset tiny``).
 """
 
 from __future__ import annotations
@@ -58,14 +60,38 @@ class Stack:
         ]  # fmt: skip
 
     @torch.no_grad()
-    def decode_step(self, x: torch.Tensor, cache: ShardedKVCache) -> torch.Tensor:
+    def layers_step(self, x: torch.Tensor, cache: ShardedKVCache) -> torch.Tensor:
+        """Every layer of one decode step (lengths unchanged: ``cache.advance()`` follows)."""
         for i, (wqkv, wo, w_in, w_out) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],))
             x = x + F.linear(cache.step(i, F.linear(h, wqkv), output="full"), wo)  # weights replicated
             gate, up = F.linear(F.rms_norm(x, (x.shape[-1],)), w_in).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w_out)
-        cache.advance()
         return x
+
+
+class GraphStep:
+    """``stack.layers_step`` captured once in a CUDA graph (its collectives too), replayed per
+    step on a static input; ``cache.advance()`` runs after each replay, outside the graph (the
+    sequence shards' row modes change in place, which the captured steps read)."""
+
+    def __init__(self, stack: Stack, cache: ShardedKVCache, x: torch.Tensor):
+        self.cache = cache
+        self.x = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the first step's work, repeated by the first replay
+            stack.layers_step(self.x, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.y = stack.layers_step(self.x, cache)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.graph.replay()
+        self.cache.advance()
+        return self.y
 
 
 def main(argv=None) -> None:
@@ -78,6 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--block", type=int, default=256, help="tokens per block of sequence sharding")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graph: every op launched from Python")
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -115,14 +142,22 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
     say(f"context written in {time.perf_counter() - t0:.1f} s; cache per rank {cache.nbytes / 2**30:.2f} GiB")
 
+    def eager(x):
+        x = stack.layers_step(x, cache)
+        cache.advance()
+        return x
+
     x = torch.randn(args.batch, shape.dim, generator=g, device=device).to(dtype)
-    x = stack.decode_step(x, cache)  # warm-up (plans, workspace, NCCL communicators)
+    x = eager(x)  # warm-up (plans, workspace, NCCL communicators)
+    step, how = eager, "eager"
+    if cuda and not args.eager:
+        step, how = GraphStep(stack, cache, x), "one CUDA graph per step"
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps - 1):
-        x = stack.decode_step(x, cache)
+        x = step(x)
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -131,7 +166,7 @@ def main(argv=None) -> None:
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     mems = [None] * world
     dist.all_gather_object(mems, mem)
-    say(f"decode: {elapsed / n * 1e3:.2f} ms per step, {args.batch * n / elapsed:.1f} tokens/s "
+    say(f"decode ({how}): {elapsed / n * 1e3:.2f} ms per step, {args.batch * n / elapsed:.1f} tokens/s "
         f"({n} steps, final length {cache.host_lengths[0]})")  # fmt: skip
     say("peak memory per GPU (GiB): " + ", ".join(f"rank {r}: {m:.2f}" for r, m in enumerate(mems)))
     if not torch.isfinite(x.float()).all():
