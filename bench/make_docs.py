@@ -416,7 +416,8 @@ def main() -> None:
             " collectives inside the graph, fp16, Hq 32, Hkv 8, D 128. \"kernel\" is the ranks' local"
             " step alone, \"merge\" the rest's share. Targets (two GPUs, sequence mode): 1.8x one GPU"
             " from 4 GB per layer, 1.6x at 1 GB. A run on one GPU (N = 1) measures what the sharded"
-            " step adds to the kernel; it has no target.", "",
+            " step adds to the kernel; it has no target (a share below zero is the spread between two timings"
+            " of nearly the same work).", "",
         ]  # fmt: skip
         for path in args.distributed:
             data = json.loads(path.read_text())
