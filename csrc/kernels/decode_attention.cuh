@@ -170,19 +170,28 @@ __device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float&
 // value_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
 // single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
 // stores an item's every value (threads tid < nthreads) from the block's combine.
-template <typename T, int HEAD_DIM, bool EPI>
+// PRE: cv holds the epilogue's values of the value's channel, loaded ahead (ItemChannels).
+template <typename T, int HEAD_DIM, bool EPI, bool PRE = false>
 __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem& w, const Column& col, int d,
-                                            float a, float mx, float sum, float value_scale) {
+                                            float a, float mx, float sum, float value_scale,
+                                            const ChannelValue& cv = ChannelValue{}) {
   const int num_splits = p.num_splits;
   const int64_t h = col.flat(p.num_heads);
+  const auto out = [&](float x) {
+    if constexpr (PRE) {
+      store_out_epilogue(p, h * HEAD_DIM + d, x, sizeof(T), cv);
+    } else {
+      store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
+    }
+  };
   if (col.node >= w.nodes) {  // a tree node the row does not use
     if (w.split == 0) {
-      store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, 0.f);
+      out(0.f);
       if (d == 0) p.lse[h] = -INFINITY;
     }
   } else if (num_splits == 1) {
     a *= with_sink(p, col.head, mx, sum);
-    store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, a / sum * value_scale);
+    out(a / sum * value_scale);
     if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
   } else {
     float* part_acc = p.partials;
@@ -197,9 +206,39 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
 // spills that decide it (fp16, head dim 128, bulk copies): 8 columns spill 20 bytes with four
 // values and 84 with one; 1 column 12 with four (65 K local-load sectors on B=16 S=512 that the
 // plain kernel does not have) and none with one.
-template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, class Max, class Sum, class Acc>
+// The epilogue's per-channel values of the N values a thread stores for a one-column item
+// (value k: head dim tid + k * nthreads), loaded at the item's first tile so that their latency
+// hides behind its tiles: loaded at the store they cost the B=64 S=256 row 5 %.
+template <int N>
+struct ItemChannels {
+  ChannelValue v[N > 0 ? N : 1];
+
+  template <int HEAD_DIM>
+  __device__ __forceinline__ void load(const MmhaParams& p, int head, int tid, int nthreads) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int d = tid + k * nthreads;
+      if (d < HEAD_DIM) v[k] = load_channel(p, head * HEAD_DIM + d);
+    }
+  }
+};
+
+// PRE_N > 0 (one-column items through the epilogue): pre holds each value's channel values.
+template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
-                                           float value_scale, int tid, int nthreads) {
+                                           float value_scale, int tid, int nthreads,
+                                           const ItemChannels<PRE_N>& pre = ItemChannels<PRE_N>{}) {
+  if constexpr (PRE_N > 0) {
+    const bool ml = p.num_splits == 1;
+#pragma unroll
+    for (int k = 0; k < PRE_N; ++k) {
+      const int d = tid + k * nthreads;
+      if (d >= w.nh * HEAD_DIM) continue;
+      store_value<T, HEAD_DIM, EPI, true>(p, w, column_of(p, w, 0), d, acc(0, d), ml || d == 0 ? m(0) : 0.f,
+                                          ml || d == 0 ? l(0) : 0.f, value_scale, pre.v[k]);
+    }
+    return;
+  }
   if (VEC && p.num_splits == 1) {  // four values per thread through the output epilogue
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
       const int g = idx / HEAD_DIM;
@@ -627,6 +666,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   TileConsumer<C, HEAD_DIM, QB> c;
   WorkItem w;
   float value_scale = 1.f;
+  // One-column items through the epilogue: its per-channel values, loaded at the first tile.
+  constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
+  ItemChannels<PRE_N> pre;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -638,6 +680,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
+      if constexpr (PRE_N > 0) pre.template load<HEAD_DIM>(p, column_of(p, w, 0).head, tid, CONSUMERS);
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
                                                    tid, CONSUMERS);
@@ -662,10 +705,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
-        store_item<T, HEAD_DIM, EPI, EPI && QB == kEpilogueColumns>(
+        store_item<T, HEAD_DIM, EPI, EPI && QB == kEpilogueColumns, PRE_N>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
             [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-            value_scale, tid, CONSUMERS);
+            value_scale, tid, CONSUMERS, pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);

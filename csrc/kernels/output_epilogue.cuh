@@ -19,15 +19,27 @@ __device__ __forceinline__ uint32_t quantised_byte(const MmhaParams& p, float y,
   return static_cast<uint8_t>(static_cast<int8_t>(min(127, max(p.out_min, v))));
 }
 
+// The per-channel values of channel c (those the epilogue has): loaded apart from the store so
+// that a kernel can issue the loads early and keep the values in registers.
+struct ChannelValue {
+  float shift, smooth, scale;
+};
+
+__device__ __forceinline__ ChannelValue load_channel(const MmhaParams& p, int channel) {
+  return ChannelValue{p.out_shift != nullptr ? p.out_shift[channel] : 0.f,
+                      p.out_smooth != nullptr ? p.out_smooth[channel] : 1.f,
+                      p.out_scales != nullptr ? p.out_scales[channel] : p.out_scale};
+}
+
 // y = (x + shift[c]) * smooth[c], then for a quantised output q = saturate(round(y * scale)).
 // Each step one fp32 operation (no contraction into a fused multiply-add), as mmha.epilogue
 // computes it, so the same x gives the same bits. int8: a NaN x converts to 0; an infinite one
-// saturates to a bound.
-__device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t i, int channel, float x,
-                                                   int plain_bytes) {
+// saturates to a bound. cv: channel c's values (load_channel).
+__device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t i, float x, int plain_bytes,
+                                                   const ChannelValue& cv) {
   float y = x;
-  if (p.out_shift != nullptr) y = __fadd_rn(y, p.out_shift[channel]);
-  if (p.out_smooth != nullptr) y = __fmul_rn(y, p.out_smooth[channel]);
+  if (p.out_shift != nullptr) y = __fadd_rn(y, cv.shift);
+  if (p.out_smooth != nullptr) y = __fmul_rn(y, cv.smooth);
   if (p.out_kind == OutKind::kActivations) {
     // The activations' dtype (plain_bytes 4: fp32; 2: fp16 or bf16, by p.dtype).
     if (plain_bytes == 4) {
@@ -39,8 +51,12 @@ __device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t 
     }
     return;
   }
-  const float scale = p.out_scales != nullptr ? p.out_scales[channel] : p.out_scale;
-  static_cast<uint8_t*>(p.out)[i] = static_cast<uint8_t>(quantised_byte(p, y, scale));
+  static_cast<uint8_t*>(p.out)[i] = static_cast<uint8_t>(quantised_byte(p, y, cv.scale));
+}
+
+__device__ __forceinline__ void store_out_epilogue(const MmhaParams& p, int64_t i, int channel, float x,
+                                                   int plain_bytes) {
+  store_out_epilogue(p, i, x, plain_bytes, load_channel(p, channel));
 }
 
 // Output element i (flat over [rows, Hq * D]) of channel c = head * D + d from the fp32 value x:
