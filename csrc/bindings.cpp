@@ -69,6 +69,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WIDE_MIN_COLUMNS") = mmha::kWideMinColumns;
   m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
   m.attr("EPILOGUE_COLUMNS") = mmha::kEpilogueColumns;
+  m.attr("EPILOGUE_GROUP_COLUMNS") = mmha::kEpilogueGroupColumns;
   m.def(
       "columns_block",
       [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows, bool epilogue) {

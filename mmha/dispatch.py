@@ -29,9 +29,10 @@ WIDE_COLUMNS = 64
 WIDE_MIN_COLUMNS = 32
 WIDE_MAX_HEAD_DIM = 128
 # A step with an output epilogue (mmha.epilogue) runs kernels compiled with it, which exist for
-# items of EPILOGUE_COLUMNS columns, and of one column on the tile loop (csrc/kernels/mmha_params.h
-# kEpilogueColumns).
+# items of EPILOGUE_COLUMNS columns, and of one and EPILOGUE_GROUP_COLUMNS columns on the tile loop
+# (csrc/kernels/mmha_params.h kEpilogueColumns, kEpilogueGroupColumns).
 EPILOGUE_COLUMNS = 8
+EPILOGUE_GROUP_COLUMNS = 4
 # Below WIDE_ALWAYS_COLUMNS, wide items only where a step has at least WIDE_MIN_ITEMS of them
 # (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
 # (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
@@ -118,9 +119,11 @@ def columns_block(
     nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns, ``head_dim <=
     WIDE_MAX_HEAD_DIM``, and either ``WIDE_ALWAYS_COLUMNS`` columns or ``WIDE_MIN_ITEMS`` wide
     items over its ``kv_rows`` (rows x kv heads); with an output epilogue ``EPILOGUE_COLUMNS``, or
-    1 for one column on the tile loop."""
+    on the tile loop 1 for one column and ``EPILOGUE_GROUP_COLUMNS`` for up to that many."""
     if epilogue:
-        return 1 if tiles and columns == 1 else EPILOGUE_COLUMNS
+        if tiles and columns == 1:
+            return 1
+        return EPILOGUE_GROUP_COLUMNS if tiles and columns <= EPILOGUE_GROUP_COLUMNS else EPILOGUE_COLUMNS
     blocks = -(-columns // WIDE_COLUMNS)
     enough = columns >= WIDE_ALWAYS_COLUMNS or kv_rows * blocks >= WIDE_MIN_ITEMS
     if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS and enough:
@@ -296,8 +299,8 @@ def choose_variant(
     ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide (``columns_block``): they
     compute more than they read, so their grid fills every resident block, as fp8's does.
 
-    ``epilogue``: the step has an output epilogue, whose kernels take ``EPILOGUE_COLUMNS``
-    columns per item (``columns_block``).
+    ``epilogue``: the step has an output epilogue, whose kernels take 1, ``EPILOGUE_GROUP_COLUMNS``
+    or ``EPILOGUE_COLUMNS`` columns per item (``columns_block``).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

@@ -117,6 +117,7 @@ def test_python_and_cpp_constants_agree():
     assert _C.TILE_THREADS == dispatch.TILE_THREADS
     assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
     assert _C.EPILOGUE_COLUMNS == dispatch.EPILOGUE_COLUMNS
+    assert _C.EPILOGUE_GROUP_COLUMNS == dispatch.EPILOGUE_GROUP_COLUMNS
     assert (_C.WIDE_COLUMNS, _C.WIDE_MIN_COLUMNS, _C.WIDE_MAX_HEAD_DIM) == (
         dispatch.WIDE_COLUMNS, dispatch.WIDE_MIN_COLUMNS, dispatch.WIDE_MAX_HEAD_DIM
     )  # fmt: skip
@@ -124,7 +125,7 @@ def test_python_and_cpp_constants_agree():
         assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
         for qb in dispatch.Q_GROUP_BLOCKS + (dispatch.WIDE_COLUMNS,):
             assert _C.tile_static_smem(d, 2, qb) == dispatch.tile_static_smem(d, 2, qb)
-        for columns in (1, 3, 8, 9, 31, 32, 64, 127, 128, 256):
+        for columns in (1, 2, 3, 4, 5, 8, 9, 31, 32, 64, 127, 128, 256):
             for tree in (False, True):
                 for tiles in (False, True):
                     for kv_rows in (1, 8, 63, 64, 512):
@@ -143,9 +144,12 @@ def test_columns_block_of_tree_steps():
     assert dispatch.columns_block(64, tree=True, kv_rows=8) == 8  # too few wide items: narrow
     assert dispatch.columns_block(128, tree=True, kv_rows=1) == dispatch.WIDE_COLUMNS
     assert dispatch.columns_block(256, tree=True, head_dim=256) == 8
-    assert dispatch.columns_block(1, epilogue=True) == 1  # the epilogue's kernels: 1 or 8 columns
+    assert dispatch.columns_block(1, epilogue=True) == 1  # the epilogue's kernels: 1, 4 or 8 columns
     assert dispatch.columns_block(1, tiles=False, epilogue=True) == dispatch.EPILOGUE_COLUMNS
-    assert dispatch.columns_block(2, epilogue=True) == dispatch.EPILOGUE_COLUMNS
+    assert dispatch.columns_block(2, epilogue=True) == dispatch.EPILOGUE_GROUP_COLUMNS == 4
+    assert dispatch.columns_block(4, epilogue=True) == 4
+    assert dispatch.columns_block(4, tiles=False, epilogue=True) == dispatch.EPILOGUE_COLUMNS
+    assert dispatch.columns_block(5, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     assert dispatch.columns_block(256, tree=True, kv_rows=512, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
     # every resident block.

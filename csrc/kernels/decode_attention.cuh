@@ -1002,10 +1002,10 @@ cudaError_t launch_source(const MmhaParams& params, cudaStream_t stream) {
   return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync, EPI>(params, stream);
 }
 
-// Kernels with the output epilogue exist for QB kEpilogueColumns, and for one column on the tile
-// loop (columns_block in mmha_params.h).
+// Kernels with the output epilogue exist for QB kEpilogueColumns, and for one and
+// kEpilogueGroupColumns columns on the tile loop (columns_block in mmha_params.h).
 template <typename T, int QB>
-constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && QB == 1);
+constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && (QB == 1 || QB == kEpilogueGroupColumns));
 
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {

@@ -72,18 +72,23 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
 }
 // A step with an output epilogue runs kernels compiled with it (output_epilogue.cuh), so that the
 // plain kernels stay as they are (the epilogue's code in them cost 4 % on short rows, H200). They
-// exist for items of kEpilogueColumns columns, and of one column on the tile loop (one query head
-// per kv head: 8 columns there cost 8-17 % on short rows): two more kernels per (dtype, cache
-// dtype, head dim, tile source) rather than four.
+// exist for items of kEpilogueColumns columns, and of one and of four columns on the tile loop
+// (one query head per kv head: 8 columns there cost 8-17 % on short rows; groups of 2-4 heads,
+// as Llama's 4: 8 columns cost 2.5-5 % on the B=16 / 64 GQA rows): three more kernels per (dtype,
+// cache dtype, head dim, tile source) rather than five.
 constexpr int kEpilogueColumns = 8;
+constexpr int kEpilogueGroupColumns = 4;
 // Query columns per item for `columns` columns per (row, kv head): the smallest of
 // kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
 // on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
-// as one), or kEpilogueColumns with an output epilogue; kv_rows = batch x kv heads. Mirrored by
+// as one), or with an output epilogue 1, kEpilogueGroupColumns (tile loop) or kEpilogueColumns; kv_rows = batch x kv heads. Mirrored by
 // columns_block in mmha/dispatch.py.
 constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows,
                             bool epilogue = false) {
-  if (epilogue) return tiles && columns == 1 ? 1 : kEpilogueColumns;
+  if (epilogue) {
+    if (tiles && columns == 1) return 1;
+    return tiles && columns <= kEpilogueGroupColumns ? kEpilogueGroupColumns : kEpilogueColumns;
+  }
   if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns &&
       (columns >= kWideAlwaysColumns || kv_rows * ((columns + kWideColumns - 1) / kWideColumns) >= kWideMinItems)) {
     return kWideColumns;
