@@ -145,6 +145,22 @@ def test_tiles_against_reference(kind, dtype, head_dim, splits, record_property)
     assert off <= 0.05 * got.numel()
 
 
+@pytest.mark.parametrize("kind", ["int8_even_127", "int8_scales_only", "shift_smooth"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_every_column_block(kind, group, splits, source):
+    # The epilogue's kernels per group of query heads: 1 column (MHA), 4 (groups 2-4), 8 (5-8; 16
+    # takes two items of 8), each item's channels those of its own heads.
+    hkv = 2
+    case = make_case(3, group * hkv, hkv, 128, [5, 130, 257], 288, torch.float16, seed=group + 10 * splits)
+    e = epilogues(group * hkv * 128, seed=group)[kind]
+    got, _, _, _ = step(case, e, num_splits=splits, tile_source=source)
+    x_ref = reference_x(case)
+    off = check_quantised(got, x_ref, e, torch.float16, tolerance(case, x_ref))
+    assert off <= 0.05 * got.numel()
+
+
 @pytest.mark.parametrize("kind", ["int8_even_127", "int8_away_128", "e4m3", "shift_smooth"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3])
