@@ -705,7 +705,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
-        store_item<T, HEAD_DIM, EPI, EPI && QB == kEpilogueColumns, PRE_N>(
+        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
             [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
             value_scale, tid, CONSUMERS, pre);
