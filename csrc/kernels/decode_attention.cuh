@@ -225,36 +225,11 @@ struct ItemChannels {
   }
 };
 
-// The same for four-column items (VEC): the float4 of channel values of each of the N groups of
-// four values a thread stores (group k: values 4 (tid + k * nthreads) ...).
-template <int N>
-struct ItemChannels4 {
-  float4 shift[N > 0 ? N : 1], smooth[N > 0 ? N : 1], scale[N > 0 ? N : 1];
-
-  template <int HEAD_DIM, class ColumnOf>
-  __device__ __forceinline__ void load(const MmhaParams& p, int nh, ColumnOf column, int tid, int nthreads) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int idx = 4 * (tid + k * nthreads);
-      if (idx >= nh * HEAD_DIM) continue;
-      const int channel = column(idx / HEAD_DIM).head * HEAD_DIM + idx % HEAD_DIM;
-      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-      shift[k] = p.out_shift != nullptr ? *reinterpret_cast<const float4*>(p.out_shift + channel) : zero;
-      smooth[k] = p.out_smooth != nullptr ? *reinterpret_cast<const float4*>(p.out_smooth + channel) : zero;
-      scale[k] = p.out_scales != nullptr ? *reinterpret_cast<const float4*>(p.out_scales + channel)
-                                         : make_float4(p.out_scale, p.out_scale, p.out_scale, p.out_scale);
-    }
-  }
-};
-
 // PRE_N > 0 (one-column items through the epilogue): pre holds each value's channel values.
-// PRE4_N > 0 (four-column items through the epilogue, VEC): pre4 likewise per group of four.
-template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, int PRE4_N = 0, class Max, class Sum,
-          class Acc>
+template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float value_scale, int tid, int nthreads,
-                                           const ItemChannels<PRE_N>& pre = ItemChannels<PRE_N>{},
-                                           const ItemChannels4<PRE4_N>& pre4 = ItemChannels4<PRE4_N>{}) {
+                                           const ItemChannels<PRE_N>& pre = ItemChannels<PRE_N>{}) {
   if constexpr (PRE_N > 0) {
     const bool ml = p.num_splits == 1;
 #pragma unroll
@@ -266,41 +241,23 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     }
     return;
   }
-  // Four values per thread through the output epilogue: values idx .. idx + 3 (one head), stored
-  // by put(i, channel, x).
-  const auto group = [&](int idx, auto put) {
-    const int g = idx / HEAD_DIM;
-    const int d = idx % HEAD_DIM;
-    const Column col = column_of(p, w, g);
-    const int64_t h = col.flat(p.num_heads);
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);  // a tree node the row does not use: zeros
-    if (col.node < w.nodes) {
-      float mx = m(g), sum = l(g);
-      const float f = with_sink(p, col.head, mx, sum);  // as store_value computes each value
-      x = make_float4(acc(g, d) * f / sum * value_scale, acc(g, d + 1) * f / sum * value_scale,
-                      acc(g, d + 2) * f / sum * value_scale, acc(g, d + 3) * f / sum * value_scale);
-      if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
-    } else if (d == 0) {
-      p.lse[h] = -INFINITY;
-    }
-    put(h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
-  };
-  if constexpr (PRE4_N > 0) {
-    if (p.num_splits == 1) {
-#pragma unroll
-      for (int k = 0; k < PRE4_N; ++k) {
-        const int idx = 4 * (tid + k * nthreads);
-        if (idx >= w.nh * HEAD_DIM) continue;
-        group(idx, [&](int64_t i, int, float4 x) {
-          store_out4_epilogue(p, i, x, sizeof(T), pre4.shift[k], pre4.smooth[k], pre4.scale[k]);
-        });
-      }
-      return;
-    }
-  }
-  if (VEC && p.num_splits == 1) {
+  if (VEC && p.num_splits == 1) {  // four values per thread through the output epilogue
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
-      group(idx, [&](int64_t i, int channel, float4 x) { store_out4<T, EPI>(p, i, channel, x); });
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const Column col = column_of(p, w, g);
+      const int64_t h = col.flat(p.num_heads);
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);  // a tree node the row does not use: zeros
+      if (col.node < w.nodes) {
+        float mx = m(g), sum = l(g);
+        const float f = with_sink(p, col.head, mx, sum);  // as store_value computes each value
+        x = make_float4(acc(g, d) * f / sum * value_scale, acc(g, d + 1) * f / sum * value_scale,
+                        acc(g, d + 2) * f / sum * value_scale, acc(g, d + 3) * f / sum * value_scale);
+        if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+      } else if (d == 0) {
+        p.lse[h] = -INFINITY;
+      }
+      store_out4<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
     }
     return;
   }
@@ -714,10 +671,6 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // One-column items through the epilogue: its per-channel values, loaded at the first tile.
   constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
   ItemChannels<PRE_N> pre;
-  // Four-column items likewise, per group of four values.
-  constexpr int PRE4_N =
-      EPI && QB == kEpilogueGroupColumns && HEAD_DIM <= 128 ? (QB * HEAD_DIM / 4 + CONSUMERS - 1) / CONSUMERS : 0;
-  ItemChannels4<PRE4_N> pre4;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -730,9 +683,6 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) pre.template load<HEAD_DIM>(p, column_of(p, w, 0).head, tid, CONSUMERS);
-      if constexpr (PRE4_N > 0) {
-        pre4.template load<HEAD_DIM>(p, w.nh, [&](int g) { return column_of(p, w, g); }, tid, CONSUMERS);
-      }
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
                                                    tid, CONSUMERS);
@@ -757,10 +707,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
-        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N, PRE4_N>(
+        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
             [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-            value_scale, tid, CONSUMERS, pre, pre4);
+            value_scale, tid, CONSUMERS, pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);

@@ -73,16 +73,15 @@ __device__ __forceinline__ void store_out(const MmhaParams& p, int64_t i, int ch
 // Four consecutive output elements i .. i + 3 (channels c .. c + 3, both multiples of 4) through
 // the epilogue, as store_out_epilogue computes each: one 16-byte load per per-channel tensor and
 // one store of 4 outputs.
-// The same with the four channels' values given (shift, smooth and scale; loaded ahead).
-__device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t i, float4 x, int plain_bytes,
-                                                    const float4& shift, const float4& smooth, const float4& sc) {
+__device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t i, int channel, float4 x,
+                                                    int plain_bytes) {
   float y[4] = {x.x, x.y, x.z, x.w};
   if (p.out_shift != nullptr) {
-    const float4 s = shift;
+    const float4 s = *reinterpret_cast<const float4*>(p.out_shift + channel);
     y[0] = __fadd_rn(y[0], s.x), y[1] = __fadd_rn(y[1], s.y), y[2] = __fadd_rn(y[2], s.z), y[3] = __fadd_rn(y[3], s.w);
   }
   if (p.out_smooth != nullptr) {
-    const float4 s = smooth;
+    const float4 s = *reinterpret_cast<const float4*>(p.out_smooth + channel);
     y[0] = __fmul_rn(y[0], s.x), y[1] = __fmul_rn(y[1], s.y), y[2] = __fmul_rn(y[2], s.z), y[3] = __fmul_rn(y[3], s.w);
   }
   if (p.out_kind == OutKind::kActivations) {
@@ -97,19 +96,11 @@ __device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t
     }
     return;
   }
+  float4 sc = make_float4(p.out_scale, p.out_scale, p.out_scale, p.out_scale);
+  if (p.out_scales != nullptr) sc = *reinterpret_cast<const float4*>(p.out_scales + channel);
   const uint32_t packed = quantised_byte(p, y[0], sc.x) | quantised_byte(p, y[1], sc.y) << 8 |
                           quantised_byte(p, y[2], sc.z) << 16 | quantised_byte(p, y[3], sc.w) << 24;
   *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + i) = packed;
-}
-
-__device__ __forceinline__ void store_out4_epilogue(const MmhaParams& p, int64_t i, int channel, float4 x,
-                                                    int plain_bytes) {
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4 shift = p.out_shift != nullptr ? *reinterpret_cast<const float4*>(p.out_shift + channel) : zero;
-  const float4 smooth = p.out_smooth != nullptr ? *reinterpret_cast<const float4*>(p.out_smooth + channel) : zero;
-  const float4 sc = p.out_scales != nullptr ? *reinterpret_cast<const float4*>(p.out_scales + channel)
-                                            : make_float4(p.out_scale, p.out_scale, p.out_scale, p.out_scale);
-  store_out4_epilogue(p, i, x, plain_bytes, shift, smooth, sc);
 }
 
 template <typename T, bool EPI>
