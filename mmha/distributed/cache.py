@@ -36,7 +36,6 @@ from . import merge, sharding
 
 MODES = ("heads", "sequence")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 _all_to_all = dist.all_to_all_single
