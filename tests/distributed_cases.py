@@ -60,6 +60,15 @@ def _caches(world, mode, device, dtype, kv_dtype=None, block=16, hq=4, hkv=2, d=
     return sharded, single
 
 
+def _prefill_both(sharded, single, lens, gen, device, dtype, hkv, d, layers=2):
+    """The same random prompts of ``len(lens)`` rows (``max(lens)`` wide) into both caches."""
+    for layer in range(layers):
+        k = torch.randn(len(lens), max(lens), hkv, d, generator=gen).to(device, dtype)
+        v = torch.randn(len(lens), max(lens), hkv, d, generator=gen).to(device, dtype)
+        sharded.prefill(layer, k, v, lens)
+        single.prefill(layer, k, v, lens)
+
+
 def _compare(got, want, dtype, what):
     atol, rtol = _tol(dtype)
     got, want = got.float(), want.float()
@@ -77,12 +86,7 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
     gen = torch.Generator().manual_seed(1234)
     hq, hkv, d = 4, 2, 16 if device == "cpu" else 32  # the kernel's smallest head dim
     sharded, single = _caches(world, mode, device, dtype, kv_dtype, block, d=d)
-    lens = [0, 5, 120]
-    for layer in range(2):
-        k = torch.randn(3, 120, hkv, d, generator=gen).to(device, dtype)
-        v = torch.randn(3, 120, hkv, d, generator=gen).to(device, dtype)
-        sharded.prefill(layer, k, v, lens)
-        single.prefill(layer, k, v, lens)
+    _prefill_both(sharded, single, [0, 5, 120], gen, device, dtype, hkv, d)
     sinks = torch.tensor([0.5, -3.0, 2.0, 0.0], device=device) if mods else None
     softcap = 5.0 if mods else None
     for step in range(steps):
@@ -126,12 +130,7 @@ def graph_matches_single(rank, world, mode="sequence", dtype=torch.float16, bloc
     gen = torch.Generator().manual_seed(99)
     hq, hkv, d = 4, 2, 32
     sharded, single = _caches(world, mode, device, dtype, None, block, d=d)
-    lens = [3, 17, 100]
-    for layer in range(2):
-        k = torch.randn(3, 100, hkv, d, generator=gen).to(device, dtype)
-        v = torch.randn(3, 100, hkv, d, generator=gen).to(device, dtype)
-        sharded.prefill(layer, k, v, lens)
-        single.prefill(layer, k, v, lens)
+    _prefill_both(sharded, single, [3, 17, 100], gen, device, dtype, hkv, d)
     qkvs = [torch.zeros(3, (hq + 2 * hkv) * d, device=device, dtype=dtype) for _ in range(2)]
 
     def layers():

@@ -75,33 +75,22 @@ def layers_for(nbytes: int) -> int:
     return max(2, min(32, math.ceil((1 << 30) / max(nbytes, 1))))
 
 
-def graph_us(fns, replays: int = timing.REPLAYS) -> float:
+def _most(count: int) -> int:
+    """The largest of every rank's ``count``."""
+    t = torch.tensor([count], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def graph_us(fns) -> float:
     """Decode timing of ``fns`` (one call per layer) on every rank in step: one graph each, the
     same number of warm-up replays everywhere (a collective in the graph pairs the ranks'
     replays), rank-local median per call."""
     graph = timing.capture(fns)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(timing.WARMUP_REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    per_replay = max(start.elapsed_time(end) / timing.WARMUP_REPLAYS, 1e-3)
-    warm = torch.tensor([min(1000, int(timing.WARMUP_MS / per_replay))], device="cuda")
-    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
-    for _ in range(int(warm.item())):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del graph
-    return statistics.median(times)
+    try:
+        return timing.replay_us(graph, len(fns), agree=_most)["us"]
+    finally:
+        del graph
 
 
 def _fill(cache, batch: int, seq: int, device, dtype, hkv: int, d: int) -> None:

@@ -42,8 +42,12 @@ def capture(fns: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int = REPLAYS) -> dict:
-    """Per-call us of a graph of ``calls`` calls: median, 20th and 80th percentile of replays."""
+def replay_us(
+    graph: torch.cuda.CUDAGraph, calls: int, replays: int = REPLAYS, agree: Callable[[int], int] | None = None
+) -> dict:
+    """Per-call us of a graph of ``calls`` calls: median, 20th and 80th percentile of replays.
+    ``agree`` maps this process's count of warm-up replays to the one used (processes whose graphs
+    hold collectives must replay them equally often)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(WARMUP_REPLAYS):
@@ -51,7 +55,8 @@ def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int = REPLAYS) -
     end.record()
     end.synchronize()
     per_replay = max(start.elapsed_time(end) / WARMUP_REPLAYS, 1e-3)
-    for _ in range(min(1000, int(WARMUP_MS / per_replay))):
+    warm = min(1000, int(WARMUP_MS / per_replay))
+    for _ in range(warm if agree is None else agree(warm)):
         graph.replay()
     torch.cuda.synchronize()
     times = []
