@@ -44,8 +44,10 @@ WIDE_MIN_ITEMS = 64
 # The tile loop (fp16 / bf16): blocks of 4 consumer warps and a producer warp around a ring of
 # stages, each holding K and V of TILE_KEYS keys.
 TILE_KEYS = 64
-TILE_THREADS = 160
+TILE_THREADS = 192
 MIN_STAGES, MAX_STAGES = 2, 8
+# Static shared memory of the two item slots' items and barriers (kItemSlotsBytes in C++).
+ITEM_SLOTS_BYTES = 256
 # Shared memory the GPU reserves per resident block (sm_80 and newer).
 SMEM_RESERVED_PER_BLOCK = 1024
 
@@ -172,9 +174,9 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
     if qb == WIDE_COLUMNS:  # the wide consumer: q staging (or merge weights), barriers, headers
         staging = 4 * 16 * (head_dim + 8) * 2
-        return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + 256
+        return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
     return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
-            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + 256)  # fmt: skip
+            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256)  # fmt: skip
 
 
 # In the functions below elem_bytes is the cache element's size (stages) and act_bytes the

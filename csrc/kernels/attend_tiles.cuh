@@ -1,9 +1,10 @@
 // The tile loop of the decode kernel (fp16 / bf16 / fp8 e4m3 caches, every head dim). Torch-free.
 //
 // A block is kConsumerWarps consumer warps and one producer warp around a ring of `stages`
-// shared-memory stages (mbarriers "full" and "empty" per stage). The producer walks the tiles of
-// kTileKeys keys of the block's work items, one item after the other without a gap, and has a
-// tile source (tile_source.cuh) bring each one into the next free stage. Consumer warp w takes
+// shared-memory stages (mbarriers "full" and "empty" per stage), and a stager warp that hands the
+// producer its work items (decode_attention.cuh). The producer walks the tiles of kTileKeys keys
+// of the block's items, one item after the other without a gap, and has a tile source
+// (tile_source.cuh) bring each one into the next free stage. Consumer warp w takes
 // keys [16 w, 16 w + 16) of every tile, with its own online softmax (no block barrier inside an
 // item), for up to 8 query heads of one kv head:
 //   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (tile_operands.cuh), B = q (registers)
@@ -326,9 +327,10 @@ struct TileConsumer {
 struct TileHeader {
   int item;       // < 0: the producer has no more items (nothing else in this header is set)
   int k0;         // first key of the tile
-  int flags;      // kFirstTile: the item's q and new token are in staging slot `slot`; kLastTile;
+  int flags;      // kFirstTile: the item's q and new token are in item slot `slot`; kLastTile;
                   // kPagesRefused (last tile): a block of the item's paged row is outside the pool
   int slot;
+  int slot_parity;  // the phase of the slot's full barrier that holds this item
   int b, kvh, qg, split, nh, pos, active, start, end;
   int nodes;               // the row's new tokens (1, or a tree's node count)
   int lo;                  // the row's first attended slot (a window's start; else 0)

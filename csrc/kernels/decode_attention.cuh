@@ -41,8 +41,9 @@ constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
-// Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting), so registers are
-// capped at 65536 / (2 * 160) = 204; at head_dim 256 one block per SM.
+// Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting): 12 warps, 3 per
+// SM sub-partition of 16384 registers, so registers are capped at 168 per thread (as with 10
+// warps); at head_dim 256 one block per SM.
 template <typename T, int HEAD_DIM>
 constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
@@ -400,52 +401,81 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   }
 }
 
-// Raw q and new token of one item, staged by the producer in shared memory (two slots, used by
-// alternate items; a slot is released by the consumers once they have built the item's q).
+// The item slots between a block's stager warp and the rest of the block: two of them, used by
+// alternate items. The stager fills a slot with a decided item (range, fp8 scales) and, for
+// one-token steps, its raw q and new token, then completes the slot's full barrier (32
+// arrivals). The producer takes the item (taken: its 32 lanes) and the consumers the q; each of
+// their threads releases the slot (empty). An item of index < 0 says the block has no more items.
+// Wide items (tree steps) read q from qkv in the consumers: no raw q.
 template <typename T, int HEAD_DIM, int QB>
 struct ItemStage {
-  T q[2][QB * HEAD_DIM];
-  T k[2][HEAD_DIM];
-  T v[2][HEAD_DIM];
-  uint64_t empty[2];  // consumers' release of a slot (one arrival per consumer thread)
+  static constexpr bool kStaged = QB != kWideColumns;
+  static constexpr int QN = kStaged ? QB * HEAD_DIM : 1;
+  static constexpr int KN = kStaged ? HEAD_DIM : 1;
+  static constexpr int EMPTY_ARRIVALS = kConsumerWarps * 32 + 32;
+  T q[2][QN];
+  T k[2][KN];
+  T v[2][KN];
+  WorkItem item[2];
+  int index[2];
+  float k_scale[2], v_scale[2];  // the item's kv head's (fp8; 1 for 16-bit caches)
+  uint64_t full[2];
+  uint64_t taken[2];
+  uint64_t empty[2];
 };
 
-// The producer's registers for the next item: its number, then its length, fp8 scales and raw
-// q / new token loaded ahead, so that their latency passes while the current item's tiles are
-// issued.
-template <typename T, typename C, int HEAD_DIM, int QB>
-struct NextItem {
-  // Wide items (tree steps) read q from qkv in the consumers and append nothing: no staging.
+template <typename T, int HEAD_DIM, int QB>
+__device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) {
+  for (int s = 0; s < 2; ++s) {
+    mbar_init(&st.full[s], 32);
+    mbar_init(&st.taken[s], 32);
+    mbar_init(&st.empty[s], ItemStage<T, HEAD_DIM, QB>::EMPTY_ARRIVALS);
+  }
+}
+
+// An item decided: its range (work_item_range) from its row's length, mode and node count, and
+// its kv head's fp8 scales; `ok` is false where any kv head's scales are bad (fp8 refuses the step).
+struct DecidedItem {
+  WorkItem w;
+  float k_scale = 1.f, v_scale = 1.f;
+  bool scales_ok = true;
+};
+
+template <typename C, int QB>
+__device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int index, int lane) {
+  DecidedItem d;
+  d.w = work_item_head<QB>(p, index);
+  const int pos = p.lengths[d.w.b];
+  const int nodes = row_nodes(p, d.w.b);
+  if constexpr (kFp8<C>) {
+    // A bad scale of any kv head refuses the whole step: every item checks all of them.
+    bool ok = true;
+    for (int h = lane; h < p.num_kv_heads; h += 32) ok = ok && scale_ok(p.k_scale[h]) && scale_ok(p.v_scale[h]);
+    d.scales_ok = __all_sync(kFullMask, ok);
+    d.k_scale = p.k_scale[d.w.kvh];
+    d.v_scale = p.v_scale[d.w.kvh];
+  }
+  work_item_range(p, d.w, pos, nodes, kTileKeys);
+  return d;
+}
+
+// A one-token item's raw q and new token in a stager lane's registers: loaded with the item's
+// length, so that both latencies pass together.
+template <typename T, int HEAD_DIM, int QB>
+struct RawRows {
   static constexpr bool kStaged = QB != kWideColumns;
   static constexpr int Q_PER_LANE = kStaged ? (QB * HEAD_DIM + 31) / 32 : 1;
   static constexpr int T_PER_LANE = kStaged ? (HEAD_DIM + 31) / 32 : 1;
-  int index;
-  int pos;
-  int nodes;                           // the row's new tokens (row_nodes)
-  float k_scale = 1.f, v_scale = 1.f;  // the item's kv head's (fp8)
-  bool scales_ok = true;               // fp8: every kv head's scales are finite and positive
   T q[Q_PER_LANE];
   T k[T_PER_LANE];
   T v[T_PER_LANE];
 
-  // Loads of everything item `index` needs (no-op past the last item).
-  __device__ __forceinline__ void load(const MmhaParams& p, int items, int lane) {
-    if (index >= items) return;
-    const WorkItem w = work_item_head<QB>(p, index);
-    pos = p.lengths[w.b];
-    nodes = row_nodes(p, w.b);
-    if constexpr (kFp8<C>) {
-      // A bad scale of any kv head refuses the whole step: every item checks all of them.
-      bool ok = true;
-      for (int h = lane; h < p.num_kv_heads; h += 32) ok = ok && scale_ok(p.k_scale[h]) && scale_ok(p.v_scale[h]);
-      scales_ok = __all_sync(kFullMask, ok);
-      k_scale = p.k_scale[w.kvh];
-      v_scale = p.v_scale[w.kvh];
-    }
+  __device__ __forceinline__ void load(const MmhaParams& p, int index, int lane) {
     if constexpr (!kStaged) return;
+    const WorkItem w = work_item_head<QB>(p, index);
     const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.kvh);
-    // One-token steps: the item's columns are consecutive heads of the row. A tree step's consumers
-    // read their columns from qkv themselves (staged_or_global_q).
+    // One-token steps: the item's columns are consecutive heads of the row. A tree step's
+    // consumers read their columns from qkv themselves.
     const T* q_row = global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0});
     const int staged = tree_step(p) ? 0 : w.nh * HEAD_DIM;
 #pragma unroll
@@ -461,7 +491,9 @@ struct NextItem {
     }
   }
 
-  __device__ __forceinline__ void store(ItemStage<T, HEAD_DIM, QB>& st, int slot, int lane) const {
+  template <class Stage>
+  __device__ __forceinline__ void store(Stage& st, int slot, int lane) const {
+    if constexpr (!kStaged) return;
 #pragma unroll
     for (int j = 0; j < Q_PER_LANE; ++j) {
       const int idx = lane + 32 * j;
@@ -478,48 +510,88 @@ struct NextItem {
   }
 };
 
-// Table entries of a paged row's earlier blocks that a lane of the appending item's producer
-// loads per tile (to be checked a tile later); a larger share is checked as loaded.
-constexpr int kBeforeLoads = 2;
-
-// The producer warp of a tile-loop block: block j's first item is item j, later ones come from
-// the work counter. For each item it fetches the next item's number and loads (NextItem) while it
-// issues this item's tiles into the ring, stages a one-token item's q and new token (s_item), and
-// tags every tile with a header; after the last item, a header that says so.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
-__device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
-                                              ItemStage<T, HEAD_DIM, QB>* s_item, unsigned char* stages,
-                                              int items, int lane) {
-  using Source = SourceOf<C, HEAD_DIM, SRC>;
-  using L = TileLayout<C, HEAD_DIM>;
-  using Next = NextItem<T, C, HEAD_DIM, QB>;
-  const auto fetch = [&] { return lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0; };
-  RingCursor cur;
-  Next next;
-  next.index = blockIdx.x;
-  next.load(p, items, lane);
-  int seq = 0;  // items staged so far: item seq uses slot seq % 2
-  while (next.index < items) {
-    const int index = next.index;
-    WorkItem w = work_item_head<QB>(p, index);
-    work_item_range(p, w, next.pos, next.nodes, kTileKeys);
-    const float k_scale = next.k_scale, v_scale = next.v_scale;
-    // The next item's number, then its loads: in flight while this item's tiles go out.
-    const int fetched = fetch();
+// The stager warp of a tile-loop block: block j's first item is item j, later ones come from the
+// step's work counter. It decides each item (decide_item): one with nothing to read (a bad,
+// refused or idle row, a split past the row's keys) gets its output here and never reaches the
+// ring; a busy one goes into the next item slot with its raw q and new token. It takes the next
+// number from the counter once the producer has begun the item before (one item ahead, as a
+// block's share of the items stays even to the end). Its loads and the counter's atomic stall
+// this warp only, so the producer issues tiles without waiting on global memory (H100, B=64
+// Hkv=32 S=256, ncu: the producer spent a quarter of its time on them when it did this itself).
+template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
+__device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB>& st, int items, int lane) {
+  int index = blockIdx.x;
+  int seq = 0;  // slots filled so far: item seq uses slot seq % 2
+  while (index < items) {
+    RawRows<T, HEAD_DIM, QB> raw;
+    raw.load(p, index, lane);
+    DecidedItem d = decide_item<C, QB>(p, index, lane);
+    WorkItem& w = d.w;
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
       poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
     } else if (w.idle) {
       poison_row<T, HEAD_DIM, EPI>(p, w, 0, lane, 32, true);
-    } else if (!next.scales_ok) {
+    } else if (!d.scales_ok) {
       w.bad = true;
       poison_row<T, HEAD_DIM, EPI>(p, w, kStatusScale, lane, 32);
     }
-    if (!w.busy()) {
-      next.index = __shfl_sync(kFullMask, fetched, 0);
-      next.load(p, items, lane);
-      continue;
+    if (w.busy()) {
+      const int slot = seq & 1;
+      if (seq >= 2) mbar_wait(&st.empty[slot], ((seq >> 1) - 1) & 1);
+      raw.store(st, slot, lane);
+      if (lane == 0) {
+        st.item[slot] = w;
+        st.index[slot] = index;
+        st.k_scale[slot] = d.k_scale;
+        st.v_scale[slot] = d.v_scale;
+      }
+      mbar_arrive(&st.full[slot]);  // each lane's writes to the slot
+      mbar_wait(&st.taken[slot], (seq >> 1) & 1);
+      ++seq;
     }
+    const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0;
+    index = __shfl_sync(kFullMask, fetched, 0);
+  }
+  const int slot = seq & 1;
+  if (seq >= 2) mbar_wait(&st.empty[slot], ((seq >> 1) - 1) & 1);
+  if (lane == 0) st.index[slot] = -1;
+  mbar_arrive(&st.full[slot]);
+}
+
+// Table entries of a paged row's earlier blocks that a lane of the appending item's producer
+// loads per tile (to be checked a tile later); a larger share is checked as loaded.
+constexpr int kBeforeLoads = 2;
+
+// The producer warp of a tile-loop block: it takes the items the stager put into the item slots,
+// one after the other, issues each one's tiles into the ring and tags every tile with a header;
+// after the last item, a header that says so.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+__device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
+                                              ItemStage<T, HEAD_DIM, QB>& st, unsigned char* stages, int lane) {
+  using Source = SourceOf<C, HEAD_DIM, SRC>;
+  using L = TileLayout<C, HEAD_DIM>;
+  RingCursor cur;
+  // The block's first item, decided here too (as the stager decides it), so that its first tiles
+  // go out before the stager has staged it; its header still waits for the slot (the q).
+  const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);
+  const bool early = first.w.busy() && first.scales_ok;
+  for (int seq = 0;; ++seq) {  // item seq is in slot seq % 2
     const int slot = seq & 1;
+    const bool first_early = seq == 0 && early;  // this item's slot is read at its first header
+    int index = static_cast<int>(blockIdx.x);
+    WorkItem w = first.w;
+    float k_scale = first.k_scale, v_scale = first.v_scale;
+    const auto take = [&] {
+      mbar_wait(&st.full[slot], (seq >> 1) & 1);
+      index = st.index[slot];
+      w = st.item[slot];
+      k_scale = st.k_scale[slot];
+      v_scale = st.v_scale[slot];
+      mbar_arrive(&st.taken[slot]);
+      mbar_arrive(&st.empty[slot]);  // this lane has read the slot's item
+    };
+    if (!first_early) take();
+    if (index < 0) break;
     const int64_t kv_head = w.kv_head(p.num_kv_heads);
     const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
     const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
@@ -571,28 +643,18 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
         }
       }
       const bool refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
-      if constexpr (Next::kStaged) {
-        if (i == 0) {  // the item's q into its staging slot while the first copies are in flight
-          if (seq >= 2) mbar_wait(&s_item->empty[slot], ((seq >> 1) - 1) & 1);
-          next.store(*s_item, slot, lane);
-        }
-      }
+      if (first_early && i == 0) take();  // the same item (the stager decides it alike): its q is staged now
       if (lane == 0) {
         s_hdr[cur.s] = TileHeader{index, walk.key(i),
                                   (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0),
-                                  slot, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active, w.start, w.end,
-                                  w.nodes, w.lo, k_scale, v_scale};
+                                  slot, (seq >> 1) & 1, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active,
+                                  w.start, w.end, w.nodes, w.lo, k_scale, v_scale};
         if (refused) atomicOr(p.status + w.b, kStatusPages);
       }
-      mbar_arrive(&ring.header[cur.s]);  // each lane's header / q writes: consumers may start on q now
+      mbar_arrive(&ring.header[cur.s]);  // each lane's header writes: consumers may start on q now
       Source::commit(&ring.full[cur.s], lane);
       cur.next(p.stages);
-      if (i == 0) {
-        next.index = __shfl_sync(kFullMask, fetched, 0);
-        next.load(p, items, lane);
-      }
     }
-    ++seq;
   }
   // No more items: a header that says so, then this block's count toward resetting the
   // work counter (the last block to finish leaves it at zero for the next launch).
@@ -608,11 +670,11 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   }
 }
 
-// The tile loop: a persistent block (producer warp + kConsumerWarps consumer warps) takes item
-// blockIdx.x, then items from the step's work counter until none is left. The producer fetches the next item, its
-// length and its raw q while it issues the current item's tiles, stages the q in shared memory
-// and tags every tile with a header (item, first / last tile; its own barrier, so the consumers
-// read it before the tile lands). The consumers follow the headers: at an item's first tile they
+// The tile loop: a persistent block (kConsumerWarps consumer warps, a producer warp and a stager
+// warp) takes item blockIdx.x, then items from the step's work counter until none is left. The
+// stager fetches and decides the items and stages each one's raw q a slot ahead; the producer
+// issues the items' tiles and tags every tile with a header (item, first / last tile; its own
+// barrier, so the consumers read it before the tile lands). The consumers follow the headers: at an item's first tile they
 // build its q while the tile is in flight, at its last they combine, store and merge, with
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
 // Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
@@ -645,8 +707,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_init(&ring.header[s], 32);
       mbar_init(&ring.empty[s], CONSUMERS);
     }
-    mbar_init(&s_item.empty[0], CONSUMERS);
-    mbar_init(&s_item.empty[1], CONSUMERS);
+    init_item_stage(s_item);
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
@@ -655,7 +716,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __syncthreads();
 
   if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, &s_item, stages, items, lane);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+    return;
+  }
+  if (warp == kConsumerWarps + 1) {
+    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
     return;
   }
 
@@ -683,6 +748,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) pre.template load<HEAD_DIM>(p, column_of(p, w, 0).head, tid, CONSUMERS);
+      mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
                                                    tid, CONSUMERS);
@@ -747,6 +813,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   __shared__ bool s_last;
   __shared__ TileRing ring;
   __shared__ TileHeader s_hdr[kMaxStages];
+  __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;  // the items only (no raw q)
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
@@ -757,6 +824,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       mbar_init(&ring.header[s], 32);
       mbar_init(&ring.empty[s], CONSUMERS);
     }
+    init_item_stage(s_item);
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
@@ -765,7 +833,11 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   __syncthreads();
 
   if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, nullptr, stages, items, lane);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+    return;
+  }
+  if (warp == kConsumerWarps + 1) {
+    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
     return;
   }
 
@@ -786,6 +858,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
+      mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);

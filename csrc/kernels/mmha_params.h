@@ -30,12 +30,13 @@ constexpr int kNumQGroupBlocks = sizeof(kQGroupBlocks) / sizeof(int);
 constexpr int kMaxSplits = 64;
 
 // The tile loop (fp16 / bf16 caches, every head dim): a block is kConsumerWarps warps that
-// compute and one producer warp that fills a ring of `stages` shared-memory stages, each
-// holding K and V of kTileKeys consecutive keys. Each consumer warp takes 16 keys of a tile
-// (the M of its m16n8k16 products), so a tile is 16 * kConsumerWarps keys.
+// compute, one producer warp that fills a ring of `stages` shared-memory stages, each holding K
+// and V of kTileKeys consecutive keys, and one stager warp that fetches the block's items. Each
+// consumer warp takes 16 keys of a tile (the M of its m16n8k16 products), so a tile is
+// 16 * kConsumerWarps keys.
 constexpr int kConsumerWarps = 4;
 constexpr int kTileKeys = 16 * kConsumerWarps;
-constexpr int kTileThreads = (kConsumerWarps + 1) * 32;
+constexpr int kTileThreads = (kConsumerWarps + 2) * 32;
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
 // Tree steps with many query columns per kv head (a node count times the group) run the tile
@@ -56,10 +57,12 @@ constexpr int kWideMinItems = 64;
 // An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
 // host and dispatcher can size stages without asking the compiled kernel (mirrored by
 // tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
+// The two item slots' items, scales and barriers (ItemStage, without the raw q and new token).
+constexpr int kItemSlotsBytes = 256;
 constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   if (qb == kWideColumns) {  // the wide consumer: q staging (or merge weights), barriers, headers
     const int staging = kConsumerWarps * 16 * (head_dim + 8) * 2;
-    return (staging > qb * 64 * 4 ? staging : qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + 256;
+    return (staging > qb * 64 * 4 ? staging : qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + kItemSlotsBytes + 256;
   }
   return qb * head_dim * 4                   // q in fp32, then the block combine's buffer
          + 2 * head_dim * elem_bytes         // the new token's k and v
@@ -68,6 +71,7 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
          + 2 * 4 * qb * 4                    // per-warp max and sum (kConsumerWarps warps)
          + 3 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
          + 8 * 64                            // tile headers
+         + kItemSlotsBytes                   // the two item slots' items and barriers
          + 256;                              // alignment
 }
 // A step with an output epilogue runs kernels compiled with it (output_epilogue.cuh), so that the
