@@ -53,12 +53,16 @@ SMEM_RESERVED_PER_BLOCK = 1024
 
 # --- Thresholds (the only tuning knobs; docs/design.md shows the measurements behind them) ---
 # Tile-loop blocks per SM the stages are sized for: two at head_dim <= 128 (one block's item
-# epilogue overlaps the other's stream), one at 256 (its registers: ~250 per thread); three
-# (two stages) where items are short, so that more items are in flight per SM (H200, decode
-# timing: B=64 Hkv=32 S=256, 4 tiles per item, 76.0 us at 2 stages against 77.9 at 3).
+# epilogue overlaps the other's stream; the registers allow no more: 160-168 per thread, and the
+# 12 warps of two blocks are 3 per SM sub-partition of 16384), one at 256 (~250 per thread).
 TILE_BLOCKS_PER_SM = 2
 TILE_BLOCKS_PER_SM_HD256 = 1
+# Grids past one item per SM whose items are at most SHORT_ITEM_TILES tiles take
+# SHORT_ITEM_STAGES stages (H200, decode timing: B=64 Hkv=32 S=256, 4 tiles per item, 74.1 us at
+# 2 stages against 76.1 at 3). Grids of one item per SM keep the deeper ring (B=1 Hkv=8 S=4096,
+# 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32 S=1024: 12.7 against 12.8).
 SHORT_ITEM_TILES = 4
+SHORT_ITEM_STAGES = 2
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -268,8 +272,9 @@ def choose_variant(
 
     Tile loop (fp16 / bf16): the step is cut into items, one per (row, kv head, query-head block,
     split), walked by a grid of resident blocks. The ring gets the most stages that still let
-    ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256; one more where items are at
-    most ``SHORT_ITEM_TILES`` tiles), so a wave holds ``num_sms * blocks_per_sm`` items. If the
+    ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
+    ``num_sms * blocks_per_sm`` items; grids of more than one item per SM whose items are at most
+    ``SHORT_ITEM_TILES`` tiles take ``SHORT_ITEM_STAGES`` stages. If the
     base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
     sequence is cut into as many splits as give one item per SM, at most one per tile of
     ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
@@ -289,8 +294,8 @@ def choose_variant(
     query head per kv head: a base grid of 1 * 32 * 1 = 32 items; 132 // 32 = 4 splits give one
     per SM, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 4, 3, 2)``, 128 items of 16
     tiles (1024 keys) each. With 8 kv heads (4 query heads per block): 8 base items, 132 // 8 =
-    16 splits of 4 tiles, short items, so three blocks per SM with 2 stages:
-    ``Plan("split", 16, 2, 3)``. At batch 64 the base grid is 2048 >= 132 items: 7.76 waves,
+    16 splits of 4 tiles, one per SM, so the ring stays at 3 stages: ``Plan("split", 16, 3, 2)``.
+    At batch 64 the base grid is 2048 >= 132 items: 7.76 waves,
     whole enough (8 waves / 1 split vs 16 / 2): ``Plan("single_pass", 1, 3, 2)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
@@ -344,8 +349,8 @@ def choose_variant(
         splits = max(1, min(allowed, fill // base))
     else:
         splits = wave_splits(base, wave, allowed)
-    if tiles and head_dim <= 128 and -(-grains // splits) <= SHORT_ITEM_TILES:
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, TILE_BLOCKS_PER_SM + 1, act)
+    if tiles and head_dim <= 128 and base * splits > sms and -(-grains // splits) <= SHORT_ITEM_TILES:
+        stages = min(stages, SHORT_ITEM_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

@@ -16,23 +16,22 @@ A100 = dispatch.Device(108, 164 * 1024, 163 * 1024)
 # (batch, Hq, Hkv, D, seq_len, dtype, device, expected)
 CASES = [
     # The docstring's examples: 3 stages of 32 KB let two blocks share an SM; small grids get one
-    # item per SM; short items (<= 4 tiles) a third block per SM with 2 stages.
+    # item per SM; short items (<= 4 tiles) 2 stages where a grid has more than one item per SM.
     (1, 32, 32, 128, 4096, F16, H100, dispatch.Plan("split", 4, 3, 2)),  # 132 // 32, 16 tiles each
-    (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 16, 2, 3)),  # 132 // 8, 4 tiles each
+    (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 16, 3, 2)),  # 132 // 8, 4 tiles each
     (64, 32, 32, 128, 4096, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
-    (64, 32, 32, 128, 256, F16, H100, dispatch.Plan("single_pass", 1, 2, 3)),  # 4 tiles per item
+    (64, 32, 32, 128, 256, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 4 tiles per item
     # Splits of at least one 64-key tile.
-    (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 2, 3)),
-    (1, 32, 32, 128, 64, F16, H100, dispatch.Plan("single_pass", 1, 2, 3)),
-    (1, 32, 8, 128, 256, BF16, H100, dispatch.Plan("split", 4, 2, 3)),
+    (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 3, 2)),
+    (1, 32, 32, 128, 64, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    (1, 32, 8, 128, 256, BF16, H100, dispatch.Plan("split", 4, 3, 2)),
     # Long rows on a small grid: one item per SM.
     (1, 32, 32, 128, 65536, F16, H100, dispatch.Plan("split", 4, 3, 2)),
     (1, 32, 4, 128, 65536, F16, H100, dispatch.Plan("split", 33, 3, 2)),  # 132 // 4
     (16, 32, 8, 128, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 128 items < 132
     (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 512 items: 2 waves
-    # MQA: 4 items of 8 query heads per row; 132 // 4 = 33 splits of 4 tiles; 8 heads per block
-    # leave no room for a third block, so two with 2 stages.
-    (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 33, 2, 2)),
+    # MQA: 4 items of 8 query heads per row; 132 // 4 = 33 splits of 4 tiles, one item per SM.
+    (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 33, 3, 2)),
     # A grid past one wave: 512 items on a 264-item wave are 2 waves, 1.94 full: no split.
     (64, 32, 8, 128, 1024, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
     # 300 items: 2 waves, the second 14 % full; 6 splits make 7 nearly full waves (7/6 vs 2).
@@ -83,7 +82,9 @@ def test_forced_variants():
     assert dispatch.choose_variant(1, 32, 32, 128, 4096, F16, H100, "single_pass") == dispatch.Plan(
         "single_pass", 1, 3, 2
     )
-    assert dispatch.choose_variant(1, 32, 32, 128, 256, F16, H100, "single_pass").stages == 2  # short item
+    # Short items: 2 stages in a grid past one item per SM, the deeper ring in a small one.
+    assert dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, "single_pass").stages == 2
+    assert dispatch.choose_variant(1, 32, 32, 128, 256, F16, H100, "single_pass").stages == 3
 
 
 def test_pure_function_of_its_arguments():
