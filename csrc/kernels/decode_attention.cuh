@@ -471,40 +471,42 @@ struct RawRows {
   T v[T_PER_LANE];
 
   __device__ __forceinline__ void load(const MmhaParams& p, int index, int lane) {
-    if constexpr (!kStaged) return;
-    const WorkItem w = work_item_head<QB>(p, index);
-    const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.kvh);
-    // One-token steps: the item's columns are consecutive heads of the row. A tree step's
-    // consumers read their columns from qkv themselves.
-    const T* q_row = global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0});
-    const int staged = tree_step(p) ? 0 : w.nh * HEAD_DIM;
+    if constexpr (kStaged) {
+      const WorkItem w = work_item_head<QB>(p, index);
+      const TokenRows<T> rows = global_rows<T, HEAD_DIM>(p, w.b, w.kvh);
+      // One-token steps: the item's columns are consecutive heads of the row. A tree step's
+      // consumers read their columns from qkv themselves.
+      const T* q_row = global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0});
+      const int staged = tree_step(p) ? 0 : w.nh * HEAD_DIM;
 #pragma unroll
-    for (int j = 0; j < Q_PER_LANE; ++j) {
-      const int idx = lane + 32 * j;
-      q[j] = idx < staged ? q_row[idx] : from_float<T>(0.f);
-    }
+      for (int j = 0; j < Q_PER_LANE; ++j) {
+        const int idx = lane + 32 * j;
+        q[j] = idx < staged ? q_row[idx] : from_float<T>(0.f);
+      }
 #pragma unroll
-    for (int j = 0; j < T_PER_LANE; ++j) {
-      const int d = lane + 32 * j;
-      k[j] = d < HEAD_DIM ? rows.k[d] : from_float<T>(0.f);
-      v[j] = d < HEAD_DIM ? rows.v[d] : from_float<T>(0.f);
+      for (int j = 0; j < T_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        k[j] = d < HEAD_DIM ? rows.k[d] : from_float<T>(0.f);
+        v[j] = d < HEAD_DIM ? rows.v[d] : from_float<T>(0.f);
+      }
     }
   }
 
   template <class Stage>
   __device__ __forceinline__ void store(Stage& st, int slot, int lane) const {
-    if constexpr (!kStaged) return;
+    if constexpr (kStaged) {
 #pragma unroll
-    for (int j = 0; j < Q_PER_LANE; ++j) {
-      const int idx = lane + 32 * j;
-      if (idx < QB * HEAD_DIM) st.q[slot][idx] = q[j];
-    }
+      for (int j = 0; j < Q_PER_LANE; ++j) {
+        const int idx = lane + 32 * j;
+        if (idx < QB * HEAD_DIM) st.q[slot][idx] = q[j];
+      }
 #pragma unroll
-    for (int j = 0; j < T_PER_LANE; ++j) {
-      const int d = lane + 32 * j;
-      if (d < HEAD_DIM) {
-        st.k[slot][d] = k[j];
-        st.v[slot][d] = v[j];
+      for (int j = 0; j < T_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        if (d < HEAD_DIM) {
+          st.k[slot][d] = k[j];
+          st.v[slot][d] = v[j];
+        }
       }
     }
   }
