@@ -48,6 +48,8 @@ TILE_THREADS = 192
 MIN_STAGES, MAX_STAGES = 2, 8
 # Static shared memory of the two item slots' items and barriers (kItemSlotsBytes in C++).
 ITEM_SLOTS_BYTES = 256
+# Items of at most this many values combine through a buffer per consumer warp (C++ kWarpBufferValues).
+WARP_BUFFER_VALUES = 512
 # Shared memory the GPU reserves per resident block (sm_80 and newer).
 SMEM_RESERVED_PER_BLOCK = 1024
 
@@ -180,7 +182,8 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
         staging = 4 * 16 * (head_dim + 8) * 2
         return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
     return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
-            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256)  # fmt: skip
+            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES
+            + (4 * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0) + 256)  # fmt: skip
 
 
 # In the functions below elem_bytes is the cache element's size (stages) and act_bytes the

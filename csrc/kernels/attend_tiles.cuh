@@ -271,6 +271,35 @@ struct TileConsumer {
     }
   }
 
+  // The block combine of an item with a buffer per warp (small items: QB * HEAD_DIM <= 512
+  // values, kWarpBuffers): each warp writes its (max, sum) to s_m / s_l and its accumulator as
+  // it is to acc[warp], then one barrier (named barrier 1); the store sums
+  // acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc), the same values as
+  // combine() gives, without its barrier per warp.
+  __device__ __forceinline__ void stash(float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM], int warp,
+                                        int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+      const int head = 2 * tq + h;
+      if (head < QB) {
+        if (g == 0) {
+          s_m[warp][head] = m[h];
+          s_l[warp][head] = l[h];
+        }
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+          acc_w[warp][head][Ops::out_dim(i, g, 0)] = acc[i][h];
+          acc_w[warp][head][Ops::out_dim(i, g, 1)] = acc[i][h + 2];
+        }
+      }
+    }
+    named_barrier(1, kConsumerWarps * 32);
+  }
+
   // The block combine of an item, by the consumer warps (named barrier 1): their (max, sum) to
   // s_m / s_l, then sum_w acc_w * 2^(m_w - M) into buf ([QB][HEAD_DIM] fp32: the q staging area,
   // free once every warp holds its q fragments), warp after warp in a fixed order so results are

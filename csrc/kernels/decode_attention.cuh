@@ -288,6 +288,21 @@ __device__ __forceinline__ float warps_max(const float (*s_m)[QB], int g) {
   return mb;
 }
 
+// Head g's value at dim d summed over the warps' accumulators (TileConsumer::stash), each
+// rescaled to the block's max, in warp order.
+template <int WARPS, int QB, int HEAD_DIM>
+__device__ __forceinline__ float warps_acc(const float (*s_m)[QB], const float (*acc_w)[QB][HEAD_DIM], int g, int d) {
+  const float mb = warps_max<WARPS, QB>(s_m, g);
+  const float m_ref = mb == -INFINITY ? 0.f : mb;
+  float a = 0.f;
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) {
+    const float x = acc_w[wp][g][d] * exp2f(s_m[wp][g] - m_ref);
+    a = wp == 0 ? x : a + x;
+  }
+  return a;
+}
+
 template <int WARPS, int QB>
 __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (*s_l)[QB], int g) {
   const float mb = warps_max<WARPS, QB>(s_m, g);
@@ -691,7 +706,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const int lane = tid % 32;
   const int items = num_items(p);
 
+  // Small items combine through a buffer per warp (one barrier), larger ones warp by warp in s_q.
+  constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
+  __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
+                                      [kWarpBuffers ? HEAD_DIM : 1];
   __shared__ __align__(16) C s_new_k[HEAD_DIM];
   __shared__ __align__(16) C s_new_v[HEAD_DIM];
   __shared__ float s_m[kConsumerWarps][QB];
@@ -770,19 +789,30 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
-      sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
-      c.combine(s_m, s_l, &s_q[0][0], warp, lane);
+      if constexpr (kWarpBuffers) {
+        c.stash(s_m, s_l, s_acc, warp, lane);
+      } else {
+        sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
+        c.combine(s_m, s_l, &s_q[0][0], warp, lane);
+      }
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
+        const auto acc = [&](int g, int d) {
+          if constexpr (kWarpBuffers) {
+            return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
+          } else {
+            return s_q[g][d];
+          }
+        };
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(
             p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
-            [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, [&](int g, int d) { return s_q[g][d]; },
-            value_scale, tid, CONSUMERS, pre);
+            [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, acc, value_scale, tid, CONSUMERS,
+            pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
-      sync();  // s_q, s_m, s_l and s_w are free for the next item
+      sync();  // s_q, s_acc, s_m, s_l and s_w are free for the next item
     }
   }
 }

@@ -59,6 +59,9 @@ constexpr int kWideMinItems = 64;
 // tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
 // The two item slots' items, scales and barriers (ItemStage, without the raw q and new token).
 constexpr int kItemSlotsBytes = 256;
+// Items of at most this many values (query heads x head dim) combine their consumer warps'
+// accumulators through a buffer per warp (one barrier) rather than warp by warp in the q buffer.
+constexpr int kWarpBufferValues = 512;
 constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   if (qb == kWideColumns) {  // the wide consumer: q staging (or merge weights), barriers, headers
     const int staging = kConsumerWarps * 16 * (head_dim + 8) * 2;
@@ -72,6 +75,7 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
          + 3 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
          + 8 * 64                            // tile headers
          + kItemSlotsBytes                   // the two item slots' items and barriers
+         + (qb * head_dim <= kWarpBufferValues ? kConsumerWarps * qb * head_dim * 4 : 0)  // warp buffers
          + 256;                              // alignment
 }
 // A step with an output epilogue runs kernels compiled with it (output_epilogue.cuh), so that the
