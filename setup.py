@@ -57,8 +57,10 @@ def extension_modules() -> tuple[list, dict]:
         f"CUDA_HOME={cuda_home} torch={torch.__version__} torch CUDA={torch.version.cuda}",
         flush=True,
     )
-    sources = ["csrc/bindings.cpp", "csrc/mmha_ops.cpp", "csrc/tma_maps.cpp", "csrc/kernels/decode_dispatch.cu",
-               "csrc/kernels/shard_merge.cu"]
+    sources = [
+        "csrc/bindings.cpp", "csrc/mmha_ops.cpp", "csrc/tma_maps.cpp", "csrc/kernels/decode_dispatch.cu",
+        "csrc/kernels/shard_merge.cu",
+    ]  # fmt: skip
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu"))
     ext = CUDAExtension(
         name="mmha._C",
