@@ -449,7 +449,8 @@ __device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) 
 }
 
 // An item decided: its range (work_item_range) from its row's length, mode and node count, and
-// its kv head's fp8 scales; `ok` is false where any kv head's scales are bad (fp8 refuses the step).
+// its kv head's fp8 scales; scales_ok is false where any kv head's scales are bad (fp8 refuses
+// the step).
 struct DecidedItem {
   WorkItem w;
   float k_scale = 1.f, v_scale = 1.f;
