@@ -60,6 +60,15 @@ def _caches(world, mode, device, dtype, kv_dtype=None, block=16, hq=4, hkv=2, d=
     return sharded, single
 
 
+def _churn_row_1(step, sharded, single):
+    """Row 1 leaves both caches at step 7 and is admitted again at step 11."""
+    if step == 7:
+        sharded.release([1])
+        single.release([1])
+    if step == 11:
+        assert sharded.admit([1]) == [1] and single.admit([1]) == [1]
+
+
 def _prefill_both(sharded, single, lens, gen, device, dtype, hkv, d, layers=2):
     """The same random prompts of ``len(lens)`` rows (``max(lens)`` wide) into both caches."""
     for layer in range(layers):
@@ -90,11 +99,7 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
     sinks = torch.tensor([0.5, -3.0, 2.0, 0.0], device=device) if mods else None
     softcap = 5.0 if mods else None
     for step in range(steps):
-        if step == 7:
-            sharded.release([1])
-            single.release([1])
-        if step == 11:
-            assert sharded.admit([1]) == [1] and single.admit([1]) == [1]
+        _churn_row_1(step, sharded, single)
         for layer in range(2):
             qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
             out, lse = sharded.step(layer, qkv, return_lse=True, output=output, softcap=softcap, sinks=sinks)
@@ -145,11 +150,7 @@ def graph_matches_single(rank, world, mode="sequence", dtype=torch.float16, bloc
     with torch.cuda.graph(graph):
         outs = layers()
     for step in range(steps):
-        if step == 7:
-            sharded.release([1])
-            single.release([1])
-        if step == 11:
-            assert sharded.admit([1]) == [1] and single.admit([1]) == [1]
+        _churn_row_1(step, sharded, single)
         for q in qkvs:
             q.copy_(torch.randn(q.shape, generator=gen).to(device, dtype))
         graph.replay()
