@@ -225,6 +225,21 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 #endif
 }
 
+// atomicAdd with release and acquire semantics at GPU scope: the calling thread's earlier writes,
+// and those ordered before them (a block barrier), are visible to whoever reads the new count;
+// writes released by earlier adders are visible to the caller afterwards.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* addr, int v) {
+  int old;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(v) : "memory");
+#else
+  __threadfence();
+  old = atomicAdd(addr, v);
+  __threadfence();
+#endif
+  return old;
+}
+
 // Barrier among the first `threads` threads of the block (named barrier `id`, 1..15).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
