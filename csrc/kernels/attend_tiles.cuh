@@ -274,8 +274,9 @@ struct TileConsumer {
   // The block combine of an item with a buffer per warp (small items: QB * HEAD_DIM <= 512
   // values, kWarpBuffers): each warp writes its (max, sum) to s_m / s_l and its accumulator as
   // it is to acc[warp], then one barrier (named barrier 1); the store sums
-  // acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc), the same values as
-  // combine() gives, without its barrier per warp.
+  // acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc; fold_warps and
+  // folded_acc for several columns), the same values as combine() gives, without its barrier per
+  // warp.
   __device__ __forceinline__ void stash(float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM], int warp,
                                         int lane) {
     const int g = lane / 4;

@@ -314,6 +314,40 @@ __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (
   return sum;
 }
 
+// The block combine's numbers of column g, once (thread g < nh, a barrier after it) instead of
+// at every value the store writes: the warps' max -> s_m[0][g], their sums rescaled to it ->
+// s_l[0][g] and, with FACTORS (warps' accumulators not yet rescaled), each warp's factor
+// 2^(s_m[w][g] - max) -> s_f[w][g]; the values warps_max, warps_sum and warps_acc compute.
+// For items of several columns (H100, B=1 Hkv=8 S=4K: the store of four columns took 2250
+// cycles, each thread's four values recomputing them); one value per thread does better without
+// the barrier.
+template <int WARPS, int QB, bool FACTORS>
+__device__ __forceinline__ void fold_warps(float (*s_m)[QB], float (*s_l)[QB], float (*s_f)[QB], int g) {
+  const float mb = warps_max<WARPS, QB>(s_m, g);
+  const float m_ref = mb == -INFINITY ? 0.f : mb;
+  float sum = 0.f;
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) {
+    const float f = exp2f(s_m[wp][g] - m_ref);
+    if constexpr (FACTORS) s_f[wp][g] = f;
+    sum += s_l[wp][g] * f;
+  }
+  s_m[0][g] = mb;
+  s_l[0][g] = sum;
+}
+
+// Head g's value at dim d: the warps' accumulators times their factors (fold_warps), in warp order.
+template <int WARPS, int QB, int HEAD_DIM>
+__device__ __forceinline__ float folded_acc(const float (*s_f)[QB], const float (*acc_w)[QB][HEAD_DIM], int g, int d) {
+  float a = 0.f;
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) {
+    const float x = acc_w[wp][g][d] * s_f[wp][g];
+    a = wp == 0 ? x : a + x;
+  }
+  return a;
+}
+
 // The item slots between a block's stager warp and the rest of the block: two of them, used by
 // alternate items. The stager fills a slot with a decided item (range, fp8 scales) and, for
 // one-token steps, its raw q and new token, then completes the slot's full barrier (32
@@ -607,6 +641,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
 
   // Small items combine through a buffer per warp (one barrier), larger ones warp by warp in s_q.
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
+  // Several columns: their combine numbers once per column (fold_warps), not at every value.
+  constexpr bool kFold = QB > 1;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
@@ -614,6 +650,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ __align__(16) C s_new_v[HEAD_DIM];
   __shared__ float s_m[kConsumerWarps][QB];
   __shared__ float s_l[kConsumerWarps][QB];
+  __shared__ float s_f[kConsumerWarps][QB];
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
   __shared__ TileRing ring;
@@ -694,20 +731,26 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
         c.combine(s_m, s_l, &s_q[0][0], warp, lane);
       }
+      if constexpr (kFold) {
+        if (tid < w.nh) fold_warps<kConsumerWarps, QB, kWarpBuffers>(s_m, s_l, s_f, tid);
+        sync();
+      }
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
+        const auto m = [&](int g) { return kFold ? s_m[0][g] : warps_max<kConsumerWarps, QB>(s_m, g); };
+        const auto l = [&](int g) { return kFold ? s_l[0][g] : warps_sum<kConsumerWarps, QB>(s_m, s_l, g); };
         const auto acc = [&](int g, int d) {
-          if constexpr (kWarpBuffers) {
-            return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
-          } else {
+          if constexpr (!kWarpBuffers) {
             return s_q[g][d];
+          } else if constexpr (kFold) {
+            return folded_acc<kConsumerWarps, QB, HEAD_DIM>(s_f, s_acc, g, d);
+          } else {
+            return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
           }
         };
-        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(
-            p, w, [&](int g) { return warps_max<kConsumerWarps, QB>(s_m, g); },
-            [&](int g) { return warps_sum<kConsumerWarps, QB>(s_m, s_l, g); }, acc, value_scale, tid, CONSUMERS,
-            pre);
+        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
+                                                                                CONSUMERS, pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);

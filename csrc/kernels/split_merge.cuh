@@ -24,9 +24,12 @@ namespace mmha {
 // block's partial stores that the barrier ordered before it), not a fence per thread and a
 // relaxed atomic (H100, decode timing: B=1 Hq=Hkv=32 S=1K 13.31 -> 12.77 us).
 // Weights exp2(m_s - M) / sum: one warp per column, lanes over splits, the head's sink (if any)
-// joining the sum once; then a thread per (column, 4 dims), its loads of 8 splits issued
-// together (a loop of dependent L2 round trips cost ~0.3 us per split). Columns of tree nodes
+// joining the sum once; then a thread per (column, 4 dims), its loads of up to 16 splits issued
+// together, those past the active splits predicated off (a loop of dependent L2 round trips
+// cost ~0.3 us per split; batches of 8 left 16 splits two round trips). Columns of tree nodes
 // the row does not use were written by store_item.
+constexpr int kMergeBatch = 16;  // value loads in flight per merging thread
+
 template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
                                               bool& s_last, float value_scale, int tid, int nthreads, Sync sync) {
@@ -95,27 +98,20 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     if (col.node >= w.nodes) continue;
     const int64_t h = col.flat(p.num_heads);
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    int s = 0;
-    for (; s + 8 <= w.active; s += 8) {
-      float4 v[8];
+    for (int s = 0; s < w.active; s += kMergeBatch) {
+      float4 v[kMergeBatch];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = acc4(h, c, s + u);
+      for (int u = 0; u < kMergeBatch; ++u) {
+        v[u] = s + u < w.active ? acc4(h, c, s + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float wt = s_w[g][s + u];
+      for (int u = 0; u < kMergeBatch; ++u) {
+        const float wt = s + u < w.active ? s_w[g][s + u] : 0.f;
         a.x += wt * v[u].x;
         a.y += wt * v[u].y;
         a.z += wt * v[u].z;
         a.w += wt * v[u].w;
       }
-    }
-    for (; s < w.active; ++s) {
-      const float4 v = acc4(h, c, s);
-      const float wt = s_w[g][s];
-      a.x += wt * v.x;
-      a.y += wt * v.y;
-      a.z += wt * v.z;
-      a.w += wt * v.w;
     }
     store_out4<T, EPI>(p, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
                        make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
