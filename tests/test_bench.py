@@ -1,5 +1,6 @@
 """mmha.bench on the CPU: the grid, the decode timing's layer count, the summary of a row, the
-speed bar and the tables (timings themselves run on a GPU: bench/validate.sh)."""
+speed bar and the tables, the alternating rounds of compared timings (timings themselves run on a
+GPU: bench/validate.sh)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,23 @@ def test_fp8_rows_follow_their_16bit_twins_and_the_fp8_bar():
     misses = report.fp8_bar(rows)
     assert len(misses) == 3
     assert "best 16-bit peer" in misses[0] and "16-bit time > 0.55" in misses[1] and "< 95 %" in misses[2]
+
+
+def test_rounds_alternate_and_cancel_a_linear_drift(monkeypatch):
+    from mmha.bench import timing
+
+    assert timing.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    # A machine that gets 1 us slower at every graph timed: in one pass the last method timed
+    # would look 2 us slower than the first; over two rounds of alternating order every method
+    # keeps its own time plus the same drift.
+    base = {"plain": 100.0, "fused": 101.0, "unfused": 103.0}
+    timed = []
+    monkeypatch.setattr(timing, "capture", lambda fns: fns[0])
+    monkeypatch.setattr(timing, "replay_us", lambda graph, calls, replays: timed.append(graph) or {
+        "us": base[graph] + len(timed) - 1})  # fmt: skip
+    got = timing.decode_us_rounds({name: [name, name] for name in base})
+    assert timed == ["plain", "fused", "unfused", "unfused", "fused", "plain"]
+    assert got["plain"]["rounds_us"] == [100.0, 105.0]
+    assert got["fused"]["us"] - got["plain"]["us"] == 1.0
+    assert got["unfused"]["us"] - got["plain"]["us"] == 3.0
+    assert all(got[name]["layers"] == 2 for name in base)

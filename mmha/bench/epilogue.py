@@ -9,8 +9,10 @@ scale, int8 half to even within [-127, 127], as a SmoothQuant-style W8A8 layer f
 ``unfused_decode_us`` (the plain call, then the epilogue as one ``torch.compile``d elementwise
 kernel). The fused output is checked against the epilogue of the plain output (the plain output
 is the fp32 attention rounded to fp16, so values may differ by one step; their share is reported)
-and the plain output against the fp32 reference, before anything is timed. Writes
-bench_epilogue.json and bench_epilogue.md to ``--out``.
+and the plain output against the fp32 reference, before anything is timed. The three are timed
+in two rounds, plain / fused / unfused then the reverse (``timing.decode_us_rounds``), each
+column the mean of its rounds (``*_rounds_us``). Writes bench_epilogue.json and
+bench_epilogue.md to ``--out``.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ def run_row(cfg: Config, tile_source: str = "auto") -> dict:
         if not math.isfinite(err) or err > TOLERANCE[cfg.dtype] or row["fused_max_steps"] > 1:
             row["skipped"]["mmha"] = f"wrong result: plain error {err:.3g}, {row['fused_max_steps']} steps"
             return row
-        row["plain_decode_us"] = timing.decode_us(plain)["us"]
-        row["mmha_decode_us"] = timing.decode_us(fused)["us"]
-        row["unfused_decode_us"] = timing.decode_us(unfused)["us"]
+        t = timing.decode_us_rounds({"plain": plain, "mmha": fused, "unfused": unfused})
+        for name, got in t.items():
+            row[f"{name}_decode_us"] = got["us"]
+            row[f"{name}_rounds_us"] = got["rounds_us"]
         row["vs_plain"] = row["mmha_decode_us"] / row["plain_decode_us"]
         row["vs_unfused"] = row["mmha_decode_us"] / row["unfused_decode_us"]
     except Exception as exc:

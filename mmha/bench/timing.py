@@ -10,6 +10,9 @@
   before each call, so each call also pays that buffer's write-back.
 - ``repeat_graph_us`` (secondary): 20 calls of the same function in one graph (a cache smaller
   than the L2 stays there).
+- ``decode_us_rounds``: the decode timing of methods held against each other (fused against
+  plain), in rounds of alternating order, so that the machine drifting during the run does not
+  decide a ratio of two close times.
 """
 
 from __future__ import annotations
@@ -78,6 +81,33 @@ def decode_us(fns: list[Callable[[], object]], replays: int = REPLAYS) -> dict:
         return {**replay_us(graph, len(fns), replays), "layers": len(fns)}
     finally:
         del graph
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of each round: forward, then backward, alternating (A B C, C B A, A B C, ...), so
+    that a drift of the machine's speed over a run weighs on every method alike."""
+    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]
+
+
+def decode_us_rounds(
+    methods: dict[str, list[Callable[[], object]]], rounds: int = 2, replays: int = REPLAYS
+) -> dict[str, dict]:
+    """Decode timing of methods compared with each other in one run (a fused call against the
+    plain one): each method's calls captured once, then replayed in ``rounds`` rounds of
+    alternating order (``round_orders``). Per method: ``us``, the mean of its rounds' medians
+    (with two rounds a linear drift cancels out of the differences), and ``rounds_us``."""
+    graphs = {name: capture(fns) for name, fns in methods.items()}
+    try:
+        got: dict[str, list[float]] = {name: [] for name in methods}
+        for order in round_orders(list(methods), rounds):
+            for name in order:
+                got[name].append(replay_us(graphs[name], len(methods[name]), replays)["us"])
+        return {
+            name: {"us": statistics.fmean(us), "rounds_us": us, "layers": len(methods[name])}
+            for name, us in got.items()
+        }
+    finally:
+        graphs.clear()
 
 
 def cold_us(fn: Callable[[], object]) -> float:
