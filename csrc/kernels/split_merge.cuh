@@ -82,10 +82,11 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
 // block's partial stores that the barrier ordered before it), not a fence per thread and a
 // relaxed atomic (H100, decode timing: B=1 Hq=Hkv=32 S=1K 13.31 -> 12.77 us).
 // One-column items: merge_online. Several columns: weights exp2(m_s - M) / sum first, one warp
-// per column, lanes over splits, the head's sink (if any) joining the sum once; then a thread per (column, 4 dims), its loads of up to 16 splits issued
-// together, those past the active splits predicated off (a loop of dependent L2 round trips
-// cost ~0.3 us per split; batches of 8 left 16 splits two round trips). Columns of tree nodes
-// the row does not use were written by store_item.
+// per column, lanes over splits, the head's sink (if any) joining the sum once; then a thread per
+// (column, 4 dims), its loads of up to 16 splits issued together, those past the active splits
+// predicated off (a loop of dependent L2 round trips cost ~0.3 us per split; batches of 8 left
+// 16 splits two round trips). Columns of tree nodes the row does not use were written by
+// store_item.
 constexpr int kMergeBatch = 16;  // value loads in flight per merging thread
 
 template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
