@@ -140,3 +140,23 @@ def test_rounds_alternate_and_cancel_a_linear_drift(monkeypatch):
     assert got["fused"]["us"] - got["plain"]["us"] == 1.0
     assert got["unfused"]["us"] - got["plain"]["us"] == 3.0
     assert all(got[name]["layers"] == 2 for name in base)
+
+
+@pytest.mark.parametrize("method", ["sdpa_default", "sdpa_cudnn", "mmha"])
+def test_peer_probing_warnings_stay_inside_the_benchmark(method):
+    import warnings
+
+    from mmha.bench.methods import method_context
+
+    # What torch says while the benchmark runs SDPA's default choice on a GQA row (dense inputs).
+    said = (
+        "For dense input, both fused kernels require query, key and value to have the same "
+        "num_heads. Query.sizes(): [1, 32, 1, 128], Key sizes(): [1, 8, 4096, 128]"
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with method_context(method):
+            warnings.warn(said, UserWarning, stacklevel=1)
+            warnings.warn("Flash attention kernel not used because: head_dim", UserWarning, stacklevel=1)
+        warnings.warn("a user's own warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a user's own warning"]
