@@ -305,9 +305,9 @@ def choose_variant(
     ``kv_dtype`` is the caches' dtype (default ``dtype``; fp8 e4m3 halves a stage).
 
     ``tree``: a tree step of two or more nodes, whose ``num_heads`` counts (node, head) columns
-    (``Hq * T``); from
-    ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide (``columns_block``): they
-    compute more than they read, so their grid fills every resident block, as fp8's does.
+    (``Hq * T``); from ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide
+    (``columns_block``). Tree items, narrow or wide, compute more per tile than one-token items,
+    so their grid fills every resident block, as fp8's does.
 
     ``epilogue``: the step has an output epilogue, whose kernels take 1, ``EPILOGUE_GROUP_COLUMNS``
     or ``EPILOGUE_COLUMNS`` columns per item (``columns_block``).
@@ -326,7 +326,6 @@ def choose_variant(
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
     qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
-    wide = qb == WIDE_COLUMNS
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     if tiles:
         elem = torch.empty((), dtype=kv_dtype).element_size()
@@ -339,8 +338,12 @@ def choose_variant(
         # 39.0 in one pass against 41.5 at 2 splits). fp8 tiles cost the consumers as much work
         # for half the bytes, so one block's consumers per SM cannot keep up: fp8 grids fill
         # every resident block (H200: B=16 Hkv=8 S=32768 ran at 61 % of the fp8 floor with
-        # one item per SM).
-        fill = sms * (blocks_per_sm if elem == 1 or wide else 1)
+        # one item per SM). Tree steps' items (several nodes' columns, each built at its own
+        # rotary position and masked on the tree's slots) fill every resident block too (H200,
+        # decode timing: B=1 Hq=32 Hkv=8 T=16 at 4K 44.6 us at 4 splits against 55.5 at 2, at 16K
+        # 93.8 against 138.7; T=4 at 16K 48.4 at 16 splits against 55.0 at 8; the seed's B=4 T=54
+        # at 16K 46.8 at 8 splits against 67.5 at 4).
+        fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
