@@ -211,19 +211,31 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
 // plain against 1.078x); 1 column 12 with four (65 K local-load sectors on B=16 S=512 that the
 // plain kernel does not have) and none with one.
 // The epilogue's per-channel values of the N values a thread stores for a one-column item
-// (value k: head dim tid + k * nthreads), loaded at the item's first tile so that their latency
-// hides behind its tiles: loaded at the store they cost the B=64 S=256 row 5 %.
-template <int N>
+// (value k: head dim tid + k * nthreads), copied into shared memory (cp.async, each thread its
+// own values) at the item's first tile, so that their latency hides behind its tiles and no
+// register holds them through the tile loop: loaded at the store they cost the B=64 S=256 row
+// 5 %; held in registers from the first tile, 0.4 % of B=16 Hkv=32 S=32768 (H200).
+template <int N, int HEAD_DIM>
 struct ItemChannels {
-  ChannelValue v[N > 0 ? N : 1];
+  static constexpr int D = N > 0 ? HEAD_DIM : 1;
+  float shift[D], smooth[D], scale[D];
 
-  template <int HEAD_DIM>
-  __device__ __forceinline__ void load(const MmhaParams& p, int head, int tid, int nthreads) {
+  __device__ __forceinline__ void start(const MmhaParams& p, int head, int tid, int nthreads) {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const int d = tid + k * nthreads;
-      if (d < HEAD_DIM) v[k] = load_channel(p, head * HEAD_DIM + d);
+      if (d >= HEAD_DIM) continue;
+      const int c = head * HEAD_DIM + d;
+      if (p.out_shift != nullptr) cp_async4(&shift[d], p.out_shift + c);
+      if (p.out_smooth != nullptr) cp_async4(&smooth[d], p.out_smooth + c);
+      if (p.out_scales != nullptr) cp_async4(&scale[d], p.out_scales + c);
     }
+  }
+
+  // Value k's channel values (the thread's own copies, after cp_async_wait_all).
+  __device__ __forceinline__ ChannelValue get(const MmhaParams& p, int d) const {
+    return ChannelValue{p.out_shift != nullptr ? shift[d] : 0.f, p.out_smooth != nullptr ? smooth[d] : 1.f,
+                        p.out_scales != nullptr ? scale[d] : p.out_scale};
   }
 };
 
@@ -231,15 +243,17 @@ struct ItemChannels {
 template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float value_scale, int tid, int nthreads,
-                                           const ItemChannels<PRE_N>& pre = ItemChannels<PRE_N>{}) {
+                                           const ItemChannels<PRE_N, HEAD_DIM>* pre = nullptr) {
   if constexpr (PRE_N > 0) {
     const bool ml = p.num_splits == 1;
+    cp_async_wait_all();
 #pragma unroll
     for (int k = 0; k < PRE_N; ++k) {
       const int d = tid + k * nthreads;
       if (d >= w.nh * HEAD_DIM) continue;
       store_value<T, HEAD_DIM, EPI, true>(p, w, column_of(p, w, 0), d, acc(0, d), ml || d == 0 ? m(0) : 0.f,
-                                          ml || d == 0 ? l(0) : 0.f, value_scale, pre.v[k]);
+                                          ml || d == 0 ? l(0) : 0.f, value_scale,
+                                          ml ? pre->get(p, d) : ChannelValue{});
     }
     return;
   }
@@ -692,7 +706,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   float value_scale = 1.f;
   // One-column items through the epilogue: its per-channel values, loaded at the first tile.
   constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
-  ItemChannels<PRE_N> pre;
+  __shared__ ItemChannels<PRE_N, HEAD_DIM> s_pre;
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -704,7 +718,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
-      if constexpr (PRE_N > 0) pre.template load<HEAD_DIM>(p, column_of(p, w, 0).head, tid, CONSUMERS);
+      if constexpr (PRE_N > 0) {
+        // Only a single pass stores through the epilogue here (a split's merge applies it).
+        if (p.num_splits == 1) s_pre.start(p, column_of(p, w, 0).head, tid, CONSUMERS);
+      }
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
@@ -750,7 +767,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
           }
         };
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
-                                                                                CONSUMERS, pre);
+                                                                                CONSUMERS, &s_pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);

@@ -30,6 +30,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                : "memory");
 }
 
+// 4-byte async copy global -> shared (through L1); cp_async_wait_all completes it for the
+// calling thread.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Waits for every cp.async the calling thread issued.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i. Lane l receives
 // row l/4, columns 2(l%4) and 2(l%4)+1 of each matrix (of its transpose with Trans).
