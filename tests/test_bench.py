@@ -134,12 +134,26 @@ def test_rounds_alternate_and_cancel_a_linear_drift(monkeypatch):
     monkeypatch.setattr(timing, "capture", lambda fns: fns[0])
     monkeypatch.setattr(timing, "replay_us", lambda graph, calls, replays: timed.append(graph) or {
         "us": base[graph] + len(timed) - 1})  # fmt: skip
-    got = timing.decode_us_rounds({name: [name, name] for name in base})
+    got = timing.decode_us_rounds({name: [name, name] for name in base}, rounds=2)
     assert timed == ["plain", "fused", "unfused", "unfused", "fused", "plain"]
     assert got["plain"]["rounds_us"] == [100.0, 105.0]
     assert got["fused"]["us"] - got["plain"]["us"] == 1.0
     assert got["unfused"]["us"] - got["plain"]["us"] == 3.0
     assert all(got[name]["layers"] == 2 for name in base)
+    # Four rounds (the default): the drift still cancels, and one round slowed as a whole (a
+    # spike of 80 us on the fused call's second round) moves the fused time by at most the drift
+    # between two of its rounds (3 us), not by a share of the spike (the mean would be 20 us off).
+    timed.clear()
+    got = timing.decode_us_rounds({name: [name, name] for name in base})
+    assert timed == ["plain", "fused", "unfused", "unfused", "fused", "plain"] * 2
+    assert got["fused"]["us"] - got["plain"]["us"] == 1.0
+    timed.clear()
+    spike = {4}
+    monkeypatch.setattr(timing, "replay_us", lambda graph, calls, replays: timed.append(graph) or {
+        "us": base[graph] + len(timed) - 1 + (80.0 if len(timed) - 1 in spike else 0.0)})  # fmt: skip
+    got = timing.decode_us_rounds({name: [name, name] for name in base})
+    assert got["fused"]["rounds_us"][1] > 180
+    assert got["fused"]["us"] - got["plain"]["us"] <= 1.0 + 3.0
 
 
 @pytest.mark.parametrize("method", ["sdpa_default", "sdpa_cudnn", "mmha"])

@@ -10,8 +10,8 @@ scale, int8 half to even within [-127, 127], as a SmoothQuant-style W8A8 layer f
 kernel). The fused output is checked against the epilogue of the plain output (the plain output
 is the fp32 attention rounded to fp16, so values may differ by one step; their share is reported)
 and the plain output against the fp32 reference, before anything is timed. The three are timed
-in two rounds, plain / fused / unfused then the reverse (``timing.decode_us_rounds``), each
-column the mean of its rounds (``*_rounds_us``). Writes bench_epilogue.json and
+in four rounds, plain / fused / unfused then the reverse, twice (``timing.decode_us_rounds``),
+each column the median of its rounds (``*_rounds_us``). Writes bench_epilogue.json and
 bench_epilogue.md to ``--out``.
 """
 

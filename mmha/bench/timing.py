@@ -90,12 +90,14 @@ def round_orders(names: list[str], rounds: int) -> list[list[str]]:
 
 
 def decode_us_rounds(
-    methods: dict[str, list[Callable[[], object]]], rounds: int = 2, replays: int = REPLAYS
+    methods: dict[str, list[Callable[[], object]]], rounds: int = 4, replays: int = REPLAYS
 ) -> dict[str, dict]:
     """Decode timing of methods compared with each other in one run (a fused call against the
     plain one): each method's calls captured once, then replayed in ``rounds`` rounds of
-    alternating order (``round_orders``). Per method: ``us``, the mean of its rounds' medians
-    (with two rounds a linear drift cancels out of the differences), and ``rounds_us``."""
+    alternating order (``round_orders``). Per method: ``us``, the median of its rounds' medians
+    (with an even count of rounds a linear drift cancels out of the differences, and one round
+    slowed as a whole, as H200 runs showed by 2-6 % on a 1-4 ms row, does not move it), and
+    ``rounds_us``."""
     graphs = {name: capture(fns) for name, fns in methods.items()}
     try:
         got: dict[str, list[float]] = {name: [] for name in methods}
@@ -103,7 +105,7 @@ def decode_us_rounds(
             for name in order:
                 got[name].append(replay_us(graphs[name], len(methods[name]), replays)["us"])
         return {
-            name: {"us": statistics.fmean(us), "rounds_us": us, "layers": len(methods[name])}
+            name: {"us": statistics.median(us), "rounds_us": us, "layers": len(methods[name])}
             for name, us in got.items()
         }
     finally:
