@@ -165,9 +165,8 @@ __device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float&
 }
 
 // One value of an item's result (column col, head dim d; max mx, sum, and a, the accumulator
-// already rescaled to mx): out and lse (single pass) or its partial (split): acc at
-// [(query row, head), split][D], then (max, sum) at [(query row, head), split][2] past all of
-// them, so every acc row starts 16-byte aligned for the merge's vector loads. Columns of
+// already rescaled to mx): out and lse (single pass) or its partial (split; where it lies:
+// SplitPartials). Columns of
 // tree nodes past the row's node count get zeros (and lse -inf), as in mmha.reference.
 // value_scale multiplies the output (an fp8 cache's v scale; 1 otherwise), not the partials. A
 // single pass adds the head's sink (if any) to the sum here; a split's merge does. store_item
@@ -196,11 +195,10 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
     out(a / sum * value_scale);
     if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
   } else {
-    float* part_acc = p.partials;
-    float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
+    const SplitPartials<HEAD_DIM> part(p);
     const int64_t slot = h * num_splits + w.split;
-    part_acc[slot * HEAD_DIM + d] = a;
-    if (d == 0) *reinterpret_cast<float2*>(part_ml + slot * 2) = make_float2(mx, sum);
+    part.acc[slot * HEAD_DIM + d] = a;
+    if (d == 0) part.ml[slot] = make_float2(mx, sum);
   }
 }
 

@@ -18,6 +18,21 @@
 
 namespace mmha {
 
+// Where the splits' partials lie in p.partials: split s of flat head h (query row x Hq + head) at
+// slot h * num_splits + s; its accumulator at acc + slot * HEAD_DIM (every row 16-byte aligned
+// for the merge's vector loads), its (max, sum) at ml + slot, past all the accumulators.
+// store_value writes them, the merges read them.
+template <int HEAD_DIM>
+struct SplitPartials {
+  float* acc;
+  float2* ml;
+
+  __device__ __forceinline__ explicit SplitPartials(const MmhaParams& p)
+      : acc(p.partials),
+        ml(reinterpret_cast<float2*>(p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads *
+                                                      p.num_splits * HEAD_DIM)) {}
+};
+
 // The merge of a one-column item: a thread per 4 dims loads its splits' (max, sum) and values
 // together, 8 splits a batch (those past the active splits predicated off), and sums them
 // online: one L2 round trip for up to 8 splits and no barrier, where the weights first leave
@@ -30,15 +45,14 @@ template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem& w, float value_scale, int tid,
                                              int nthreads) {
   const int num_splits = p.num_splits;
-  const int64_t values = static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
-  const float2* part_ml = reinterpret_cast<const float2*>(p.partials + values);
+  const SplitPartials<HEAD_DIM> part(p);
   constexpr int C4 = HEAD_DIM / 4;
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
     const Column col = column_of(p, w, idx / C4);
     if (col.node >= w.nodes) continue;
     const int64_t h = col.flat(p.num_heads);
-    const float4* acc = reinterpret_cast<const float4*>(p.partials + h * num_splits * HEAD_DIM) + idx % C4;
-    const float2* ml = part_ml + h * num_splits;
+    const float4* acc = reinterpret_cast<const float4*>(part.acc + h * num_splits * HEAD_DIM) + idx % C4;
+    const float2* ml = part.ml + h * num_splits;
     float mx = sink_log2(p, col.head);  // the head's sink joins the max and the sum once
     float sum = mx == -INFINITY ? 0.f : 1.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -109,25 +123,23 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     return;
   }
 
-  const float* part_acc = p.partials;
-  const float* part_ml = p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads * num_splits * HEAD_DIM;
+  const SplitPartials<HEAD_DIM> part(p);
   constexpr int C4 = HEAD_DIM / 4;
   const auto acc4 = [&](int64_t h, int c, int s) {
-    return __ldcg(reinterpret_cast<const float4*>(part_acc + (h * num_splits + s) * HEAD_DIM) + c);
+    return __ldcg(reinterpret_cast<const float4*>(part.acc + (h * num_splits + s) * HEAD_DIM) + c);
   };
   const int warps = nthreads / 32;
   for (int g = warp; g < w.nh; g += warps) {
     const Column col = column_of(p, w, g);
     if (col.node >= w.nodes) continue;
     const int64_t h = col.flat(p.num_heads);
-    const float* ml = part_ml + h * num_splits * 2;
+    const float2* ml = part.ml + h * num_splits;
     float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kMaxSplits / 32; ++i) {
       const int s = lane + 32 * i;
-      const float2 v =
-          s < w.active ? __ldcg(reinterpret_cast<const float2*>(ml) + s) : make_float2(-INFINITY, 0.f);
+      const float2 v = s < w.active ? __ldcg(ml + s) : make_float2(-INFINITY, 0.f);
       ms[i] = v.x;
       ls[i] = v.y;
       mx = fmaxf(mx, ms[i]);
