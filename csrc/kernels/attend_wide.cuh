@@ -206,6 +206,23 @@ struct WideConsumer {
         b[u][0][0] = a[u][0], b[u][0][1] = a[u][2];
         b[u][1][0] = a[u][1], b[u][1][1] = a[u][3];
       }
+    } else if constexpr (L::V_SWIZZLE) {
+      // v_off(key0 + lane % 16, 2 m + lane / 16, WholeTile) with key0 a multiple of 16: the line
+      // is m / 4 and the swizzled chunk ((2 m) % 8 + lane / 16) ^ (lane % 8) = ((2 m) % 8) ^ x, x
+      // the lane's part, so every address is a per-lane base and a constant (the general form
+      // costs ~5 integer instructions per ldmatrix: lane is opaque, see step).
+      const int x = (lane / 16) ^ (lane % 8);
+      const unsigned char* row = stage + L::K_BYTES + (key0 + lane % 16) * L::V_LINE_BYTES;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int m = i + u;
+        if (m < KSTEPS) {
+          uint32_t r[4];
+          ldmatrix_x4<true>(r, row + (m / 4) * L::KEYS * L::V_LINE_BYTES + (((2 * m) % 8) ^ x) * 16);
+          b[u][0][0] = r[0], b[u][0][1] = r[1];
+          b[u][1][0] = r[2], b[u][1][1] = r[3];
+        }
+      }
     } else {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
@@ -376,22 +393,32 @@ struct WideConsumer {
     }
   }
 
-  // The item's sums over the quad; then store(h, d, value) gets every (row h, head dim d) of this
-  // lane with its accumulator (rescaled to m[h]).
-  template <class Store>
-  __device__ __forceinline__ void finish(int lane, Store store) {
-    const int tq = lane % 4;
+  // The item's sums over the quad (every lane of a quad then holds its columns' l).
+  __device__ __forceinline__ void finish() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
       l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
     }
+  }
+
+  // pair(d, a0, a1) for every two adjacent head dims d, d + 1 this lane holds of fragment row r
+  // (accumulators rescaled to m[r]); the quad's lane tq == 0 holds dim 0. Row by row, so the
+  // caller decides once per row where the values go and the stores are a short run of code (one
+  // store_value per value, 64 times unrolled, was 7K instructions run once per item: fetched cold,
+  // they were a quarter of a B=1 T=64 1K step).
+  template <class Pair>
+  __device__ __forceinline__ void row_pairs(int r, int lane, Pair pair) const {
+    const int tq = lane % 4;
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) store(e >> 1, Ops::out_dim(i, 2 * tq + (e & 1), hh), acc[i][hh][e]);
+      for (int k = 0; k < 2; ++k) {
+        if constexpr (kFp8) {  // out_dim(i, g, h) = 16 i + 2 g + h: the pair is h = 0, 1
+          pair(Ops::out_dim(i, 2 * tq + k, 0), acc[i][0][2 * r + k], acc[i][1][2 * r + k]);
+        } else {  // out_dim(i, g, h) = 16 i + g + 8 h: the pair is g = 2 tq, 2 tq + 1
+          pair(Ops::out_dim(i, 2 * tq, k), acc[i][k][2 * r], acc[i][k][2 * r + 1]);
+        }
       }
     }
   }

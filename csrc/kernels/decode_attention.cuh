@@ -775,6 +775,35 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   }
 }
 
+// A wide consumer's fragment row r (column col of the item), as store_value stores each value:
+// out and lse (single pass), its split's partial, or zeros for a node the row does not use. The
+// destination and the factor are decided once per row (WideConsumer::row_pairs).
+template <typename T, int HEAD_DIM, class Wide>
+__device__ __forceinline__ void store_wide_row(const MmhaParams& p, const WorkItem& w, const Column& col,
+                                               const Wide& c, int r, int lane, float value_scale) {
+  const int64_t h = col.flat(p.num_heads);
+  const bool lead = lane % 4 == 0;  // holds head dim 0 of the row
+  if (col.node >= w.nodes || p.num_splits == 1) {
+    if (col.node >= w.nodes && w.split != 0) return;
+    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + h * HEAD_DIM);
+    if (col.node >= w.nodes) {
+      c.row_pairs(r, lane, [&](int d, float, float) { out[d / 2] = 0u; });
+      if (lead) p.lse[h] = -INFINITY;
+      return;
+    }
+    float mx = c.m[r], sum = c.l[r];
+    const float f = with_sink(p, col.head, mx, sum) / sum * value_scale;
+    c.row_pairs(r, lane, [&](int d, float a0, float a1) { out[d / 2] = pack_rn<T>(a0 * f, a1 * f); });
+    if (lead) p.lse[h] = (mx + log2f(sum)) * kLn2;
+  } else {
+    const SplitPartials<HEAD_DIM> part(p);
+    const int64_t slot = h * p.num_splits + w.split;
+    float2* acc = reinterpret_cast<float2*>(part.acc + slot * HEAD_DIM);
+    c.row_pairs(r, lane, [&](int d, float a0, float a1) { acc[d / 2] = make_float2(a0, a1); });
+    if (lead) part.ml[slot] = make_float2(c.m[r], c.l[r]);
+  }
+}
+
 // The tile loop for wide items (tree steps with many columns; attend_wide.cuh): the same
 // producer and ring, consumers that each hold 16 columns over all keys of every tile. At an
 // item's first tile each warp builds its q from qkv while the tile is in flight; tiles that end
@@ -862,13 +891,13 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     cur.next(p.stages);
     if (h.flags & kLastTile) {
       if (c.busy) {
-        Column col[2];
+        c.finish();
 #pragma unroll
-        for (int r = 0; r < 2; ++r) col[r] = column_of(p, w, min(Wide::column(warp, lane, r), w.nh - 1));
-        const bool used[2] = {Wide::column(warp, lane, 0) < w.nh, Wide::column(warp, lane, 1) < w.nh};
-        c.finish(lane, [&](int r, int d, float a) {
-          if (used[r]) store_value<T, HEAD_DIM, EPI>(p, w, col[r], d, a, c.m[r], c.l[r], value_scale);
-        });
+        for (int r = 0; r < 2; ++r) {
+          if (Wide::column(warp, lane, r) < w.nh) {
+            store_wide_row<T, HEAD_DIM>(p, w, column_of(p, w, Wide::column(warp, lane, r)), c, r, lane, value_scale);
+          }
+        }
       }
       if (p.num_splits > 1) {
         merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
