@@ -94,16 +94,24 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                            : 0.f;
     }
   } else {
-    for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
-      const int g = idx / HEAD_DIM;
-      const int d = idx % HEAD_DIM;
-      float v = 0.f;
+    // A tree step: a thread per (column, rotation pair), one angle, one depth load and one powf
+    // for both dims (the values rotated() gives); element by element they were a fifth of a B=1
+    // T=4 1K step's attention. Not unrolled: two pairs at a time make the one-column kernels
+    // spill (36-112 bytes), whose registers this function shares.
+    constexpr int PAIRS = HEAD_DIM / 2;
+#pragma unroll 1
+    for (int idx = tid; idx < QB * PAIRS; idx += nthreads) {
+      const int g = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p);
+      float x0 = 0.f, x1 = 0.f;
       if (g < w.nh) {
         const Column c = column_of(p, w, g);
-        v = rotated(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, d,
-                    query_position(p, w, c), p);
+        float sn = 0.f, cs = 1.f;
+        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c)) * rp.inv_freq, &sn, &cs);
+        rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1);
       }
-      s_q[g][d] = v;
+      s_q[g][rp.d0] = x0;
+      s_q[g][rp.d1] = x1;
     }
   }
   if (w.owner()) {
