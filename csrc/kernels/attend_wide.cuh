@@ -345,7 +345,7 @@ struct WideConsumer {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float m_new = fmaxf(m[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
         l[h] *= alpha[h];
         m[h] = m_new;
       }
@@ -367,7 +367,7 @@ struct WideConsumer {
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[kb][n][e] = exp2f(s[kb][n][e] - m_ref[e >> 1]);
+          s[kb][n][e] = exp2_ftz(s[kb][n][e] - m_ref[e >> 1]);
           l[e >> 1] += s[kb][n][e];
         }
       }

@@ -123,6 +123,14 @@ __device__ __forceinline__ void split_pack<__nv_bfloat16>(float x, float y, uint
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// 2^x with results below 2^-126 flushed to zero: the MUFU.EX2 alone, where exp2f adds a test
+// and two multiplies per call to produce denormals (equal bits for x >= -126).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // x and y rounded to two 16-bit values (x in the low half).
 template <typename T>
 __device__ __forceinline__ uint32_t pack_rn(float x, float y);
