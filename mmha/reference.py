@@ -447,13 +447,16 @@ def decode_tree(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     epilogue: OutEpilogue | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A tree-masked multi-token step (``mmha.tree``): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T
     nodes of ``parents [B, T]``; node ``t`` is appended at slot ``lengths[b] + t`` (rotary at
     ``lengths[b] + depth(t)``, stored as ``decode_step`` stores a token) and attends to slots
     ``0 .. lengths[b] - 1`` and to its ancestors' slots, itself included, with an explicit mask.
     Returns ``out [B, T, Hq * D]`` (zeros for nodes past a row's count; an ``epilogue`` applies to
-    every node's output, those zeros included); lengths are not changed."""
+    every node's output, those zeros included) and, with ``return_lse``, fp32 ``lse [B, T, Hq]``
+    (the natural-log log-sum-exp of each node's scaled logits over the keys it sees; ``-inf`` for
+    nodes past the count); lengths are not changed."""
     from . import tree
 
     b, hkv, s_max, d = v_cache.shape
@@ -479,6 +482,7 @@ def decode_tree(
         x = x + qkv_bias.to(compute_dtype)
     x_elems = k_cache.shape[-1]
     out = torch.zeros(b, qkv.shape[1], num_heads * d, dtype=compute_dtype, device=qkv.device)
+    lse = torch.full((b, qkv.shape[1], num_heads), float("-inf"), dtype=compute_dtype, device=qkv.device)
     group = num_heads // num_kv_heads
     for row, p in enumerate(pos_list):
         par = rows[row]
@@ -501,7 +505,9 @@ def decode_tree(
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         o = torch.einsum("thl,hld->thd", torch.softmax(scores, dim=-1), values)
         out[row, :n] = o.reshape(n, -1)
-    return _finish(out, qkv.dtype, epilogue)
+        lse[row, :n] = torch.logsumexp(scores, dim=-1)
+    out = _finish(out, qkv.dtype, epilogue)
+    return (out, lse.float()) if return_lse else out
 
 
 def decode_tree_paged(
@@ -515,11 +521,13 @@ def decode_tree_paged(
     num_heads: int,
     num_kv_heads: int,
     node_counts: list[int] | None = None,
+    return_lse: bool = False,
     **kwargs,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode_tree`` over a paged cache (pages as in ``decode_step_paged``): each row's blocks of
     slots ``0 .. lengths[b] + count - 1`` are gathered into a contiguous cache, the tree step runs
-    there, and the nodes' slots are written back to their pages."""
+    there, and the nodes' slots are written back to their pages. ``return_lse`` as in
+    ``decode_tree``."""
     from . import tree
 
     bs = k_pages.shape[3]
@@ -531,19 +539,19 @@ def decode_tree_paged(
     last = [p + len(r) - 1 for p, r in zip(pos, rows, strict=True)]  # each row's last slot
     check_block_tables(block_tables, last, k_pages.shape[0], bs)
     tables = block_tables.tolist()
-    outs = []
+    outs, lses = [], []
     for b, p in enumerate(pos):
         n = len(rows[b])
         blocks = tables[b][: (p + n - 1) // bs + 1]
         kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
-        outs.append(
-            decode_tree(
-                qkv[b : b + 1], kc, vc, lengths[b : b + 1], parents[b : b + 1], num_heads=num_heads,
-                num_kv_heads=num_kv_heads, node_counts=[n], **kwargs,
-            )
+        o, lse = decode_tree(
+            qkv[b : b + 1], kc, vc, lengths[b : b + 1], parents[b : b + 1], num_heads=num_heads,
+            num_kv_heads=num_kv_heads, node_counts=[n], return_lse=True, **kwargs,
         )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
         for t in range(p, p + n):
             blk, off = blocks[t // bs], t % bs
             k_pages[blk, :, :, off, :] = kc[0, :, :, t, :]
             v_pages[blk, :, off, :] = vc[0, :, t, :]
-    return torch.cat(outs)
+    return (torch.cat(outs), torch.cat(lses)) if return_lse else torch.cat(outs)

@@ -170,3 +170,43 @@ def test_bad_trees_and_paths_are_refused_and_change_nothing():
     assert torch.equal(bits(c.k_caches[0]), bits(k1)) and c.host_lengths == [10, 2]
     c.accept([0, 1], [[0, 1, 3], []])
     assert c.host_lengths == [13, 2]
+
+
+@pytest.mark.parametrize("kind", ["chain", "random"])
+def test_reference_tree_lse_equals_one_token_lse_of_each_path(kind):
+    # The tree step's lse per node is the lse of one-token decoding over the node's root path (the
+    # last step's), -inf past a row's count; the paged reference returns the same.
+    from mmha import layout, reference
+
+    rng = random.Random(len(kind))
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, s_max, t, bs = 2, 4, 2, 16, 32, 7, 4
+    lengths = [3, 11]
+    k = torch.randn(b, s_max, hkv, d, generator=g)
+    v = torch.randn(b, s_max, hkv, d, generator=g)
+    kc, vc = layout.pack_k(k), layout.pack_v(v)
+    parents = torch.tensor([random_tree(rng, t, kind) for _ in range(b)], dtype=torch.int32)
+    counts = [t, t - 2]
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    kw = dict(num_heads=hq, num_kv_heads=hkv, rotary_dim=d, compute_dtype=torch.float64, return_lse=True)
+    _, lse = reference.decode_tree(qkv, kc.clone(), vc.clone(), lens, parents, node_counts=counts, **kw)
+    assert lse.shape == (b, t, hq) and lse.dtype == torch.float32
+    assert torch.isneginf(lse[1, counts[1] :]).all()
+    assert torch.isfinite(lse[0]).all() and torch.isfinite(lse[1, : counts[1]]).all()
+    for row in range(b):
+        for node, path in enumerate(tree.ancestors(parents[row, : counts[row]].tolist())):
+            kr, vr = kc[row : row + 1].clone(), vc[row : row + 1].clone()
+            pos = lens[row : row + 1].clone()
+            for n in path:  # one-token steps over the node's path, the node last
+                _, want = reference.decode_step(qkv[row : row + 1, n], kr, vr, pos, **kw)
+                pos += 1
+            torch.testing.assert_close(lse[row, node], want[0], rtol=1e-6, atol=1e-6)
+    max_blocks = s_max // bs
+    tables = torch.randperm(b * max_blocks, generator=g).reshape(b, max_blocks).to(torch.int32)
+    kp = torch.zeros(layout.k_pages_shape(b * max_blocks, hkv, bs, d, torch.float32))
+    vp = torch.zeros(layout.v_pages_shape(b * max_blocks, hkv, bs, d))
+    for row in range(b):
+        layout.write_pages(kp, vp, tables[row].tolist(), k[row], v[row])
+    _, lse_paged = reference.decode_tree_paged(qkv, kp, vp, tables, lens, parents, node_counts=counts, **kw)
+    assert bits(lse_paged).equal(bits(lse))

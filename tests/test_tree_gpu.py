@@ -53,24 +53,35 @@ def run_tree(case, qkv, parents, counts, scales, **kw):
     return out, lse, kc, vc
 
 
-def ref_tree(case, qkv, parents, counts, scales, compute_dtype):
+def ref_tree(case, qkv, parents, counts, scales, compute_dtype, return_lse=False):
     kc, vc = case.clone_caches()
     s = {k: v for k, v in scales.items()}
     out = reference.decode_tree(
-        qkv, kc, vc, case.lengths, parents, node_counts=counts, compute_dtype=compute_dtype, **case.kwargs(), **s
+        qkv, kc, vc, case.lengths, parents, node_counts=counts, compute_dtype=compute_dtype, **case.kwargs(), **s,
+        return_lse=return_lse,
     )  # fmt: skip
     return out, kc, vc
 
 
 def check_tree(case, qkv, parents, counts, scales=None, **kw):
-    """Kernel vs reference: the tolerance rule of tests/helpers.py per node, zeros past a row's
-    count, caches equal to the reference's (rotated k within one rounding step)."""
+    """Kernel vs reference: the tolerance rule of tests/helpers.py per node (out and lse), zeros
+    and lse -inf past a row's count, caches equal to the reference's (rotated k within one
+    rounding step)."""
     scales = scales or {}
     out, lse, kc, vc = run_tree(case, qkv, parents, counts, scales, **kw)
-    ref, ref_k, ref_v = ref_tree(case, qkv, parents, counts, scales, torch.float64)
-    low, _, _ = ref_tree(case, qkv, parents, counts, scales, qkv.dtype)
+    (ref, ref_lse), ref_k, ref_v = ref_tree(
+        case, qkv, parents, counts, scales, torch.float64, return_lse=True
+    )
+    (low, low_lse), _, _ = ref_tree(case, qkv, parents, counts, scales, qkv.dtype, return_lse=True)
     for b, n in enumerate(counts):
         assert out[b, n:].abs().max().item() == 0 if n < qkv.shape[1] else True, "nodes past the count"
+        assert torch.isneginf(lse[b, n:]).all(), f"row {b}: lse of nodes past the count"
+        e, r, lo = lse[b, :n].double(), ref_lse[b, :n].double(), low_lse[b, :n].double()
+        assert torch.isfinite(e).all(), f"row {b}: non-finite lse"
+        tol = 2 * (lo - r).abs().max().item() + 1e-3 * (4 if scales else 1) * max(1.0, r.abs().max().item())
+        assert (e - r).abs().max().item() <= tol, (
+            f"row {b}: lse error {(e - r).abs().max().item():.3e} > {tol:.3e}"
+        )
         o, r, lo = out[b, :n].double(), ref[b, :n].double(), low[b, :n].double()
         assert torch.isfinite(o).all(), f"row {b}: non-finite output"
         err = (o - r).abs().max().item()
