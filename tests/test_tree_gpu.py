@@ -158,6 +158,24 @@ def test_wide_items_with_large_logits():
     check_tree(case, qkv, parents, counts, num_splits=1)
 
 
+@pytest.mark.parametrize("nodes", [5, 20])  # 20 columns per kv head (narrow items), 80 (wide)
+@pytest.mark.parametrize("splits", [1, 5])
+def test_tree_steps_are_deterministic(nodes, splits):
+    # Many items per SM, taken from the work counter in whatever order blocks finish: out, lse
+    # and both caches bit-equal over 50 runs (splits merge in split order).
+    g = torch.Generator().manual_seed(nodes)
+    lengths = torch.randint(0, 1500, (24,), generator=g).tolist()
+    case, qkv, parents, counts, _ = tree_case(24, 16, 4, 128, lengths, 1600, torch.bfloat16, nodes, "random",
+                                              seed=splits, counts=[nodes - i % 3 for i in range(24)])  # fmt: skip
+    wide = dispatch.columns_block(4 * nodes, True, True, 128, 24 * 4) == dispatch.WIDE_COLUMNS
+    assert wide == (nodes == 20)
+    first = run_tree(case, qkv, parents, counts, {}, num_splits=splits)
+    for _ in range(50):
+        again = run_tree(case, qkv, parents, counts, {}, num_splits=splits)
+        for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), first, again, strict=True):
+            assert_bits_equal(b, a, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3])
