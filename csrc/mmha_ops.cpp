@@ -511,6 +511,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.max_seq_len = static_cast<int32_t>(max_seq_len);
   p.q_group_block = q_group_block;
   p.q_groups = static_cast<int32_t>(q_groups);
+  p.group = static_cast<int32_t>(num_heads / num_kv_heads);
+  p.inv_group = 1.f / static_cast<float>(p.group);
   p.num_splits = static_cast<int32_t>(num_splits);
   p.stages = static_cast<int32_t>(stages);
   p.scale = static_cast<float>(scale);

@@ -93,7 +93,7 @@ struct WideConsumer {
     // The warp's columns [first, last) of the item are heads of nodes n0 .. n1; a lane takes
     // rotation pairs and, per node, computes the pair's angle once for the node's heads.
     const T* bias = static_cast<const T*>(p.qkv_bias);
-    const int group = p.num_heads / p.num_kv_heads;
+    const int group = p.group;
     const int first = 16 * warp;
     const int last = min(w.nh, first + 16);
     const int n0 = (w.c0 + first) / group;

@@ -692,6 +692,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
   }
   __syncthreads();
+  grid_dependency_wait();  // a tree step's check and append (launch_kernel)
 
   if (warp == kConsumerWarps) {
     produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
@@ -721,7 +722,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
-      w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
+      w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
@@ -858,6 +859,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
   }
   __syncthreads();
+  grid_dependency_wait();  // a tree step's check and append (launch_kernel)
 
   if (warp == kConsumerWarps) {
     produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
@@ -881,7 +883,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
-      w.c0 = h.qg * QB, w.h0 = h.kvh * (p.num_heads / p.num_kv_heads) + w.c0;
+      w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
@@ -921,6 +923,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   using Simt = SimtAttend<T, HEAD_DIM, QB>;
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
+  grid_dependency_wait();  // a tree step's check and append (launch_kernel)
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
   work_item_range(p, w, p.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
   if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
@@ -1080,12 +1083,30 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
-  if (p.parents != nullptr) {  // a tree step: check the trees and append every node first
-    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
-    if (err != cudaSuccess) return err;
+  if (p.parents == nullptr) {
+    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+    return cudaGetLastError();
   }
-  decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
-  return cudaGetLastError();
+  // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
+  // its programmatic dependent: its blocks start (barriers, descriptor prefetch) while the check
+  // runs and wait for it (grid_dependency_wait) before they read anything.
+  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+  if (err != cudaSuccess) return err;
+  int device = 0, major = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kBlockThreads<T>);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>, p);
 }
 
 // Bulk tensor copies exist for tile-loop caches whose V rows are whole 128-byte lines.

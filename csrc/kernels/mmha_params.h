@@ -180,6 +180,8 @@ struct MmhaParams {
   int32_t max_seq_len;       // S_max
   int32_t q_group_block;     // query heads per block (one of kQGroupBlocks)
   int32_t q_groups;          // ceil((Hq / Hkv) / q_group_block)
+  int32_t group;             // Hq / Hkv: query heads per kv head (a tree node's columns)
+  float inv_group;           // 1 / group, rounded to nearest (column_of's division)
   int32_t num_splits;        // 1: single pass; > 1: split sequence with in-kernel merge
   int32_t stages;            // tile loop: shared-memory stages (kMinStages..kMaxStages)
   TileSource tile_source;    // tile loop: kCpAsync or kTma (never kAuto at launch)

@@ -256,6 +256,23 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* addr, int v) {
   return old;
 }
 
+// Programmatic dependent launch (sm_90): a grid launched with programmatic stream serialization
+// may start while the grid before it in the stream still runs, once every block of that grid has
+// called allow_dependent_launch (or exited). grid_dependency_wait returns when that grid has
+// finished and its writes are visible; for a grid launched without the attribute, and before
+// sm_90, both are no-ops.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Barrier among the first `threads` threads of the block (named barrier `id`, 1..15).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

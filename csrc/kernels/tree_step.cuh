@@ -22,6 +22,7 @@
 #include "cache_slots.cuh"
 #include "mmha_params.h"
 #include "new_token.cuh"
+#include "ptx.cuh"
 #include "score_mods.cuh"
 #include "vec.cuh"
 
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const int kvh = blockIdx.x - b * p.num_kv_heads;
   const int tid = threadIdx.x;
   const int nodes = p.nodes;
+  allow_dependent_launch();  // the attention grid waits for this grid's end before it reads
   __shared__ int s_flags;
   __shared__ int s_jump[kMaxTreeNodes];
   __shared__ int s_depth[kMaxTreeNodes];

@@ -57,10 +57,9 @@ __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int inde
   w.split = r - head_block * p.num_splits;
   w.kvh = head_block / p.q_groups;
   w.qg = head_block - w.kvh * p.q_groups;
-  const int group = p.num_heads / p.num_kv_heads;
   w.c0 = w.qg * QB;
-  w.h0 = w.kvh * group + w.c0;
-  w.nh = min(QB, group * p.nodes - w.c0);
+  w.h0 = w.kvh * p.group + w.c0;
+  w.nh = min(QB, p.group * p.nodes - w.c0);
   return w;
 }
 
@@ -75,10 +74,11 @@ struct Column {
 
 __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem& w, int g) {
   if (p.nodes == 1) return Column{w.b, 0, w.h0 + g};
-  const int group = p.num_heads / p.num_kv_heads;
+  // node = c / group without an integer division: (c + 1/2) / group lies at least 1 / (2 group)
+  // from an integer, and the float product errs by less than that while c + group < 2^22.
   const int c = w.c0 + g;
-  const int node = c / group;
-  return Column{w.b * p.nodes + node, node, w.kvh * group + c - node * group};
+  const int node = __float2int_rz((static_cast<float>(c) + 0.5f) * p.inv_group);
+  return Column{w.b * p.nodes + node, node, w.kvh * p.group + c - node * p.group};
 }
 
 // The item's keys given its row's length pos and new tokens: the row attends to slots lo .. pos +
