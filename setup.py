@@ -1,7 +1,8 @@
 """Build of mmha: one CUDA extension (mmha._C) holding the decode kernels and torch operators.
 
 Environment:
-  TORCH_CUDA_ARCH_LIST  target architectures (default "8.0;8.6;8.9;9.0": Ampere, Ada, Hopper)
+  TORCH_CUDA_ARCH_LIST  target architectures (default "8.0;8.6;8.9;9.0a": Ampere, Ada, Hopper); a
+                        plain 9.0 is built as 9.0a (sm_90a: the tree kernel's wgmma products)
   CUDA_HOME             CUDA toolkit root (default: CUDA_PATH, then nvcc on PATH, then /usr/local/cuda)
   MMHA_SKIP_CUDA=1      build a pure-Python install (reference path only)
   MAX_JOBS              parallel compile jobs (ninja)
@@ -16,7 +17,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
-DEFAULT_ARCHS = "8.0;8.6;8.9;9.0"
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a"
 
 
 def find_cuda_home() -> str | None:
@@ -44,6 +45,10 @@ def extension_modules() -> tuple[list, dict]:
     # torch.utils.cpp_extension resolves CUDA_HOME when imported: set it first.
     os.environ["CUDA_HOME"] = cuda_home
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    # Hopper's cubin as sm_90a: the wide tree items multiply with wgmma there (an sm_90 build
+    # takes their mma.sync path). sm_90a code runs on sm 9.0 GPUs only, as sm_90 code does.
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(",", ";").replace(" ", ";").split(";")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join("9.0a" if a == "9.0" else a for a in archs if a)
     import torch
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 

@@ -28,6 +28,7 @@
 #include "score_mods.cuh"
 #include "tile_layout.cuh"
 #include "tile_operands.cuh"
+#include "wgmma.cuh"
 #include "work_items.cuh"
 
 namespace mmha {
@@ -43,6 +44,9 @@ struct WideConsumer {
   static constexpr int KBLOCKS = kTileKeys / 16;    // 16-key blocks of a tile
   static constexpr int PART_BLOCKS = 4;              // 16-key blocks per online-softmax step
   static constexpr float kRescaleSlack = 8.f;       // as in TileConsumer
+  // sm_90a, 16-bit caches with swizzled V lines: the four warps multiply as one warpgroup (wgmma),
+  // q and the tile's K and V read from shared memory where they lie; else mma.sync per warp.
+  static constexpr bool kWg = kWgmma && !kFp8 && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128);
 
   const M* sq;             // the warp's q (staging area), read as A fragments at every tile
   float m[2], l[2];        // columns g, g + 8 of the warp's 16
@@ -58,6 +62,14 @@ struct WideConsumer {
   // the ldmatrix phases (8 rows of 16 bytes) fall in distinct bank groups.
   static constexpr int Q_PITCH = HEAD_DIM + 8;
   static constexpr int Q_STAGE_BYTES = 16 * Q_PITCH * 2;
+  // Element of q (the warp's fragment row r, fragment column col) in the staging area: the warp's
+  // own padded rows, or (kWg) one area of the four warps' 64 rows in K's form, [HEAD_DIM / 8][64
+  // rows][8] (a K-major wgmma operand without swizzle).
+  __device__ __forceinline__ static int q_at(int warp, int r, int col) {
+    if constexpr (kWg) return (col / 8) * 64 * 8 + (16 * warp + r) * 8 + col % 8;
+    return r * Q_PITCH + col;
+  }
+  static_assert(!kWg || 64 * HEAD_DIM * 2 <= 4 * Q_STAGE_BYTES, "wgmma q area: the four warps' staging areas");
 
   // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches; for
   // fp8, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are columns 2tq + 8h + e).
@@ -89,7 +101,15 @@ struct WideConsumer {
     sq = s_q;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
-    if (!busy) return;
+    if (!busy) {
+      if constexpr (kWg) {  // its rows take part in the warpgroup's products: zeros
+        for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) {
+          s_q[q_at(warp, idx / HEAD_DIM, idx % HEAD_DIM)] = from_float<M>(0.f);
+        }
+        fence_proxy_async_smem();
+      }
+      return;
+    }
     // The warp's columns [first, last) of the item are heads of nodes n0 .. n1; a lane takes
     // rotation pairs and, per node, computes the pair's angle once for the node's heads.
     const T* bias = static_cast<const T*>(p.qkv_bias);
@@ -129,8 +149,8 @@ struct WideConsumer {
               qmax = fmaxf(qmax, fmaxf(fabsf(x0), fabsf(x1)));
             } else {
               const int r = cw - first;
-              s_q[r * Q_PITCH + q_column(rp.d0)] = from_float<M>(x0 * q_unit);
-              s_q[r * Q_PITCH + q_column(rp.d1)] = from_float<M>(x1 * q_unit);
+              s_q[q_at(warp, r, q_column(rp.d0))] = from_float<M>(x0 * q_unit);
+              s_q[q_at(warp, r, q_column(rp.d1))] = from_float<M>(x1 * q_unit);
             }
           }
         }
@@ -151,8 +171,9 @@ struct WideConsumer {
     }
     // Rows of columns past the item's: zeros.
     for (int idx = lane; idx < (first + 16 - last) * HEAD_DIM; idx += 32) {
-      s_q[(last - first + idx / HEAD_DIM) * Q_PITCH + idx % HEAD_DIM] = from_float<M>(0.f);
+      s_q[q_at(warp, last - first + idx / HEAD_DIM, idx % HEAD_DIM)] = from_float<M>(0.f);
     }
+    if constexpr (kWg) fence_proxy_async_smem();  // read by the copy engine's proxy (wgmma)
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i) {
@@ -276,23 +297,36 @@ struct WideConsumer {
         for (int e = 0; e < 4; ++e) s[kb][n][e] = 0.f;
       }
     }
+    if constexpr (kWg) {
+      // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
+      // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
+      static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
+      wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < KSTEPS; j += 2) {
-      // A fragments of q for K steps j, j + 1: lanes 0-15 address rows 0-15 at column 16 j, 16-31 at 16 j + 8.
-      uint32_t q[2][4];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (j + u < KSTEPS) ldmatrix_x4<false>(q[u], sq + (lane % 16) * Q_PITCH + 16 * (j + u) + 8 * (lane / 16));
+      for (int j = 0; j < KSTEPS; ++j) {
+        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc(sq + j * 2 * 64 * 8, 64 * 16, 128, false),
+                                 wgmma_desc(stage + L::k_off(0, 2 * j, WholeTile{}), L::KEYS * 16, 128, false), j > 0);
       }
+      wgmma_commit_and_wait();
+    } else {
 #pragma unroll
-      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-        uint32_t k[2][2][2];
-        k_frags(k, stage, key0 + 16 * kb, j, lane);
+      for (int j = 0; j < KSTEPS; j += 2) {
+        // A fragments of q for K steps j, j + 1: lanes 0-15 address rows 0-15 at column 16 j, 16-31 at 16 j + 8.
+        uint32_t q[2][4];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          if (j + u < KSTEPS) {
-            mma_16816<M>(s[kb][0], q[u], k[u][0][0], k[u][0][1]);
-            mma_16816<M>(s[kb][1], q[u], k[u][1][0], k[u][1][1]);
+          if (j + u < KSTEPS) ldmatrix_x4<false>(q[u], sq + (lane % 16) * Q_PITCH + 16 * (j + u) + 8 * (lane / 16));
+        }
+#pragma unroll
+        for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+          uint32_t k[2][2][2];
+          k_frags(k, stage, key0 + 16 * kb, j, lane);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            if (j + u < KSTEPS) {
+              mma_16816<M>(s[kb][0], q[u], k[u][0][0], k[u][0][1]);
+              mma_16816<M>(s[kb][1], q[u], k[u][1][0], k[u][1][1]);
+            }
           }
         }
       }
@@ -374,19 +408,44 @@ struct WideConsumer {
     }
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
+    if constexpr (kWg) {
+      // O's accumulators lie as acc does (8-dim block 2 i + hh: registers 4 (2 i + hh) + e); V
+      // is the MN-major operand, 16 keys a step.
+      uint32_t pa[PART_BLOCKS][4];
 #pragma unroll
-    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-      const uint32_t pa[4] = {pack_rn<M>(s[kb][0][0], s[kb][0][1]), pack_rn<M>(s[kb][0][2], s[kb][0][3]),
-                              pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+        pa[kb][0] = pack_rn<M>(s[kb][0][0], s[kb][0][1]);
+        pa[kb][1] = pack_rn<M>(s[kb][0][2], s[kb][0][3]);
+        pa[kb][2] = pack_rn<M>(s[kb][1][0], s[kb][1][1]);
+        pa[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
+      }
+      wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < KSTEPS; i += 2) {
-        uint32_t v[2][2][2];
-        v_frags(v, stage, key0 + 16 * kb, i, lane);
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+        const uint64_t v_desc =
+            wgmma_desc(stage + L::K_BYTES + (key0 + 16 * kb) * L::V_LINE_BYTES, L::KEYS * L::V_LINE_BYTES, 1024, true);
+        if constexpr (HEAD_DIM == 128) {
+          wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), pa[kb], v_desc, 1);
+        } else {
+          wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), pa[kb], v_desc, 1);
+        }
+      }
+      wgmma_commit_and_wait();
+    } else {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (i + u < KSTEPS) {
-            mma_16816<M>(acc[i + u][0], pa, v[u][0][0], v[u][0][1]);
-            mma_16816<M>(acc[i + u][1], pa, v[u][1][0], v[u][1][1]);
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+        const uint32_t pa[4] = {pack_rn<M>(s[kb][0][0], s[kb][0][1]), pack_rn<M>(s[kb][0][2], s[kb][0][3]),
+                                pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
+#pragma unroll
+        for (int i = 0; i < KSTEPS; i += 2) {
+          uint32_t v[2][2][2];
+          v_frags(v, stage, key0 + 16 * kb, i, lane);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            if (i + u < KSTEPS) {
+              mma_16816<M>(acc[i + u][0], pa, v[u][0][0], v[u][0][1]);
+              mma_16816<M>(acc[i + u][1], pa, v[u][1][0], v[u][1][1]);
+            }
           }
         }
       }

@@ -845,7 +845,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
-  M* s_q = reinterpret_cast<M*>(s_buf + warp * Wide::Q_STAGE_BYTES);
+  M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
@@ -889,6 +889,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       value_scale = h.v_scale;
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
+      if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     const int it = h.k0;
@@ -896,7 +897,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
       sync();
     }
-    if (c.busy) c.step(stage, it, w.lo, w.end, lane);
+    if (Wide::kWg || c.busy) c.step(stage, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
