@@ -1089,8 +1089,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   }
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
-  // its programmatic dependent: its blocks start (barriers, descriptor prefetch) while the check
-  // runs and wait for it (grid_dependency_wait) before they read anything.
+  // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
+  // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
   err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
   if (err != cudaSuccess) return err;
   int device = 0, major = 0;
