@@ -68,16 +68,15 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WIDE_COLUMNS") = mmha::kWideColumns;
   m.attr("WIDE_MIN_COLUMNS") = mmha::kWideMinColumns;
   m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
-  m.attr("WIDE_WG_COLUMNS") = mmha::kWideWgColumns;
   m.attr("EPILOGUE_COLUMNS") = mmha::kEpilogueColumns;
   m.attr("EPILOGUE_GROUP_COLUMNS") = mmha::kEpilogueGroupColumns;
   m.def(
       "columns_block",
-      [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows, bool epilogue, bool wide_wg) {
-        return mmha::columns_block(columns, tree, tiles, head_dim, kv_rows, epilogue, wide_wg);
+      [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows, bool epilogue) {
+        return mmha::columns_block(columns, tree, tiles, head_dim, kv_rows, epilogue);
       },
       pybind11::arg("columns"), pybind11::arg("tree"), pybind11::arg("tiles"), pybind11::arg("head_dim"),
-      pybind11::arg("kv_rows"), pybind11::arg("epilogue") = false, pybind11::arg("wide_wg") = false,
+      pybind11::arg("kv_rows"), pybind11::arg("epilogue") = false,
       "Query columns per work item for `columns` columns per (row, kv head)");
   m.def(
       "tile_static_smem",

@@ -461,8 +461,6 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   MMHA_CHECK(tile_source != 2 || tma_head_dim(to_dtype(cache_dtype), static_cast<int>(head_dim)),
              "tile_source 2 (tma) needs float16 or bfloat16 caches with head_dim a multiple of 64, or "
              "float8_e4m3fn caches with head_dim a multiple of 128, got ", cache_dtype, " and head_dim ", head_dim);
-  // Items of two warpgroups for tree steps with many columns: Hopper, 16-bit caches (columns_block).
-  const bool wide_wg = tiles && cache_elem == 2 && device_has_wgmma(device.index());
   int max_stages = kMaxStages;
   if (tiles) {
     int optin = 0;
@@ -470,8 +468,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     const int stage = tile_stage_bytes(static_cast<int>(head_dim), static_cast<int>(cache_elem));
     const int fixed = tile_static_smem(static_cast<int>(head_dim), static_cast<int>(qkv.element_size()),
                                        columns_block(num_heads / num_kv_heads * nodes, tree && nodes > 1, tiles,
-                                                     static_cast<int>(head_dim), batch * num_kv_heads, epilogue,
-                                                     wide_wg)) +
+                                                     static_cast<int>(head_dim), batch * num_kv_heads, epilogue)) +
                       1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
@@ -482,7 +479,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   // (a tree step's many columns: wide items).
   const int64_t columns = num_heads / num_kv_heads * nodes;
   const int q_group_block =
-      columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim), batch * num_kv_heads, epilogue, wide_wg);
+      columns_block(columns, tree && nodes > 1, tiles, static_cast<int>(head_dim), batch * num_kv_heads, epilogue);
   const int64_t q_groups = (columns + q_group_block - 1) / q_group_block;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", num_kv_heads);

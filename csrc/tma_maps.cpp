@@ -28,30 +28,22 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 
 }  // namespace
 
-namespace {
-
-// The device's compute capability major, asked once per device index below 64 (0 if unknown).
-int device_major(int device) {
-  static std::atomic<int> known[64] = {};  // major + 1; 0: not asked yet
-  if (device < 0 || device >= 64) return 0;
-  int v = known[device].load(std::memory_order_acquire);
+bool device_has_tma(int device) {
+  // 0: not asked yet, 1: no, 2: yes (one entry per device index below 64).
+  static std::atomic<uint8_t> known[64] = {};
+  if (device < 0 || device >= 64) return false;
+  uint8_t v = known[device].load(std::memory_order_acquire);
   if (v == 0) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
       cudaGetLastError();
-      return 0;
+      return false;
     }
-    v = major + 1;
+    v = major >= 9 ? 2 : 1;
     known[device].store(v, std::memory_order_release);
   }
-  return v - 1;
+  return v == 2;
 }
-
-}  // namespace
-
-bool device_has_tma(int device) { return device_major(device) >= 9; }
-
-bool device_has_wgmma(int device) { return device_major(device) == 9; }
 
 bool cache_maps_fit(const MmhaParams& p) {
   if (p.block_tables != nullptr) {  // pages: the V map's rows (num_blocks * Hkv * bs) in an int

@@ -12,10 +12,6 @@ namespace mmha {
 // device.
 bool device_has_tma(int device);
 
-// Whether the device runs sm_90a's warpgroup products (compute capability 9.x: Hopper), which the
-// wide consumer's items of two warpgroups are built for (columns_block's wide_wg).
-bool device_has_wgmma(int device);
-
 // Whether the caches of p fit the tensor maps: head_dim a multiple of 64, S_max a multiple of 32
 // (K is seen as groups of 32 keys), coordinates the kernel passes as 32-bit ints.
 bool cache_maps_fit(const MmhaParams& p);

@@ -468,7 +468,7 @@ class KVCache:
                 self.head_dim,
                 seq,
                 self.dtype,
-                dispatch.ONE_SM,
+                1,
                 variant,
                 self.kv_dtype,
                 epilogue=epilogue,

@@ -40,11 +40,6 @@ EPILOGUE_GROUP_COLUMNS = 4
 # items win, 114 against 134 and 179 against 310).
 WIDE_ALWAYS_COLUMNS = 128
 WIDE_MIN_ITEMS = 64
-# On Hopper (wgmma), 16-bit caches at head dims 64 and 128: a (row, kv head) of at least
-# WIDE_WG_COLUMNS columns takes items of WIDE_WG_COLUMNS, two consumer warpgroups of WIDE_COLUMNS
-# columns each over the same tiles (K/V read half as often), one block per SM.
-WIDE_WG_COLUMNS = 2 * WIDE_COLUMNS
-WIDE_WG_HEAD_DIMS = (64, 128)
 
 # The tile loop (fp16 / bf16): blocks of 4 consumer warps and a producer warp around a ring of
 # stages, each holding K and V of TILE_KEYS keys.
@@ -92,19 +87,16 @@ class Device:
     num_sms: int
     smem_per_sm: int  # bytes of shared memory per SM
     smem_per_block: int  # bytes one block may opt in to
-    wgmma: bool = False  # compute capability 9.x: the wide consumer's items of two warpgroups
 
     @classmethod
     def of(cls, props) -> Device:
         """From ``torch.cuda.get_device_properties(i)``."""
         return cls(props.multi_processor_count, props.shared_memory_per_multiprocessor,
-                   props.shared_memory_per_block_optin, props.major == 9)  # fmt: skip
+                   props.shared_memory_per_block_optin)  # fmt: skip
 
 
 # H100 SXM and H200: 132 SMs, 228 KB of shared memory per SM, 227 KB per block.
-H100 = Device(132, 228 * 1024, 227 * 1024, wgmma=True)
-# What a cache on the reference path (no GPU) plans for: one SM of that kind.
-ONE_SM = Device(1, 228 * 1024, 227 * 1024)
+H100 = Device(132, 228 * 1024, 227 * 1024)
 
 
 @dataclass(frozen=True)
@@ -128,22 +120,18 @@ def q_group_block(group: int) -> int:
 
 def columns_block(
     columns: int, tree: bool = False, tiles: bool = True, head_dim: int = 128, kv_rows: int = 1,
-    epilogue: bool = False, wide_wg: bool = False,
+    epilogue: bool = False,
 ) -> int:  # fmt: skip
     """Query columns per work item for ``columns`` columns per (row, kv head) (mirrors the C++
     ``columns_block``): ``q_group_block``, or ``WIDE_COLUMNS`` for a tree step of two or more
     nodes on the tile loop with at least ``WIDE_MIN_COLUMNS`` columns, ``head_dim <=
     WIDE_MAX_HEAD_DIM``, and either ``WIDE_ALWAYS_COLUMNS`` columns or ``WIDE_MIN_ITEMS`` wide
-    items over its ``kv_rows`` (rows x kv heads), or ``WIDE_WG_COLUMNS`` from that many columns on
-    where ``wide_wg`` (Hopper, 16-bit caches) and the head dim allow; with an output epilogue
-    ``EPILOGUE_COLUMNS``, or on the tile loop 1 for one column and ``EPILOGUE_GROUP_COLUMNS`` for
-    up to that many."""
+    items over its ``kv_rows`` (rows x kv heads); with an output epilogue ``EPILOGUE_COLUMNS``, or
+    on the tile loop 1 for one column and ``EPILOGUE_GROUP_COLUMNS`` for up to that many."""
     if epilogue:
         if tiles and columns == 1:
             return 1
         return EPILOGUE_GROUP_COLUMNS if tiles and columns <= EPILOGUE_GROUP_COLUMNS else EPILOGUE_COLUMNS
-    if tree and tiles and wide_wg and head_dim in WIDE_WG_HEAD_DIMS and columns >= WIDE_WG_COLUMNS:
-        return WIDE_WG_COLUMNS
     blocks = -(-columns // WIDE_COLUMNS)
     enough = columns >= WIDE_ALWAYS_COLUMNS or kv_rows * blocks >= WIDE_MIN_ITEMS
     if tree and tiles and head_dim <= WIDE_MAX_HEAD_DIM and columns >= WIDE_MIN_COLUMNS and enough:
@@ -190,11 +178,8 @@ def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
 def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     """Bound on the tile kernel's static shared memory at ``qb`` query heads per block (mirrors
     ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
-    if qb in (
-        WIDE_COLUMNS,
-        WIDE_WG_COLUMNS,
-    ):  # the wide consumer: q staging (or merge weights), barriers, headers
-        staging = qb * (head_dim + 8) * 2  # 16 columns per consumer warp
+    if qb == WIDE_COLUMNS:  # the wide consumer: q staging (or merge weights), barriers, headers
+        staging = 4 * 16 * (head_dim + 8) * 2
         return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
     return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
             + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES
@@ -321,9 +306,8 @@ def choose_variant(
 
     ``tree``: a tree step of two or more nodes, whose ``num_heads`` counts (node, head) columns
     (``Hq * T``); from ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide
-    (``columns_block``; on a ``device`` with ``wgmma``, 16-bit caches, from ``WIDE_WG_COLUMNS``
-    on, items of two warpgroups, one block per SM). Tree items, narrow or wide, compute more per
-    tile than one-token items, so their grid fills every resident block, as fp8's does.
+    (``columns_block``). Tree items, narrow or wide, compute more per tile than one-token items,
+    so their grid fills every resident block, as fp8's does.
 
     ``epilogue``: the step has an output epilogue, whose kernels take 1, ``EPILOGUE_GROUP_COLUMNS``
     or ``EPILOGUE_COLUMNS`` columns per item (``columns_block``).
@@ -341,17 +325,12 @@ def choose_variant(
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
-    wide_wg = tiles and device.wgmma and kv_dtype in (torch.float16, torch.bfloat16)
-    qb = columns_block(
-        num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue, wide_wg
-    )
+    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     if tiles:
         elem = torch.empty((), dtype=kv_dtype).element_size()
         act = torch.empty((), dtype=dtype).element_size()
-        # Items of two warpgroups: one block per SM (10 warps), the deepest ring it holds.
-        target = 1 if qb == WIDE_WG_COLUMNS else None
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, target, act_bytes=act)
+        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
         grains = -(-seq_len // TILE_KEYS)
         allowed = max(1, min(MAX_SPLITS, grains))
         # Small grids get one item per SM: filling two per SM measured slower (H200, decode

@@ -119,22 +119,21 @@ def test_python_and_cpp_constants_agree():
     assert (_C.MIN_STAGES, _C.MAX_STAGES) == (dispatch.MIN_STAGES, dispatch.MAX_STAGES)
     assert _C.EPILOGUE_COLUMNS == dispatch.EPILOGUE_COLUMNS
     assert _C.EPILOGUE_GROUP_COLUMNS == dispatch.EPILOGUE_GROUP_COLUMNS
-    assert (_C.WIDE_COLUMNS, _C.WIDE_MIN_COLUMNS, _C.WIDE_MAX_HEAD_DIM, _C.WIDE_WG_COLUMNS) == (
-        dispatch.WIDE_COLUMNS, dispatch.WIDE_MIN_COLUMNS, dispatch.WIDE_MAX_HEAD_DIM, dispatch.WIDE_WG_COLUMNS
+    assert (_C.WIDE_COLUMNS, _C.WIDE_MIN_COLUMNS, _C.WIDE_MAX_HEAD_DIM) == (
+        dispatch.WIDE_COLUMNS, dispatch.WIDE_MIN_COLUMNS, dispatch.WIDE_MAX_HEAD_DIM
     )  # fmt: skip
     for d in dispatch.SUPPORTED_HEAD_DIMS:
         assert _C.tile_stage_bytes(d, 2) == dispatch.tile_stage_bytes(d, 2)
-        for qb in dispatch.Q_GROUP_BLOCKS + (dispatch.WIDE_COLUMNS, dispatch.WIDE_WG_COLUMNS):
+        for qb in dispatch.Q_GROUP_BLOCKS + (dispatch.WIDE_COLUMNS,):
             assert _C.tile_static_smem(d, 2, qb) == dispatch.tile_static_smem(d, 2, qb)
         for columns in (1, 2, 3, 4, 5, 8, 9, 31, 32, 64, 127, 128, 256):
             for tree in (False, True):
                 for tiles in (False, True):
                     for kv_rows in (1, 8, 63, 64, 512):
                         for epi in (False, True):
-                            for wg in (False, True):
-                                want = dispatch.columns_block(columns, tree, tiles, d, kv_rows, epi, wg)
-                                got = _C.columns_block(columns, tree, tiles, d, kv_rows, epi, wg)
-                                assert got == want, (columns, tree, tiles, d, kv_rows, epi, wg)
+                            want = dispatch.columns_block(columns, tree, tiles, d, kv_rows, epi)
+                            got = _C.columns_block(columns, tree, tiles, d, kv_rows, epi)
+                            assert got == want, (columns, tree, tiles, d, kv_rows, epi)
 
 
 def test_columns_block_of_tree_steps():
@@ -153,33 +152,11 @@ def test_columns_block_of_tree_steps():
     assert dispatch.columns_block(4, tiles=False, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     assert dispatch.columns_block(5, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     assert dispatch.columns_block(256, tree=True, kv_rows=512, epilogue=True) == dispatch.EPILOGUE_COLUMNS
-    # Where wgmma runs (Hopper, 16-bit caches, head dims 64 and 128), from 128 columns on: items
-    # of two warpgroups.
-    wg = dispatch.WIDE_WG_COLUMNS
-    assert dispatch.columns_block(128, tree=True, kv_rows=1, wide_wg=True) == wg
-    assert dispatch.columns_block(256, tree=True, head_dim=64, kv_rows=1, wide_wg=True) == wg
-    assert dispatch.columns_block(127, tree=True, kv_rows=512, wide_wg=True) == dispatch.WIDE_COLUMNS
-    assert dispatch.columns_block(256, tree=True, head_dim=96, wide_wg=True) == dispatch.WIDE_COLUMNS
-    assert dispatch.columns_block(256, tree=True, tiles=False, wide_wg=True) == 8
-    assert dispatch.columns_block(256, tree=False, wide_wg=True) == 8
-    assert (
-        dispatch.columns_block(256, tree=True, kv_rows=512, epilogue=True, wide_wg=True)
-        == dispatch.EPILOGUE_COLUMNS
-    )
-    # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) (2 of two
-    # warpgroups on Hopper, one block per SM) and fills every resident block.
-    no_wg = dispatch.Device(H100.num_sms, H100.smem_per_sm, H100.smem_per_block)
-    for dev, items in ((no_wg, 4), (H100, 2)):
-        plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, dev, tree=True)
-        assert plan.blocks_per_sm == (1 if dev.wgmma else 2)
-        fill = H100.num_sms * plan.blocks_per_sm  # one more split would not fit
-        assert plan.num_splits * 8 * items <= fill < (plan.num_splits + 1) * 8 * items
-    # fp8 caches keep the one-warpgroup items.
-    plan = dispatch.choose_variant(
-        1, 32 * 64, 8, 128, 4096, F16, H100, kv_dtype=torch.float8_e4m3fn, tree=True
-    )
-    assert plan.blocks_per_sm == 2
+    # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
+    # every resident block.
+    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100, tree=True)
     narrow = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100)
+    assert H100.num_sms < plan.num_splits * 8 * 4 <= H100.num_sms * plan.blocks_per_sm
     assert narrow.num_splits == 1  # 8 * 32 narrow items already fill the SMs
 
 
@@ -193,11 +170,8 @@ def test_planned_occupancy_is_what_the_kernel_gets(dtype, head_dim):
     code = {F16: 0, BF16: 1}[dtype]
     sources = (1, 2) if head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9 else (1,)
     wide = (dispatch.WIDE_COLUMNS,) if head_dim <= dispatch.WIDE_MAX_HEAD_DIM else ()
-    if dev.wgmma and head_dim in dispatch.WIDE_WG_HEAD_DIMS:
-        wide += (dispatch.WIDE_WG_COLUMNS,)
     for qb in dispatch.Q_GROUP_BLOCKS + wide:
-        target = 1 if qb == dispatch.WIDE_WG_COLUMNS else None  # as choose_variant plans it
-        stages, blocks = dispatch.tile_stages(head_dim, 2, dev, qb, target)
+        stages, blocks = dispatch.tile_stages(head_dim, 2, dev, qb)
         for source in sources:
             got = _C.blocks_per_sm(code, head_dim, qb, stages, source)
             assert got >= blocks, (qb, source, got, blocks)
@@ -217,6 +191,3 @@ def test_every_dtype_and_head_dim_has_an_instantiation_file():
             if name != "fp32" and d <= dispatch.WIDE_MAX_HEAD_DIM:
                 wide = (root / f"decode_wide_{name}_hd{d}.cu").read_text()
                 assert f", {d}, {dispatch.WIDE_COLUMNS}>(" in wide
-            if name != "fp32" and d in dispatch.WIDE_WG_HEAD_DIMS:
-                wide = (root / f"decode_widewg_{name}_hd{d}.cu").read_text()
-                assert f", {d}, {dispatch.WIDE_WG_COLUMNS}>(" in wide

@@ -136,14 +136,11 @@ def test_tree_dtypes_and_head_dims(dtype, head_dim, splits, nodes):
 
 @pytest.mark.parametrize("source", ["cp_async", "tma"])
 @pytest.mark.parametrize("splits", [1, 2, 7])
-@pytest.mark.parametrize("nodes", [20, 40])
-def test_wide_items_over_tile_and_split_edges(source, splits, nodes):
+def test_wide_items_over_tile_and_split_edges(source, splits):
     # Wide items (64 columns: 16 nodes x G = 4) over rows whose keys end on, before and after tile
-    # boundaries, a row of none cached, and unused warps (the last item of 20 nodes holds 16). 40
-    # nodes on Hopper: items of two warpgroups (128 columns), the last one's second warpgroup idle.
-    wg = ops.device_spec(torch.cuda.current_device()).wgmma
-    qb = dispatch.columns_block(4 * nodes, True, True, 128, 9 * 4, wide_wg=wg)
-    assert qb == (dispatch.WIDE_WG_COLUMNS if wg and nodes == 40 else dispatch.WIDE_COLUMNS)
+    # boundaries, a row of none cached, and unused warps (the last item of 20 nodes holds 16).
+    nodes = 20
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 9 * 4) == dispatch.WIDE_COLUMNS
     lengths = [0, 1, 63 - nodes, 64 - nodes, 65 - nodes, 127, 128, 1000, 2048 - nodes]
     counts = [nodes, 16, nodes, 3, nodes, 1, nodes, 19, nodes]
     case, qkv, parents, counts, _ = tree_case(9, 16, 4, 128, lengths, 2048, torch.float16, nodes, "random",
@@ -161,7 +158,7 @@ def test_wide_items_with_large_logits():
     check_tree(case, qkv, parents, counts, num_splits=1)
 
 
-@pytest.mark.parametrize("nodes", [5, 20, 40])  # 20 columns per kv head (narrow items), 80 (wide), 160
+@pytest.mark.parametrize("nodes", [5, 20])  # 20 columns per kv head (narrow items), 80 (wide)
 @pytest.mark.parametrize("splits", [1, 5])
 def test_tree_steps_are_deterministic(nodes, splits):
     # Many items per SM, taken from the work counter in whatever order blocks finish: out, lse
@@ -171,7 +168,7 @@ def test_tree_steps_are_deterministic(nodes, splits):
     case, qkv, parents, counts, _ = tree_case(24, 16, 4, 128, lengths, 1600, torch.bfloat16, nodes, "random",
                                               seed=splits, counts=[nodes - i % 3 for i in range(24)])  # fmt: skip
     wide = dispatch.columns_block(4 * nodes, True, True, 128, 24 * 4) == dispatch.WIDE_COLUMNS
-    assert wide == (nodes >= 20)  # of two warpgroups on Hopper at 40 nodes
+    assert wide == (nodes == 20)
     first = run_tree(case, qkv, parents, counts, {}, num_splits=splits)
     for _ in range(50):
         again = run_tree(case, qkv, parents, counts, {}, num_splits=splits)

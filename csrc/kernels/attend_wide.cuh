@@ -44,7 +44,6 @@ struct WideConsumer {
   static constexpr int KBLOCKS = kTileKeys / 16;    // 16-key blocks of a tile
   static constexpr int PART_BLOCKS = 4;              // 16-key blocks per online-softmax step
   static constexpr float kRescaleSlack = 8.f;       // as in TileConsumer
-  static constexpr int kTurnBarrier = 2;             // named barriers 2, 3: the warpgroups' turns
   // sm_90a, 16-bit caches with swizzled V lines: the four warps multiply as one warpgroup (wgmma),
   // q and the tile's K and V read from shared memory where they lie; else mma.sync per warp.
   static constexpr bool kWg = kWgmma && !kFp8 && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128);
@@ -54,11 +53,6 @@ struct WideConsumer {
   float acc[KSTEPS][2][4]; // O: M tile i of V^T, its dims 8 hh .. 8 hh + 7; [0, 1] column g, [2, 3] g + 8
   float s_unit;            // fp8: scores are the mma's times this power of two
   bool busy;               // the warp holds columns of the item (warp-uniform)
-  // Items of two warpgroups (kWideWgColumns) where both hold columns: the warpgroups take turns
-  // on the tensor cores, one's products beside the other's softmax (FlashAttention-3's ping-pong):
-  // a warpgroup waits for its turn (named barrier kTurnBarrier + turn) before each batch and
-  // hands the turn over (the other's barrier) once the batch is issued. -1: no turns.
-  int turn = -1;
   TreeMask<2> tree;
 
   // Column of fragment row h (0: g, 1: g + 8) of this warp.
@@ -69,11 +63,10 @@ struct WideConsumer {
   static constexpr int Q_PITCH = HEAD_DIM + 8;
   static constexpr int Q_STAGE_BYTES = 16 * Q_PITCH * 2;
   // Element of q (the warp's fragment row r, fragment column col) in the staging area: the warp's
-  // own padded rows, or (kWg) one area per warpgroup of its four warps' 64 rows in K's form,
-  // [HEAD_DIM / 8][64 rows][8] (a K-major wgmma operand without swizzle), warpgroup after warpgroup.
-  static constexpr int WG_Q_ELEMS = 64 * HEAD_DIM;
+  // own padded rows, or (kWg) one area of the four warps' 64 rows in K's form, [HEAD_DIM / 8][64
+  // rows][8] (a K-major wgmma operand without swizzle).
   __device__ __forceinline__ static int q_at(int warp, int r, int col) {
-    if constexpr (kWg) return (warp / 4) * WG_Q_ELEMS + (col / 8) * 64 * 8 + (16 * (warp % 4) + r) * 8 + col % 8;
+    if constexpr (kWg) return (col / 8) * 64 * 8 + (16 * warp + r) * 8 + col % 8;
     return r * Q_PITCH + col;
   }
   static_assert(!kWg || 64 * HEAD_DIM * 2 <= 4 * Q_STAGE_BYTES, "wgmma q area: the four warps' staging areas");
@@ -91,8 +84,8 @@ struct WideConsumer {
 
   // q of the warp's columns (bias, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
-  // area s_q (kWg: the block's), where it stays for the item (q in registers beside O and the
-  // scores would spill). fp8: a first pass finds the warp's largest |q|.
+  // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
+  // fp8: a first pass finds the warp's largest |q|.
   template <typename T>
   __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
                                        int lane) {
@@ -105,7 +98,7 @@ struct WideConsumer {
       tree.anc[h] = tree.on && cw < w.nh ? p.tree_anc[column_of(p, w, cw).qrow] : 0;
     }
     s_unit = 1.f;
-    sq = kWg ? s_q + (warp / 4) * WG_Q_ELEMS : s_q;  // the A operand of the warp's products
+    sq = s_q;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
     if (!busy) {
@@ -308,16 +301,13 @@ struct WideConsumer {
       // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
       // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
       static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
-      take_turn();
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc(sq + j * 2 * 64 * 8, 64 * 16, 128, false),
                                  wgmma_desc(stage + L::k_off(0, 2 * j, WholeTile{}), L::KEYS * 16, 128, false), j > 0);
       }
-      wgmma_commit();
-      pass_turn();
-      wgmma_wait();
+      wgmma_commit_and_wait();
     } else {
 #pragma unroll
       for (int j = 0; j < KSTEPS; j += 2) {
@@ -429,7 +419,6 @@ struct WideConsumer {
         pa[kb][2] = pack_rn<M>(s[kb][1][0], s[kb][1][1]);
         pa[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
       }
-      take_turn();
       wgmma_fence();
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
@@ -441,9 +430,7 @@ struct WideConsumer {
           wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), pa[kb], v_desc, 1);
         }
       }
-      wgmma_commit();
-      pass_turn();
-      wgmma_wait();
+      wgmma_commit_and_wait();
     } else {
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
@@ -463,15 +450,6 @@ struct WideConsumer {
         }
       }
     }
-  }
-
-  // The warpgroups' turns on the tensor cores (see turn): 2 x 128 threads per barrier, the waiting
-  // warpgroup's and the other's arrival.
-  __device__ __forceinline__ void take_turn() const {
-    if (turn >= 0) named_barrier(kTurnBarrier + turn, 2 * 128);
-  }
-  __device__ __forceinline__ void pass_turn() const {
-    if (turn >= 0) named_barrier_arrive(kTurnBarrier + (turn ^ 1), 2 * 128);
   }
 
   // The item's sums over the quad (every lane of a quad then holds its columns' l).

@@ -40,15 +40,13 @@ constexpr bool kTiles = !std::is_same_v<T, float>;
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 
-// Threads of a block: the tile loop's consumer warps (consumer_warps: two warpgroups for items of
-// kWideWgColumns) and its producer and stager warps, or the CUDA-core loop's warps.
-template <typename T, int QB>
-constexpr int kBlockThreads = kTiles<T> ? (consumer_warps(QB) + 2) * 32 : kSimtThreads;
+template <typename T>
+constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 // Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting): 12 warps, 3 per
 // SM sub-partition of 16384 registers, so registers are capped at 168 per thread (as with 10
-// warps); at head_dim 256, and for the two warpgroups of kWideWgColumns items, one block per SM.
-template <typename T, int HEAD_DIM, int QB>
-constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 && QB != kWideWgColumns ? 2 : 1) : 0;
+// warps); at head_dim 256 one block per SM.
+template <typename T, int HEAD_DIM>
+constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
 template <typename C, int HEAD_DIM, TileSource SRC>
 using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
@@ -379,10 +377,10 @@ __device__ __forceinline__ float folded_acc(const float (*s_f)[QB], const float 
 // Wide items (tree steps) read q from qkv in the consumers: no raw q.
 template <typename T, int HEAD_DIM, int QB>
 struct ItemStage {
-  static constexpr bool kStaged = !wide_items(QB);
+  static constexpr bool kStaged = QB != kWideColumns;
   static constexpr int QN = kStaged ? QB * HEAD_DIM : 1;
   static constexpr int KN = kStaged ? HEAD_DIM : 1;
-  static constexpr int EMPTY_ARRIVALS = consumer_warps(QB) * 32 + 32;
+  static constexpr int EMPTY_ARRIVALS = kConsumerWarps * 32 + 32;
   T q[2][QN];
   T k[2][KN];
   T v[2][KN];
@@ -434,7 +432,7 @@ __device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int inde
 // length, so that both latencies pass together.
 template <typename T, int HEAD_DIM, int QB>
 struct RawRows {
-  static constexpr bool kStaged = !wide_items(QB);
+  static constexpr bool kStaged = QB != kWideColumns;
   static constexpr int Q_PER_LANE = kStaged ? (QB * HEAD_DIM + 31) / 32 : 1;
   static constexpr int T_PER_LANE = kStaged ? (HEAD_DIM + 31) / 32 : 1;
   T q[Q_PER_LANE];
@@ -571,7 +569,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
                          hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
     const int nt = w.t1 - w.t0;
     // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
-    const int kg = wide_items(QB) ? L::TILE_GROUP : L::k_group(p);
+    const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p);
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
     // A paged row's blocks: each tile's table entries loaded two tiles ahead and checked one tile
     // ahead (the loads' latency behind a tile's copies, not in the producer's way); the item that
@@ -820,15 +818,14 @@ __device__ __forceinline__ void store_wide_row(const MmhaParams& p, const WorkIt
 // item's first tile each warp builds its q from qkv while the tile is in flight; tiles that end
 // past the item's keys have their stray V rows zeroed by all consumers together (named barrier
 // 1); at the last tile each warp stores its columns, and a split's last item merges.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC>
+template <typename T, typename C, int HEAD_DIM, TileSource SRC>
 __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
   using Wide = WideConsumer<C, HEAD_DIM>;
+  constexpr int QB = kWideColumns;
   constexpr bool EPI = false;  // steps with an output epilogue take narrow items (columns_block)
-  constexpr int WARPS = consumer_warps(QB);  // one warpgroup per kWideColumns columns
-  static_assert(QB == 16 * WARPS, "wide items: 16 columns per consumer warp");
-  constexpr int CONSUMERS = WARPS * 32;
+  constexpr int CONSUMERS = kConsumerWarps * 32;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -837,8 +834,9 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   using M = typename Wide::M;
   // The warps' q staging areas at an item's first tile, the split merge's weights at its last
   // (a barrier ends every merge before any warp stages its next q).
-  constexpr int BUF_BYTES = WARPS * Wide::Q_STAGE_BYTES > QB * kMaxSplits * 4 ? WARPS * Wide::Q_STAGE_BYTES
-                                                                              : QB * kMaxSplits * 4;
+  constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES > QB * kMaxSplits * 4
+                                ? kConsumerWarps * Wide::Q_STAGE_BYTES
+                                : QB * kMaxSplits * 4;
   __shared__ __align__(16) unsigned char s_buf[BUF_BYTES];
   __shared__ bool s_last;
   __shared__ TileRing ring;
@@ -857,17 +855,17 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     init_item_stage(s_item);
     mbar_init_fence();
   }
-  if (warp == WARPS && lane == 0) {
+  if (warp == kConsumerWarps && lane == 0) {
     Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
   }
   __syncthreads();
   grid_dependency_wait();  // a tree step's check and append (launch_kernel)
 
-  if (warp == WARPS) {
+  if (warp == kConsumerWarps) {
     produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
     return;
   }
-  if (warp == WARPS + 1) {
+  if (warp == kConsumerWarps + 1) {
     stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
     return;
   }
@@ -876,13 +874,6 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   const auto sync = [] { named_barrier(1, CONSUMERS); };
   RingCursor cur;
   Wide c;
-  // Two warpgroups take turns on the tensor cores (WideConsumer::turn), the first one first: the
-  // second's arrival hands it the first turn; from then on every item of both warpgroups' columns
-  // passes each turn on as often as it takes one, so a turn is pending for the first again after it.
-  constexpr bool kTurns = Wide::kWg && WARPS == 2 * 4;
-  if constexpr (kTurns) {
-    if (warp >= 4) named_barrier_arrive(Wide::kTurnBarrier, 2 * 128);
-  }
   WorkItem w;
   float value_scale = 1.f;
   for (;;) {
@@ -898,7 +889,6 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       value_scale = h.v_scale;
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
-      if constexpr (kTurns) c.turn = w.nh > kWideColumns ? warp / 4 : -1;
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
@@ -907,8 +897,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
       sync();
     }
-    // wgmma: every warp of a warpgroup with columns (a warp without multiplies zeros)
-    if (Wide::kWg ? kWideColumns * (warp / 4) < w.nh : c.busy) c.step(stage, it, w.lo, w.end, lane);
+    if (Wide::kWg || c.busy) c.step(stage, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
@@ -1008,10 +997,10 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
 // EPI: the output epilogue (output_epilogue.cuh) is compiled in; a kernel of its own, so that the
 // plain kernels' code and registers do not change (1 or kEpilogueColumns columns: columns_block).
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
-__global__ void __launch_bounds__(kBlockThreads<T, QB>, kMinBlocks<T, HEAD_DIM, QB>)
+__global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
-  if constexpr (wide_items(QB)) {
-    run_wide_items<T, C, HEAD_DIM, QB, SRC>(p);
+  if constexpr (QB == kWideColumns) {
+    run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
     run_tile_items<T, C, HEAD_DIM, QB, SRC, EPI>(p);
   } else {
@@ -1057,7 +1046,7 @@ int blocks_per_sm_of(int stages) {
   int blocks = 0;
   if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(stages, smem_bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
-                                                    kBlockThreads<T, QB>, smem_bytes) != cudaSuccess) {
+                                                    kBlockThreads<T>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -1077,7 +1066,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
-                                                          kBlockThreads<T, QB>, smem_bytes);
+                                                          kBlockThreads<T>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
     const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
@@ -1096,7 +1085,7 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
   if (p.parents == nullptr) {
-    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T, QB>, smem_bytes, stream>>>(p);
+    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
@@ -1113,7 +1102,7 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kBlockThreads<T, QB>);
+  cfg.blockDim = dim3(kBlockThreads<T>);
   cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   cfg.stream = stream;
   cfg.attrs = attr;

@@ -16,9 +16,6 @@ namespace {
 // Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
 template <typename C, int HEAD_DIM>
 constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadDim;
-// Items of two warpgroups (kWideWgColumns): 16-bit caches at head dims 64 and 128.
-template <typename C, int HEAD_DIM>
-constexpr bool kHasWideWg = (std::is_same_v<C, __half> || std::is_same_v<C, __nv_bfloat16>) && wide_wg_head_dim(HEAD_DIM);
 
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
@@ -29,9 +26,6 @@ cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
     case 8: return launch_decode_attention<T, C, HEAD_DIM, 8>(p, stream);
     case kWideColumns:
       if constexpr (kHasWide<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideColumns>(p, stream);
-      return cudaErrorInvalidValue;
-    case kWideWgColumns:
-      if constexpr (kHasWideWg<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideWgColumns>(p, stream);
       return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
@@ -59,11 +53,6 @@ int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
     case 8: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 8>(stages, source);
     case kWideColumns:
       if constexpr (kHasWide<C, HEAD_DIM>) return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideColumns>(stages, source);
-      return 0;
-    case kWideWgColumns:
-      if constexpr (kHasWideWg<C, HEAD_DIM>) {
-        return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideWgColumns>(stages, source);
-      }
       return 0;
     default: return 0;
   }

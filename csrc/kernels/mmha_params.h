@@ -54,16 +54,6 @@ constexpr int kWideMaxHeadDim = 128;
 // items win, 114 against 134 and 179 against 310).
 constexpr int kWideAlwaysColumns = 128;
 constexpr int kWideMinItems = 64;
-// On sm_90a, where the wide consumer multiplies with wgmma (16-bit caches, head dims 64 and 128),
-// a (row, kv head) of at least kWideWgColumns columns takes items of kWideWgColumns columns: two
-// consumer warpgroups of kWideColumns columns each over the same tiles, so its K/V is read once
-// per kWideWgColumns columns (half the reads of kWideColumns items), one block per SM with a
-// deeper ring. wide_wg: whether a step may take them (the device, cache dtype and head dim).
-constexpr int kWideWgColumns = 2 * kWideColumns;
-constexpr bool wide_wg_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
-// Whether items of qb columns run the wide consumer, and their block's consumer warps.
-constexpr bool wide_items(int qb) { return qb == kWideColumns || qb == kWideWgColumns; }
-constexpr int consumer_warps(int qb) { return qb == kWideWgColumns ? 2 * kConsumerWarps : kConsumerWarps; }
 // An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
 // host and dispatcher can size stages without asking the compiled kernel (mirrored by
 // tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
@@ -73,8 +63,8 @@ constexpr int kItemSlotsBytes = 256;
 // accumulators through a buffer per warp (one barrier) rather than warp by warp in the q buffer.
 constexpr int kWarpBufferValues = 512;
 constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
-  if (wide_items(qb)) {  // the wide consumer: q staging (or merge weights), barriers, headers
-    const int staging = consumer_warps(qb) * 16 * (head_dim + 8) * 2;
+  if (qb == kWideColumns) {  // the wide consumer: q staging (or merge weights), barriers, headers
+    const int staging = kConsumerWarps * 16 * (head_dim + 8) * 2;
     return (staging > qb * 64 * 4 ? staging : qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + kItemSlotsBytes + 256;
   }
   return qb * head_dim * 4                   // q in fp32, then the block combine's buffer
@@ -99,15 +89,14 @@ constexpr int kEpilogueGroupColumns = 4;
 // Query columns per item for `columns` columns per (row, kv head): the smallest of
 // kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
 // on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
-// as one), kWideWgColumns where wide_wg allows and there are that many, or with an output epilogue 1, kEpilogueGroupColumns (tile loop) or kEpilogueColumns; kv_rows = batch x kv heads. Mirrored by
+// as one), or with an output epilogue 1, kEpilogueGroupColumns (tile loop) or kEpilogueColumns; kv_rows = batch x kv heads. Mirrored by
 // columns_block in mmha/dispatch.py.
 constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows,
-                            bool epilogue = false, bool wide_wg = false) {
+                            bool epilogue = false) {
   if (epilogue) {
     if (tiles && columns == 1) return 1;
     return tiles && columns <= kEpilogueGroupColumns ? kEpilogueGroupColumns : kEpilogueColumns;
   }
-  if (tree && tiles && wide_wg && wide_wg_head_dim(head_dim) && columns >= kWideWgColumns) return kWideWgColumns;
   if (tree && tiles && head_dim <= kWideMaxHeadDim && columns >= kWideMinColumns &&
       (columns >= kWideAlwaysColumns || kv_rows * ((columns + kWideColumns - 1) / kWideColumns) >= kWideMinItems)) {
     return kWideColumns;

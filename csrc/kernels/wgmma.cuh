@@ -45,24 +45,12 @@ __device__ __forceinline__ void wgmma_fence() {
 #endif
 }
 
-// Ends a batch (its products go to the tensor cores in issue order).
-__device__ __forceinline__ void wgmma_commit() {
+// Ends a batch and waits for it: its accumulators are then the registers' values.
+__device__ __forceinline__ void wgmma_commit_and_wait() {
 #if MMHA_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-// Waits for the warpgroup's batches: their accumulators are then the registers' values.
-__device__ __forceinline__ void wgmma_wait() {
-#if MMHA_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
-}
-
-// Ends a batch and waits for it.
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-  wgmma_commit();
-  wgmma_wait();
 }
 
 // One asm statement per shape, TYPE the operands' type ("f16" or "bf16").
