@@ -468,7 +468,7 @@ class KVCache:
                 self.head_dim,
                 seq,
                 self.dtype,
-                1,
+                dispatch.ONE_SM,
                 variant,
                 self.kv_dtype,
                 epilogue=epilogue,

@@ -97,6 +97,8 @@ class Device:
 
 # H100 SXM and H200: 132 SMs, 228 KB of shared memory per SM, 227 KB per block.
 H100 = Device(132, 228 * 1024, 227 * 1024)
+# What a cache on the reference path (no GPU) plans for: one SM of that kind.
+ONE_SM = Device(1, 228 * 1024, 227 * 1024)
 
 
 @dataclass(frozen=True)

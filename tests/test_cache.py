@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from mmha import KVCache, layout, reference
+from mmha import KVCache, dispatch, layout, reference
 
 HQ, HKV, D = 4, 2, 16
 WIDTH = (HQ + 2 * HKV) * D
@@ -173,6 +173,13 @@ def test_smaller_batch_steps_use_the_first_rows():
     cache = make(batch=3)
     out = cache.step(0, torch.randn(2, WIDTH))
     assert out.shape == (2, HQ * D)
+
+
+def test_plan_on_the_reference_path_is_that_of_one_sm():
+    cache = KVCache(1, 3, 12, 4, 2, 64, torch.float16, "cpu")
+    plan = cache.plan(2)
+    assert plan == dispatch.choose_variant(2, 4, 2, 64, 1, torch.float16, dispatch.ONE_SM)
+    assert plan.num_splits >= 1
 
 
 def test_account_replay_moves_the_host_mirror_only():
