@@ -9,6 +9,7 @@ here is what the compiled kernel gets).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -98,7 +99,7 @@ class Device:
 # H100 SXM and H200: 132 SMs, 228 KB of shared memory per SM, 227 KB per block.
 H100 = Device(132, 228 * 1024, 227 * 1024)
 # What a cache on the reference path (no GPU) plans for: one SM of that kind.
-ONE_SM = Device(1, 228 * 1024, 227 * 1024)
+ONE_SM = dataclasses.replace(H100, num_sms=1)
 
 
 @dataclass(frozen=True)
