@@ -107,6 +107,18 @@ def test_cpu_paged_cache_batches_continuously_like_the_contiguous_one():
     assert runs[0] == runs[1]
 
 
+def test_speculative_demo_reports_where_paths_part_and_fails_only_in_fp32():
+    from mmha.models.generate import first_difference, speculative_status
+
+    assert first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+    assert first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == (1, 1)
+    assert first_difference([[1, 2]], [[1, 2, 3]]) == (0, 2)
+    assert speculative_status(True, torch.float32) == 0
+    assert speculative_status(False, torch.float32) == 1
+    assert speculative_status(False, torch.float16) == 0
+    assert speculative_status(False, torch.bfloat16) == 0
+
+
 def test_cpu_speculative_demo_is_lossless():
     """The demo model drafting with its own first layer (trees of several shapes): the tokens of
     plain greedy decoding."""
@@ -117,4 +129,5 @@ def test_cpu_speculative_demo_is_lossless():
     for shape in ([2, 2, 1], [1, 1], [4]):
         a = speculative_demo(model, prompts, 12, 1, shape)
         assert a["identical"], (shape, a)
+        assert a["parted"] is None
         assert a["mean_accepted"] >= 1
