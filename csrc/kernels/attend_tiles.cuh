@@ -10,9 +10,12 @@
 //   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (tile_operands.cuh), B = q (registers)
 //   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
 //   O^T += V^T P^T m16n8k16: A = V^T (tile_operands.cuh), B = P^T (movmatrix of the S^T fragment)
-// q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so the products keep
-// about fp32 precision; K and V are used exactly as cached (fp8 widened exactly to fp16, its
-// scales folded into q and applied to the output).
+// With 16-bit caches q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so
+// the products keep about fp32 precision; with fp8 caches they are single fp16 values (e4m3's
+// 2^-4 step dwarfs fp16's 2^-11), and the consumer is the bound there (twice the keys per byte).
+// K and V are used exactly as cached (fp8 widened exactly to fp16, its scales folded into q and
+// applied to the output). Exponentials flush results below 2^-126 to zero (ex2.approx.ftz): P is
+// at least 1 for a tile's largest score, so the sums do not change, and fp16 has no such P.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -77,6 +80,10 @@ struct TileConsumer {
   using Ops = TileOperands<C, HEAD_DIM>;
   using M = typename Ops::M;                    // the mma element type
   static constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+  // q and P as hi + lo 16-bit parts (16-bit caches: about fp32 products), or as one fp16 value
+  // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer), which halves
+  // the products per key.
+  static constexpr bool kSplit = !kFp8;
   static constexpr int KSTEPS = HEAD_DIM / 16;  // mma K steps over the head dim / M tiles of O^T
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
@@ -191,13 +198,17 @@ struct TileConsumer {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (j + u < KSTEPS) {
-          mma_16816<M>(s, k[u], qh[j + u][0], qh[j + u][1]);
-          mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
+          if constexpr (kSplit) {
+            mma_16816<M>(s, k[u], qh[j + u][0], qh[j + u][1]);
+            mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
+          } else {  // even and odd K steps in two chains
+            mma_16816<M>(u == 0 ? s : s_lo, k[u], qh[j + u][0], qh[j + u][1]);
+          }
         }
       }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = kFp8 ? (s[e] + s_lo[e]) * s_unit : s[e] + s_lo[e];
+    for (int e = 0; e < 4; ++e) s[e] = kSplit ? s[e] + s_lo[e] : (s[e] + s_lo[e]) * s_unit;
     if (mods.on) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[e] = mods.apply(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
@@ -227,7 +238,7 @@ struct TileConsumer {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float m_new = fmaxf(m[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
         l[h] *= alpha[h];
         m[h] = m_new;
       }
@@ -242,8 +253,8 @@ struct TileConsumer {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
-      s[h] = exp2f(s[h] - m_ref);
-      s[h + 2] = exp2f(s[h + 2] - m_ref);
+      s[h] = exp2_ftz(s[h] - m_ref);
+      s[h + 2] = exp2_ftz(s[h + 2] - m_ref);
       l[h] += s[h] + s[h + 2];
     }
 
@@ -252,9 +263,11 @@ struct TileConsumer {
     split_pack<M>(s[0], s[1], ph0, pl0);
     split_pack<M>(s[2], s[3], ph1, pl1);
     ph0 = movmatrix_trans(ph0);
-    pl0 = movmatrix_trans(pl0);
     ph1 = movmatrix_trans(ph1);
-    pl1 = movmatrix_trans(pl1);
+    if constexpr (kSplit) {
+      pl0 = movmatrix_trans(pl0);
+      pl1 = movmatrix_trans(pl1);
+    }
 
     // O^T += V^T P^T over 16-dim tiles.
 #pragma unroll
@@ -265,7 +278,7 @@ struct TileConsumer {
       for (int u = 0; u < 2; ++u) {
         if (i + u < KSTEPS) {
           mma_16816<M>(acc[i + u], vt[u], ph0, ph1);
-          mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
+          if constexpr (kSplit) mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
         }
       }
     }

@@ -89,10 +89,8 @@ struct TileOperands<e4m3, HEAD_DIM> {
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      a[u][0] = e4m3x2_to_half2(r[2 * u]);            // key g, dims 4tq, 4tq + 1
-      a[u][1] = e4m3x2_to_half2(r[2 * u + 1]);        // key g + 8
-      a[u][2] = e4m3x2_to_half2(r[2 * u] >> 16);      // key g, dims 4tq + 2, 4tq + 3
-      a[u][3] = e4m3x2_to_half2(r[2 * u + 1] >> 16);  // key g + 8
+      e4m3x4_to_half2x2(r[2 * u], a[u][0], a[u][2]);      // key g: dims 4tq, 4tq + 1 | 4tq + 2, 4tq + 3
+      e4m3x4_to_half2x2(r[2 * u + 1], a[u][1], a[u][3]);  // key g + 8
     }
   }
 
@@ -113,10 +111,8 @@ struct TileOperands<e4m3, HEAD_DIM> {
     for (int u = 0; u < 2; ++u) {
       const uint32_t lo = __byte_perm(r[2 * u], 0, 0x3120);      // keys 2tq, 2tq + 1
       const uint32_t hi = __byte_perm(r[2 * u + 1], 0, 0x3120);  // keys 2tq + 8, 2tq + 9
-      a[u][0] = e4m3x2_to_half2(lo);        // dim 2g
-      a[u][1] = e4m3x2_to_half2(lo >> 16);  // dim 2g + 1
-      a[u][2] = e4m3x2_to_half2(hi);
-      a[u][3] = e4m3x2_to_half2(hi >> 16);
+      e4m3x4_to_half2x2(lo, a[u][0], a[u][1]);  // dim 2g | dim 2g + 1
+      e4m3x4_to_half2x2(hi, a[u][2], a[u][3]);
     }
   }
 };

@@ -44,6 +44,19 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t two) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// The four e4m3 of `four` as two half2: bytes 0, 1 in lo, bytes 2, 3 in hi. On sm_89 and newer
+// the two conversions read the register's 16-bit halves directly (no shift for the high pair).
+__device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(four));
+#else
+  lo = e4m3x2_to_half2(four);
+  hi = e4m3x2_to_half2(four >> 16);
+#endif
+}
+
 // How the step stores a new token's k or v value (fp32, after bias and rotary) in a cache of C:
 // rounded to C, or for fp8 divided by the kv head's scale and quantised.
 template <typename C>
