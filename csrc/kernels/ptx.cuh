@@ -123,6 +123,9 @@ __device__ __forceinline__ void split_pack<__nv_bfloat16>(float x, float y, uint
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// Bring the line holding *ptr into L1 (no register, no wait).
+__device__ __forceinline__ void prefetch_l1(const void* ptr) { asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr)); }
+
 // 2^x with results below 2^-126 flushed to zero: the MUFU.EX2 alone, where exp2f adds a test
 // and two multiplies per call to produce denormals (equal bits for x >= -126).
 __device__ __forceinline__ float exp2_ftz(float x) {

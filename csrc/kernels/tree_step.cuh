@@ -54,8 +54,24 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     }
     return;
   }
+  // Every load that needs nothing else first, together: the row's length and node count, this
+  // thread's parent, and (into L1) the qkv values of its first (node, pair) to append. The check
+  // is on the step's critical path (the attention grid waits for its end), so each dependent
+  // global round trip shows in the step.
   const int len = p.lengths[b];
   const int n = p.node_counts != nullptr ? p.node_counts[b] : nodes;
+  const int parent = tid < nodes ? p.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
+  {
+    const int t = blockIdx.y * kTreeNodesPerBlock + tid / (HEAD_DIM / 2);
+    if (t < nodes && t < (blockIdx.y + 1) * kTreeNodesPerBlock) {
+      const RotaryPair rp = rotary_pair(tid % (HEAD_DIM / 2), p);
+      const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
+      prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
+      prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
+      prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d0);
+      prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d1);
+    }
+  }
   if (tid == 0) {
     int flags = 0;
     if (n < 1 || n > nodes) flags |= kStatusTree;
@@ -70,7 +86,6 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     }
   }
   if (tid < nodes) {
-    const int parent = p.parents[static_cast<int64_t>(b) * nodes + tid];
     const bool used = tid < n;
     if (used && !(parent >= -1 && parent < tid)) atomicOr(&s_flags, kStatusTree);
     s_jump[tid] = used ? parent : -1;
@@ -79,9 +94,11 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   }
   __syncthreads();
   const bool ok = s_flags == 0;
-  // Pointer jumping: after round r each node has folded in its 2^r nearest ancestors.
+  // Pointer jumping: after round r each node has folded in its 2^r nearest ancestors; a path
+  // has at most nodes - 1 of them.
   if (ok) {
-    for (int round = 0; round < 6; ++round) {
+    const int rounds = nodes > 1 ? 32 - __clz(nodes - 1) : 0;
+    for (int round = 0; round < rounds; ++round) {
       int jump = -1, depth = 0;
       uint64_t anc = 0;
       if (tid < nodes) {
