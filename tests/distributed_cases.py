@@ -35,6 +35,9 @@ def _entry(rank, world, port, backend, timeout_s, case, kw):
     warnings.simplefilter("ignore")
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        # a collective's wait raises at the group's timeout (CollectiveError) instead of the
+        # watchdog ending the process
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -193,8 +196,11 @@ def rank_fails(rank, world, device="cpu", stay_s=0.0):
     the group's timeout): every other rank gets CollectiveError, not a hang."""
     import time
 
-    sharded, _ = _caches(world, "sequence", device, torch.float32)
-    qkv = torch.randn(3, (4 + 4) * 16, device=device)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    d = 16 if device == "cpu" else 32  # the kernel's smallest head dim
+    sharded, _ = _caches(world, "sequence", device, torch.float32, d=d)
+    qkv = torch.randn(3, (4 + 4) * d, device=device)
     if rank == 1:
         try:
             sharded.step(0, qkv[:, :-1])  # a bad qkv: refused on this rank only

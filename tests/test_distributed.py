@@ -1,6 +1,9 @@
 """mmha.distributed on CPUs: ranks spawned over gloo, the reference path on each (tests/distributed_cases.py
 holds the scenarios); sharding and merge arithmetic in-process."""
 
+import json
+import os
+import re
 import time
 
 import pytest
@@ -89,3 +92,37 @@ def test_a_failing_rank_ends_the_step_on_every_rank(stay_s):
     t0 = time.monotonic()
     run_ranks("rank_fails", 2, timeout_s=3.0, stay_s=stay_s)
     assert time.monotonic() - t0 < 60
+
+
+def _torchrun(module: str, *args: str) -> str:
+    """``torchrun --nproc-per-node 2 -m module args`` on CPUs (gloo); its output."""
+    import subprocess
+    import sys
+
+    from distributed_cases import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", module, *args]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the gloo / reference path, GPU or not
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def test_demo_runs_under_torchrun():
+    out = _torchrun("mmha.distributed.demo", "--preset", "tiny", "--context", "100", "--steps", "4",
+                    "--weight-sets", "1")  # fmt: skip
+    assert "2 ranks" in out and "1 weight sets" in out, out
+    assert re.search(
+        r"decode \(eager\): [\d.]+ ms per step, [\d.]+ tokens/s \(3 steps, final length 104\)", out
+    ), out
+
+
+def test_distributed_bench_runs_under_torchrun(tmp_path):
+    path = tmp_path / "bench.json"
+    _torchrun("mmha.bench.distributed", "--tiny", "--iters", "2", "--out", str(path))
+    data = json.loads(path.read_text())
+    assert data["header"] == {"world_size": 2, "backend": "gloo"}
+    assert [(r["mode"], r["world_size"]) for r in data["rows"]] == [("sequence", 2), ("heads", 2)]
+    for r in data["rows"]:
+        assert r["mmha_decode_us"] > 0 and r["single_gpu_decode_us"] > 0 and r["speedup"] > 0

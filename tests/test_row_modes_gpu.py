@@ -6,6 +6,8 @@ over gloo sharing one GPU, and over NCCL where there are two GPUs."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from distributed_cases import run_ranks
@@ -160,3 +162,10 @@ def test_sharded_step_in_a_cuda_graph_one_rank():
 @pytest.mark.parametrize("output", [None, "heads"])
 def test_sharded_step_in_a_cuda_graph_over_nccl(output):
     run_ranks("graph_matches_single", 2, backend="nccl", output=output)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_failing_rank_ends_the_step_over_nccl():
+    t0 = time.monotonic()
+    run_ranks("rank_fails", 2, backend="nccl", timeout_s=5.0, device="cuda")
+    assert time.monotonic() - t0 < 90

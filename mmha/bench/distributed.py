@@ -208,12 +208,20 @@ def main(argv=None) -> None:
         heads_rows = HEADS_ROWS[:1] if args.quick else HEADS_ROWS
         rows = [("sequence", b, seq_for(b, gb), {}) for b, gb in seq_rows]
         rows += [("heads", b, s, {}) for b, s in heads_rows]
+    header = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
+    if cuda and dist.get_rank() == 0:
+        from .cli import gpu_header
+
+        header.update(gpu_header())
     results = []
     for mode, batch, seq, kw in rows:
         row = run_row(mode, batch, seq, device, dtype, args.iters, **kw)
         if dist.get_rank() == 0:
             row["device"] = torch.cuda.get_device_name() if cuda else "cpu"
             results.append(row)
+            if args.out:  # after every row: a run cut short keeps the rows it timed
+                with open(args.out, "w") as f:
+                    json.dump({"header": header, "rows": results}, f, indent=1)
             print(
                 f"{mode:8s} B={batch:<3d} S={seq:<8d} {row['kv_gb_per_layer']:6.2f} GB/layer: "
                 f"{row['mmha_decode_us']:9.1f} us on {row['world_size']} (kernel {row['local_step_us']:.1f}, "
@@ -223,13 +231,6 @@ def main(argv=None) -> None:
                 flush=True,
             )
     if dist.get_rank() == 0 and args.out:
-        header = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
-        if cuda:
-            from .cli import gpu_header
-
-            header.update(gpu_header())
-        with open(args.out, "w") as f:
-            json.dump({"header": header, "rows": results}, f, indent=1)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
 

@@ -43,21 +43,28 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 class Stack:
     """Random weights for ``shape.layers`` pre-norm attention + SwiGLU blocks, made on ``device``
-    from one seed (the same on every rank)."""
+    from one seed (the same on every rank). ``weight_sets`` distinct sets of weights serve the
+    layers in turn (default: one per layer); fewer sets leave room for a longer context on a
+    smaller GPU and change no step's work (every layer still reads a set of weights larger than
+    the L2)."""
 
-    def __init__(self, shape: Shape, device, dtype, seed: int = 0):
+    def __init__(self, shape: Shape, device, dtype, seed: int = 0, weight_sets: int | None = None):
         g = torch.Generator(device=device).manual_seed(seed)
         qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
 
         def w(out_f, in_f):
             return (torch.randn(out_f, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
 
+        sets = shape.layers if weight_sets is None else weight_sets
+        if not 1 <= sets <= shape.layers:
+            raise ValueError(f"weight_sets must be in [1, {shape.layers}], got {sets}")
         self.shape = shape
-        self.layers = [
+        distinct = [
             (w(qkv, shape.dim), w(shape.dim, shape.heads * shape.head_dim), w(2 * shape.ffn, shape.dim),
              w(shape.dim, shape.ffn))
-            for _ in range(shape.layers)
+            for _ in range(sets)
         ]  # fmt: skip
+        self.layers = [distinct[i % sets] for i in range(shape.layers)]
 
     @torch.no_grad()
     def layers_step(self, x: torch.Tensor, cache: ShardedKVCache) -> torch.Tensor:
@@ -105,6 +112,11 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     ap.add_argument("--block", type=int, default=256, help="tokens per block of sequence sharding")
     ap.add_argument("--eager", action="store_true", help="no CUDA graph: every op launched from Python")
+    ap.add_argument(
+        "--weight-sets", type=int, default=None,
+        help="distinct sets of random weights, used by the layers in turn (default: one per layer); "
+        "fewer leave room for a longer context",
+    )  # fmt: skip
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -122,9 +134,10 @@ def main(argv=None) -> None:
     where = "NCCL on " + torch.cuda.get_device_name() if cuda else "gloo, CPU"
     say(f"mmha.distributed.demo: {world} ranks ({where}), "
         f"mode {args.mode}, {shape.layers} layers, Hq {shape.heads} Hkv {shape.kv_heads} D {shape.head_dim}, "
-        f"batch {args.batch}, context {args.context}, {args.dtype if cuda else 'fp32'}")  # fmt: skip
+        f"batch {args.batch}, context {args.context}, {args.dtype if cuda else 'fp32'}, "
+        f"{args.weight_sets or shape.layers} weight sets")  # fmt: skip
 
-    stack = Stack(shape, device, dtype)
+    stack = Stack(shape, device, dtype, weight_sets=args.weight_sets)
     cache = ShardedKVCache(
         shape.layers, args.batch, args.context + args.steps + 1, shape.heads, shape.kv_heads, shape.head_dim,
         dtype, device, mode=args.mode, block=args.block, rotary_dim=shape.head_dim, rotary_theta=500000.0,
@@ -133,8 +146,9 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for layer in range(shape.layers):  # the context: the same random K/V on every rank, each keeps its part
         kv = [
-            torch.randn(args.batch, args.context, shape.kv_heads, shape.head_dim, generator=g, device=device)
-            .to(dtype) for _ in range(2)
+            torch.randn(args.batch, args.context, shape.kv_heads, shape.head_dim, generator=g, device=device,
+                        dtype=dtype)
+            for _ in range(2)
         ]  # fmt: skip
         cache.prefill(layer, kv[0], kv[1])
         del kv
