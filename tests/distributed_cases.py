@@ -35,9 +35,10 @@ def _entry(rank, world, port, backend, timeout_s, case, kw):
     warnings.simplefilter("ignore")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-        # a collective's wait raises at the group's timeout (CollectiveError) instead of the
-        # watchdog ending the process
-        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        if case == "rank_fails":
+            # a collective's wait raises at the group's timeout (CollectiveError) instead of the
+            # watchdog ending the process; not with CUDA graphs (the wait syncs on the host)
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -216,7 +217,19 @@ def rank_fails(rank, world, device="cpu", stay_s=0.0):
     raise AssertionError("expected CollectiveError")
 
 
+def config_differs(rank, world, device="cpu"):
+    """Rank 1 builds its cache with another block: every rank's constructor raises ValueError
+    naming the field, none hangs."""
+    try:
+        _caches(world, "sequence", device, torch.float32, block=16 if rank == 0 else 8)
+    except ValueError as e:
+        assert "block differs between ranks" in str(e) and "[16, 8]" in str(e), str(e)
+        return
+    raise AssertionError("expected ValueError")
+
+
 CASES = {
+    "config_differs": config_differs,
     "decode_matches_single": decode_matches_single,
     "graph_matches_single": graph_matches_single,
     "heads_local_qkv": heads_local_qkv,

@@ -24,6 +24,7 @@ exception; otherwise NCCL's watchdog ends the process at the timeout).
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 _all_to_all = dist.all_to_all_single
+
+
+def _code(dtype: torch.dtype | None) -> int:
+    """A number for ``dtype`` that is the same in every process."""
+    return zlib.crc32(str(dtype).encode())
 
 
 class CollectiveError(RuntimeError):
@@ -130,6 +136,28 @@ class ShardedKVCache:
         self._active_mask = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self.lengths = self.local.lengths if mode == "heads" else torch.zeros_like(self.local.lengths)
         self._sync_modes(range(max_batch))
+        self._agree(
+            mode=MODES.index(mode), block=block, num_layers=num_layers, max_batch=max_batch,
+            max_seq_len=max_seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=_code(dtype), kv_dtype=_code(kv_dtype), rotary_dim=rotary_dim,
+        )  # fmt: skip
+
+    def _agree(self, **fields: int) -> None:
+        """One all-gather of this rank's configuration when the cache is built: a field that
+        differs between ranks raises ValueError naming it on every rank, and the group's
+        communicator exists before the first step (NCCL makes it at the first collective, where a
+        rank waiting for a peer that failed would block past the group's timeout)."""
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=self.device)
+        every = mine.new_empty(self.world * mine.numel())
+        self._run(_all_gather, every, mine, "configuration check", None)
+        every = every.view(self.world, -1).tolist()
+        for i, name in enumerate(fields):
+            values = [row[i] for row in every]
+            if len(set(values)) > 1:
+                raise ValueError(
+                    f"ShardedKVCache: every rank must build the same cache, but {name} differs between "
+                    f"ranks (per rank: {values})"
+                )
 
     # ----------------------------------------------------------------- bookkeeping
     @property
@@ -360,8 +388,9 @@ class ShardedKVCache:
         try:
             work.wait()
         except Exception as e:  # the backends raise RuntimeError / DistBackendError subclasses
+            where = "the cache's construction" if layer is None else f"layer {layer}'s step"
             raise CollectiveError(
-                f"mmha.distributed: the {what} of layer {layer}'s step failed on rank {self.rank} of "
+                f"mmha.distributed: the {what} of {where} failed on rank {self.rank} of "
                 f"{self.world} (another rank failed before joining it, or did not join within the "
                 f"process group's timeout): {e}"
             ) from e

@@ -185,6 +185,11 @@ def main(argv=None) -> None:
     say("peak memory per GPU (GiB): " + ", ".join(f"rank {r}: {m:.2f}" for r, m in enumerate(mems)))
     if not torch.isfinite(x.float()).all():
         raise SystemExit("non-finite activations")
+    # the graph's collectives hold the communicator: the graph goes first, on every rank
+    del step
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
 
 
