@@ -19,7 +19,8 @@ for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>
 ``bench/ab.sh`` wrote (ab.md) for a kernel change, after a first line saying what the two builds were;
 repeatable.
 --distributed: a ``torchrun ... -m mmha.bench.distributed --out`` JSON, one per machine (world size
-and GPU: docs/data/bench_distributed_w<N>_<gpu>.json).
+and GPU: docs/data/bench_distributed_w<N>_<gpu>.json). --distributed-demo: the output of
+``torchrun ... -m mmha.distributed.demo`` (kept under its own name, quoted as it is).
 """
 
 from __future__ import annotations
@@ -273,6 +274,7 @@ def main() -> None:
     ap.add_argument("--paged", type=Path, action="append", default=[])
     ap.add_argument("--epilogue", type=Path, action="append", default=[])
     ap.add_argument("--distributed", type=Path, action="append", default=[])
+    ap.add_argument("--distributed-demo", type=Path, action="append", default=[])
     args = ap.parse_args()
     runs = []
     for path in args.bench:
@@ -431,6 +433,14 @@ def main() -> None:
                     r["mode"] == "sequence" and r["world_size"] > 1 for r in data["rows"]
                 ) else "met on every row." if not bad else f"{len(bad)} misses:"), "",
                 *[f"- {m}" for m in bad], "",
+            ]  # fmt: skip
+        for path in args.distributed_demo:
+            kept = keep(path, path.name)
+            lines += [
+                f"### `mmha.distributed.demo` (`docs/data/{kept.name}`)", "",
+                "A Llama-8B-shaped stack with random weights decoding one row after a long context, one"
+                " CUDA graph per step (the demo's own output; `#` lines name the command and machine):", "",
+                "```", *kept.read_text().strip().splitlines(), "```", "",
             ]  # fmt: skip
     if args.hf:
         model = json.loads(args.hf[0].read_text())["header"]["model"]
