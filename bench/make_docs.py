@@ -367,10 +367,11 @@ def main() -> None:
             " calls, SDPA with the tree as a boolean mask and flex_attention with a block mask; decode"
             " timing, fp16. GB/s: K/V bytes of cache + nodes over the time; TFLOP/s: Q.K and P.V of every"
             " node over every key. Targets: T = 64 at contexts >= 4K at most 1.3x the one-token step,"
-            " faster than every peer.",
+            " faster than every peer; the last column is the TFLOP/s a row's step would run at 1.3x"
+            " its one-token step, against the GPU's dense fp16 matrix product where the run measured it.",
             "",
         ]  # fmt: skip
-        lines += gpu_sections(args.tree, "tree", tree)
+        lines += gpu_sections(args.tree, "tree", tree, extra=tree.ceiling_lines)
     if args.paged:
         from mmha.bench import paged
 

@@ -174,3 +174,19 @@ def test_peer_probing_warnings_stay_inside_the_benchmark(method):
             warnings.warn("Flash attention kernel not used because: head_dim", UserWarning, stacklevel=1)
         warnings.warn("a user's own warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["a user's own warning"]
+
+
+def test_tree_targets_name_the_tflops_they_need():
+    from mmha.bench import tree
+
+    row = dict(batch=16, num_heads=32, num_kv_heads=8, head_dim=128, context=4096, nodes=64, shape="chain")
+    flops = 4 * 16 * 32 * 64 * (4096 + 64) * 128
+    r = {**row, "mmha_decode_us": 200.0, "mmha_single_token_us": 50.0, "tflop_per_s": flops / 200.0 / 1e6}
+    assert tree.target_tflops(r) == pytest.approx(flops / (1.3 * 50.0) / 1e6)
+    assert tree.target_tflops({**r, "context": 1024}) is None and tree.target_tflops({**r, "nodes": 16}) is None
+    r["vs_single_token"] = 4.0
+    (miss,) = tree.misses([r])
+    assert f"needs {tree.target_tflops(r):.0f})" in miss and f"({r['tflop_per_s']:.0f} TFLOP/s;" in miss
+    assert tree.ceiling_lines({"header": {}}) == []
+    lines = tree.ceiling_lines({"header": {"gemm_tflops": 781.4, "gemm_how": "torch.matmul"}})
+    assert "781 TFLOP/s" in lines[0]

@@ -96,3 +96,15 @@ def read_ceiling_gbs(nbytes: int = 4 << 30) -> tuple[float, str]:
     del x
     torch.cuda.empty_cache()
     return nbytes / (us * 1e-6) / 1e9, "Triton streaming sum of 4 GiB, best of 4 program shapes"
+
+
+def read_gemm_tflops(n: int = 8192, dtype: torch.dtype = torch.float16) -> tuple[float, str]:
+    """Dense matrix-product throughput: one ``n`` x ``n`` x ``n`` product of random ``dtype``
+    matrices through torch (cuBLAS), median of timed calls. What a compute-bound attention step
+    (a tree step's Q.K and P.V) can at best approach on this GPU."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ab = [torch.randn(n, n, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
+    us = timing.cold_us(lambda: ab[0] @ ab[1])
+    ab.clear()
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (us * 1e-6) / 1e12, f"torch.matmul, {n}^3, {str(dtype).replace('torch.', '')}"

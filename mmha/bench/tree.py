@@ -25,13 +25,14 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference, tree
+from . import floor
 from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .timing import decode_us
@@ -231,6 +232,24 @@ def run_row(row: Row, peers: tuple[str, ...]) -> dict:
     return res
 
 
+def target_tflops(r: dict) -> float | None:
+    """The TFLOP/s (``Row.flops`` over the time) that row ``r``'s tree step would run at if it
+    took ``TARGET_VS_SINGLE`` x the one-token step; None for rows without that target."""
+    if r["nodes"] != 64 or r["context"] < 4096 or "mmha_single_token_us" not in r:
+        return None
+    row = Row(**{f.name: r[f.name] for f in fields(Row)})
+    return row.flops / (TARGET_VS_SINGLE * r["mmha_single_token_us"]) / 1e6
+
+
+def ceiling_lines(data: dict) -> list[str]:
+    """The run's fp16 GEMM ceiling (header), if it was measured: what the targets' TFLOP/s face."""
+    h = data["header"]
+    if "gemm_tflops" not in h:
+        return []
+    return [f"Dense fp16 matrix product on this GPU in the same run ({h['gemm_how']}): "
+            f"{h['gemm_tflops']:.0f} TFLOP/s.", ""]  # fmt: skip
+
+
 def misses(results: list[dict]) -> list[str]:
     out = []
     for r in results:
@@ -240,7 +259,10 @@ def misses(results: list[dict]) -> list[str]:
             out.append(f"{label}: mmha not timed ({r['skipped'].get('mmha', '')})")
             continue
         if r["nodes"] == 64 and r["context"] >= 4096 and r.get("vs_single_token", 0) > TARGET_VS_SINGLE:
-            out.append(f"{label}: {r['vs_single_token']:.2f}x the one-token step > {TARGET_VS_SINGLE}")
+            out.append(
+                f"{label}: {r['vs_single_token']:.2f}x the one-token step > {TARGET_VS_SINGLE} "
+                f"({r['tflop_per_s']:.0f} TFLOP/s; {TARGET_VS_SINGLE}x needs {target_tflops(r):.0f})"
+            )
         if r.get("ratio", 0) > 1:
             out.append(f"{label}: {r['ratio']:.3f}x {r['best_peer_decode']}")
     return out
@@ -258,9 +280,11 @@ def table(results: list[dict]) -> str:
              f"{r['vs_single_token']:.2f}" if "vs_single_token" in r else "-",
              *[us(r, f"{p}_decode_us") for p in PEERS], f"{r['ratio']:.3f}" if "ratio" in r else "-",
              f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else "-",
-             f"{r['tflop_per_s']:.1f}" if "tflop_per_s" in r else "-"] for r in results]  # fmt: skip
+             f"{r['tflop_per_s']:.1f}" if "tflop_per_s" in r else "-",
+             "-" if target_tflops(r) is None else f"{target_tflops(r):.0f}"] for r in results]  # fmt: skip
     cols = ["B", "Hq", "Hkv", "D", "context", "T", "tree", "mmha us", "one-token us", "mmha/one-token",
-            *[f"{p} us" for p in PEERS], "mmha/best peer", "GB/s", "TFLOP/s"]  # fmt: skip
+            *[f"{p} us" for p in PEERS], "mmha/best peer", "GB/s", "TFLOP/s",
+            f"TFLOP/s at {TARGET_VS_SINGLE}x one-token"]  # fmt: skip
     return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
 
 
@@ -278,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }  # fmt: skip
+    header["gemm_tflops"], header["gemm_how"] = floor.read_gemm_tflops()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for row in rows(args.quick):
@@ -290,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(brief), flush=True)
         (args.out / "bench_tree.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
-    print_report(args.out / "bench_tree.md", header, table(results), misses(results))
+    notes = ceiling_lines({"header": header})
+    print_report(args.out / "bench_tree.md", header, table(results), misses(results), notes)
     return 0
 
 
