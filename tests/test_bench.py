@@ -183,7 +183,9 @@ def test_tree_targets_name_the_tflops_they_need():
     flops = 4 * 16 * 32 * 64 * (4096 + 64) * 128
     r = {**row, "mmha_decode_us": 200.0, "mmha_single_token_us": 50.0, "tflop_per_s": flops / 200.0 / 1e6}
     assert tree.target_tflops(r) == pytest.approx(flops / (1.3 * 50.0) / 1e6)
-    assert tree.target_tflops({**r, "context": 1024}) is None and tree.target_tflops({**r, "nodes": 16}) is None
+    assert (
+        tree.target_tflops({**r, "context": 1024}) is None and tree.target_tflops({**r, "nodes": 16}) is None
+    )
     r["vs_single_token"] = 4.0
     (miss,) = tree.misses([r])
     assert f"needs {tree.target_tflops(r):.0f})" in miss and f"({r['tflop_per_s']:.0f} TFLOP/s;" in miss
