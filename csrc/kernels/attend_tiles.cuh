@@ -211,7 +211,7 @@ struct TileConsumer {
     for (int e = 0; e < 4; ++e) s[e] = kSplit ? s[e] + s_lo[e] : (s[e] + s_lo[e]) * s_unit;
     if (mods.on) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[e] = mods.apply(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
+      for (int e = 0; e < 4; ++e) s[e] = mods.apply<true>(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
     }
     if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
     if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
