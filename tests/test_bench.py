@@ -192,3 +192,18 @@ def test_tree_targets_name_the_tflops_they_need():
     assert tree.ceiling_lines({"header": {}}) == []
     lines = tree.ceiling_lines({"header": {"gemm_tflops": 781.4, "gemm_how": "torch.matmul"}})
     assert "781 TFLOP/s" in lines[0]
+    need = tree.target_tflops(r)
+    head = {
+        "gemm_tflops": need * 2,
+        "gemm_how": "torch.matmul",
+        "attention_tflops": need / 2,
+        "attention_how": "sdpa",
+    }
+    (miss,) = tree.misses([r], head)
+    assert miss.endswith(f"needs {need:.0f}, above the fastest dense attention)")
+    (miss,) = tree.misses([r], {**head, "gemm_tflops": need / 1.5})
+    assert miss.endswith("above the dense matrix product)")
+    (miss,) = tree.misses([r], {**head, "attention_tflops": need * 1.5})
+    assert miss.endswith(f"needs {need:.0f})")
+    lines = tree.ceiling_lines({"header": head})
+    assert f"{need / 2:.0f} TFLOP/s" in lines[1] and lines[-1] == ""

@@ -108,3 +108,33 @@ def read_gemm_tflops(n: int = 8192, dtype: torch.dtype = torch.float16) -> tuple
     ab.clear()
     torch.cuda.empty_cache()
     return 2 * n**3 / (us * 1e-6) / 1e12, f"torch.matmul, {n}^3, {str(dtype).replace('torch.', '')}"
+
+
+def read_attention_tflops(
+    seq: int = 8192, heads: int = 32, head_dim: int = 128, dtype: torch.dtype = torch.float16
+) -> tuple[float, str]:
+    """Dense attention throughput: one non-causal ``scaled_dot_product_attention`` of ``heads``
+    heads over ``seq`` queries and keys of random ``dtype``, per SDPA backend this torch has (cuDNN,
+    flash, memory-efficient), the fastest; flops 4 x heads x seq^2 x head_dim. What the best
+    attention kernel on this GPU reaches where compute is all there is: a tree step's target that
+    needs more TFLOP/s than this is beyond today's attention kernels, not only mmha's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(1, heads, seq, head_dim, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+    flops = 4 * heads * seq * seq * head_dim
+    best, how = 0.0, ""
+    for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(*qkv)
+                us = timing.cold_us(lambda: torch.nn.functional.scaled_dot_product_attention(*qkv))
+        except RuntimeError:  # a backend this GPU or build does not offer
+            continue
+        if flops / (us * 1e-6) / 1e12 > best:
+            best, how = flops / (us * 1e-6) / 1e12, name
+    qkv.clear()
+    torch.cuda.empty_cache()
+    dt = str(dtype).replace("torch.", "")
+    return best, f"{how}, {heads} heads x {seq} queries x {seq} keys, head dim {head_dim}, {dt}"
