@@ -207,3 +207,18 @@ def test_tree_targets_name_the_tflops_they_need():
     assert miss.endswith(f"needs {need:.0f})")
     lines = tree.ceiling_lines({"header": head})
     assert f"{need / 2:.0f} TFLOP/s" in lines[1] and lines[-1] == ""
+
+
+def test_mods_rows_time_as_many_layers_as_their_reads_need():
+    from mmha.bench import mods
+    from mmha.bench.problems import MAX_LAYERS, MIN_LAYERS
+
+    window = mods.Row("window", 1, 8, 131072, mods.WINDOW)
+    plain = mods.Row("plain", 1, 8, mods.WINDOW, mods.WINDOW)
+    # a window of 4096 reads its keys and the rest of its first tile, not the 537 MB it holds
+    assert window.read_bytes == 2 * 8 * (mods.WINDOW + 63) * mods.D * 2 < window.kv_bytes
+    assert window.layers() == plain.layers() == MAX_LAYERS
+    assert window.layers(free_bytes=8 * 2 * window.kv_bytes) == 4  # half the free memory, both layouts
+    assert mods.Row("window", 16, 8, 131072, mods.WINDOW).layers(free_bytes=40 << 30) == MIN_LAYERS
+    softcap = mods.Row("softcap", 16, 32, 32768, 32768)
+    assert softcap.read_bytes == softcap.kv_bytes and softcap.layers() == MIN_LAYERS

@@ -11,7 +11,9 @@ Peers (each checked against ``mmha.reference.attend`` in fp32 before it is timed
 additive bias for ALiBi), ``sdpa_window_slice`` (SDPA over the window's keys alone: every row has
 the same length here), ``flex`` (``flex_attention`` compiled: a block mask for a window, a
 ``score_mod`` for the soft-cap and ALiBi, sinks folded in from its log-sum-exp) and ``eager``
-(matmul, the modifier, softmax, matmul). Writes bench_mods.json and bench_mods.md to ``--out``.
+(matmul, the modifier, softmax, matmul). Each row's graph holds as many layers as the bytes a call
+reads ask for (``Row.layers``: a window's keys, not the cache it holds), as many as fit in memory;
+the plain row is timed as its own shape. Writes bench_mods.json and bench_mods.md to ``--out``.
 """
 
 from __future__ import annotations
@@ -57,11 +59,24 @@ class Row:
 
     @property
     def kv_bytes(self) -> int:
+        """The cache a layer holds (K and V, fp16)."""
         return 2 * self.batch * self.num_kv_heads * self.seq_len * D * 2
 
     @property
-    def layers(self) -> int:
-        return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
+    def read_bytes(self) -> int:
+        """The cache bytes one call reads: a window's keys only (and the rest of its first tile)."""
+        keys = dispatch.keys_read(self.seq_len, WINDOW if self.modifier == "window" else None)
+        return 2 * self.batch * self.num_kv_heads * keys * D * 2
+
+    def layers(self, free_bytes: int | None = None) -> int:
+        """The decode timing's calls per graph: from the bytes a call reads, as for any row (a
+        window row of 128K holds 537 MB a layer but reads 17 MB: two layers of it would time the
+        graph's launch over two calls, and find its keys in L2); at most as many layers (each
+        in mmha's and SDPA's layouts) as fit in half of ``free_bytes``."""
+        n = min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.read_bytes))
+        if free_bytes is not None:
+            n = min(n, free_bytes // 2 // (2 * self.kv_bytes))
+        return max(MIN_LAYERS, n)
 
 
 def rows(quick: bool = False) -> list[Row]:
@@ -195,9 +210,11 @@ def error(out: torch.Tensor, layer: Layer, mods: dict) -> float:
 
 def run_row(row: Row, peers: tuple[str, ...], plain_cache: dict) -> dict:
     mods = mods_of(row.modifier)
-    layers = [Layer(row.batch, row.num_kv_heads, row.seq_len, seed=i) for i in range(row.layers)]
-    res: dict = {**asdict(row), "layers": row.layers, "errors": {}, "skipped": {}}
+    n_layers = row.layers(torch.cuda.mem_get_info()[0])
+    layers = [Layer(row.batch, row.num_kv_heads, row.seq_len, seed=i) for i in range(n_layers)]
+    res: dict = {**asdict(row), "layers": n_layers, "errors": {}, "skipped": {}}
     methods = {"mmha": lambda layer: mmha_fn(layer, mods)}
+    fns: list = []
     for peer in peers:
         if peer in CAN[row.modifier]:
             methods[peer] = lambda layer, peer=peer: peer_fn(peer, layer, row.modifier, mods)
@@ -213,9 +230,13 @@ def run_row(row: Row, peers: tuple[str, ...], plain_cache: dict) -> dict:
         except Exception as exc:  # a peer that cannot run this shape
             res["skipped"][name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
         torch.cuda.empty_cache()
+    del layers, fns
+    torch.cuda.empty_cache()
     key = (row.batch, row.num_kv_heads, row.plain_seq_len)
-    if key not in plain_cache:
-        plain = [Layer(row.batch, row.num_kv_heads, row.plain_seq_len, seed=i) for i in range(row.layers)]
+    if key not in plain_cache:  # the plain row timed as its own shape is (its layers from its bytes)
+        plain_row = Row("plain", row.batch, row.num_kv_heads, row.plain_seq_len, row.plain_seq_len)
+        n_plain = plain_row.layers(torch.cuda.mem_get_info()[0])
+        plain = [Layer(row.batch, row.num_kv_heads, row.plain_seq_len, seed=i) for i in range(n_plain)]
         plain_cache[key] = decode_us([mmha_fn(layer, {}) for layer in plain])["us"]
         del plain
     res["plain_decode_us"] = plain_cache[key]
@@ -227,8 +248,6 @@ def run_row(row: Row, peers: tuple[str, ...], plain_cache: dict) -> dict:
         res["vs_plain"] = res["mmha_decode_us"] / res["plain_decode_us"]
         if timed:
             res["ratio"] = res["mmha_decode_us"] / res["best_peer_decode_us"]
-    del layers
-    torch.cuda.empty_cache()
     return res
 
 
