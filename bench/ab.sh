@@ -5,6 +5,7 @@
 # grid with each (python -m mmha.bench, same arguments), alternating twice (base, new, base, new)
 # so that drift shows, and prints per-row mmha times of both and their ratio.
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
+#        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
 source "$(dirname "$0")/device_env.sh"
 BASE=${BASE:?set BASE to the earlier tree}
 if [ ! -f /tmp/mmha_base/.built ]; then
@@ -26,27 +27,40 @@ import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-KEY = ("dtype", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
+# The canonical grid (bench.json) or the score modifiers' rows (--mods: bench_mods.json, with
+# each build's own plain row).
+MODS = (out / "ab_base_1" / "bench_mods.json").exists()
+NAME = "bench_mods.json" if MODS else "bench.json"
+KEY = ("modifier", "batch", "num_kv_heads", "seq_len") if MODS else (
+    "dtype", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
 
 
-def times(name):
+def times(name, field="mmha_decode_us"):
     t = {}
     for r in (1, 2):
-        for row in json.loads((out / f"{name}_{r}" / "bench.json").read_text())["rows"]:
-            t.setdefault(tuple(row[k] for k in KEY), []).append(row["mmha_decode_us"])
+        for row in json.loads((out / f"{name}_{r}" / NAME).read_text())["rows"]:
+            if field in row:
+                t.setdefault(tuple(row[k] for k in KEY), []).append(row[field])
     return t
 
 
 base, new = times("ab_base"), times("ab_new")
-lines = ["| dtype | B | Hq | Hkv | D | S | base us (2 runs) | new us (2 runs) | new / base |",
-         "|---|---|---|---|---|---|---|---|---|"]
+plain_base, plain_new = (times(n, "plain_decode_us") for n in ("ab_base", "ab_new")) if MODS else ({}, {})
+head = [k if k not in ("batch", "num_kv_heads", "num_heads", "head_dim", "seq_len") else
+        {"batch": "B", "num_kv_heads": "Hkv", "num_heads": "Hq", "head_dim": "D", "seq_len": "S"}[k] for k in KEY]
+extra = ["plain us (base runs)", "plain us (new runs)"] if MODS else []
+cols = [*head, "base us (2 runs)", "new us (2 runs)", *extra, "new / base"]
+lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 ratios = []
 for k, b in base.items():
     if k in new and len(b) == 2 and len(new[k]) == 2:
         ratio = statistics.mean(new[k]) / statistics.mean(b)
         ratios.append(ratio)
-        lines.append(f"| {' | '.join(str(x) for x in k)} | {b[0]:.1f}, {b[1]:.1f} | "
-                     f"{new[k][0]:.1f}, {new[k][1]:.1f} | {ratio:.3f} |")
+        cells = [*map(str, k), f"{b[0]:.1f}, {b[1]:.1f}", f"{new[k][0]:.1f}, {new[k][1]:.1f}"]
+        if MODS:
+            cells += [", ".join(f"{x:.1f}" for x in plain_base.get(k, [])),
+                      ", ".join(f"{x:.1f}" for x in plain_new.get(k, []))]
+        lines.append("| " + " | ".join(cells) + f" | {ratio:.3f} |")
 if ratios:
     lines += ["", f"new / base: median {statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"]
 print("\n".join(lines))
