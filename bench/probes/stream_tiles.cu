@@ -1,0 +1,277 @@
+// How fast does the tile loop's copy pattern stream a cache when nothing else runs? One block per
+// (row, kv head) walks its keys tile by tile through a ring of stages, as decode_attention_kernel
+// does, but its consumers only wait for each tile and hand the stage back: no q, no math, no
+// store. Against it: the same walk with K in [S, D] rows (the layout cuDNN reads), with 128-key
+// tiles, other stage counts, 16-byte cp.async by the producer warp, and a plain read of each
+// block's K/V with vector loads (no ring). It answers whether a row such as B=16 Hkv=8 S=2048
+// (one block per SM: mmha 43.6 us under ncu, cuDNN 36.5 with the same grid) loses in the copies
+// or in the consumers' work between them.
+//
+// Build and run on an sm_90 GPU (no libcuda link: the encoder comes through the runtime):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/stream_tiles \
+//     bench/probes/stream_tiles.cu && /tmp/stream_tiles [B Hkv keys]
+// Prints one line per variant: us per launch (median of 20, two buffers alternating so that no
+// launch finds its bytes in L2) and GB/s of K/V read.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                       \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+constexpr int D = 128;             // head dim, fp16: 256-byte rows, 16 chunks of 16 bytes
+constexpr int CHUNKS = D * 2 / 16;
+constexpr int CONSUMERS = 128;     // four consumer warps, then one producer warp
+constexpr int MAX_STAGES = 8;
+
+enum Mode : int { kTmaX = 0, kTmaRows = 1, kCpAsyncX = 2, kPlain = 3 };
+const char* kModeNames[] = {"bulk copies, K x-layout (mmha)", "bulk copies, K rows [S, D]",
+                            "cp.async by one warp, K x-layout", "vector loads, no ring"};
+
+__device__ __forceinline__ uint32_t smem(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(b)), "r"(n));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, int parity) {
+  asm volatile(
+      "{ .reg .pred p; W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra W; }" ::"r"(smem(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* m, int c0, int c1, int c2, uint64_t* b) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem(dst)),
+      "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(smem(b))
+      : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint64_t* b) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(b)) : "memory");
+}
+
+struct Args {
+  const char* k;   // K: x-layout [items][CHUNKS][smax][16 B], or rows [items][smax][256 B]
+  const char* v;   // V: rows [items][smax][256 B]
+  int keys;        // keys each item reads
+  int smax;        // slots per (row, kv head)
+  int stages;
+  int tile;        // keys per tile: 64 or 128
+  unsigned* sink;  // keeps the consumers' reads alive
+};
+
+// One block per item. Consumers: wait for a tile, read one 16-byte word of it, hand the stage back.
+template <int MODE>
+__global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_constant__ CUtensorMap kmap,
+                                                                const __grid_constant__ CUtensorMap vmap, Args a) {
+  extern __shared__ __align__(1024) unsigned char dyn[];
+  unsigned char* ring = dyn + (1024 - smem(dyn) % 1024) % 1024;
+  __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
+  const int item = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int nt = a.keys / a.tile;
+  const int rot = item * 37 % nt;  // the product's rotation of the walk
+  const int k_bytes = a.tile * D * 2, stage_bytes = 2 * k_bytes;
+  if (tid == 0) {
+    for (int s = 0; s < a.stages; ++s) {
+      mbar_init(&full[s], MODE == kCpAsyncX ? 32 : 1);
+      mbar_init(&empty[s], CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == CONSUMERS / 32) {  // producer
+    for (int i = 0; i < nt; ++i) {
+      const int s = i % a.stages;
+      if (i >= a.stages) mbar_wait(&empty[s], (i / a.stages - 1) & 1);
+      int t = i + rot;
+      t = t >= nt ? t - nt : t;
+      const int k0 = t * a.tile;
+      unsigned char* st = ring + s * stage_bytes;
+      if constexpr (MODE == kCpAsyncX) {
+        // K pieces: a warp copies 32 consecutive keys of one chunk at a time; V: rows.
+        for (int j = lane; j < a.tile * CHUNKS; j += 32) {
+          const int key = j % a.tile, c = j / a.tile;
+          cp_async16(st + (c * a.tile + key) * 16,
+                     a.k + ((static_cast<int64_t>(item) * CHUNKS + c) * a.smax + k0 + key) * 16);
+        }
+        for (int j = lane; j < a.tile * CHUNKS; j += 32) {
+          const int r = j / CHUNKS, c = j % CHUNKS;
+          cp_async16(st + k_bytes + r * 256 + c * 16,
+                     a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * 256 + c * 16);
+        }
+        cp_async_arrive(&full[s]);
+      } else if (lane == 0) {
+        mbar_expect_tx(&full[s], stage_bytes);
+        if constexpr (MODE == kTmaX) {
+          tma_3d(st, &kmap, 0, k0 / 32, item * CHUNKS, &full[s]);  // every chunk's run of tile * 16 B
+        } else {
+          for (int j = 0; j < 2; ++j) tma_3d(st + j * a.tile * 128, &kmap, 64 * j, k0, item, &full[s]);
+        }
+        for (int j = 0; j < 2; ++j) tma_3d(st + k_bytes + j * a.tile * 128, &vmap, 64 * j, k0, item, &full[s]);
+      }
+    }
+    return;
+  }
+  unsigned acc = 0;
+  for (int i = 0; i < nt; ++i) {
+    const int s = i % a.stages;
+    mbar_wait(&full[s], (i / a.stages) & 1);
+    acc ^= reinterpret_cast<const unsigned*>(ring + s * stage_bytes)[tid * 4 % (stage_bytes / 4)];
+    mbar_arrive(&empty[s]);
+  }
+  if (acc == 0x12345678u) a.sink[tid] = acc;
+}
+
+// No ring: each block reads its item's K and V with 16-byte loads, 8 in flight per thread.
+__global__ void __launch_bounds__(CONSUMERS + 32) plain_kernel(Args a) {
+  const int64_t item_bytes = static_cast<int64_t>(a.smax) * 256;
+  const uint4* src[2] = {reinterpret_cast<const uint4*>(a.k + blockIdx.x * item_bytes),
+                         reinterpret_cast<const uint4*>(a.v + blockIdx.x * item_bytes)};
+  const int n = a.keys * 16;  // 16-byte words of K (or V) an item reads
+  unsigned acc = 0;
+  for (int h = 0; h < 2; ++h) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x * 8) {
+      uint4 w[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int j = i + u * blockDim.x;
+        w[u] = j < n ? __ldcs(src[h] + j) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc ^= w[u].x ^ w[u].w;
+    }
+  }
+  if (acc == 0x12345678u) a.sink[threadIdx.x] = acc;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess) {
+    std::fprintf(stderr, "no cuTensorMapEncodeTiled\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+}
+
+// A 3-d map of 16-bit elements: dims (innermost first), byte strides of dims 1 and 2, box.
+CUtensorMap make_map(const void* base, cuuint64_t d0, cuuint64_t d1, cuuint64_t d2, cuuint64_t s1, cuuint64_t s2,
+                     cuuint32_t b0, cuuint32_t b1, cuuint32_t b2, CUtensorMapSwizzle swizzle) {
+  CUtensorMap m{};
+  const cuuint64_t dims[3] = {d0, d1, d2}, strides[2] = {s1, s2};
+  const cuuint32_t box[3] = {b0, b1, b2}, ones[3] = {1, 1, 1};
+  const CUresult r = encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, ones,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return m;
+}
+
+int main(int argc, char** argv) {
+  const int batch = argc > 1 ? std::atoi(argv[1]) : 16;
+  const int hkv = argc > 2 ? std::atoi(argv[2]) : 8;
+  const int keys = argc > 3 ? std::atoi(argv[3]) : 2048;
+  const int items = batch * hkv, smax = keys;
+  const size_t bytes = static_cast<size_t>(items) * smax * 256;  // K or V of one buffer
+  char* buf[2][2];
+  for (auto& b : buf)
+    for (auto& p : b) {
+      CHECK(cudaMalloc(&p, bytes));
+      CHECK(cudaMemset(p, 1, bytes));
+    }
+  unsigned* sink = nullptr;
+  CHECK(cudaMalloc(&sink, 4096));
+  int sms = 0, smem_max = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  std::printf("B=%d Hkv=%d keys=%d: %d blocks on %d SMs, %.1f MB of K/V a launch\n", batch, hkv, keys, items, sms,
+              2.0 * bytes / 1e6);
+  CHECK(cudaFuncSetAttribute(stream_kernel<kTmaX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  CHECK(cudaFuncSetAttribute(stream_kernel<kTmaRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  CHECK(cudaFuncSetAttribute(stream_kernel<kCpAsyncX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+
+  struct Variant {
+    int mode, tile, stages;
+  };
+  std::vector<Variant> variants = {{kPlain, 64, 0}};
+  for (int mode : {kTmaX, kTmaRows})
+    for (int tile : {64, 128})
+      for (int stages : {2, 3, 4, 6}) variants.push_back({mode, tile, stages});
+  for (int stages : {3, 6}) variants.push_back({kCpAsyncX, 64, stages});
+
+  for (const Variant& v : variants) {
+    const size_t dyn = static_cast<size_t>(v.stages) * 2 * v.tile * D * 2 + 1024;
+    if (v.mode != kPlain && (dyn > static_cast<size_t>(smem_max) || keys % v.tile != 0)) continue;
+    CUtensorMap kmap[2], vmap[2];
+    for (int b = 0; b < 2; ++b) {
+      if (v.mode == kTmaRows) {
+        kmap[b] = make_map(buf[b][0], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
+      } else {  // x-layout: [items * CHUNKS rows][smax / 32 groups][32 keys * 8 elements]
+        kmap[b] = make_map(buf[b][0], 256, smax / 32, static_cast<cuuint64_t>(items) * CHUNKS, 512, smax * 16ull, 256,
+                           v.tile / 32, CHUNKS, CU_TENSOR_MAP_SWIZZLE_NONE);
+      }
+      vmap[b] = make_map(buf[b][1], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
+    }
+    auto launch = [&](int b) {
+      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, sink};
+      switch (v.mode) {
+        case kTmaX: stream_kernel<kTmaX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kTmaRows: stream_kernel<kTmaRows><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kCpAsyncX: stream_kernel<kCpAsyncX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        default: plain_kernel<<<items, CONSUMERS + 32>>>(a);
+      }
+    };
+    for (int i = 0; i < 4; ++i) launch(i & 1);
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> ms;
+    for (int i = 0; i < 20; ++i) {
+      CHECK(cudaEventRecord(e0));
+      launch(i & 1);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      ms.push_back(t);
+    }
+    CHECK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    const double us = ms[ms.size() / 2] * 1e3;
+    if (v.mode == kPlain) {
+      std::printf("%-34s %26s %8.2f us %7.0f GB/s\n", kModeNames[v.mode], "", us, 2.0 * bytes / us / 1e3);
+    } else {
+      std::printf("%-34s tile %3d keys, %d stages %8.2f us %7.0f GB/s\n", kModeNames[v.mode], v.tile, v.stages, us,
+                  2.0 * bytes / us / 1e3);
+    }
+  }
+  return 0;
+}
