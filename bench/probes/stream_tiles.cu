@@ -5,7 +5,11 @@
 // tiles, other stage counts, 16-byte cp.async by the producer warp, and a plain read of each
 // block's K/V with vector loads (no ring). It answers whether a row such as B=16 Hkv=8 S=2048
 // (one block per SM: mmha 43.6 us under ncu, cuDNN 36.5 with the same grid) loses in the copies
-// or in the consumers' work between them.
+// or in the consumers' work between them. Paged variants: each item's keys in pool blocks of 16
+// slots scattered at random (K of a block one 4 KB run, V one 4 KB run), brought by one bulk copy
+// per block and K/V (8 a tile, the paged source's count) or by cp.async: whether the copy
+// engine's operations bound blocks of 16 on rows of one item per SM (B=1 rows: 1.07-1.13x the
+// contiguous cache).
 //
 // Build and run on an sm_90 GPU (no libcuda link: the encoder comes through the runtime):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/stream_tiles \
@@ -36,9 +40,12 @@ constexpr int CHUNKS = D * 2 / 16;
 constexpr int CONSUMERS = 128;     // four consumer warps, then one producer warp
 constexpr int MAX_STAGES = 8;
 
-enum Mode : int { kTmaX = 0, kTmaRows = 1, kCpAsyncX = 2, kPlain = 3 };
+enum Mode : int { kTmaX = 0, kTmaRows = 1, kCpAsyncX = 2, kPlain = 3, kPagedBulk = 4, kPagedCp = 5 };
 const char* kModeNames[] = {"bulk copies, K x-layout (mmha)", "bulk copies, K rows [S, D]",
-                            "cp.async by one warp, K x-layout", "vector loads, no ring"};
+                            "cp.async by one warp, K x-layout", "vector loads, no ring",
+                            "pages of 16: a bulk copy per block", "pages of 16: cp.async"};
+constexpr int PAGE = 16;                    // slots per pool block (paged modes)
+constexpr int PAGE_BYTES = PAGE * D * 2;    // K (or V) of one block: 4 KB
 
 __device__ __forceinline__ uint32_t smem(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -68,6 +75,12 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* m, int c0, 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem(dst)), "l"(src) : "memory");
 }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem(dst)),
+               "l"(src), "r"(bytes), "r"(smem(b))
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_arrive(uint64_t* b) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(b)) : "memory");
 }
@@ -80,6 +93,7 @@ struct Args {
   int stages;
   int tile;        // keys per tile: 64 or 128
   unsigned* sink;  // keeps the consumers' reads alive
+  const int* table;  // paged modes: pool block of (item, block of the item), [items][smax / PAGE]
 };
 
 // One block per item. Consumers: wait for a tile, read one 16-byte word of it, hand the stage back.
@@ -96,7 +110,7 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
   const int k_bytes = a.tile * D * 2, stage_bytes = 2 * k_bytes;
   if (tid == 0) {
     for (int s = 0; s < a.stages; ++s) {
-      mbar_init(&full[s], MODE == kCpAsyncX ? 32 : 1);
+      mbar_init(&full[s], MODE == kCpAsyncX || MODE == kPagedCp ? 32 : 1);
       mbar_init(&empty[s], CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -123,6 +137,26 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
                      a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * 256 + c * 16);
         }
         cp_async_arrive(&full[s]);
+      } else if constexpr (MODE == kPagedBulk || MODE == kPagedCp) {
+        // Pools: K [blocks][CHUNKS][PAGE][16 B] and V [blocks][PAGE][256 B], 4 KB each a block.
+        const int* row = a.table + static_cast<int64_t>(item) * (a.smax / PAGE) + k0 / PAGE;
+        if constexpr (MODE == kPagedBulk) {
+          if (lane == 0) mbar_expect_tx(&full[s], stage_bytes);
+          __syncwarp();
+          if (lane < a.tile / PAGE) {
+            const int64_t blk = row[lane];
+            bulk_copy(st + lane * PAGE_BYTES, a.k + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
+            bulk_copy(st + k_bytes + lane * PAGE_BYTES, a.v + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
+          }
+        } else {
+          for (int j = lane; j < a.tile * CHUNKS; j += 32) {  // 16 B pieces, a block's K then its V
+            const int64_t blk = row[j / (PAGE * CHUNKS)];
+            const int off = j % (PAGE * CHUNKS) * 16;
+            cp_async16(st + j * 16, a.k + blk * PAGE_BYTES + off);
+            cp_async16(st + k_bytes + j * 16, a.v + blk * PAGE_BYTES + off);
+          }
+          cp_async_arrive(&full[s]);
+        }
       } else if (lane == 0) {
         mbar_expect_tx(&full[s], stage_bytes);
         if constexpr (MODE == kTmaX) {
@@ -208,6 +242,19 @@ int main(int argc, char** argv) {
     }
   unsigned* sink = nullptr;
   CHECK(cudaMalloc(&sink, 4096));
+  // Paged modes: the pool's blocks in a random order (a server that has run for a while); the
+  // pool is the same bytes as the contiguous buffers.
+  const int blocks = items * (smax / PAGE);
+  std::vector<int> perm(blocks);
+  for (int i = 0; i < blocks; ++i) perm[i] = i;
+  uint64_t rng = 88172645463325252ull;
+  for (int i = blocks - 1; i > 0; --i) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    std::swap(perm[i], perm[rng % (i + 1)]);
+  }
+  int* table = nullptr;
+  CHECK(cudaMalloc(&table, blocks * sizeof(int)));
+  CHECK(cudaMemcpy(table, perm.data(), blocks * sizeof(int), cudaMemcpyHostToDevice));
   int sms = 0, smem_max = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -216,6 +263,8 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(stream_kernel<kTmaX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
   CHECK(cudaFuncSetAttribute(stream_kernel<kTmaRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
   CHECK(cudaFuncSetAttribute(stream_kernel<kCpAsyncX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  CHECK(cudaFuncSetAttribute(stream_kernel<kPagedBulk>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
+  CHECK(cudaFuncSetAttribute(stream_kernel<kPagedCp>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -228,6 +277,8 @@ int main(int argc, char** argv) {
     for (int tile : {64, 128})
       for (int stages : {2, 3, 4, 6}) variants.push_back({mode, tile, stages});
   for (int stages : {3, 6}) variants.push_back({kCpAsyncX, 64, stages});
+  for (int mode : {kPagedBulk, kPagedCp})
+    for (int stages : {3, 6}) variants.push_back({mode, 64, stages});
 
   for (const Variant& v : variants) {
     const size_t dyn = static_cast<size_t>(v.stages) * 2 * v.tile * D * 2 + 1024;
@@ -243,11 +294,13 @@ int main(int argc, char** argv) {
       vmap[b] = make_map(buf[b][1], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     auto launch = [&](int b) {
-      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, sink};
+      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, sink, table};
       switch (v.mode) {
         case kTmaX: stream_kernel<kTmaX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
         case kTmaRows: stream_kernel<kTmaRows><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
         case kCpAsyncX: stream_kernel<kCpAsyncX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kPagedBulk: stream_kernel<kPagedBulk><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kPagedCp: stream_kernel<kPagedCp><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
         default: plain_kernel<<<items, CONSUMERS + 32>>>(a);
       }
     };
