@@ -4,6 +4,7 @@
 # report per row: speed of light, memory, occupancy, warp stalls, shared memory) under $OUT.
 # PEER=sdpa_cudnn profiles that peer on the same rows instead.
 # Usage: bash bench/profile.sh 16,32,8,128,2048 16,32,32,128,8192@2x3
+#        bash bench/profile.sh 16,32,8,128,2048 --mod alibi   (a score modifier, as --mods runs it)
 source "$(dirname "$0")/device_env.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   build

@@ -4,7 +4,9 @@
 Each row: B,Hq,Hkv,D,S (fp16), optionally with @SPLITSxSTAGES to force a plan. Every row is
 checked against the fp32 reference first, then launched ``--iters`` times inside an NVTX range
 named "mmha" (or "peer" with ``--peer NAME``, an SDPA peer of mmha.bench such as sdpa_cudnn), so
-``ncu --nvtx --nvtx-include mmha/`` catches only those launches.
+``ncu --nvtx --nvtx-include mmha/`` catches only those launches. ``--mod window|softcap|alibi|sinks``
+runs mmha with that score modifier as ``python -m mmha.bench --mods`` does (Hq 32, D 128, the
+dispatcher's plan; checked against ``mmha.reference.attend``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def main() -> None:
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--peer", default=None, help="run this peer instead (sdpa_cudnn, ...)")
+    p.add_argument("--mod", default=None, choices=["window", "softcap", "alibi", "sinks"])
     args = p.parse_args()
+    if args.mod:
+        return with_modifier(args)
     for spec in args.rows:
         shape, _, forced = spec.partition("@")
         b, hq, hkv, d, s = (int(x) for x in shape.split(","))
@@ -48,6 +53,26 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
         print(f"{spec} plan={plan.num_splits}x{plan.stages} max_err={err:.2e}", flush=True)
+
+
+def with_modifier(args) -> None:
+    from mmha.bench import mods
+
+    m = mods.mods_of(args.mod)
+    for spec in args.rows:
+        b, hq, hkv, d, s = (int(x) for x in spec.partition("@")[0].split(","))
+        assert (hq, d) == (mods.HQ, mods.D), f"{spec}: --mod rows have Hq {mods.HQ} and D {mods.D}"
+        layer = mods.Layer(b, hkv, s, seed=0)
+        fn = mods.mmha_fn(layer, m)
+        err = mods.error(fn(), layer, m)
+        assert err < TOLERANCE["fp16"], f"{spec} {args.mod}: max error {err}"
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("mmha")
+        for _ in range(args.iters):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"{spec} {args.mod} max_err={err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
