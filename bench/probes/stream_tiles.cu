@@ -26,6 +26,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../../csrc/kernels/ptx.cuh"  // the kernels' own copy and barrier wrappers
+
+using namespace mmha;
+
 #define CHECK(x)                                                                       \
   do {                                                                                 \
     cudaError_t e_ = (x);                                                              \
@@ -47,44 +51,6 @@ const char* kModeNames[] = {"bulk copies, K x-layout (mmha)", "bulk copies, K ro
 constexpr int PAGE = 16;                    // slots per pool block (paged modes)
 constexpr int PAGE_BYTES = PAGE * D * 2;    // K (or V) of one block: 4 KB
 
-__device__ __forceinline__ uint32_t smem(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* b, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(smem(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, int parity) {
-  asm volatile(
-      "{ .reg .pred p; W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra W; }" ::"r"(smem(b)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* m, int c0, int c1, int c2, uint64_t* b) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(smem(dst)),
-      "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(smem(b))
-      : "memory");
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(smem(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem(dst)),
-               "l"(src), "r"(bytes), "r"(smem(b))
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_arrive(uint64_t* b) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(b)) : "memory");
-}
-
 struct Args {
   const char* k;   // K: x-layout [items][CHUNKS][smax][16 B], or rows [items][smax][256 B]
   const char* v;   // V: rows [items][smax][256 B]
@@ -100,8 +66,9 @@ struct Args {
 template <int MODE>
 __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_constant__ CUtensorMap kmap,
                                                                 const __grid_constant__ CUtensorMap vmap, Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // ptx.cuh's bulk copies: sm_90
   extern __shared__ __align__(1024) unsigned char dyn[];
-  unsigned char* ring = dyn + (1024 - smem(dyn) % 1024) % 1024;
+  unsigned char* ring = dyn + (1024 - smem_addr(dyn) % 1024) % 1024;
   __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
   const int item = blockIdx.x;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -113,7 +80,7 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
       mbar_init(&full[s], MODE == kCpAsyncX || MODE == kPagedCp ? 32 : 1);
       mbar_init(&empty[s], CONSUMERS);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (warp == CONSUMERS / 32) {  // producer
@@ -129,12 +96,12 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
         for (int j = lane; j < a.tile * CHUNKS; j += 32) {
           const int key = j % a.tile, c = j / a.tile;
           cp_async16(st + (c * a.tile + key) * 16,
-                     a.k + ((static_cast<int64_t>(item) * CHUNKS + c) * a.smax + k0 + key) * 16);
+                     a.k + ((static_cast<int64_t>(item) * CHUNKS + c) * a.smax + k0 + key) * 16, true);
         }
         for (int j = lane; j < a.tile * CHUNKS; j += 32) {
           const int r = j / CHUNKS, c = j % CHUNKS;
           cp_async16(st + k_bytes + r * 256 + c * 16,
-                     a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * 256 + c * 16);
+                     a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * 256 + c * 16, true);
         }
         cp_async_arrive(&full[s]);
       } else if constexpr (MODE == kPagedBulk || MODE == kPagedCp) {
@@ -145,26 +112,31 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
           __syncwarp();
           if (lane < a.tile / PAGE) {
             const int64_t blk = row[lane];
-            bulk_copy(st + lane * PAGE_BYTES, a.k + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
-            bulk_copy(st + k_bytes + lane * PAGE_BYTES, a.v + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
+            bulk_load(st + lane * PAGE_BYTES, a.k + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
+            bulk_load(st + k_bytes + lane * PAGE_BYTES, a.v + blk * PAGE_BYTES, PAGE_BYTES, &full[s]);
           }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&full[s]);  // the copy engine completes the phase
         } else {
           for (int j = lane; j < a.tile * CHUNKS; j += 32) {  // 16 B pieces, a block's K then its V
             const int64_t blk = row[j / (PAGE * CHUNKS)];
             const int off = j % (PAGE * CHUNKS) * 16;
-            cp_async16(st + j * 16, a.k + blk * PAGE_BYTES + off);
-            cp_async16(st + k_bytes + j * 16, a.v + blk * PAGE_BYTES + off);
+            cp_async16(st + j * 16, a.k + blk * PAGE_BYTES + off, true);
+            cp_async16(st + k_bytes + j * 16, a.v + blk * PAGE_BYTES + off, true);
           }
           cp_async_arrive(&full[s]);
         }
       } else if (lane == 0) {
         mbar_expect_tx(&full[s], stage_bytes);
         if constexpr (MODE == kTmaX) {
-          tma_3d(st, &kmap, 0, k0 / 32, item * CHUNKS, &full[s]);  // every chunk's run of tile * 16 B
+          tma_load_3d(st, &kmap, 0, k0 / 32, item * CHUNKS, &full[s]);  // every chunk's run of tile * 16 B
         } else {
-          for (int j = 0; j < 2; ++j) tma_3d(st + j * a.tile * 128, &kmap, 64 * j, k0, item, &full[s]);
+          for (int j = 0; j < 2; ++j) tma_load_3d(st + j * a.tile * 128, &kmap, 64 * j, k0, item, &full[s]);
         }
-        for (int j = 0; j < 2; ++j) tma_3d(st + k_bytes + j * a.tile * 128, &vmap, 64 * j, k0, item, &full[s]);
+        for (int j = 0; j < 2; ++j) {
+          tma_load_3d(st + k_bytes + j * a.tile * 128, &vmap, 64 * j, k0, item, &full[s]);
+        }
+        mbar_arrive(&full[s]);  // the copy engine completes the phase
       }
     }
     return;
@@ -177,6 +149,7 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
     mbar_arrive(&empty[s]);
   }
   if (acc == 0x12345678u) a.sink[tid] = acc;
+#endif
 }
 
 // No ring: each block reads its item's K and V with 16-byte loads, 8 in flight per thread.
