@@ -73,16 +73,16 @@ def keep(src: Path, name: str) -> Path:
     return dst
 
 
-def gpu_sections(paths: list[Path], name: str, module, extra=None) -> list[str]:
+def gpu_sections(paths: list[Path], name: str, module, extra=None, misses=None) -> list[str]:
     """One section per GPU of a secondary benchmark (``module``: mods, tree or paged, with its
     ``table`` and ``misses``): its JSON kept as bench_<name>_<gpu>.json, the table, ``extra(data)``
-    lines, the target misses."""
+    lines, the target misses (``misses(data)`` in place of ``module.misses(rows)``)."""
     lines = []
     for path in paths:
         data = json.loads(path.read_text())
         h = data["header"]
         keep(path, f"bench_{name}_{slug(h['gpu'])}.json")
-        bad = module.misses(data["rows"], h) if name == "tree" else module.misses(data["rows"])  # tree: the ceilings
+        bad = misses(data) if misses else module.misses(data["rows"])
         lines += [
             f"### {h['gpu']}, {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
             module.table(data["rows"]), "", *(extra(data) if extra else []),
@@ -371,7 +371,8 @@ def main() -> None:
             " its one-token step, against the GPU's dense fp16 matrix product where the run measured it.",
             "",
         ]  # fmt: skip
-        lines += gpu_sections(args.tree, "tree", tree, extra=tree.ceiling_lines)
+        lines += gpu_sections(args.tree, "tree", tree, extra=tree.ceiling_lines,
+                              misses=lambda data: tree.misses(data["rows"], data["header"]))
     if args.paged:
         from mmha.bench import paged
 
