@@ -6,7 +6,9 @@ checked against the fp32 reference first, then launched ``--iters`` times inside
 named "mmha" (or "peer" with ``--peer NAME``, an SDPA peer of mmha.bench such as sdpa_cudnn), so
 ``ncu --nvtx --nvtx-include mmha/`` catches only those launches. ``--mod window|softcap|alibi|sinks``
 runs mmha with that score modifier as ``python -m mmha.bench --mods`` does (Hq 32, D 128, the
-dispatcher's plan; checked against ``mmha.reference.attend``).
+dispatcher's plan; checked against ``mmha.reference.attend``). ``--epilogue`` runs each row with
+the int8 output epilogue of ``python -m mmha.bench --epilogue`` (its plan, checked against the
+epilogue of the plain output: at most one int8 step apart).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--peer", default=None, help="run this peer instead (sdpa_cudnn, ...)")
     p.add_argument("--mod", default=None, choices=["window", "softcap", "alibi", "sinks"])
+    p.add_argument("--epilogue", action="store_true", help="with the int8 output epilogue")
     args = p.parse_args()
     if args.mod:
         return with_modifier(args)
@@ -46,6 +49,8 @@ def main() -> None:
             fn = make_fn(method, prob, plan)
             err = prob.error(fn())
             assert err < TOLERANCE[args.dtype], f"{spec}: max error {err}"
+            if args.epilogue:
+                fn, plan = with_epilogue(cfg, prob, fn, forced)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("peer" if args.peer else "mmha")
             for _ in range(args.iters):
@@ -53,6 +58,23 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
         print(f"{spec} plan={plan.num_splits}x{plan.stages} max_err={err:.2e}", flush=True)
+
+
+def with_epilogue(cfg: Config, prob: Problem, plain, forced: str):
+    """The row's call through the int8 epilogue of ``mmha.bench.epilogue`` (its plan unless one
+    is forced), checked against the epilogue of the plain output."""
+    from mmha.bench import epilogue
+    from mmha.bench.methods import mmha_fn
+
+    assert not forced, "--epilogue takes the dispatcher's plan"
+    plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
+                        cfg.torch_dtype, epilogue=True)  # fmt: skip
+    epi = epilogue.make_epilogue(cfg.num_heads * cfg.head_dim, 0)
+    fn = mmha_fn(prob, plan, "auto", epilogue=epi)
+    want = epi.apply(plain().clone(), cfg.torch_dtype)
+    steps = int((fn().int() - want.int()).abs().max())
+    assert steps <= 1, f"epilogue: {steps} int8 steps from the plain output's epilogue"
+    return fn, plan
 
 
 def with_modifier(args) -> None:
