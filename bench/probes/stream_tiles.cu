@@ -15,7 +15,9 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/stream_tiles \
 //     bench/probes/stream_tiles.cu && /tmp/stream_tiles [B Hkv keys]
 // Prints one line per variant: us per launch (median of 20, two buffers alternating so that no
-// launch finds its bytes in L2) and GB/s of K/V read.
+// launch finds its bytes in L2) and GB/s of K/V read, for one launch between two events and for
+// launches back to back. A fourth argument MODE,TILE,STAGES[,WORK] runs that variant only (for
+// ncu); WORK: cycles each consumer spends on a tile before handing it back.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "../../csrc/kernels/ptx.cuh"  // the kernels' own copy and barrier wrappers
@@ -58,6 +61,7 @@ struct Args {
   int smax;        // slots per (row, kv head)
   int stages;
   int tile;        // keys per tile: 64 or 128
+  int work;        // cycles each consumer spends on a tile before handing it back (the math's stand-in)
   unsigned* sink;  // keeps the consumers' reads alive
   const int* table;  // paged modes: pool block of (item, block of the item), [items][smax / PAGE]
 };
@@ -146,6 +150,10 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
     const int s = i % a.stages;
     mbar_wait(&full[s], (i / a.stages) & 1);
     acc ^= reinterpret_cast<const unsigned*>(ring + s * stage_bytes)[tid * 4 % (stage_bytes / 4)];
+    if (a.work > 0) {
+      const long long t0 = clock64();
+      while (clock64() - t0 < a.work) acc += 1;
+    }
     mbar_arrive(&empty[s]);
   }
   if (acc == 0x12345678u) a.sink[tid] = acc;
@@ -245,15 +253,23 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreate(&e1));
 
   struct Variant {
-    int mode, tile, stages;
+    int mode, tile, stages, work;
   };
-  std::vector<Variant> variants = {{kPlain, 64, 0}};
+  std::vector<Variant> variants = {{kPlain, 64, 0, 0}};
   for (int mode : {kTmaX, kTmaRows})
     for (int tile : {64, 128})
-      for (int stages : {2, 3, 4, 6}) variants.push_back({mode, tile, stages});
-  for (int stages : {3, 6}) variants.push_back({kCpAsyncX, 64, stages});
+      for (int stages : {2, 3, 4, 6}) variants.push_back({mode, tile, stages, 0});
+  for (int stages : {3, 6}) variants.push_back({kCpAsyncX, 64, stages, 0});
   for (int mode : {kPagedBulk, kPagedCp})
-    for (int stages : {3, 6}) variants.push_back({mode, 64, stages});
+    for (int stages : {3, 6}) variants.push_back({mode, 64, stages, 0});
+  // Consumers that spend time on each tile, as the math does (cycles per tile).
+  for (int stages : {3, 6})
+    for (int work : {500, 1000, 2000, 3000}) variants.push_back({kTmaX, 64, stages, work});
+  if (argc > 4) {  // one variant: MODE,TILE,STAGES[,WORK] (for a profiler)
+    Variant one{0, 64, 3, 0};
+    std::sscanf(argv[4], "%d,%d,%d,%d", &one.mode, &one.tile, &one.stages, &one.work);
+    variants = {one};
+  }
 
   for (const Variant& v : variants) {
     const size_t dyn = static_cast<size_t>(v.stages) * 2 * v.tile * D * 2 + 1024;
@@ -269,7 +285,7 @@ int main(int argc, char** argv) {
       vmap[b] = make_map(buf[b][1], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     auto launch = [&](int b) {
-      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, sink, table};
+      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, v.work, sink, table};
       switch (v.mode) {
         case kTmaX: stream_kernel<kTmaX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
         case kTmaRows: stream_kernel<kTmaRows><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
@@ -281,25 +297,36 @@ int main(int argc, char** argv) {
     };
     for (int i = 0; i < 4; ++i) launch(i & 1);
     CHECK(cudaDeviceSynchronize());
-    std::vector<float> ms;
+    // One launch between two events (launch overhead included), and BACK_TO_BACK launches in a
+    // row (per launch: what a CUDA graph of layers sees).
+    constexpr int BACK_TO_BACK = 10;
+    std::vector<float> one, row;
     for (int i = 0; i < 20; ++i) {
+      float t = 0;
       CHECK(cudaEventRecord(e0));
       launch(i & 1);
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
-      float t = 0;
       CHECK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
+      one.push_back(t);
+      CHECK(cudaEventRecord(e0));
+      for (int j = 0; j < BACK_TO_BACK; ++j) launch((i + j) & 1);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaEventElapsedTime(&t, e0, e1));
+      row.push_back(t / BACK_TO_BACK);
     }
     CHECK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    const double us = ms[ms.size() / 2] * 1e3;
-    if (v.mode == kPlain) {
-      std::printf("%-34s %26s %8.2f us %7.0f GB/s\n", kModeNames[v.mode], "", us, 2.0 * bytes / us / 1e3);
-    } else {
-      std::printf("%-34s tile %3d keys, %d stages %8.2f us %7.0f GB/s\n", kModeNames[v.mode], v.tile, v.stages, us,
-                  2.0 * bytes / us / 1e3);
+    std::sort(one.begin(), one.end());
+    std::sort(row.begin(), row.end());
+    const double us = one[one.size() / 2] * 1e3, us_row = row[row.size() / 2] * 1e3;
+    char what[64] = "";
+    if (v.mode != kPlain) {
+      std::snprintf(what, sizeof(what), "tile %3d keys, %d stages", v.tile, v.stages);
+      if (v.work > 0) std::snprintf(what + std::strlen(what), sizeof(what) - std::strlen(what), ", %d cyc", v.work);
     }
+    std::printf("%-34s %-34s %8.2f us %7.0f GB/s | in a row %8.2f us %7.0f GB/s\n", kModeNames[v.mode], what, us,
+                2.0 * bytes / us / 1e3, us_row, 2.0 * bytes / us_row / 1e3);
   }
   return 0;
 }
