@@ -6,6 +6,8 @@ Environment:
   CUDA_HOME             CUDA toolkit root (default: CUDA_PATH, then nvcc on PATH, then /usr/local/cuda)
   MMHA_SKIP_CUDA=1      build a pure-Python install (reference path only)
   MAX_JOBS              parallel compile jobs (ninja)
+  MMHA_TIMELINE=1       a diagnostic build whose tile loop stamps per-block events (bench/timeline.py;
+                        csrc/kernels/timeline.cuh); the kernels are otherwise unchanged
 No GPU is needed to build: nothing here asks torch.cuda.is_available().
 """
 
@@ -67,14 +69,15 @@ def extension_modules() -> tuple[list, dict]:
         "csrc/kernels/shard_merge.cu",
     ]  # fmt: skip
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu"))
+    timeline = ["-DMMHA_TIMELINE"] if os.environ.get("MMHA_TIMELINE", "0") == "1" else []
     ext = CUDAExtension(
         name="mmha._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={
-            "cxx": ["-O3"],
+            "cxx": ["-O3", *timeline],
             # No --use_fast_math: rotary angles need accurate sincosf/powf to match the reference.
-            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"],
+            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *timeline],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

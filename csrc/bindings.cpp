@@ -82,6 +82,12 @@ PYBIND11_MODULE(_C, m) {
       "tile_static_smem",
       [](int head_dim, int elem_bytes, int qb) { return mmha::tile_static_smem(head_dim, elem_bytes, qb); },
       "Bound on the tile kernel's static shared memory at qb query heads per block");
+  m.def("timeline_built", &mmha::timeline_built,
+        "Whether this build stamps the tile loop's per-block events (MMHA_TIMELINE=1 at build time)");
+  m.def("set_timeline", &mmha::set_timeline, pybind11::arg("buffer"),
+        "Later launches stamp block j's events into buffer[j] (int64 [blocks, TIMELINE_EVENTS], CUDA); "
+        "None stops. MMHA_TIMELINE builds only");
+  m.attr("TIMELINE_EVENTS") = static_cast<int>(mmha::kTimelineEvents);
   m.def(
       "tile_stage_bytes", [](int head_dim, int elem_bytes) { return mmha::tile_stage_bytes(head_dim, elem_bytes); },
       "Shared memory of one stage of the tile loop (K and V of TILE_KEYS keys)");

@@ -177,6 +177,44 @@ void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, int64_t
 
 }  // namespace
 
+
+namespace {
+
+// The buffer of set_timeline (MMHA_TIMELINE builds), read at each launch's params.
+at::Tensor g_timeline;
+
+void set_timeline_params(MmhaParams& p) {
+  if (g_timeline.defined()) {
+    p.timeline = reinterpret_cast<uint64_t*>(g_timeline.data_ptr<int64_t>());
+    p.timeline_blocks = static_cast<int32_t>(g_timeline.size(0));
+  }
+}
+
+}  // namespace
+
+bool timeline_built() {
+#ifdef MMHA_TIMELINE
+  return true;
+#else
+  return false;
+#endif
+}
+
+void set_timeline(const std::optional<at::Tensor>& buffer) {
+  if (!buffer.has_value()) {
+    g_timeline = at::Tensor();
+    return;
+  }
+  MMHA_CHECK(timeline_built(), "timeline: this build has no timeline events; rebuild with MMHA_TIMELINE=1 "
+             "(e.g. MMHA_TIMELINE=1 python setup.py build_ext --inplace)");
+  const at::Tensor& b = *buffer;
+  MMHA_CHECK(b.is_cuda() && b.scalar_type() == at::kLong && b.dim() == 2 && b.size(1) == kTimelineEvents &&
+                 b.is_contiguous() && b.size(0) <= INT32_MAX,
+             "timeline must be a contiguous int64 CUDA tensor [blocks, ", static_cast<int>(kTimelineEvents),
+             "], got ", b.scalar_type(), " ", shape_str(b), b.is_cuda() ? "" : " on the CPU");
+  g_timeline = b;
+}
+
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -551,6 +589,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   p.out_round = static_cast<int32_t>(out_round);
   p.out_min = static_cast<int32_t>(out_min);
   p.out_epilogue = epilogue;
+  set_timeline_params(p);
   // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked.
   p.tile_source = TileSource::kCpAsync;
   if (tiles && tile_source != 1 && tma_head_dim(p.cache_dtype, p.head_dim)) {

@@ -63,4 +63,11 @@ void shard_pack(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
 void shard_merge(const at::Tensor& parts, const std::optional<at::Tensor>& sinks, const at::Tensor& out,
                  const at::Tensor& lse);
 
+// Per-block event times of later decode_attention launches (MMHA_TIMELINE builds; timeline.cuh):
+// buffer int64 [blocks, kTimelineEvents] on the GPU, or none to stop. Launches capture the buffer
+// set at the time (a CUDA graph keeps it). Other builds refuse it with an error that says how to
+// build one. timeline_built(): whether this build has the events.
+void set_timeline(const std::optional<at::Tensor>& buffer);
+bool timeline_built();
+
 }  // namespace mmha

@@ -26,6 +26,7 @@
 #include "score_mods.cuh"
 #include "split_merge.cuh"
 #include "tile_source.cuh"
+#include "timeline.cuh"
 #include "tree_step.cuh"
 #include "vec.cuh"
 #include "work_items.cuh"
@@ -593,6 +594,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     for (int u = 0; u < kBeforeLoads; ++u) before_ids[u] = 0;
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
+      if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
       if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
@@ -639,6 +641,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
       p.work[1] = 0;
     }
   }
+  if (lane == 0) timeline_mark(p, kTlProducerDone);
 }
 
 // The tile loop: a persistent block (kConsumerWarps consumer warps, a producer warp and a stager
@@ -693,6 +696,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   }
   __syncthreads();
   grid_dependency_wait();  // a tree step's check and append (launch_kernel)
+  if (tid == 0) timeline_mark(p, kTlStart);
 
   if (warp == kConsumerWarps) {
     produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
@@ -715,6 +719,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // One-column items through the epilogue: its per-channel values, loaded at the first tile.
   constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
   __shared__ ItemChannels<PRE_N, HEAD_DIM> s_pre;
+  bool first_item = true;  // timeline_mark: the block's first item's events
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -740,6 +745,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
              tree_step(p), w.pos);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
+    if (tid == 0 && first_item) {
+      if (h.flags & kFirstTile) timeline_mark(p, kTlFirstLanded);
+      if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
+    }
     const int it = h.k0 + key0;
     if (it < w.end) {
       if ((it <= w.newslot && w.newslot < it + 16) || it + 16 > w.end || it < w.lo) {
@@ -750,6 +759,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
     if (h.flags & kLastTile) {
+      if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
       if constexpr (kWarpBuffers) {
         c.stash(s_m, s_l, s_acc, warp, lane);
       } else {
@@ -760,6 +770,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (tid < w.nh) fold_warps<kConsumerWarps, QB, kWarpBuffers>(s_m, s_l, s_f, tid);
         sync();
       }
+      if (tid == 0 && first_item) timeline_mark(p, kTlCombined);
       if (h.flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
@@ -778,10 +789,14 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                                                 CONSUMERS, &s_pre);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
+      if (tid == 0 && first_item) timeline_mark(p, kTlStored);
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_acc, s_m, s_l and s_w are free for the next item
+      if (tid == 0 && first_item) timeline_mark(p, kTlItemDone);
+      first_item = false;
     }
   }
+  if (tid == 0) timeline_mark(p, kTlConsumersDone);
 }
 
 // A wide consumer's fragment row r (column col of the item), as store_value stores each value:

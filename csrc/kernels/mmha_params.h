@@ -240,9 +240,34 @@ struct MmhaParams {
   int32_t out_round;         // int8: 0 half to even, 1 half away from zero
   int32_t out_min;           // int8: -127 or -128 (the upper bound is 127)
 
+  // Builds with MMHA_TIMELINE only (timeline.cuh; bench/timeline.py): block j's event times in
+  // ns at timeline[j * kTimelineEvents + e] for blocks j < timeline_blocks. Else unused (nullptr).
+  // (Here, in the padding before the descriptors: the struct keeps its size.)
+  uint64_t* timeline;
+  int32_t timeline_blocks;
+
   // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;
   CUtensorMap v_map;
+};
+
+// Events of a tile-loop block that an MMHA_TIMELINE build stamps (globaltimer, ns), for the
+// block's first item unless said: the block's start (barriers set up), the first tile's copies
+// issued, that tile landed, the item's last tile landed, its last tile attended, the consumers'
+// combine done, out (or the split's partial) and the appended token stored, the split merge done
+// (the item finished), the consumers' last item finished, the producer's last header written.
+enum TimelineEvent : int {
+  kTlStart = 0,
+  kTlFirstIssued,
+  kTlFirstLanded,
+  kTlLastLanded,
+  kTlLastAttended,
+  kTlCombined,
+  kTlStored,
+  kTlItemDone,
+  kTlConsumersDone,
+  kTlProducerDone,
+  kTimelineEvents
 };
 
 }  // namespace mmha

@@ -1,0 +1,188 @@
+"""``python -m mmha.bench.timeline``: where a launch's time goes, block by block.
+
+Needs a diagnostic build whose tile loop stamps each block's events (``csrc/kernels/timeline.cuh``):
+``MMHA_TIMELINE=1 python setup.py build_ext --inplace`` (any other build refuses, saying so; the
+events cost a few stores per block, so time the product with a normal build).
+
+Each row ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (fp16 unless ``--dtype``) runs as the decode timing
+runs it: its layers' calls back to back in one CUDA graph, each on its own cache, every output
+checked against the fp32 reference first. Each launch gets its own event buffer; after
+``--replays`` replays the last one's events are read. Per launch: its span (first block's start
+to last block's end) and the gap to the next launch's first block; per block, for its first item
+(``PHASES``): start after the launch's first block, start -> first copies issued -> first tile
+landed -> last tile landed -> last tile attended -> combined -> stored (out or the split's partial,
+and the appended token) -> item done (the split merge), then the block's later items, and how far
+apart the blocks end. Printed as medians over the layers of each launch's median (and slowest)
+block; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+# Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
+EVENTS = (
+    "start", "first_issued", "first_landed", "last_landed", "last_attended", "combined", "stored",
+    "item_done", "consumers_done", "producer_done",
+)  # fmt: skip
+# (name, from event, to event): a block's phases, all but the first of its first item.
+PHASES = (
+    ("start after the launch's first block", None, "start"),
+    ("start -> first copies issued", "start", "first_issued"),
+    ("issued -> first tile landed", "first_issued", "first_landed"),
+    ("first -> last tile landed", "first_landed", "last_landed"),
+    ("last tile landed -> attended", "last_landed", "last_attended"),
+    ("attended -> combined", "last_attended", "combined"),
+    ("combined -> stored and appended", "combined", "stored"),
+    ("stored -> item done (merge)", "stored", "item_done"),
+    ("first item done -> consumers done", "item_done", "consumers_done"),
+)
+# Room for every block a launch may have (the persistent grid is at most SMs x blocks per SM).
+MAX_BLOCKS = 4096
+
+
+def launch_summary(events: torch.Tensor) -> dict:
+    """Phases of one launch from its event buffer (int64 ns ``[blocks, len(EVENTS)]``; rows of
+    blocks that did not run are zero, as are a block's first-item events when its first item
+    had nothing to read). Returns ``span_us``, ``start_ns`` / ``end_ns`` (the launch's first
+    start, last end), ``blocks``, ``end_spread_us`` (last block end - first block end) and
+    ``phases``: name -> ``(median_us, max_us, blocks)`` over the blocks that have both events."""
+    e = events.long().cpu()
+    col = {name: e[:, i] for i, name in enumerate(EVENTS)}
+    ran = col["start"] > 0
+    if not bool(ran.any()):
+        raise ValueError("no block of this launch stamped its start: is this a build with MMHA_TIMELINE=1?")
+    start = int(col["start"][ran].min())
+    ends = torch.maximum(col["consumers_done"], col["producer_done"])[ran]
+    phases = {}
+    for name, a, b in PHASES:
+        if a is None:
+            got = col[b][ran] - start
+        else:
+            both = ran & (col[a] > 0) & (col[b] > 0)
+            got = col[b][both] - col[a][both]
+        if got.numel():
+            us = (got.double() / 1e3).tolist()
+            phases[name] = (statistics.median(us), max(us), len(us))
+    return {
+        "start_ns": start,
+        "end_ns": int(ends.max()),
+        "span_us": (int(ends.max()) - start) / 1e3,
+        "blocks": int(ran.sum()),
+        "end_spread_us": float(ends.max() - ends.min()) / 1e3,
+        "phases": phases,
+    }
+
+
+def row_summary(launches: list[dict]) -> dict:
+    """Medians over a graph's launches (in launch order): span, gap from each launch's last block
+    to the next one's first, end spread, and each phase's median and slowest block."""
+    med = statistics.median
+    gaps = [(b["start_ns"] - a["end_ns"]) / 1e3 for a, b in zip(launches[:-1], launches[1:], strict=True)]
+    names = [n for n, _, _ in PHASES if all(n in x["phases"] for x in launches)]
+    return {
+        "launches": len(launches),
+        "blocks": med(x["blocks"] for x in launches),
+        "span_us": med(x["span_us"] for x in launches),
+        "gap_us": med(gaps) if gaps else None,
+        "end_spread_us": med(x["end_spread_us"] for x in launches),
+        "phases": {n: {"median_us": med(x["phases"][n][0] for x in launches),
+                       "max_us": med(x["phases"][n][1] for x in launches)} for n in names},
+    }  # fmt: skip
+
+
+def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
+    gap = "-" if s["gap_us"] is None else f"{s['gap_us']:.2f}"
+    lines = [
+        f"{spec} plan {plan}: {s['launches']} launches of {s['blocks']:.0f} blocks, decode timing "
+        f"{decode_us:.2f} us, span {s['span_us']:.2f} us, gap to the next launch {gap} us, blocks end "
+        f"{s['end_spread_us']:.2f} us apart",
+        f"  {'phase (first item of each block)':40s} {'median us':>10s} {'slowest us':>11s}",
+    ]
+    for name, v in s["phases"].items():
+        lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}")
+    return "\n".join(lines)
+
+
+def run_row(spec: str, dtype: str, replays: int) -> dict:
+    from mmha import dispatch, ops
+    from mmha._ext import _C
+
+    from . import timing
+    from .methods import mmha_fn
+    from .problems import TOLERANCE, Config, layer_problems
+
+    shape, _, forced = spec.partition("@")
+    b, hq, hkv, d, s = (int(x) for x in shape.split(","))
+    cfg = Config("timeline", b, hq, hkv, d, s, dtype)
+    plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
+    if forced:
+        splits, stages = (int(x) for x in forced.split("x"))
+        plan = dispatch.Plan("single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm)
+    probs = layer_problems(cfg, "mmha")
+    bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
+    calls = [mmha_fn(prob, plan) for prob in probs]
+
+    def stamped(call, buf):
+        def fn():
+            _C.set_timeline(buf)  # read when the call's params are built: captured with the launch
+            try:
+                return call()
+            finally:
+                _C.set_timeline(None)
+
+        return fn
+
+    fns = [stamped(c, buf) for c, buf in zip(calls, bufs, strict=True)]
+    try:
+        for prob, fn in zip(probs, fns, strict=True):
+            err = prob.error(fn())
+            if not err < TOLERANCE[dtype]:
+                raise RuntimeError(f"{spec}: max error {err:.3g} against the reference")
+        decode_us = timing.decode_us_rounds({"mmha": fns}, rounds=2)["mmha"]["us"]
+        graph = timing.capture(fns)
+        for buf in bufs:
+            buf.zero_()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        launches = [launch_summary(buf) for buf in bufs]
+    finally:
+        _C.set_timeline(None)
+    summary = row_summary(launches)
+    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None, help="write the summaries here")
+    args = p.parse_args(argv)
+    from mmha._ext import _C
+
+    if _C is None or not _C.timeline_built():
+        print("this build has no timeline events: MMHA_TIMELINE=1 python setup.py build_ext --inplace",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    out = []
+    for spec in args.rows:
+        s = run_row(spec, args.dtype, args.replays)
+        out.append(s)
+        print(format_row(spec, s["plan"], s["decode_us"], s), flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The per-block timeline (mmha.bench.timeline, csrc/kernels/timeline.cuh): its summary of event
+buffers, the refusal of builds without the events, and the diagnostic build's device code."""
+
+import os
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmha._ext import _C
+from mmha.bench import timeline as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def events(rows: list[dict]) -> torch.Tensor:
+    """An event buffer: one row per block, ns, zeros where not given (and spare rows)."""
+    buf = torch.zeros(len(rows) + 2, len(tl.EVENTS), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        for name, t in r.items():
+            buf[i, tl.EVENTS.index(name)] = t
+    return buf
+
+
+def block(t0: int, **later: int) -> dict:
+    """A block that starts at t0 and stamps every event at t0 + the given offsets (ns)."""
+    steps = dict(first_issued=1000, first_landed=3000, last_landed=43000, last_attended=43500,
+                 combined=44000, stored=45000, item_done=45200, consumers_done=45300, producer_done=44000)  # fmt: skip
+    steps.update(later)
+    return {"start": t0, **{k: t0 + v for k, v in steps.items()}}
+
+
+def test_launch_summary_phases():
+    b0 = block(10_000)
+    b1 = block(10_100, last_landed=47000, last_attended=47500, combined=48000, stored=49000, item_done=49200,
+               consumers_done=49300)  # fmt: skip
+    idle = {
+        "start": 10_200,
+        "consumers_done": 10_200 + 500,
+        "producer_done": 10_200 + 600,
+    }  # first item: nothing to read
+    s = tl.launch_summary(events([b0, b1, idle]))
+    assert s["blocks"] == 3
+    assert s["start_ns"] == 10_000
+    assert s["end_ns"] == 10_100 + 49300
+    assert s["span_us"] == pytest.approx(49.4)
+    assert s["end_spread_us"] == pytest.approx((10_100 + 49300 - (10_200 + 600)) / 1e3)
+    p = s["phases"]
+    assert p["start after the launch's first block"] == (pytest.approx(0.1), pytest.approx(0.2), 3)
+    assert p["start -> first copies issued"] == (
+        pytest.approx(1.0),
+        pytest.approx(1.0),
+        2,
+    )  # not the idle one
+    assert p["first -> last tile landed"][0] == pytest.approx(42.0)  # median of 40 and 44
+    assert p["first -> last tile landed"][1] == pytest.approx(44.0)
+    assert p["combined -> stored and appended"] == (pytest.approx(1.0), pytest.approx(1.0), 2)
+    assert p["stored -> item done (merge)"][0] == pytest.approx(0.2)
+
+
+def test_launch_summary_refuses_an_empty_buffer():
+    with pytest.raises(ValueError, match="MMHA_TIMELINE=1"):
+        tl.launch_summary(torch.zeros(4, len(tl.EVENTS), dtype=torch.int64))
+
+
+def test_row_summary_gaps_and_medians():
+    first = tl.launch_summary(events([block(1), block(101)]))
+    second = tl.launch_summary(events([block(47_000), block(47_050)]))
+    third = tl.launch_summary(events([block(94_000), block(94_000)]))
+    s = tl.row_summary([first, second, third])
+    assert s["launches"] == 3
+    assert s["gap_us"] == pytest.approx(statistics.median([(47_000 - 45_401) / 1e3, (94_000 - 92_350) / 1e3]))
+    assert s["phases"]["issued -> first tile landed"]["median_us"] == pytest.approx(2.0)
+    text = tl.format_row("16,32,8,128,2048", "1x3", 52.5, s)
+    assert "gap to the next launch" in text and "issued -> first tile landed" in text
+
+
+@pytest.mark.skipif(_C is None, reason="extension not built")
+def test_a_build_without_events_refuses_a_buffer():
+    if _C.timeline_built():
+        pytest.skip("this is a timeline build")
+    assert _C.TIMELINE_EVENTS == len(tl.EVENTS)
+    with pytest.raises(RuntimeError, match="MMHA_TIMELINE=1"):
+        _C.set_timeline(torch.zeros(8, len(tl.EVENTS), dtype=torch.int64))
+    _C.set_timeline(None)  # stopping is always fine
+    assert tl.main(["1,32,8,128,4096"]) == 2  # says how to build one, runs nothing
+
+
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    path = Path(home) / "bin" / "nvcc"
+    return str(path) if path.exists() else shutil.which("nvcc")
+
+
+@pytest.mark.skipif(nvcc() is None, reason="no nvcc")
+@pytest.mark.parametrize("timeline", [False, True], ids=["default", "MMHA_TIMELINE"])
+def test_device_code_has_events_only_in_the_diagnostic_build(timeline, tmp_path):
+    from torch.utils.cpp_extension import include_paths
+
+    src = ROOT / "csrc" / "kernels" / "instantiations" / "decode_fp16_hd32.cu"
+    cmd = [nvcc(), "-O3", "--expt-relaxed-constexpr", "-std=c++17", *(f"-I{p}" for p in include_paths()),
+           f"-I{ROOT / 'csrc'}", "-gencode", "arch=compute_90a,code=compute_90a", "-ptx", str(src), "-o",
+           str(tmp_path / "k.ptx"), *(["-DMMHA_TIMELINE"] if timeline else [])]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert ("%globaltimer" in ptx) == timeline
