@@ -175,19 +175,18 @@ void check_length_values(const at::Tensor& lengths, int64_t max_seq_len, int64_t
   }
 }
 
-}  // namespace
-
-
-namespace {
-
 // The buffer of set_timeline (MMHA_TIMELINE builds), read at each launch's params.
 at::Tensor g_timeline;
 
 void set_timeline_params(MmhaParams& p) {
+#ifdef MMHA_TIMELINE
   if (g_timeline.defined()) {
     p.timeline = reinterpret_cast<uint64_t*>(g_timeline.data_ptr<int64_t>());
     p.timeline_blocks = static_cast<int32_t>(g_timeline.size(0));
   }
+#else
+  (void)p;  // nothing to do per call in other builds
+#endif
 }
 
 }  // namespace

@@ -240,8 +240,8 @@ struct MmhaParams {
   int32_t out_round;         // int8: 0 half to even, 1 half away from zero
   int32_t out_min;           // int8: -127 or -128 (the upper bound is 127)
 
-  // Builds with MMHA_TIMELINE only (timeline.cuh; bench/timeline.py): block j's event times in
-  // ns at timeline[j * kTimelineEvents + e] for blocks j < timeline_blocks. Else unused (nullptr).
+  // Builds with MMHA_TIMELINE only (timeline.cuh; mmha/bench/timeline.py): block j's event times
+  // in ns at timeline[j * kTimelineEvents + e] for blocks j < timeline_blocks. Else unused (nullptr).
   // (Here, in the padding before the descriptors: the struct keeps its size.)
   uint64_t* timeline;
   int32_t timeline_blocks;

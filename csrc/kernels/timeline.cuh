@@ -1,7 +1,7 @@
 // Where a launch's time goes, block by block: an MMHA_TIMELINE build (setup.py, MMHA_TIMELINE=1)
 // stamps each tile-loop block's events (TimelineEvent, mmha_params.h) into MmhaParams::timeline;
-// bench/timeline.py reads and summarises them. In every other build timeline_mark is empty and the
-// kernels are what they are without it. Torch-free.
+// mmha/bench/timeline.py (bench/timeline.sh) reads and summarises them. In every other build
+// timeline_mark is empty and the kernels are what they are without it. Torch-free.
 #pragma once
 
 #include <cstdint>
