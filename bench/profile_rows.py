@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-from mmha import dispatch, ops
-from mmha.bench.methods import make_fn, method_context
+from mmha import ops
+from mmha.bench.methods import make_fn, method_context, row_of_spec
 from mmha.bench.problems import TOLERANCE, Config, Problem
 
 
@@ -34,15 +34,7 @@ def main() -> None:
     if args.mod:
         return with_modifier(args)
     for spec in args.rows:
-        shape, _, forced = spec.partition("@")
-        b, hq, hkv, d, s = (int(x) for x in shape.split(","))
-        cfg = Config("profile", b, hq, hkv, d, s, args.dtype)
-        plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
-        if forced:
-            splits, stages = (int(x) for x in forced.split("x"))
-            plan = dispatch.Plan(
-                "single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm
-            )
+        cfg, plan, forced = row_of_spec(spec, args.dtype, "profile")
         method = args.peer or "mmha"
         with method_context(method):
             prob = Problem(cfg, "sdpa" if args.peer else "mmha")
@@ -60,7 +52,7 @@ def main() -> None:
         print(f"{spec} plan={plan.num_splits}x{plan.stages} max_err={err:.2e}", flush=True)
 
 
-def with_epilogue(cfg: Config, prob: Problem, plain, forced: str):
+def with_epilogue(cfg: Config, prob: Problem, plain, forced: bool):
     """The row's call through the int8 epilogue of ``mmha.bench.epilogue`` (its plan unless one
     is forced), checked against the epilogue of the plain output."""
     from mmha.bench import epilogue

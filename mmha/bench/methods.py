@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, ops
-from .problems import FP8_BENCH_SCALE, Problem
+from .problems import FP8_BENCH_SCALE, Config, Problem
 
 MMHA = "mmha"
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_default")
@@ -29,6 +29,19 @@ def kind(method: str) -> str:
 def plan_str(plan: dispatch.Plan) -> str:
     """``splits x stages``, e.g. ``8x3``: the split count and the tile loop's stages."""
     return f"{plan.num_splits}x{plan.stages}"
+
+
+def row_of_spec(spec: str, dtype: str = "fp16", group: str = "row") -> tuple[Config, dispatch.Plan, bool]:
+    """A row named ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (the diagnostic tools' rows): its config, the
+    dispatcher's plan or the one forced after ``@``, and whether one was forced."""
+    shape, _, forced = spec.partition("@")
+    b, hq, hkv, d, s = (int(x) for x in shape.split(","))
+    cfg = Config(group, b, hq, hkv, d, s, dtype)
+    plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
+    if forced:
+        splits, stages = (int(x) for x in forced.split("x"))
+        plan = dispatch.Plan("single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm)
+    return cfg, plan, bool(forced)
 
 
 def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages=None, epilogue=None):

@@ -111,20 +111,13 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
 
 
 def run_row(spec: str, dtype: str, replays: int) -> dict:
-    from mmha import dispatch, ops
     from mmha._ext import _C
 
     from . import timing
-    from .methods import mmha_fn
-    from .problems import TOLERANCE, Config, layer_problems
+    from .methods import mmha_fn, row_of_spec
+    from .problems import TOLERANCE, layer_problems
 
-    shape, _, forced = spec.partition("@")
-    b, hq, hkv, d, s = (int(x) for x in shape.split(","))
-    cfg = Config("timeline", b, hq, hkv, d, s, dtype)
-    plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
-    if forced:
-        splits, stages = (int(x) for x in forced.split("x"))
-        plan = dispatch.Plan("single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm)
+    cfg, plan, _ = row_of_spec(spec, dtype, "timeline")
     probs = layer_problems(cfg, "mmha")
     bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
     calls = [mmha_fn(prob, plan) for prob in probs]
