@@ -110,10 +110,14 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     return "\n".join(lines)
 
 
-def run_row(spec: str, dtype: str, replays: int) -> dict:
+def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False) -> dict:
+    """One row's launches; with ``epilogue``, the int8 epilogue of ``python -m mmha.bench
+    --epilogue`` fused into each call (its output checked against the epilogue applied to the
+    plain call's, one step allowed)."""
     from mmha._ext import _C
 
     from . import timing
+    from .epilogue import make_epilogue
     from .methods import mmha_fn, row_of_spec
     from .problems import TOLERANCE, layer_problems
 
@@ -121,6 +125,15 @@ def run_row(spec: str, dtype: str, replays: int) -> dict:
     probs = layer_problems(cfg, "mmha")
     bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
     calls = [mmha_fn(prob, plan) for prob in probs]
+    if epilogue:
+        epis = [make_epilogue(cfg.num_heads * cfg.head_dim, i) for i in range(len(probs))]
+        fused = [mmha_fn(prob, plan, epilogue=e) for prob, e in zip(probs, epis, strict=True)]
+        for call, f, e in zip(calls, fused, epis, strict=True):
+            want = e.apply(call(), cfg.torch_dtype).int()
+            steps = int((f().int() - want).abs().max())
+            if steps > 1:
+                raise RuntimeError(f"{spec}: the fused epilogue is {steps} steps from the plain call's")
+        calls = fused
 
     def stamped(call, buf):
         def fn():
@@ -135,7 +148,7 @@ def run_row(spec: str, dtype: str, replays: int) -> dict:
     fns = [stamped(c, buf) for c, buf in zip(calls, bufs, strict=True)]
     try:
         for prob, fn in zip(probs, fns, strict=True):
-            err = prob.error(fn())
+            err = 0.0 if epilogue else prob.error(fn())  # fused: checked above, against the plain calls
             if not err < TOLERANCE[dtype]:
                 raise RuntimeError(f"{spec}: max error {err:.3g} against the reference")
         decode_us = timing.decode_us_rounds({"mmha": fns}, rounds=2)["mmha"]["us"]
@@ -149,7 +162,7 @@ def run_row(spec: str, dtype: str, replays: int) -> dict:
     finally:
         _C.set_timeline(None)
     summary = row_summary(launches)
-    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us)
+    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us, epilogue=epilogue)
     return summary
 
 
@@ -158,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument(
+        "--epilogue", action="store_true", help="each row also with the int8 output epilogue fused"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the summaries here")
     args = p.parse_args(argv)
     from mmha._ext import _C
@@ -168,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = []
     for spec in args.rows:
-        s = run_row(spec, args.dtype, args.replays)
-        out.append(s)
-        print(format_row(spec, s["plan"], s["decode_us"], s), flush=True)
-        torch.cuda.empty_cache()
+        for epi in (False, True) if args.epilogue else (False,):
+            s = run_row(spec, args.dtype, args.replays, epi)
+            out.append(s)
+            print(
+                format_row(spec + (" int8 epilogue" if epi else ""), s["plan"], s["decode_us"], s), flush=True
+            )
+            torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
