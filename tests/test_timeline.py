@@ -27,16 +27,17 @@ def events(rows: list[dict]) -> torch.Tensor:
 
 def block(t0: int, **later: int) -> dict:
     """A block that starts at t0 and stamps every event at t0 + the given offsets (ns)."""
-    steps = dict(first_issued=1000, first_landed=3000, last_landed=43000, last_attended=43500,
-                 combined=44000, stored=45000, item_done=45200, consumers_done=45300, producer_done=44000)  # fmt: skip
+    steps = dict(decided=600, first_issued=1000, first_landed=3000, last_landed=43000, last_attended=43500,
+                 combined=44000, out_stored=44700, stored=45000, item_done=45200, consumers_done=45300,
+                 producer_done=44000)  # fmt: skip
     steps.update(later)
     return {"start": t0, **{k: t0 + v for k, v in steps.items()}}
 
 
 def test_launch_summary_phases():
     b0 = block(10_000)
-    b1 = block(10_100, last_landed=47000, last_attended=47500, combined=48000, stored=49000, item_done=49200,
-               consumers_done=49300)  # fmt: skip
+    b1 = block(10_100, last_landed=47000, last_attended=47500, combined=48000, out_stored=48700, stored=49000,
+               item_done=49200, consumers_done=49300)  # fmt: skip
     idle = {
         "start": 10_200,
         "consumers_done": 10_200 + 500,
@@ -50,14 +51,12 @@ def test_launch_summary_phases():
     assert s["end_spread_us"] == pytest.approx((10_100 + 49300 - (10_200 + 600)) / 1e3)
     p = s["phases"]
     assert p["start after the launch's first block"] == (pytest.approx(0.1), pytest.approx(0.2), 3)
-    assert p["start -> first copies issued"] == (
-        pytest.approx(1.0),
-        pytest.approx(1.0),
-        2,
-    )  # not the idle one
+    assert p["start -> first item decided"] == (pytest.approx(0.6), pytest.approx(0.6), 2)  # not the idle one
+    assert p["decided -> first copies issued"] == (pytest.approx(0.4), pytest.approx(0.4), 2)
     assert p["first -> last tile landed"][0] == pytest.approx(42.0)  # median of 40 and 44
     assert p["first -> last tile landed"][1] == pytest.approx(44.0)
-    assert p["combined -> stored and appended"] == (pytest.approx(1.0), pytest.approx(1.0), 2)
+    assert p["combined -> out stored"] == (pytest.approx(0.7), pytest.approx(0.7), 2)
+    assert p["out stored -> token appended"] == (pytest.approx(0.3), pytest.approx(0.3), 2)
     assert p["stored -> item done (merge)"][0] == pytest.approx(0.2)
 
 
@@ -76,6 +75,18 @@ def test_row_summary_gaps_and_medians():
     assert s["phases"]["issued -> first tile landed"]["median_us"] == pytest.approx(2.0)
     text = tl.format_row("16,32,8,128,2048", "1x3", 52.5, s)
     assert "gap to the next launch" in text and "issued -> first tile landed" in text
+    assert "outside them" not in text
+
+
+def test_replay_summary_time_outside_the_blocks():
+    first = tl.launch_summary(events([block(1_000), block(1_100)]))
+    second = tl.launch_summary(events([block(47_000)]))
+    r = tl.replay_summary([first, second], replay_us=100.0)
+    assert r["blocks_us"] == pytest.approx((47_000 + 45_300 - 1_000) / 1e3)
+    assert r["outside_us"] == pytest.approx(100.0 - r["blocks_us"])
+    s = tl.row_summary([first, second])
+    s.update(replay=r, replay_median_us=101.0)
+    assert "outside them" in tl.format_row("1,32,8,128,4096", "16x3", 14.0, s)
 
 
 @pytest.mark.skipif(_C is None, reason="extension not built")

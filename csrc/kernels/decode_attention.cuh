@@ -547,6 +547,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   // go out before the stager has staged it; its header still waits for the slot (the q).
   const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);
   const bool early = first.w.busy() && first.scales_ok;
+  if (lane == 0) timeline_mark(p, kTlDecided);
   for (int seq = 0;; ++seq) {  // item seq is in slot seq % 2
     const int slot = seq & 1;
     const bool first_early = seq == 0 && early;  // this item's slot is read at its first header
@@ -787,6 +788,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         };
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
                                                                                 CONSUMERS, &s_pre);
+        if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlStored);

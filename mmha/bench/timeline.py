@@ -7,13 +7,16 @@ events cost a few stores per block, so time the product with a normal build).
 Each row ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (fp16 unless ``--dtype``) runs as the decode timing
 runs it: its layers' calls back to back in one CUDA graph, each on its own cache, every output
 checked against the fp32 reference first. Each launch gets its own event buffer; after
-``--replays`` replays the last one's events are read. Per launch: its span (first block's start
-to last block's end) and the gap to the next launch's first block; per block, for its first item
-(``PHASES``): start after the launch's first block, start -> first copies issued -> first tile
-landed -> last tile landed -> last tile attended -> combined -> stored (out or the split's partial,
-and the appended token) -> item done (the split merge), then the block's later items, and how far
-apart the blocks end. Printed as medians over the layers of each launch's median (and slowest)
-block; ``--json`` writes them.
+``--replays`` replays, each timed with CUDA events, the last one's events are read. Per replay:
+its time by the events against its blocks' time (the first launch's first block start to the
+last launch's last block end): what the graph spends outside the blocks. Per launch: its span
+(first block's start to last block's end) and the gap to the next launch's first block; per
+block, for its first item (``PHASES``): start after the launch's first block, start -> first
+item decided (the producer's; its row's length read) -> first copies issued -> first tile landed
+-> last tile landed -> last tile attended -> combined -> out stored (or the split's partial) ->
+token appended -> item done (the split merge), then the block's later items, and how far apart
+the blocks end. Printed as medians over the layers of each launch's median (and slowest) block;
+``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -28,18 +31,20 @@ import torch
 
 # Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
 EVENTS = (
-    "start", "first_issued", "first_landed", "last_landed", "last_attended", "combined", "stored",
-    "item_done", "consumers_done", "producer_done",
+    "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
+    "out_stored", "stored", "item_done", "consumers_done", "producer_done",
 )  # fmt: skip
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
     ("start after the launch's first block", None, "start"),
-    ("start -> first copies issued", "start", "first_issued"),
+    ("start -> first item decided", "start", "decided"),
+    ("decided -> first copies issued", "decided", "first_issued"),
     ("issued -> first tile landed", "first_issued", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
     ("attended -> combined", "last_attended", "combined"),
-    ("combined -> stored and appended", "combined", "stored"),
+    ("combined -> out stored", "combined", "out_stored"),
+    ("out stored -> token appended", "out_stored", "stored"),
     ("stored -> item done (merge)", "stored", "item_done"),
     ("first item done -> consumers done", "item_done", "consumers_done"),
 )
@@ -97,6 +102,13 @@ def row_summary(launches: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def replay_summary(launches: list[dict], replay_us: float) -> dict:
+    """A replay's time by CUDA events (``replay_us``) against its blocks' (the first launch's first
+    start to the last launch's last end, from ``launch_summary``)."""
+    blocks_us = (max(x["end_ns"] for x in launches) - min(x["start_ns"] for x in launches)) / 1e3
+    return {"replay_us": replay_us, "blocks_us": blocks_us, "outside_us": replay_us - blocks_us}
+
+
 def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     gap = "-" if s["gap_us"] is None else f"{s['gap_us']:.2f}"
     lines = [
@@ -105,6 +117,11 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
         f"{s['end_spread_us']:.2f} us apart",
         f"  {'phase (first item of each block)':40s} {'median us':>10s} {'slowest us':>11s}",
     ]
+    if "replay" in s:
+        r = s["replay"]
+        text = (f"  last replay {r['replay_us']:.2f} us by events, its blocks {r['blocks_us']:.2f} us, "
+                f"outside them {r['outside_us']:.2f} us (median {s['replay_median_us']:.2f})")  # fmt: skip
+        lines.insert(1, text)
     for name, v in s["phases"].items():
         lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}")
     return "\n".join(lines)
@@ -155,13 +172,20 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False) -> dict
         graph = timing.capture(fns)
         for buf in bufs:
             buf.zero_()
+        times = []
         for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             graph.replay()
-        torch.cuda.synchronize()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
         launches = [launch_summary(buf) for buf in bufs]
     finally:
         _C.set_timeline(None)
     summary = row_summary(launches)
+    summary["replay"] = replay_summary(launches, times[-1])
+    summary["replay_median_us"] = statistics.median(times)
     summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us, epilogue=epilogue)
     return summary
 
