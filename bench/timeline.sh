@@ -3,7 +3,7 @@
 # /tmp/mmha_timeline (once per machine; the working tree's own build is left as it is), then
 # `python -m mmha.bench.timeline` there on the given rows: where each launch's time goes, block by
 # block. Writes timeline.txt and timeline.json under $OUT.
-# Usage: bash bench/timeline.sh 16,32,8,128,2048 1,32,8,128,4096 [--replays 20] [--epilogue]
+# Usage: bash bench/timeline.sh 16,32,8,128,2048 1,32,8,128,4096 [--replays 20] [--epilogue] [--paged 16]
 source "$(dirname "$0")/device_env.sh"
 TL=/tmp/mmha_timeline
 if [ ! -f "$TL/.built" ] || [ -n "$(find csrc -newer "$TL/.built" -print -quit)" ]; then

@@ -683,6 +683,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+  if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);

@@ -252,13 +252,14 @@ struct MmhaParams {
 };
 
 // Events of a tile-loop block that an MMHA_TIMELINE build stamps (globaltimer, ns), for the
-// block's first item unless said: the block's start (barriers set up), the producer's first item
-// decided (its row's length read), the first tile's copies issued, that tile landed, the item's
-// last tile landed, its last tile attended, the consumers' combine done, out (or the split's
-// partial) stored, the new token appended, the split merge done (the item finished), the
-// consumers' last item finished, the producer's last header written.
+// block's first item unless said: the block's first instruction, its start (barriers set up),
+// the producer's first item decided (its row's length read), the first tile's copies issued,
+// that tile landed, the item's last tile landed, its last tile attended, the consumers' combine
+// done, out (or the split's partial) stored, the new token appended, the split merge done (the
+// item finished), the consumers' last item finished, the producer's last header written.
 enum TimelineEvent : int {
-  kTlStart = 0,
+  kTlEntered = 0,
+  kTlStart,
   kTlDecided,
   kTlFirstIssued,
   kTlFirstLanded,

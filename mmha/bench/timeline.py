@@ -31,12 +31,13 @@ import torch
 
 # Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
 EVENTS = (
-    "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
+    "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
     "out_stored", "stored", "item_done", "consumers_done", "producer_done",
 )  # fmt: skip
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
     ("start after the launch's first block", None, "start"),
+    ("entered -> start (barriers set up)", "entered", "start"),
     ("start -> first item decided", "start", "decided"),
     ("decided -> first copies issued", "decided", "first_issued"),
     ("issued -> first tile landed", "first_issued", "first_landed"),
@@ -127,10 +128,11 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     return "\n".join(lines)
 
 
-def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False) -> dict:
+def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_size: int = 0) -> dict:
     """One row's launches; with ``epilogue``, the int8 epilogue of ``python -m mmha.bench
     --epilogue`` fused into each call (its output checked against the epilogue applied to the
-    plain call's, one step allowed)."""
+    plain call's, one step allowed); with ``block_size``, the caches as pages of that many slots
+    scattered through a pool (``mmha.bench.paged.to_pages``)."""
     from mmha._ext import _C
 
     from . import timing
@@ -141,7 +143,13 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False) -> dict
     cfg, plan, _ = row_of_spec(spec, dtype, "timeline")
     probs = layer_problems(cfg, "mmha")
     bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
-    calls = [mmha_fn(prob, plan) for prob in probs]
+    if block_size:
+        from .paged import to_pages
+
+        gen = torch.Generator().manual_seed(block_size)
+        calls = [mmha_fn(prob, plan, pages=to_pages(prob, block_size, gen)) for prob in probs]
+    else:
+        calls = [mmha_fn(prob, plan) for prob in probs]
     if epilogue:
         epis = [make_epilogue(cfg.num_heads * cfg.head_dim, i) for i in range(len(probs))]
         fused = [mmha_fn(prob, plan, epilogue=e) for prob, e in zip(probs, epis, strict=True)]
@@ -186,7 +194,8 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False) -> dict
     summary = row_summary(launches)
     summary["replay"] = replay_summary(launches, times[-1])
     summary["replay_median_us"] = statistics.median(times)
-    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us, epilogue=epilogue)
+    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us, epilogue=epilogue,
+                   block_size=block_size)  # fmt: skip
     return summary
 
 
@@ -198,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--epilogue", action="store_true", help="each row also with the int8 output epilogue fused"
     )
+    p.add_argument(
+        "--paged", type=int, default=0, metavar="BLOCK", help="each row also over pages of BLOCK slots"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the summaries here")
     args = p.parse_args(argv)
     from mmha._ext import _C
@@ -207,13 +219,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     out = []
+    variants = [(False, 0)] + [(True, 0)] * args.epilogue + [(False, args.paged)] * bool(args.paged)
     for spec in args.rows:
-        for epi in (False, True) if args.epilogue else (False,):
-            s = run_row(spec, args.dtype, args.replays, epi)
+        for epi, bs in variants:
+            s = run_row(spec, args.dtype, args.replays, epi, bs)
             out.append(s)
-            print(
-                format_row(spec + (" int8 epilogue" if epi else ""), s["plan"], s["decode_us"], s), flush=True
-            )
+            name = spec + (" int8 epilogue" if epi else "") + (f" pages of {bs}" if bs else "")
+            print(format_row(name, s["plan"], s["decode_us"], s), flush=True)
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
