@@ -51,8 +51,12 @@ def test_launch_summary_phases():
     assert s["end_spread_us"] == pytest.approx((10_100 + 49300 - (10_200 + 600)) / 1e3)
     p = s["phases"]
     assert p["start after the launch's first block"] == (pytest.approx(0.1), pytest.approx(0.2), 3)
-    assert p["start -> first item decided"] == (pytest.approx(0.6), pytest.approx(0.6), 2)  # not the idle one
-    assert p["decided -> first copies issued"] == (pytest.approx(0.4), pytest.approx(0.4), 2)
+    assert "entered -> first item decided" not in p  # no block stamped its first instruction
+    assert p["start -> first copies issued"] == (
+        pytest.approx(1.0),
+        pytest.approx(1.0),
+        2,
+    )  # not the idle one
     assert p["first -> last tile landed"][0] == pytest.approx(42.0)  # median of 40 and 44
     assert p["first -> last tile landed"][1] == pytest.approx(44.0)
     assert p["combined -> out stored"] == (pytest.approx(0.7), pytest.approx(0.7), 2)

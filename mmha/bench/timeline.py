@@ -11,12 +11,12 @@ checked against the fp32 reference first. Each launch gets its own event buffer;
 its time by the events against its blocks' time (the first launch's first block start to the
 last launch's last block end): what the graph spends outside the blocks. Per launch: its span
 (first block's start to last block's end) and the gap to the next launch's first block; per
-block, for its first item (``PHASES``): start after the launch's first block, start -> first
-item decided (the producer's; its row's length read) -> first copies issued -> first tile landed
--> last tile landed -> last tile attended -> combined -> out stored (or the split's partial) ->
-token appended -> item done (the split merge), then the block's later items, and how far apart
-the blocks end. Printed as medians over the layers of each launch's median (and slowest) block;
-``--json`` writes them.
+block, for its first item (``PHASES``): start after the launch's first block, its first
+instruction -> start (barriers set up), first instruction -> first item decided (the producer's;
+its row's length read), start -> first copies issued -> first tile landed -> last tile landed ->
+last tile attended -> combined -> out stored (or the split's partial) -> token appended -> item
+done (the split merge), then the block's later items, and how far apart the blocks end. Printed
+as medians over the layers of each launch's median (and slowest) block; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ EVENTS = (
 PHASES = (
     ("start after the launch's first block", None, "start"),
     ("entered -> start (barriers set up)", "entered", "start"),
-    ("start -> first item decided", "start", "decided"),
-    ("decided -> first copies issued", "decided", "first_issued"),
+    ("entered -> first item decided", "entered", "decided"),
+    ("start -> first copies issued", "start", "first_issued"),
     ("issued -> first tile landed", "first_issued", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
