@@ -248,12 +248,7 @@ struct ItemChannels {
 };
 
 // PRE_N > 0 (one-column items through the epilogue): pre holds each value's channel values.
-// PER_THREAD > 0: at most that many values per thread (nthreads the tile loop's consumers),
-// each read from the combine first and stored after, so that a value's shared-memory reads do
-// not wait behind the stores of the values before it (H100, B=16 Hkv=8 S=2048, four columns
-// an item: the store took 1.09 us value after value).
-template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, int PER_THREAD = 0, class Max,
-          class Sum, class Acc>
+template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float value_scale, int tid, int nthreads,
                                            const ItemChannels<PRE_N, HEAD_DIM>* pre = nullptr) {
@@ -287,26 +282,6 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
         p.lse[h] = -INFINITY;
       }
       store_out4<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
-    }
-    return;
-  }
-  if constexpr (PER_THREAD > 0) {
-    float a[PER_THREAD];
-#pragma unroll
-    for (int k = 0; k < PER_THREAD; ++k) {
-      const int idx = tid + k * nthreads;
-      if (idx < w.nh * HEAD_DIM) a[k] = acc(idx / HEAD_DIM, idx % HEAD_DIM);
-    }
-#pragma unroll
-    for (int k = 0; k < PER_THREAD; ++k) {
-      const int idx = tid + k * nthreads;
-      if (idx < w.nh * HEAD_DIM) {
-        const int g = idx / HEAD_DIM;
-        const int d = idx % HEAD_DIM;
-        const bool ml = p.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
-        store_value<T, HEAD_DIM, EPI>(p, w, column_of(p, w, g), d, a[k], ml ? m(g) : 0.f, ml ? l(g) : 0.f,
-                                      value_scale);
-      }
     }
     return;
   }
@@ -562,17 +537,17 @@ constexpr int kBeforeLoads = 2;
 // The producer warp of a tile-loop block: it takes the items the stager put into the item slots,
 // one after the other, issues each one's tiles into the ring and tags every tile with a header;
 // after the last item, a header that says so.
-// first: the block's first item (item blockIdx.x), decided by the producer too (as the stager
-// decides it), so that its first tiles go out before the stager has staged it; its header still
-// waits for the slot (the q).
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
-                                              ItemStage<T, HEAD_DIM, QB>& st, unsigned char* stages, int lane,
-                                              const DecidedItem& first) {
+                                              ItemStage<T, HEAD_DIM, QB>& st, unsigned char* stages, int lane) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
   RingCursor cur;
+  // The block's first item, decided here too (as the stager decides it), so that its first tiles
+  // go out before the stager has staged it; its header still waits for the slot (the q).
+  const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);
   const bool early = first.w.busy() && first.scales_ok;
+  if (lane == 0) timeline_mark(p, kTlDecided);
   for (int seq = 0;; ++seq) {  // item seq is in slot seq % 2
     const int slot = seq & 1;
     const bool first_early = seq == 0 && early;  // this item's slot is read at its first header
@@ -670,6 +645,19 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   if (lane == 0) timeline_mark(p, kTlProducerDone);
 }
 
+// Every 64-byte line of the launch's parameters read once by a lane of each warp, all at once,
+// so that the SM's constant cache holds them before the block's chains of dependent reads
+// (a pointer from the parameters, then the load through it), each of whose first touches of a
+// line is otherwise a round trip of its own (bench/probes/param_lines.cu).
+__device__ __forceinline__ void warm_params(const MmhaParams& p, int lane) {
+  constexpr int kLines = static_cast<int>((sizeof(MmhaParams) + 63) / 64);
+  static_assert(kLines <= 32, "a lane a line");
+  if (lane < kLines) {
+    const int v = reinterpret_cast<const int*>(&p)[lane * 16];
+    asm volatile("" ::"r"(v));
+  }
+}
+
 // The tile loop: a persistent block (kConsumerWarps consumer warps, a producer warp and a stager
 // warp) takes item blockIdx.x, then items from the step's work counter until none is left. The
 // stager fetches and decides the items and stages each one's raw q a slot ahead; the producer
@@ -709,15 +697,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   if (tid == 0) timeline_mark(p, kTlEntered);
-  // The producer decides the block's first item before the barriers are set up, so that its
-  // row's length is on the way meanwhile; a tree step's producer decides it after
-  // grid_dependency_wait (the step's check and append, the launch before, come first).
-  const bool decide_early = !tree_step(p);
-  DecidedItem first;
-  if (warp == kConsumerWarps && decide_early) {
-    first = decide_item<C, QB>(p, blockIdx.x, lane);
-    if (lane == 0) timeline_mark(p, kTlDecided);
-  }
+  warm_params(p, lane);
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
@@ -735,11 +715,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   if (tid == 0) timeline_mark(p, kTlStart);
 
   if (warp == kConsumerWarps) {
-    if (!decide_early) {
-      first = decide_item<C, QB>(p, blockIdx.x, lane);
-      if (lane == 0) timeline_mark(p, kTlDecided);
-    }
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane, first);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
     return;
   }
   if (warp == kConsumerWarps + 1) {
@@ -825,12 +801,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
             return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
           }
         };
-        // (More than four values a thread, or the epilogue's kernels: their registers spill, so
-        // value by value.)
-        constexpr int VALUES = (QB * HEAD_DIM + CONSUMERS - 1) / CONSUMERS;
-        constexpr int PER_THREAD = VALUES <= 4 && !EPI ? VALUES : 0;
-        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N, PER_THREAD>(
-            p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
+        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
+                                                                                CONSUMERS, &s_pre);
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
@@ -922,9 +894,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   grid_dependency_wait();  // a tree step's check and append (launch_kernel)
 
   if (warp == kConsumerWarps) {
-    const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);  // tree steps: after the wait
-    if (lane == 0) timeline_mark(p, kTlDecided);
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane, first);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
     return;
   }
   if (warp == kConsumerWarps + 1) {
