@@ -645,19 +645,6 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   if (lane == 0) timeline_mark(p, kTlProducerDone);
 }
 
-// Every 64-byte line of the launch's parameters read once by a lane of each warp, all at once,
-// so that the SM's constant cache holds them before the block's chains of dependent reads
-// (a pointer from the parameters, then the load through it), each of whose first touches of a
-// line is otherwise a round trip of its own (bench/probes/param_lines.cu).
-__device__ __forceinline__ void warm_params(const MmhaParams& p, int lane) {
-  constexpr int kLines = static_cast<int>((sizeof(MmhaParams) + 63) / 64);
-  static_assert(kLines <= 32, "a lane a line");
-  if (lane < kLines) {
-    const int v = reinterpret_cast<const int*>(&p)[lane * 16];
-    asm volatile("" ::"r"(v));
-  }
-}
-
 // The tile loop: a persistent block (kConsumerWarps consumer warps, a producer warp and a stager
 // warp) takes item blockIdx.x, then items from the step's work counter until none is left. The
 // stager fetches and decides the items and stages each one's raw q a slot ahead; the producer
@@ -697,7 +684,6 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   if (tid == 0) timeline_mark(p, kTlEntered);
-  warm_params(p, lane);
   if (tid == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
