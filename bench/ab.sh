@@ -6,6 +6,7 @@
 # so that drift shows, and prints per-row mmha times of both and their ratio.
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
 #        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
+#        BASE=.base bash bench/ab.sh --paged --rows 1 3 13       (paged rows, by canonical index)
 source "$(dirname "$0")/device_env.sh"
 BASE=${BASE:?set BASE to the earlier tree}
 if [ ! -f /tmp/mmha_base/.built ]; then
@@ -27,11 +28,14 @@ import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-# The canonical grid (bench.json) or the score modifiers' rows (--mods: bench_mods.json, with
-# each build's own plain row).
+# The canonical grid (bench.json), the score modifiers' rows (--mods: bench_mods.json, with
+# each build's own plain row) or paged rows (--paged: bench_paged.json, with each build's own
+# contiguous row).
 MODS = (out / "ab_base_1" / "bench_mods.json").exists()
-NAME = "bench_mods.json" if MODS else "bench.json"
+PAGED = (out / "ab_base_1" / "bench_paged.json").exists()
+NAME = "bench_mods.json" if MODS else "bench_paged.json" if PAGED else "bench.json"
 KEY = ("modifier", "batch", "num_kv_heads", "seq_len") if MODS else (
+    "batch", "num_kv_heads", "seq_len", "block_size") if PAGED else (
     "dtype", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
 
 
@@ -45,10 +49,12 @@ def times(name, field="mmha_decode_us"):
 
 
 base, new = times("ab_base"), times("ab_new")
-plain_base, plain_new = (times(n, "plain_decode_us") for n in ("ab_base", "ab_new")) if MODS else ({}, {})
-head = [k if k not in ("batch", "num_kv_heads", "num_heads", "head_dim", "seq_len") else
-        {"batch": "B", "num_kv_heads": "Hkv", "num_heads": "Hq", "head_dim": "D", "seq_len": "S"}[k] for k in KEY]
-extra = ["plain us (base runs)", "plain us (new runs)"] if MODS else []
+SECOND = "plain_decode_us" if MODS else "contiguous_decode_us" if PAGED else None
+plain_base, plain_new = (times(n, SECOND) for n in ("ab_base", "ab_new")) if SECOND else ({}, {})
+head = [k if k not in ("batch", "num_kv_heads", "num_heads", "head_dim", "seq_len", "block_size") else
+        {"batch": "B", "num_kv_heads": "Hkv", "num_heads": "Hq", "head_dim": "D", "seq_len": "S",
+         "block_size": "block"}[k] for k in KEY]
+extra = [f"{SECOND.split('_')[0]} us (base runs)", f"{SECOND.split('_')[0]} us (new runs)"] if SECOND else []
 cols = [*head, "base us (2 runs)", "new us (2 runs)", *extra, "new / base"]
 lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 ratios = []
@@ -57,7 +63,7 @@ for k, b in base.items():
         ratio = statistics.mean(new[k]) / statistics.mean(b)
         ratios.append(ratio)
         cells = [*map(str, k), f"{b[0]:.1f}, {b[1]:.1f}", f"{new[k][0]:.1f}, {new[k][1]:.1f}"]
-        if MODS:
+        if SECOND:
             cells += [", ".join(f"{x:.1f}" for x in plain_base.get(k, [])),
                       ", ".join(f"{x:.1f}" for x in plain_new.get(k, []))]
         lines.append("| " + " | ".join(cells) + f" | {ratio:.3f} |")

@@ -66,6 +66,17 @@ head_dim 256 GQA (fp16, B=16, Hkv=8, S=2048) at least level with the best peer. 
 each GPU is `mmha.bench.report.bar()` on that run's JSON."""
 
 
+# What each kept sweep run was (the sweep's JSON has no header).
+SWEEP_RUNS = {
+    "sweep_h200.json": "NVIDIA H200, 2026-11-23, every canonical row and `--extras`: the plan was timed first"
+    " in each row, before the timing's 100 ms warm-up existed, and the first timing of the two 64K rows"
+    " came out ~12 % slow whatever the plan (B=1 Hkv=32 S=65536: 282.5 us here, 243.2 in that day's"
+    " benchmark run with the same plan); the sweep now times the plan again last",
+    "sweep_h100.json": "NVIDIA H100 80GB HBM3, 2026-11-26, the B = 1 rows and the smallest batched rows"
+    " (`--rows 0 1 2 3 12 13 4 8 14 16`)",
+}
+
+
 def keep(src: Path, name: str) -> Path:
     dst = DOCS / "data" / name
     if src.resolve() != dst.resolve():
@@ -264,7 +275,7 @@ def main() -> None:
     ap.add_argument("--bench", type=Path, action="append", required=True)
     ap.add_argument("--before", type=Path)
     ap.add_argument("--step", type=Path)
-    ap.add_argument("--sweep", type=Path)
+    ap.add_argument("--sweep", type=Path, action="append", help="sweep.json, one per run (SWEEP_RUNS)")
     ap.add_argument("--fp8", type=Path, action="append", default=[])
     ap.add_argument("--fp8-accuracy", type=Path)
     ap.add_argument("--hf", type=Path, action="append", default=[])
@@ -316,17 +327,15 @@ def main() -> None:
             "", text, "",
         ]  # fmt: skip
     if args.sweep:
-        sweep = json.loads(keep(args.sweep, args.sweep.name).read_text())
         lines += [
             "## Dispatcher sweep", "",
-            "`python -m mmha.bench.sweep --extras`: each row at every split count (the plan's stages)"
-            " and every stage count (the plan's splits, and one pass), decode timing, against the"
-            " dispatcher's plan (`SxT`: S splits, T stages). In this run the plan was timed first in"
-            " each row, before the timing's 100 ms warm-up existed, and the first timing of the two"
-            " 64K rows came out ~12 % slow whatever the plan (B=1 Hkv=32 S=65536: 282.5 us here, 243.2"
-            " in the benchmark run above with the same plan); the sweep now times the plan again last.",
-            "", sweep_table(sweep), "",
+            "`python -m mmha.bench.sweep`: each row at every split count (the plan's stages) and every"
+            " stage count (the plan's splits, and one pass), decode timing, against the dispatcher's"
+            " plan (`SxT`: S splits, T stages).", "",
         ]  # fmt: skip
+        for path in args.sweep:
+            sweep = json.loads(keep(path, path.name).read_text())
+            lines += [f"### {SWEEP_RUNS.get(path.name, path.name)}", "", sweep_table(sweep), ""]
     if args.fp8 or args.fp8_accuracy:
         lines += [
             "## fp8 (e4m3) caches", "",

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmha.bench --paged", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
+    ap.add_argument("--rows", type=int, nargs="+", help="indices into the canonical grid (default: all)")
     ap.add_argument("--out", type=Path, default=Path("bench_paged"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -170,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results, contiguous = [], {}
     mem = [memory(bs) for bs in args.block_sizes]
-    for group, b, hkv, s in QUICK if args.quick else CANONICAL:
+    grid = QUICK if args.quick else CANONICAL
+    if args.rows:
+        grid = [CANONICAL[i] for i in args.rows]
+    for group, b, hkv, s in grid:
         cfg = Config(group, b, 32, hkv, 128, s, "fp16")
         for row in run_row(cfg, args.block_sizes, contiguous):
             results.append(row)
