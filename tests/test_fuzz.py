@@ -7,7 +7,8 @@
 - CPU and GPU: random invalid ``KVCache`` calls (the Python-side validation): a clean error
   naming the argument, caches, lengths and the host mirror unchanged.
 
-``MMHA_FUZZ_EXAMPLES`` scales the example counts (default 1: about two minutes on a GPU).
+``MMHA_FUZZ_EXAMPLES`` scales the example counts (default 1: about two minutes on a GPU);
+``MMHA_FUZZ_SEED=N`` draws other examples, from seed N (still the same ones on every run with N).
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ from hypothesis import strategies as st  # noqa: E402
 from mmha import KVCache, dispatch, ops  # noqa: E402
 
 SCALE = float(os.environ.get("MMHA_FUZZ_EXAMPLES", "1"))
+SEED = os.environ.get("MMHA_FUZZ_SEED")
 
 
 def fuzz_settings(examples: int):
-    return settings(
+    chosen = settings(
         max_examples=max(1, int(examples * SCALE)),
         deadline=None,
-        derandomize=True,
+        derandomize=SEED is None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+    if SEED is None:
+        return chosen
+    return lambda test: hypothesis.seed(int(SEED))(chosen(test))
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
