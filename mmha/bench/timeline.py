@@ -180,14 +180,7 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_s
         graph = timing.capture(fns)
         for buf in bufs:
             buf.zero_()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+        times = [timing.one_replay_us(graph) for _ in range(replays)]
         launches = [launch_summary(buf) for buf in bufs]
     finally:
         _C.set_timeline(None)

@@ -45,6 +45,16 @@ def capture(fns: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def one_replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """One replay of ``graph``, us by CUDA events (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def replay_us(
     graph: torch.cuda.CUDAGraph, calls: int, replays: int = REPLAYS, agree: Callable[[int], int] | None = None
 ) -> dict:
@@ -62,14 +72,7 @@ def replay_us(
     for _ in range(warm if agree is None else agree(warm)):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times = [one_replay_us(graph) / calls for _ in range(replays)]
     q = statistics.quantiles(times, n=5)
     return {"us": statistics.median(times), "p20": q[0], "p80": q[3]}
 
