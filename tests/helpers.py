@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -107,10 +108,51 @@ def run_reference(case: Case, compute_dtype=torch.float32):
     return out, lse, kc, vc
 
 
+# fp32's unit roundoff, and how many of them a logit may carry: its dot product's sums (in any
+# order), the rotation of q and k, the scale and log2(e) (bench/probes/fp32_rounding.py).
+U32 = 2.0**-24
+LOGIT_ROUNDINGS = 4
+
+
+def logit_spread(case: Case) -> float:
+    """How far fp32 rounding of the logits alone may move an output value, to first order, from
+    the fp64 reference: max over rows, heads and dims of sum_j p_j |v_jd - out_d| dl_j, with dl_j
+    = LOGIT_ROUNDINGS * U32 * scale * sum_i |q_i k_ji| (any summation order's error bound
+    scale). Negligible for typical rows; large where large logits nearly tie (a fuzzed fp32 row
+    with logits near 235 and two weights of 0.61 / 0.39 moved by ~1e-3 whatever the order).
+    0 for cases with score modifiers (the rule without this term)."""
+    if case.mods:
+        return 0.0
+    kw = case.kwargs()
+    hq, hkv = case.num_heads, case.num_kv_heads
+    d = case.v_cache.shape[-1]
+    x = case.qkv.double()
+    if case.bias is not None:
+        x = x + case.bias.double()
+    rotary = (kw.get("rotary_dim", 0), kw.get("rotary_theta", 10000.0), kw.get("rotary_interleaved", False))
+    kc, vc = case.k_cache.double(), case.v_cache.double()
+    q, k_new, v_new = reference._new_tokens(x, case.lengths.long(), hq, hkv, d, rotary, kc, vc, None, None)
+    kc, vc = kc.clone(), vc.clone()
+    spread = 0.0
+    for row, n in enumerate(case.lengths.tolist()):
+        kc[row, :, :, n, :] = k_new[row].reshape(hkv, d // kc.shape[-1], kc.shape[-1])
+        vc[row, :, n, :] = v_new[row]
+        keys, values = reference._cached_kv(kc, vc, row, n + 1, None, None, torch.float64)
+        keys, values = keys.repeat_interleave(hq // hkv, 0), values.repeat_interleave(hq // hkv, 0)
+        weights = torch.softmax(torch.einsum("hd,hld->hl", q[row], keys) / math.sqrt(d), dim=-1)
+        out = torch.einsum("hl,hld->hd", weights, values)
+        dl = LOGIT_ROUNDINGS * U32 / math.sqrt(d) * torch.einsum("hd,hld->hl", q[row].abs(), keys.abs())
+        moved = torch.einsum("hl,hld->hd", weights * dl, (values - out[:, None, :]).abs())
+        spread = max(spread, moved.max().item())
+    return spread
+
+
 def check_against_reference(
     case: Case, out: torch.Tensor, lse: torch.Tensor | None = None, rope_ulps: bool = False
 ):
-    """Tolerance rule: |kernel - ref64| <= 2 |torch_in_dtype - ref64| + floor * max|ref64|."""
+    """Tolerance rule: |kernel - ref64| <= 2 |torch_in_dtype - ref64| + floor * max|ref64| +
+    logit_spread (fp32 rounding of the logits, to first order: matters only for ill-conditioned
+    rows, where torch's one draw of rounding can land far closer than another order's)."""
     dtype = case.qkv.dtype
     ref, ref_lse, _, _ = run_reference(case, torch.float64)
     low, _, _, _ = run_reference(case, dtype)
@@ -118,8 +160,11 @@ def check_against_reference(
     err = (out.double() - ref.double()).abs().max().item()
     base = (low.double() - ref.double()).abs().max().item()
     scale = max(1.0, ref.double().abs().max().item())
-    tol = 2 * base + FLOOR[dtype] * scale
-    assert err <= tol, f"max error {err:.3e} > tolerance {tol:.3e} (torch {dtype}: {base:.3e})"
+    spread = logit_spread(case)
+    tol = 2 * base + FLOOR[dtype] * scale + spread
+    assert err <= tol, (
+        f"max error {err:.3e} > tolerance {tol:.3e} (torch {dtype}: {base:.3e}, logit spread {spread:.3e})"
+    )
     if lse is not None:
         lse_err = (lse.double() - ref_lse.double()).abs().max().item()
         assert lse_err <= 1e-3 * max(1.0, ref_lse.abs().max().item()), f"lse error {lse_err:.3e}"
