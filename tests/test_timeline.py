@@ -28,7 +28,7 @@ def events(rows: list[dict]) -> torch.Tensor:
 def block(t0: int, **later: int) -> dict:
     """A block that starts at t0 and stamps every event at t0 + the given offsets (ns)."""
     steps = dict(decided=600, first_issued=1000, first_landed=3000, last_landed=43000, last_attended=43500,
-                 combined=44000, out_stored=44700, stored=45000, item_done=45200, consumers_done=45300,
+                 combined=44000, out_stored=44700, appended=45000, item_done=45200, consumers_done=45300,
                  producer_done=44000)  # fmt: skip
     steps.update(later)
     return {"start": t0, **{k: t0 + v for k, v in steps.items()}}
@@ -36,7 +36,7 @@ def block(t0: int, **later: int) -> dict:
 
 def test_launch_summary_phases():
     b0 = block(10_000)
-    b1 = block(10_100, last_landed=47000, last_attended=47500, combined=48000, out_stored=48700, stored=49000,
+    b1 = block(10_100, last_landed=47000, last_attended=47500, combined=48000, out_stored=48700, appended=49000,
                item_done=49200, consumers_done=49300)  # fmt: skip
     idle = {
         "start": 10_200,
@@ -61,7 +61,7 @@ def test_launch_summary_phases():
     assert p["first -> last tile landed"][1] == pytest.approx(44.0)
     assert p["combined -> out stored"] == (pytest.approx(0.7), pytest.approx(0.7), 2)
     assert p["out stored -> token appended"] == (pytest.approx(0.3), pytest.approx(0.3), 2)
-    assert p["stored -> item done (merge)"][0] == pytest.approx(0.2)
+    assert p["appended -> item done (merge)"][0] == pytest.approx(0.2)
 
 
 def test_launch_summary_refuses_an_empty_buffer():

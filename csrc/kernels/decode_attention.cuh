@@ -792,7 +792,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
-      if (tid == 0 && first_item) timeline_mark(p, kTlStored);
+      if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
       if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_acc, s_m, s_l and s_w are free for the next item
       if (tid == 0 && first_item) timeline_mark(p, kTlItemDone);

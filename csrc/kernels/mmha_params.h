@@ -267,7 +267,7 @@ enum TimelineEvent : int {
   kTlLastAttended,
   kTlCombined,
   kTlOutStored,
-  kTlStored,
+  kTlAppended,
   kTlItemDone,
   kTlConsumersDone,
   kTlProducerDone,

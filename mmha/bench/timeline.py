@@ -32,7 +32,7 @@ import torch
 # Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
 EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
-    "out_stored", "stored", "item_done", "consumers_done", "producer_done",
+    "out_stored", "appended", "item_done", "consumers_done", "producer_done",
 )  # fmt: skip
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
@@ -45,8 +45,8 @@ PHASES = (
     ("last tile landed -> attended", "last_landed", "last_attended"),
     ("attended -> combined", "last_attended", "combined"),
     ("combined -> out stored", "combined", "out_stored"),
-    ("out stored -> token appended", "out_stored", "stored"),
-    ("stored -> item done (merge)", "stored", "item_done"),
+    ("out stored -> token appended", "out_stored", "appended"),
+    ("appended -> item done (merge)", "appended", "item_done"),
     ("first item done -> consumers done", "item_done", "consumers_done"),
 )
 # Room for every block a launch may have (the persistent grid is at most SMs x blocks per SM).
