@@ -143,16 +143,18 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_s
     cfg, plan, _ = row_of_spec(spec, dtype, "timeline")
     probs = layer_problems(cfg, "mmha")
     bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
+    pages = [None] * len(probs)
     if block_size:
         from .paged import to_pages
 
         gen = torch.Generator().manual_seed(block_size)
-        calls = [mmha_fn(prob, plan, pages=to_pages(prob, block_size, gen)) for prob in probs]
-    else:
-        calls = [mmha_fn(prob, plan) for prob in probs]
+        pages = [to_pages(prob, block_size, gen) for prob in probs]
+    calls = [mmha_fn(prob, plan, pages=pg) for prob, pg in zip(probs, pages, strict=True)]
     if epilogue:
         epis = [make_epilogue(cfg.num_heads * cfg.head_dim, i) for i in range(len(probs))]
-        fused = [mmha_fn(prob, plan, epilogue=e) for prob, e in zip(probs, epis, strict=True)]
+        fused = [
+            mmha_fn(prob, plan, pages=pg, epilogue=e) for prob, pg, e in zip(probs, pages, epis, strict=True)
+        ]
         for call, f, e in zip(calls, fused, epis, strict=True):
             want = e.apply(call(), cfg.torch_dtype).int()
             steps = int((f().int() - want).abs().max())
