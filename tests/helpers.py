@@ -123,16 +123,15 @@ def logit_spread(case: Case) -> float:
     0 for cases with score modifiers (the rule without this term)."""
     if case.mods:
         return 0.0
-    kw = case.kwargs()
     hq, hkv = case.num_heads, case.num_kv_heads
     d = case.v_cache.shape[-1]
     x = case.qkv.double()
     if case.bias is not None:
         x = x + case.bias.double()
-    rotary = (kw.get("rotary_dim", 0), kw.get("rotary_theta", 10000.0), kw.get("rotary_interleaved", False))
-    kc, vc = case.k_cache.double(), case.v_cache.double()
+    r = case.rotary
+    rotary = (r.get("rotary_dim", 0), r.get("rotary_theta", 10000.0), r.get("rotary_interleaved", False))
+    kc, vc = case.k_cache.double(), case.v_cache.double()  # copies: the new tokens go into these
     q, k_new, v_new = reference._new_tokens(x, case.lengths.long(), hq, hkv, d, rotary, kc, vc, None, None)
-    kc, vc = kc.clone(), vc.clone()
     spread = 0.0
     for row, n in enumerate(case.lengths.tolist()):
         kc[row, :, :, n, :] = k_new[row].reshape(hkv, d // kc.shape[-1], kc.shape[-1])
