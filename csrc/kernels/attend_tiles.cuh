@@ -185,51 +185,70 @@ struct TileConsumer {
   // [it, it + 16), those before lo or at or past end masked), the query at slot pos.
   __device__ __forceinline__ void step(const unsigned char* stage, int key0, int kg, int it, int lo, int end,
                                        int pos, int lane) {
+    const unsigned char* stages[1] = {stage};
+    const int its[1] = {it};
+    steps<1>(stages, key0, kg, its, lo, end, pos, lane);
+  }
+
+  // Attend over keys [key0, key0 + 16) of N stages at once (the cache's keys [its[n], its[n] +
+  // 16) of stage n): one online-softmax update for the 16 N keys (one max reduction, one rescale
+  // test), so a warp pays its per-update work once per 16 N keys.
+  template <int N>
+  __device__ __forceinline__ void steps(const unsigned char* const (&stage)[N], int key0, int kg,
+                                        const int (&its)[N], int lo, int end, int pos, int lane) {
     const int g = lane / 4;
-    // S^T = K Q^T: s[0], s[1] = key g, heads 2tq, 2tq + 1; s[2], s[3] = key g + 8. The hi and
-    // lo parts of q accumulate in two independent chains (a consumer warp is often alone on its
-    // scheduler, so the mma latency of one chain of 2 * KSTEPS would stand bare).
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    float s_lo[4] = {0.f, 0.f, 0.f, 0.f};
+    // S^T = K Q^T: s[n][0], s[n][1] = key g, heads 2tq, 2tq + 1; s[n][2], s[n][3] = key g + 8.
+    // The hi and lo parts of q accumulate in two independent chains (a consumer warp is often
+    // alone on its scheduler, so the mma latency of one chain of 2 * KSTEPS would stand bare).
+    float s[N][4];
 #pragma unroll
-    for (int j = 0; j < KSTEPS; j += 2) {
-      uint32_t k[2][4];
-      Ops::k_pair(k, stage, key0, j, lane, kg);
+    for (int n = 0; n < N; ++n) {
+      float s_lo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (j + u < KSTEPS) {
-          if constexpr (kSplit) {
-            mma_16816<M>(s, k[u], qh[j + u][0], qh[j + u][1]);
-            mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
-          } else {  // even and odd K steps in two chains
-            mma_16816<M>(u == 0 ? s : s_lo, k[u], qh[j + u][0], qh[j + u][1]);
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+      for (int j = 0; j < KSTEPS; j += 2) {
+        uint32_t k[2][4];
+        Ops::k_pair(k, stage[n], key0, j, lane, kg);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (j + u < KSTEPS) {
+            if constexpr (kSplit) {
+              mma_16816<M>(s[n], k[u], qh[j + u][0], qh[j + u][1]);
+              mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
+            } else {  // even and odd K steps in two chains
+              mma_16816<M>(u == 0 ? s[n] : s_lo, k[u], qh[j + u][0], qh[j + u][1]);
+            }
           }
         }
       }
-    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[e] = kSplit ? s[e] + s_lo[e] : (s[e] + s_lo[e]) * s_unit;
-    if (mods.on) {
+      for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
+      const int it = its[n];
+      if (mods.on) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[e] = mods.apply<true>(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
-    }
-    if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
-    if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
-    if (tree.on) {
+        for (int e = 0; e < 4; ++e) s[n][e] = mods.apply<true>(s[n][e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
+      }
+      if (it + g >= end || it + g < lo) s[n][0] = s[n][1] = -INFINITY;
+      if (it + g + 8 >= end || it + g + 8 < lo) s[n][2] = s[n][3] = -INFINITY;
+      if (tree.on) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (tree.hidden(e & 1, it + g + (e & 2 ? 8 : 0))) s[e] = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          if (tree.hidden(e & 1, it + g + (e & 2 ? 8 : 0))) s[n][e] = -INFINITY;
+        }
       }
     }
 
-    // Online softmax per head over the 16 keys (8 lanes share a column pair). The reference max m
-    // is raised only when some head of the warp has outgrown it by more than kRescaleSlack (log2
-    // units): most steps then skip rescaling acc, and P = 2^(s - m) stays below 2^kRescaleSlack
-    // (acc and l share m, so the result is the same in exact arithmetic).
+    // Online softmax per head over the 16 N keys (8 lanes share a column pair). The reference max
+    // m is raised only when some head of the warp has outgrown it by more than kRescaleSlack
+    // (log2 units): most steps then skip rescaling acc, and P = 2^(s - m) stays below
+    // 2^kRescaleSlack (acc and l share m, so the result is the same in exact arithmetic).
     float mx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(s[h], s[h + 2]);
+      mx[h] = fmaxf(s[0][h], s[0][h + 2]);
+#pragma unroll
+      for (int n = 1; n < N; ++n) mx[h] = fmaxf(mx[h], fmaxf(s[n][h], s[n][h + 2]));
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
     }
@@ -251,34 +270,37 @@ struct TileConsumer {
       }
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
-      s[h] = exp2_ftz(s[h] - m_ref);
-      s[h + 2] = exp2_ftz(s[h + 2] - m_ref);
-      l[h] += s[h] + s[h + 2];
-    }
-
-    // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
-    uint32_t ph0, pl0, ph1, pl1;
-    split_pack<M>(s[0], s[1], ph0, pl0);
-    split_pack<M>(s[2], s[3], ph1, pl1);
-    ph0 = movmatrix_trans(ph0);
-    ph1 = movmatrix_trans(ph1);
-    if constexpr (kSplit) {
-      pl0 = movmatrix_trans(pl0);
-      pl1 = movmatrix_trans(pl1);
-    }
-
-    // O^T += V^T P^T over 16-dim tiles.
+    for (int n = 0; n < N; ++n) {
 #pragma unroll
-    for (int i = 0; i < KSTEPS; i += 2) {
-      uint32_t vt[2][4];
-      Ops::v_pair(vt, stage, key0, i, lane, kg);
+      for (int h = 0; h < 2; ++h) {
+        const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
+        s[n][h] = exp2_ftz(s[n][h] - m_ref);
+        s[n][h + 2] = exp2_ftz(s[n][h + 2] - m_ref);
+        l[h] += s[n][h] + s[n][h + 2];
+      }
+
+      // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
+      uint32_t ph0, pl0, ph1, pl1;
+      split_pack<M>(s[n][0], s[n][1], ph0, pl0);
+      split_pack<M>(s[n][2], s[n][3], ph1, pl1);
+      ph0 = movmatrix_trans(ph0);
+      ph1 = movmatrix_trans(ph1);
+      if constexpr (kSplit) {
+        pl0 = movmatrix_trans(pl0);
+        pl1 = movmatrix_trans(pl1);
+      }
+
+      // O^T += V^T P^T over 16-dim tiles.
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (i + u < KSTEPS) {
-          mma_16816<M>(acc[i + u], vt[u], ph0, ph1);
-          if constexpr (kSplit) mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
+      for (int i = 0; i < KSTEPS; i += 2) {
+        uint32_t vt[2][4];
+        Ops::v_pair(vt, stage[n], key0, i, lane, kg);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (i + u < KSTEPS) {
+            mma_16816<M>(acc[i + u], vt[u], ph0, ph1);
+            if constexpr (kSplit) mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
+          }
         }
       }
     }

@@ -668,6 +668,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
+  // fp8 caches (consumer-bound): two consecutive tiles of an item in one softmax update, where the
+  // ring is deep enough for a consumer to hold two stages.
+  constexpr bool kPairTiles = std::is_same_v<C, e4m3>;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
@@ -752,15 +755,44 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
     }
     const int it = h.k0 + key0;
-    if (it < w.end) {
-      if ((it <= w.newslot && w.newslot < it + 16) || it + 16 > w.end || it < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(stage, key0, kg, it, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
+    const auto patch_if = [&](unsigned char* st, int t) {
+      if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
+        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
       }
+    };
+    int flags = h.flags;
+    if (kPairTiles && p.stages >= 4 && !(flags & kLastTile)) {
+      // The item's next tile is in the next stage: both attended in one update.
+      RingCursor nxt = cur;
+      nxt.next(p.stages);
+      mbar_wait(&ring.header[nxt.s], nxt.n & 1);
+      const TileHeader h2 = s_hdr[nxt.s];
+      unsigned char* stage2 = stages + nxt.s * L::STAGE_BYTES;
+      mbar_wait(&ring.full[nxt.s], nxt.n & 1);
+      if (tid == 0 && first_item && (h2.flags & kLastTile)) timeline_mark(p, kTlLastLanded);
+      const int it2 = h2.k0 + key0;
+      if (it < w.end && it2 < w.end) {
+        patch_if(stage, it);
+        patch_if(stage2, it2);
+        const unsigned char* both[2] = {stage, stage2};
+        const int its[2] = {it, it2};
+        c.template steps<2>(both, key0, kg, its, w.lo, w.end, w.pos, lane);
+      } else if (it < w.end || it2 < w.end) {
+        unsigned char* one = it < w.end ? stage : stage2;
+        const int t = it < w.end ? it : it2;
+        patch_if(one, t);
+        c.step(one, key0, kg, t, w.lo, w.end, w.pos, lane);
+      }
+      mbar_arrive(&ring.empty[cur.s]);
+      cur.next(p.stages);
+      flags = h2.flags;
+    } else if (it < w.end) {
+      patch_if(stage, it);
       c.step(stage, key0, kg, it, w.lo, w.end, w.pos, lane);
     }
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.stages);
-    if (h.flags & kLastTile) {
+    if (flags & kLastTile) {
       if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
       if constexpr (kWarpBuffers) {
         c.stash(s_m, s_l, s_acc, warp, lane);
@@ -773,7 +805,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         sync();
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlCombined);
-      if (h.flags & kPagesRefused) {
+      if (flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
       } else {
         const auto m = [&](int g) { return kFold ? s_m[0][g] : warps_max<kConsumerWarps, QB>(s_m, g); };
