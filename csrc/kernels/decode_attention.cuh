@@ -388,9 +388,11 @@ struct ItemStage {
   WorkItem item[2];
   int index[2];
   float k_scale[2], v_scale[2];  // the item's kv head's (fp8; 1 for 16-bit caches)
+  int before_bad;                // checks_before items, in order: a block before the item's is bad
   uint64_t full[2];
   uint64_t taken[2];
   uint64_t empty[2];
+  uint64_t checked;              // 32 stager lanes: before_bad holds the next such item's verdict
 };
 
 template <typename T, int HEAD_DIM, int QB>
@@ -400,6 +402,37 @@ __device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) 
     mbar_init(&st.taken[s], 32);
     mbar_init(&st.empty[s], ItemStage<T, HEAD_DIM, QB>::EMPTY_ARRIVALS);
   }
+  mbar_init(&st.checked, 32);
+}
+
+// Whether item w of a paged row appends (it holds the new token's slot) after keys it does not
+// read ([lo, start): the earlier splits'): the blocks of those keys are checked too, so that a
+// row with any bad block writes nothing (the stager checks them, check_blocks_before).
+__device__ __forceinline__ bool checks_before(const MmhaParams& p, const WorkItem& w) {
+  return p.block_tables != nullptr && w.owner() && w.start > w.lo;
+}
+
+// The stager's check of a checks_before item's earlier blocks, while the item's tiles stream: all
+// lanes load kBeforeLoads entries at a time, then check them; the verdict goes to st.before_bad
+// and st.checked, which the producer waits for at the item's last tile. (In the producer, a share
+// a tile held it ~0.1 us a tile behind the stream: H100, the B = 1 paged rows' appending splits.)
+constexpr int kBeforeLoads = 8;
+template <typename C, int HEAD_DIM, class Stage>
+__device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const WorkItem& w, Stage& st, int lane) {
+  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+  const int e0 = w.lo >> hs.shift;
+  const int e1 = ((w.start - 1) >> hs.shift) + 1;
+  bool bad = false;
+  for (int e = e0 + lane; e < e1; e += 32 * kBeforeLoads) {
+    int ids[kBeforeLoads];
+#pragma unroll
+    for (int u = 0; u < kBeforeLoads; ++u) ids[u] = e + 32 * u < e1 ? __ldg(hs.table + e + 32 * u) : 0;
+#pragma unroll
+    for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p, ids[u]);
+  }
+  bad = __any_sync(kFullMask, bad);
+  if (lane == 0) st.before_bad = bad;
+  mbar_arrive(&st.checked);  // each lane, after its loads (lane 0 after its write)
 }
 
 // An item decided: its range (work_item_range) from its row's length, mode and node count, and
@@ -520,6 +553,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       mbar_arrive(&st.full[slot]);  // each lane's writes to the slot
       mbar_wait(&st.taken[slot], (seq >> 1) & 1);
       ++seq;
+      if (checks_before(p, w)) check_blocks_before<C, HEAD_DIM>(p, w, st, lane);
     }
     const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0;
     index = __shfl_sync(kFullMask, fetched, 0);
@@ -529,10 +563,6 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
   if (lane == 0) st.index[slot] = -1;
   mbar_arrive(&st.full[slot]);
 }
-
-// Table entries of a paged row's earlier blocks that a lane of the appending item's producer
-// loads per tile (to be checked a tile later); a larger share is checked as loaded.
-constexpr int kBeforeLoads = 2;
 
 // The producer warp of a tile-loop block: it takes the items the stager put into the item slots,
 // one after the other, issues each one's tiles into the ring and tags every tile with a header;
@@ -548,6 +578,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);
   const bool early = first.w.busy() && first.scales_ok;
   if (lane == 0) timeline_mark(p, kTlDecided);
+  int checked_items = 0;  // checks_before items so far (st.checked's phases)
   for (int seq = 0;; ++seq) {  // item seq is in slot seq % 2
     const int slot = seq & 1;
     const bool first_early = seq == 0 && early;  // this item's slot is read at its first header
@@ -574,10 +605,10 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p);
     const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
     // A paged row's blocks: each tile's table entries loaded two tiles ahead and checked one tile
-    // ahead (the loads' latency behind a tile's copies, not in the producer's way); the item that
-    // appends also checks the blocks of the row's keys before its own ([lo, start)), a share per
-    // tile, each share checked a tile after its loads (the last share by the last tile). A block
-    // outside the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN
+    // ahead (the loads' latency behind a tile's copies, not in the producer's way); for the item
+    // that appends, the blocks of the row's keys before its own ([lo, start)) are checked by the
+    // stager while the item streams (check_blocks_before), its verdict taken at the last tile. A
+    // block outside the pool refuses the item (header flag kPagesRefused, status kStatusPages): NaN
     // output (a split's NaN partial makes the merge NaN) and no append, so the row writes nothing.
     // Tree steps have appended before (tree_prepare_kernel, which refuses a row with a bad block:
     // its items are bad), so their items own no new slot and are never refused here.
@@ -585,39 +616,20 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     TilePages pages = load_pages(ta, walk.key(0)).checked(p.num_blocks, pages_bad);
     TilePages ahead{{0, 0, 0, 0}};
     if (nt > 1) ahead = load_pages(ta, walk.key(1));
-    const bool check_before = ta.table != nullptr && w.owner() && w.start > w.lo;
-    const int before0 = w.lo >> hs.shift;
-    const int before1 = check_before ? ((w.start - 1) >> hs.shift) + 1 : before0;
-    const int before_tiles = nt > 1 ? nt - 1 : 1;
-    const int before_share = (before1 - before0 + before_tiles - 1) / before_tiles;
-    int before_ids[kBeforeLoads];  // this lane's share of the last tile's entries, checked this tile
-#pragma unroll
-    for (int u = 0; u < kBeforeLoads; ++u) before_ids[u] = 0;
+    const bool check_before = checks_before(p, w);
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
       if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
-      if (check_before) {
-#pragma unroll
-        for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
-        const int e0 = before0 + i * before_share, e1 = min(e0 + before_share, before1);
-#pragma unroll
-        for (int u = 0; u < kBeforeLoads; ++u) {
-          const int e = e0 + lane + 32 * u;
-          before_ids[u] = e < e1 ? __ldg(ta.table + e) : 0;
-        }
-        for (int e = e0 + lane + 32 * kBeforeLoads; e < e1; e += 32) {  // a share past the registers
-          pages_bad = pages_bad || !block_ok(p, __ldg(ta.table + e));
-        }
-        if (i == nt - 1) {
-#pragma unroll
-          for (int u = 0; u < kBeforeLoads; ++u) pages_bad = pages_bad || !block_ok(p, before_ids[u]);
-        }
+      if (first_early && i == 0) take();  // the same item (the stager decides it alike): its q is staged now
+      if (check_before && i == nt - 1) {  // the stager's verdict on the blocks before the item's
+        mbar_wait(&st.checked, checked_items & 1);
+        ++checked_items;
+        pages_bad = pages_bad || st.before_bad;
       }
       const bool refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
-      if (first_early && i == 0) take();  // the same item (the stager decides it alike): its q is staged now
       if (lane == 0) {
         s_hdr[cur.s] = TileHeader{index, walk.key(i),
                                   (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0),
