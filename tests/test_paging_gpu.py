@@ -184,6 +184,47 @@ def test_bad_block_refuses_the_row_and_writes_nothing(splits, where, dtype, sour
         ops.decode_attention(case.qkv, kp, vp, case.lengths, block_tables=tables, num_heads=8, num_kv_heads=2)
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # 512 items on a grid of fewer blocks: blocks take several appending splits in turn
+        dict(lengths=[300 + 25 * r for r in range(16)], s_max=768, heads=(16, 8), bad={3: 1, 7: 0, 12: 5}),
+        # one row of 512 entries: the earlier splits' blocks span several batches of loads
+        dict(lengths=[8000, 777], s_max=8192, heads=(8, 2), bad={0: 300}),
+    ],
+    ids=["many_items", "long_row"],
+)
+def test_bad_block_before_the_appending_split(shape):
+    """The appending split reads none of the row's earlier blocks, yet a bad one among them
+    refuses the row: NaN output, flagged, nothing appended; every other row as without it."""
+    lengths, (hq, hkv) = shape["lengths"], shape["heads"]
+    b = len(lengths)
+    case = make_case(b, hq, hkv, 128, lengths, shape["s_max"], torch.float16, seed=5)
+    kp, vp, tables = to_pages(case.k_cache, case.v_cache, 16, seed=5)
+    good_out = ops.decode_attention(
+        case.qkv, kp.clone(), vp.clone(), case.lengths, block_tables=tables, num_splits=4, stages=2,
+        **case.kwargs(),
+    )  # fmt: skip
+    for row, entry in shape["bad"].items():
+        assert (entry + 1) * 16 <= lengths[row] * 3 // 4 - 64  # before the appending (last) split's keys
+        tables[row, entry] = paging.NO_BLOCK
+    before = bits(kp).clone()
+    ws = ops.Workspace.allocate("cuda", b, hq, 128, 4)
+    out = ops.decode_attention(
+        case.qkv, kp, vp, case.lengths, block_tables=tables, num_splits=4, stages=2, workspace=ws,
+        validate_lengths=False, **case.kwargs(),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    bad = sorted(shape["bad"])
+    others = [r for r in range(b) if r not in shape["bad"]]
+    assert out[bad].isnan().all()
+    assert torch.equal(bits(out[others]), bits(good_out[others]))
+    changed = set((bits(kp) != before).nonzero()[:, 0].unique().tolist())
+    assert changed == {int(tables[r, lengths[r] // 16]) for r in others}
+    with pytest.raises(ops.PageError, match=rf"rows \[{', '.join(map(str, bad))}\]"):
+        ws.check()
+
+
 def test_rows_that_take_no_part():
     lengths = [10, 200, 64]
     case = make_case(3, 8, 2, 128, lengths, 256, torch.float16, seed=2)
