@@ -1,13 +1,13 @@
 """Small decode cases for compute-sanitizer (RELIABILITY.md rows 20 and 27): ragged and empty
 rows, a row filled to capacity, NaN in unused slots, single pass and split/merge, both tile sources
-and two stage counts of the tile loop (and 4, where a consumer takes two tiles per update), the
-CUDA-core loop, and out-of-range lengths (past the capacity, negative) on every variant; fp8
-caches on both sources, split and not, with a bad scale; score modifiers (a window whose first
-slot is mid-tile, soft-cap, ALiBi, sinks) on both sources and the CUDA-core loop, split and not;
-paged caches (pools with no spare block, tables with entries past the rows' blocks unset, a
-window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3 outputs,
-per-channel tensors, refused rows): nothing may be read or written outside the caches and the
-output."""
+and two stage counts of the tile loop (and 4: with fp8 caches a consumer takes two tiles per
+update), the CUDA-core loop, and out-of-range lengths (past the capacity, negative) on every
+variant; fp8 caches on both sources, split and not, with a bad scale; score modifiers (a window
+whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources and the CUDA-core loop,
+split and not; paged caches (pools with no spare block, tables with entries past the rows' blocks
+unset, a window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3
+outputs, per-channel tensors, refused rows): nothing may be read or written outside the caches
+and the output."""
 
 import torch
 from fp8_cases import fp8_case
@@ -188,7 +188,7 @@ def main() -> None:
         # Both tile sources and two ring depths on the first configuration, the default elsewhere.
         plans = [("auto", 2)]
         if (dtype, head_dim) == (torch.bfloat16, 64):
-            plans = [("auto", 2), ("auto", 4)]  # 4 stages: two tiles per consumer update
+            plans = [("auto", 2), ("auto", 4)]  # and a deeper ring
         if (dtype, head_dim) == (torch.float16, 128):
             plans = [("tma", 2), ("tma", 3), ("cp_async", 2), ("cp_async", 3)]
         for splits in (1, 5):

@@ -680,10 +680,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
-  // Two consecutive tiles of an item in one softmax update, where the ring is deep enough for a
-  // consumer to hold two stages (>= 4): fp8 caches (consumer-bound) and head dims <= 96 (6-stage
-  // plans). 16-bit head dims of 128 and more run 3 stages, and their paired code spilled.
-  constexpr bool kPairTiles = std::is_same_v<C, e4m3> || HEAD_DIM <= 96;
+  // fp8 caches (consumer-bound): two consecutive tiles of an item in one softmax update, where the
+  // ring is deep enough for a consumer to hold two stages.
+  constexpr bool kPairTiles = std::is_same_v<C, e4m3>;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
