@@ -13,7 +13,7 @@
 //
 // Build and run on an sm_90 GPU (no libcuda link: the encoder comes through the runtime):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/stream_tiles \
-//     bench/probes/stream_tiles.cu && /tmp/stream_tiles [B Hkv keys]
+//     [-DPROBE_D=64] bench/probes/stream_tiles.cu && /tmp/stream_tiles [B Hkv keys]
 // Prints one line per variant: us per launch (median of 20, two buffers alternating so that no
 // launch finds its bytes in L2) and GB/s of K/V read, for one launch between two events and for
 // launches back to back. A fourth argument MODE,TILE,STAGES[,WORK] runs that variant only (for
@@ -42,8 +42,15 @@ using namespace mmha;
     }                                                                                  \
   } while (0)
 
-constexpr int D = 128;             // head dim, fp16: 256-byte rows, 16 chunks of 16 bytes
-constexpr int CHUNKS = D * 2 / 16;
+// Head dim of 16-bit elements (-DPROBE_D=64 gives the byte pattern of an fp8 cache of head dim 128:
+// 128-byte rows, 8 chunks of 16 bytes, 1 KB runs a 64-key tile).
+#ifndef PROBE_D
+#define PROBE_D 128
+#endif
+constexpr int D = PROBE_D;
+constexpr int ROW = D * 2;         // bytes of a key's row
+constexpr int CHUNKS = ROW / 16;
+static_assert(ROW % 128 == 0, "V boxes are 128-byte pieces of a row");
 constexpr int CONSUMERS = 128;     // four consumer warps, then one producer warp
 constexpr int MAX_STAGES = 8;
 
@@ -104,8 +111,8 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
         }
         for (int j = lane; j < a.tile * CHUNKS; j += 32) {
           const int r = j / CHUNKS, c = j % CHUNKS;
-          cp_async16(st + k_bytes + r * 256 + c * 16,
-                     a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * 256 + c * 16, true);
+          cp_async16(st + k_bytes + r * ROW + c * 16,
+                     a.v + (static_cast<int64_t>(item) * a.smax + k0 + r) * ROW + c * 16, true);
         }
         cp_async_arrive(&full[s]);
       } else if constexpr (MODE == kPagedBulk || MODE == kPagedCp) {
@@ -135,9 +142,9 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
         if constexpr (MODE == kTmaX) {
           tma_load_3d(st, &kmap, 0, k0 / 32, item * CHUNKS, &full[s]);  // every chunk's run of tile * 16 B
         } else {
-          for (int j = 0; j < 2; ++j) tma_load_3d(st + j * a.tile * 128, &kmap, 64 * j, k0, item, &full[s]);
+          for (int j = 0; j < ROW / 128; ++j) tma_load_3d(st + j * a.tile * 128, &kmap, 64 * j, k0, item, &full[s]);
         }
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < ROW / 128; ++j) {
           tma_load_3d(st + k_bytes + j * a.tile * 128, &vmap, 64 * j, k0, item, &full[s]);
         }
         mbar_arrive(&full[s]);  // the copy engine completes the phase
@@ -162,10 +169,10 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
 
 // No ring: each block reads its item's K and V with 16-byte loads, 8 in flight per thread.
 __global__ void __launch_bounds__(CONSUMERS + 32) plain_kernel(Args a) {
-  const int64_t item_bytes = static_cast<int64_t>(a.smax) * 256;
+  const int64_t item_bytes = static_cast<int64_t>(a.smax) * ROW;
   const uint4* src[2] = {reinterpret_cast<const uint4*>(a.k + blockIdx.x * item_bytes),
                          reinterpret_cast<const uint4*>(a.v + blockIdx.x * item_bytes)};
-  const int n = a.keys * 16;  // 16-byte words of K (or V) an item reads
+  const int n = a.keys * CHUNKS;  // 16-byte words of K (or V) an item reads
   unsigned acc = 0;
   for (int h = 0; h < 2; ++h) {
     for (int i = threadIdx.x; i < n; i += blockDim.x * 8) {
@@ -214,7 +221,7 @@ int main(int argc, char** argv) {
   const int hkv = argc > 2 ? std::atoi(argv[2]) : 8;
   const int keys = argc > 3 ? std::atoi(argv[3]) : 2048;
   const int items = batch * hkv, smax = keys;
-  const size_t bytes = static_cast<size_t>(items) * smax * 256;  // K or V of one buffer
+  const size_t bytes = static_cast<size_t>(items) * smax * ROW;  // K or V of one buffer
   char* buf[2][2];
   for (auto& b : buf)
     for (auto& p : b) {
@@ -277,12 +284,12 @@ int main(int argc, char** argv) {
     CUtensorMap kmap[2], vmap[2];
     for (int b = 0; b < 2; ++b) {
       if (v.mode == kTmaRows) {
-        kmap[b] = make_map(buf[b][0], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
+        kmap[b] = make_map(buf[b][0], D, smax, items, ROW, smax * ROW * 1ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
       } else {  // x-layout: [items * CHUNKS rows][smax / 32 groups][32 keys * 8 elements]
         kmap[b] = make_map(buf[b][0], 256, smax / 32, static_cast<cuuint64_t>(items) * CHUNKS, 512, smax * 16ull, 256,
                            v.tile / 32, CHUNKS, CU_TENSOR_MAP_SWIZZLE_NONE);
       }
-      vmap[b] = make_map(buf[b][1], D, smax, items, 256, smax * 256ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
+      vmap[b] = make_map(buf[b][1], D, smax, items, ROW, smax * ROW * 1ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     auto launch = [&](int b) {
       Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, v.work, sink, table};
