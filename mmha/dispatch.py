@@ -62,8 +62,13 @@ TILE_BLOCKS_PER_SM = 2
 TILE_BLOCKS_PER_SM_HD256 = 1
 # Grids past one item per SM whose items are at most SHORT_ITEM_TILES tiles take
 # SHORT_ITEM_STAGES stages (H200, decode timing: B=64 Hkv=32 S=256, 4 tiles per item, 74.1 us at
-# 2 stages against 76.1 at 3). Grids of one item per SM keep the deeper ring (B=1 Hkv=8 S=4096,
-# 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32 S=1024: 12.7 against 12.8).
+# 2 stages against 76.1 at 3), and so do all such grids over 16-bit caches: two blocks share
+# each SM, whose four stages keep enough in flight (H100, 2026-11-26, canonical grid: the 21
+# rows this moved ran 0.967-0.994x their time at 3 stages (head dim 128) or 6 (head dim 64);
+# docs/data/ab_two_stages_h100.md). Grids of one item per SM keep the deeper ring (B=1 Hkv=8
+# S=4096, 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32 S=1024: 12.7 against
+# 12.8); fp8 grids and tree steps, which fill every resident block, keep it too (fp8's consumers
+# take two tiles per update from four stages on).
 SHORT_ITEM_TILES = 4
 SHORT_ITEM_STAGES = 2
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
@@ -279,8 +284,9 @@ def choose_variant(
     Tile loop (fp16 / bf16): the step is cut into items, one per (row, kv head, query-head block,
     split), walked by a grid of resident blocks. The ring gets the most stages that still let
     ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
-    ``num_sms * blocks_per_sm`` items; grids of more than one item per SM whose items are at most
-    ``SHORT_ITEM_TILES`` tiles take ``SHORT_ITEM_STAGES`` stages. If the
+    ``num_sms * blocks_per_sm`` items; grids of more than one item per SM take
+    ``SHORT_ITEM_STAGES`` stages when their caches are 16-bit (not a tree step) or their items
+    are at most ``SHORT_ITEM_TILES`` tiles. If the
     base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
     sequence is cut into as many splits as give one item per SM, at most one per tile of
     ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
@@ -301,8 +307,9 @@ def choose_variant(
     per SM, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 4, 3, 2)``, 128 items of 16
     tiles (1024 keys) each. With 8 kv heads (4 query heads per block): 8 base items, 132 // 8 =
     16 splits of 4 tiles, one per SM, so the ring stays at 3 stages: ``Plan("split", 16, 3, 2)``.
-    At batch 64 the base grid is 2048 >= 132 items: 7.76 waves,
-    whole enough (8 waves / 1 split vs 16 / 2): ``Plan("single_pass", 1, 3, 2)``.
+    At batch 64 the base grid is 2048 >= 132 items: 7.76 waves, whole enough (8 waves / 1 split
+    vs 16 / 2), two items per SM at a time, so the ring takes 2 stages:
+    ``Plan("single_pass", 1, 2, 2)``.
 
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
     ``kv_dtype`` is the caches' dtype (default ``dtype``; fp8 e4m3 halves a stage).
@@ -358,8 +365,9 @@ def choose_variant(
         splits = max(1, min(allowed, fill // base))
     else:
         splits = wave_splits(base, wave, allowed)
-    if tiles and head_dim <= 128 and base * splits > sms and -(-grains // splits) <= SHORT_ITEM_TILES:
-        stages = min(stages, SHORT_ITEM_STAGES)
+    if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
+        if -(-grains // splits) <= SHORT_ITEM_TILES or (elem == 2 and not tree):
+            stages = min(stages, SHORT_ITEM_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

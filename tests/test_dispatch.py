@@ -16,10 +16,10 @@ A100 = dispatch.Device(108, 164 * 1024, 163 * 1024)
 # (batch, Hq, Hkv, D, seq_len, dtype, device, expected)
 CASES = [
     # The docstring's examples: 3 stages of 32 KB let two blocks share an SM; small grids get one
-    # item per SM; short items (<= 4 tiles) 2 stages where a grid has more than one item per SM.
+    # item per SM; grids of more than one item per SM 2 stages (16-bit caches, or short items).
     (1, 32, 32, 128, 4096, F16, H100, dispatch.Plan("split", 4, 3, 2)),  # 132 // 32, 16 tiles each
     (1, 32, 8, 128, 4096, F16, H100, dispatch.Plan("split", 16, 3, 2)),  # 132 // 8, 4 tiles each
-    (64, 32, 32, 128, 4096, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    (64, 32, 32, 128, 4096, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 2048 items
     (64, 32, 32, 128, 256, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 4 tiles per item
     # Splits of at least one 64-key tile.
     (1, 32, 32, 128, 100, F16, H100, dispatch.Plan("split", 2, 3, 2)),
@@ -29,17 +29,19 @@ CASES = [
     (1, 32, 32, 128, 65536, F16, H100, dispatch.Plan("split", 4, 3, 2)),
     (1, 32, 4, 128, 65536, F16, H100, dispatch.Plan("split", 33, 3, 2)),  # 132 // 4
     (16, 32, 8, 128, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 128 items < 132
-    (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),  # 512 items: 2 waves
+    (16, 32, 32, 128, 512, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 512 items: 2 waves
     # MQA: 4 items of 8 query heads per row; 132 // 4 = 33 splits of 4 tiles, one item per SM.
     (1, 32, 1, 128, 8192, F16, H100, dispatch.Plan("split", 33, 3, 2)),
     # A grid past one wave: 512 items on a 264-item wave are 2 waves, 1.94 full: no split.
-    (64, 32, 8, 128, 1024, F16, H100, dispatch.Plan("single_pass", 1, 3, 2)),
+    (64, 32, 8, 128, 1024, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),
     # 300 items: 2 waves, the second 14 % full; 6 splits make 7 nearly full waves (7/6 vs 2).
-    (300, 8, 1, 128, 4096, F16, H100, dispatch.Plan("split", 6, 3, 2)),
+    (300, 8, 1, 128, 4096, F16, H100, dispatch.Plan("split", 6, 2, 2)),
     # Other head dims: the deepest ring that keeps two blocks per SM (one at 256).
     (16, 32, 8, 64, 2048, F16, H100, dispatch.Plan("single_pass", 1, 6, 2)),
     (16, 32, 8, 256, 2048, F16, H100, dispatch.Plan("single_pass", 1, 3, 1)),  # 128 items, 132 SMs
-    (16, 32, 32, 96, 2048, BF16, H100, dispatch.Plan("single_pass", 1, 4, 2)),  # padded V rows
+    (16, 32, 32, 96, 2048, BF16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 512 items
+    (1, 32, 32, 96, 4096, BF16, H100, dispatch.Plan("split", 4, 4, 2)),  # 128 items: padded V rows
+    (16, 16, 16, 64, 1024, F16, H100, dispatch.Plan("single_pass", 1, 2, 2)),  # 256 items
     # A GPU with less shared memory per SM (A100: 164 KB): 108 // 32 = 3 splits, 2 stages.
     (1, 32, 32, 128, 4096, F16, A100, dispatch.Plan("split", 3, 2, 2)),
     # CUDA-core loop (fp32): 3 blocks per SM, splits of >= 128 keys, blocks of <= 4096 keys.
@@ -85,6 +87,12 @@ def test_forced_variants():
     # Short items: 2 stages in a grid past one item per SM, the deeper ring in a small one.
     assert dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, "single_pass").stages == 2
     assert dispatch.choose_variant(1, 32, 32, 128, 256, F16, H100, "single_pass").stages == 3
+    # Grids past one item per SM keep the deeper ring over fp8 caches (two tiles per consumer
+    # update from four stages on) and in tree steps; 16-bit one-token steps take 2 stages.
+    fp8 = torch.float8_e4m3fn
+    assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100, kv_dtype=fp8).stages == 6
+    assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100, tree=True).stages == 3
+    assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100).stages == 2
 
 
 def test_pure_function_of_its_arguments():

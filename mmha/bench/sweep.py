@@ -25,8 +25,20 @@ from .methods import mmha_fn, plan_str
 from .problems import CANONICAL, TOLERANCE, Config, layer_problems
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64)
-# Rows off the canonical grid (B, Hq, Hkv, D, S): head_dims 64 and 256.
-EXTRAS = ((16, 32, 8, 64, 2048), (16, 16, 16, 64, 1024), (1, 16, 16, 64, 16384), (16, 32, 8, 256, 2048))
+# Rows off the canonical grid (B, Hq, Hkv, D, S): head_dims 64 and 256, the benchmark's extra rows
+# (its small-head rows: B * S = 16K at Hq = Hkv = 16, D = 64).
+EXTRAS = (
+    (16, 32, 8, 64, 2048),
+    (1, 32, 32, 64, 4096),
+    (16, 32, 32, 64, 2048),
+    (32, 16, 16, 64, 512),
+    (16, 16, 16, 64, 1024),
+    (8, 16, 16, 64, 2048),
+    (4, 16, 16, 64, 4096),
+    (2, 16, 16, 64, 8192),
+    (1, 16, 16, 64, 16384),
+    (16, 32, 8, 256, 2048),
+)
 
 
 def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, str]]:
