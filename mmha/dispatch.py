@@ -71,6 +71,12 @@ TILE_BLOCKS_PER_SM_HD256 = 1
 # take two tiles per update from four stages on).
 SHORT_ITEM_TILES = 4
 SHORT_ITEM_STAGES = 2
+# fp8 grids (two blocks share each SM) whose items are longer take FP8_SHARED_STAGES: the fewest
+# at which a consumer pairs tiles (H100, 2026-11-26, decode timing, head dim 128, two runs each:
+# 4 stages against 6: B=64 Hkv=32 S=1024 189.1 / 188.3 against 193.8 / 194.5 us, B=16 Hkv=32
+# S=2048 97.6 / 97.3 against 99.2 / 99.5, B=64 Hkv=8 S=1024 55.0 / 54.8 against 55.7 / 55.5,
+# B=1 Hkv=32 S=16384 52.7 / 52.5 against 53.2 / 53.5; 2 or 3 stages, unpaired, in between).
+FP8_SHARED_STAGES = 4
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -286,7 +292,8 @@ def choose_variant(
     ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
     ``num_sms * blocks_per_sm`` items; grids of more than one item per SM take
     ``SHORT_ITEM_STAGES`` stages when their caches are 16-bit (not a tree step) or their items
-    are at most ``SHORT_ITEM_TILES`` tiles. If the
+    are at most ``SHORT_ITEM_TILES`` tiles, and at most ``FP8_SHARED_STAGES`` over fp8 caches
+    (not a tree step). If the
     base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
     sequence is cut into as many splits as give one item per SM, at most one per tile of
     ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
@@ -368,6 +375,8 @@ def choose_variant(
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         if -(-grains // splits) <= SHORT_ITEM_TILES or (elem == 2 and not tree):
             stages = min(stages, SHORT_ITEM_STAGES)
+        elif elem == 1 and not tree:
+            stages = min(stages, FP8_SHARED_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

@@ -87,10 +87,12 @@ def test_forced_variants():
     # Short items: 2 stages in a grid past one item per SM, the deeper ring in a small one.
     assert dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, "single_pass").stages == 2
     assert dispatch.choose_variant(1, 32, 32, 128, 256, F16, H100, "single_pass").stages == 3
-    # Grids past one item per SM keep the deeper ring over fp8 caches (two tiles per consumer
-    # update from four stages on) and in tree steps; 16-bit one-token steps take 2 stages.
+    # Grids past one item per SM: 4 stages over fp8 caches (two tiles per consumer update from
+    # four stages on), 2 for short fp8 items and 16-bit one-token steps; tree steps keep theirs.
     fp8 = torch.float8_e4m3fn
-    assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100, kv_dtype=fp8).stages == 6
+    assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100, kv_dtype=fp8).stages == 4
+    assert dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, kv_dtype=fp8).stages == 2  # 4 tiles
+    assert dispatch.choose_variant(16, 32, 32, 256, 2048, F16, H100, kv_dtype=fp8).stages > 4  # 1 per SM
     assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100, tree=True).stages == 3
     assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100).stages == 2
 
