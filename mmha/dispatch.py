@@ -60,23 +60,22 @@ SMEM_RESERVED_PER_BLOCK = 1024
 # 12 warps of two blocks are 3 per SM sub-partition of 16384), one at 256 (~250 per thread).
 TILE_BLOCKS_PER_SM = 2
 TILE_BLOCKS_PER_SM_HD256 = 1
-# Grids past one item per SM whose items are at most SHORT_ITEM_TILES tiles take
-# SHORT_ITEM_STAGES stages (H200, decode timing: B=64 Hkv=32 S=256, 4 tiles per item, 74.1 us at
-# 2 stages against 76.1 at 3), and so do all such grids over 16-bit caches: two blocks share
-# each SM, whose four stages keep enough in flight (H100, 2026-11-26, canonical grid: the 21
-# rows this moved ran 0.967-0.994x their time at 3 stages (head dim 128) or 6 (head dim 64);
-# docs/data/ab_two_stages_h100.md). Grids of one item per SM keep the deeper ring (B=1 Hkv=8
-# S=4096, 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32 S=1024: 12.7 against
-# 12.8); fp8 grids and tree steps, which fill every resident block, keep it too (fp8's consumers
-# take two tiles per update from four stages on).
+# Grids past one item per SM (two blocks share each SM) take SHARED_STAGES stages over 16-bit
+# caches, and over fp8 caches when their items are at most SHORT_ITEM_TILES tiles: four stages
+# per SM between two blocks keep enough in flight (H100, 2026-11-26, canonical grid: the 21 16-bit
+# rows this moved ran 0.967-0.994x their time at 3 stages (head dim 128) or 6 (head dim 64),
+# docs/data/ab_two_stages_h100.md; H200, the first such rule, for short items: B=64 Hkv=32
+# S=256, 4 tiles per item, 74.1 us at 2 stages against 76.1 at 3). Longer fp8 items take
+# SHARED_STAGES_FP8, the fewest at which a consumer pairs tiles (H100, 2026-11-26, decode timing,
+# head dim 128, two runs each, 4 stages against 6: B=64 Hkv=32 S=1024 189.1 / 188.3 against
+# 193.8 / 194.5 us, B=16 Hkv=32 S=2048 97.6 / 97.3 against 99.2 / 99.5, B=64 Hkv=8 S=1024
+# 55.0 / 54.8 against 55.7 / 55.5, B=1 Hkv=32 S=16384 52.7 / 52.5 against 53.2 / 53.5; 2 or 3
+# stages, unpaired, in between). Tree steps keep the deepest ring unless their items are that
+# short, and grids of one item per SM keep it (B=1 Hkv=8 S=4096, 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32
+# S=1024: 12.7 against 12.8).
 SHORT_ITEM_TILES = 4
-SHORT_ITEM_STAGES = 2
-# fp8 grids (two blocks share each SM) whose items are longer take FP8_SHARED_STAGES: the fewest
-# at which a consumer pairs tiles (H100, 2026-11-26, decode timing, head dim 128, two runs each:
-# 4 stages against 6: B=64 Hkv=32 S=1024 189.1 / 188.3 against 193.8 / 194.5 us, B=16 Hkv=32
-# S=2048 97.6 / 97.3 against 99.2 / 99.5, B=64 Hkv=8 S=1024 55.0 / 54.8 against 55.7 / 55.5,
-# B=1 Hkv=32 S=16384 52.7 / 52.5 against 53.2 / 53.5; 2 or 3 stages, unpaired, in between).
-FP8_SHARED_STAGES = 4
+SHARED_STAGES = 2
+SHARED_STAGES_FP8 = 4
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -291,9 +290,9 @@ def choose_variant(
     split), walked by a grid of resident blocks. The ring gets the most stages that still let
     ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
     ``num_sms * blocks_per_sm`` items; grids of more than one item per SM take
-    ``SHORT_ITEM_STAGES`` stages when their caches are 16-bit (not a tree step) or their items
-    are at most ``SHORT_ITEM_TILES`` tiles, and at most ``FP8_SHARED_STAGES`` over fp8 caches
-    (not a tree step). If the
+    ``SHARED_STAGES`` stages when their caches are 16-bit (not a tree step) or their items are
+    at most ``SHORT_ITEM_TILES`` tiles, and at most ``SHARED_STAGES_FP8`` over fp8 caches (not a
+    tree step). If the
     base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
     sequence is cut into as many splits as give one item per SM, at most one per tile of
     ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
@@ -374,9 +373,9 @@ def choose_variant(
         splits = wave_splits(base, wave, allowed)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         if -(-grains // splits) <= SHORT_ITEM_TILES or (elem == 2 and not tree):
-            stages = min(stages, SHORT_ITEM_STAGES)
+            stages = min(stages, SHARED_STAGES)
         elif elem == 1 and not tree:
-            stages = min(stages, FP8_SHARED_STAGES)
+            stages = min(stages, SHARED_STAGES_FP8)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":
