@@ -681,8 +681,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // Two consecutive tiles of an item in one softmax update, where the ring is deep enough for a
-  // consumer to hold two stages: fp8 caches (consumer-bound) and 16-bit head dims <= 96 (their
-  // plans run 6 stages; head dim 128 spills with it and runs 3).
+  // consumer to hold two stages (p.stages >= 4): fp8 caches (consumer-bound; 4 or more stages
+  // unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one item per SM;
+  // head dim 128 spills with it).
   constexpr bool kPairTiles = std::is_same_v<C, e4m3> || HEAD_DIM <= 96;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
