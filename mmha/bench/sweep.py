@@ -5,9 +5,13 @@ checked against its table (docs/design.md quotes it).
 Plans read ``SxT``: S splits, T stages (``SxT cp``: with the cp.async tile source where the
 plan would use bulk tensor copies). Each row times every split count at the dispatcher's stages
 and every stage count at the dispatcher's splits and in one pass, and the cp.async source at the dispatcher's
-plan, after checking the dispatcher's plan against the fp32 reference.
+plan, after checking the dispatcher's plan against the fp32 reference. ``--tree``: the tree
+benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
+count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
+count's output checked against the reference.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
+    python -m mmha.bench.sweep --tree --out DIR
 """
 
 from __future__ import annotations
@@ -91,6 +95,55 @@ def sweep_row(cfg: Config) -> dict:
     }  # fmt: skip
 
 
+def sweep_tree_row(row) -> dict:
+    """One tree row (``mmha.bench.tree.Row``) at the dispatcher's splits and stages 2 .. its own."""
+    from . import tree as tree_bench
+
+    layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
+    ref = tree_bench.reference_out(layers[0])
+    keys = row.context + row.nodes
+    plan = ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim, keys,
+                        torch.float16, tree=row.nodes > 1)  # fmt: skip
+    methods = {}
+    for st in range(dispatch.MIN_STAGES, plan.stages + 1):
+        cand = dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm)
+        fns = []
+        for layer in layers:
+            ws = ops.Workspace.allocate(
+                "cuda", row.batch, row.num_heads, row.head_dim, plan.num_splits, row.nodes
+            )
+            fns.append(
+                lambda layer=layer, ws=ws, st=st: ops.decode_tree(
+                    layer.qkv,
+                    layer.kc,
+                    layer.vc,
+                    layer.lengths,
+                    layer.parents,
+                    num_heads=row.num_heads,
+                    num_kv_heads=row.num_kv_heads,
+                    workspace=ws,
+                    validate=False,
+                    max_len=keys,
+                    num_splits=plan.num_splits,
+                    stages=st,
+                )  # fmt: skip
+            )
+        err = tree_bench.error(fns[0](), layers[0], ref)
+        assert err <= TOLERANCE["fp16"], f"tree row {row}: plan {plan_str(cand)} error {err:.3g}"
+        methods[plan_str(cand)] = fns
+    got = timing.decode_us_rounds(methods, rounds=4)
+    del layers, methods
+    torch.cuda.empty_cache()
+    times = {name: r["us"] for name, r in got.items()}
+    best = min(times, key=times.get)
+    label = (f"tree B={row.batch} Hq={row.num_heads} Hkv={row.num_kv_heads} D={row.head_dim} "
+             f"ctx={row.context} T={row.nodes} {row.shape}")  # fmt: skip
+    return {
+        "row": label, "kv_mb": row.kv_bytes / 1e6, "layers": row.layers, "plan": plan_str(plan),
+        "plan_us": times[plan_str(plan)], "best": best, "best_us": times[best], "times_us": times,
+    }  # fmt: skip
+
+
 def render(results: list[dict]) -> str:
     from tabulate import tabulate
 
@@ -119,11 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="*", help="indices into the canonical grid (default: all)")
     p.add_argument("--no-canonical", action="store_true", help="only the extra rows")
     p.add_argument("--extras", action="store_true", help="add head_dim 64 and 256 rows")
+    p.add_argument(
+        "--tree", action="store_true", help="the tree benchmark's rows: stage counts at the plan's splits"
+    )
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("mmha.bench.sweep: no CUDA GPU here")
         return 0
+    if args.tree:
+        from .tree import rows as tree_rows
+
+        results = []
+        for row in tree_rows():
+            results.append(sweep_tree_row(row))
+            r = results[-1]
+            line = (
+                f"{r['row']}: plan {r['plan']} {r['plan_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us"
+            )
+            print(line, file=sys.stderr, flush=True)
+        return write(results, args.out)
     grid = [] if args.no_canonical else [CANONICAL[i] for i in args.rows] if args.rows else CANONICAL
     cfgs = [Config(g, b, 32, hkv, 128, s, args.dtype) for g, b, hkv, s in grid]
     if args.extras:
@@ -134,10 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cfg.label}: plan {results[-1]['plan']} {results[-1]['plan_us']:.1f} us, best "
               f"{results[-1]['best']} {results[-1]['best_us']:.1f} us",
               file=sys.stderr, flush=True)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
+    return write(results, args.out)
+
+
+def write(results: list[dict], out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     text = render(results)
-    (args.out / "sweep.json").write_text(json.dumps(results, indent=1))
-    (args.out / "sweep.md").write_text(text + "\n")
+    (out / "sweep.json").write_text(json.dumps(results, indent=1))
+    (out / "sweep.md").write_text(text + "\n")
     print(text)
     return 0
 
