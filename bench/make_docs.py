@@ -72,8 +72,10 @@ SWEEP_RUNS = {
     " in each row, before the timing's 100 ms warm-up existed, and the first timing of the two 64K rows"
     " came out ~12 % slow whatever the plan (B=1 Hkv=32 S=65536: 282.5 us here, 243.2 in that day's"
     " benchmark run with the same plan); the sweep now times the plan again last",
-    "sweep_h100.json": "NVIDIA H100 80GB HBM3, 2026-11-26, the B = 1 rows and the smallest batched rows"
-    " (`--rows 0 1 2 3 12 13 4 8 14 16`)",
+    "sweep_h100.json": "NVIDIA H100 80GB HBM3, 2026-11-26, every canonical row and `--extras`, after the"
+    " ring-depth rules (2 stages for 16-bit grids of more items than SMs)",
+    "sweep_tree_h100.json": "NVIDIA H100 80GB HBM3, 2026-11-26, `--tree`: the tree benchmark's rows at the"
+    " plan's splits and each stage count up to the plan's, four rounds of alternating order",
 }
 
 
