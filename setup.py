@@ -8,6 +8,10 @@ Environment:
   MAX_JOBS              parallel compile jobs (ninja)
   MMHA_TIMELINE=1       a diagnostic build whose tile loop stamps per-block events (bench/timeline.py;
                         csrc/kernels/timeline.cuh); the kernels are otherwise unchanged
+  MMHA_BUILD_CHECK=1    a build check for machines without a GPU (CI): every kernel through the
+                        compiler's front end to unoptimised PTX for each architecture, no SASS, the
+                        host code whole; its operators refuse to launch kernels (.ci/ptxas_check
+                        assembles representative instantiations fully)
 No GPU is needed to build: nothing here asks torch.cuda.is_available().
 """
 
@@ -70,14 +74,29 @@ def extension_modules() -> tuple[list, dict]:
     ]  # fmt: skip
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu"))
     timeline = ["-DMMHA_TIMELINE"] if os.environ.get("MMHA_TIMELINE", "0") == "1" else []
+    check = []
+    if os.environ.get("MMHA_BUILD_CHECK", "0") == "1":
+        # PTX only (torch adds no arch flags where these are given), unoptimised: about a fifth of
+        # the full build's time. The extension's host code refuses to launch such kernels.
+        archs = os.environ["TORCH_CUDA_ARCH_LIST"].split(";")
+        codes = [a.replace(".", "").replace("+PTX", "") for a in archs]
+        check = [
+            "-DMMHA_BUILD_CHECK",
+            "-Xcicc",
+            "-O0",
+            *(f"-gencode=arch=compute_{c},code=compute_{c}" for c in codes),
+        ]
+        print(
+            f"[mmha] MMHA_BUILD_CHECK=1: a build check (PTX of {', '.join(codes)}), not for running kernels"
+        )
     ext = CUDAExtension(
         name="mmha._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={
-            "cxx": ["-O3", *timeline],
+            "cxx": ["-O3", *timeline, *check[:1]],
             # No --use_fast_math: rotary angles need accurate sincosf/powf to match the reference.
-            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *timeline],
+            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *timeline, *check],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -82,6 +82,8 @@ PYBIND11_MODULE(_C, m) {
       "tile_static_smem",
       [](int head_dim, int elem_bytes, int qb) { return mmha::tile_static_smem(head_dim, elem_bytes, qb); },
       "Bound on the tile kernel's static shared memory at qb query heads per block");
+  m.def("build_check", &mmha::build_check,
+        "Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX, its operators launch nothing)");
   m.def("timeline_built", &mmha::timeline_built,
         "Whether this build stamps the tile loop's per-block events (MMHA_TIMELINE=1 at build time)");
   m.def("set_timeline", &mmha::set_timeline, pybind11::arg("buffer"),

@@ -56,6 +56,15 @@ std::string list_str(c10::IntArrayRef v) {
 
 std::string shape_str(const at::Tensor& t) { return list_str(t.sizes()); }
 
+// A build check (setup.py, MMHA_BUILD_CHECK=1) holds unoptimised PTX, compiled to be checked,
+// not run: its operators stop before any launch.
+void refuse_build_check() {
+#ifdef MMHA_BUILD_CHECK
+  MMHA_CHECK(false, "this mmha is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX, not for running kernels); "
+             "reinstall without it: pip install --no-build-isolation -e .");
+#endif
+}
+
 void check_cuda(const at::Tensor& t, const char* name, const c10::Device& device) {
   MMHA_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got a tensor on ", t.device());
   MMHA_CHECK(t.device() == device, name, " must be on the same device as qkv (", device, "), got ",
@@ -190,6 +199,14 @@ void set_timeline_params(MmhaParams& p) {
 }
 
 }  // namespace
+
+bool build_check() {
+#ifdef MMHA_BUILD_CHECK
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool timeline_built() {
 #ifdef MMHA_TIMELINE
@@ -604,6 +621,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
     }
   }
 
+  refuse_build_check();
   const cudaError_t err = run_decode_attention(p, stream);
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     int major = 0, minor = 0;
@@ -670,6 +688,7 @@ void shard_pack(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
   p.head_dim = static_cast<int>(head_dim);
   p.groups = static_cast<int>(groups);
   p.out_dtype = to_dtype(out.scalar_type());
+  refuse_build_check();
   check_launch(run_shard_pack(p, c10::cuda::getCurrentCUDAStream(device.index()).stream()), "shard_pack");
 }
 
@@ -701,6 +720,7 @@ void shard_merge(const at::Tensor& parts, const std::optional<at::Tensor>& sinks
   p.heads = static_cast<int>(heads);
   p.head_dim = static_cast<int>(head_dim);
   p.out_dtype = to_dtype(out.scalar_type());
+  refuse_build_check();
   check_launch(run_shard_merge(p, c10::cuda::getCurrentCUDAStream(device.index()).stream()), "shard_merge");
 }
 

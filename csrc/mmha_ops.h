@@ -69,5 +69,7 @@ void shard_merge(const at::Tensor& parts, const std::optional<at::Tensor>& sinks
 // build one. timeline_built(): whether this build has the events.
 void set_timeline(const std::optional<at::Tensor>& buffer);
 bool timeline_built();
+// Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX; its operators launch nothing).
+bool build_check();
 
 }  // namespace mmha

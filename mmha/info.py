@@ -26,6 +26,7 @@ def info() -> dict:
         "extension_built": _C is not None,
         "extension_error": None if IMPORT_ERROR is None else str(IMPORT_ERROR),
         "compiled_archs": _archs(_C.compiled_cuda_archs()) if _C is not None else [],
+        "build_check": bool(getattr(_C, "build_check", lambda: False)()) if _C is not None else False,
         "supported_head_dims": list(dispatch.SUPPORTED_HEAD_DIMS),
         "gpu": None,
         "gpu_capability": None,
@@ -40,6 +41,11 @@ def info() -> dict:
         d["hint"] = (
             "the CUDA extension is not built: install with CUDA_HOME set to a CUDA toolkit "
             "(`pip install --no-build-isolation -e .`); until then the reference path runs"
+        )
+    elif d["build_check"]:
+        d["hint"] = (
+            "this extension is a build check (MMHA_BUILD_CHECK=1, unoptimised PTX): it launches no "
+            "kernels; reinstall without it: `pip install --no-build-isolation -e .`"
         )
     elif d["gpu"] is None:
         d["hint"] = "no CUDA GPU visible: KVCache.step runs the plain-torch reference path"
@@ -57,7 +63,12 @@ def format_info(d: dict | None = None) -> str:
     rows = [
         ("mmha", d["mmha"]),
         ("torch", f"{d['torch']} (CUDA {d['torch_cuda']})"),
-        ("extension", "built" if d["extension_built"] else f"missing: {d['extension_error']}"),
+        (
+            "extension",
+            ("built (build check)" if d["build_check"] else "built")
+            if d["extension_built"]
+            else f"missing: {d['extension_error']}",
+        ),
         ("compiled archs", ", ".join(d["compiled_archs"]) or "-"),
         ("head dims", ", ".join(map(str, d["supported_head_dims"]))),
         ("GPU", f"{d['gpu']} (sm {d['gpu_capability']})" if d["gpu"] else "none"),
