@@ -106,31 +106,11 @@ def sweep_tree_row(row) -> dict:
                         torch.float16, tree=row.nodes > 1)  # fmt: skip
     methods = {}
     for st in range(dispatch.MIN_STAGES, plan.stages + 1):
-        cand = dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm)
-        fns = []
-        for layer in layers:
-            ws = ops.Workspace.allocate(
-                "cuda", row.batch, row.num_heads, row.head_dim, plan.num_splits, row.nodes
-            )
-            fns.append(
-                lambda layer=layer, ws=ws, st=st: ops.decode_tree(
-                    layer.qkv,
-                    layer.kc,
-                    layer.vc,
-                    layer.lengths,
-                    layer.parents,
-                    num_heads=row.num_heads,
-                    num_kv_heads=row.num_kv_heads,
-                    workspace=ws,
-                    validate=False,
-                    max_len=keys,
-                    num_splits=plan.num_splits,
-                    stages=st,
-                )  # fmt: skip
-            )
+        name = plan_str(dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm))
+        fns = [tree_bench.mmha_fn(layer, plan.num_splits, st) for layer in layers]
         err = tree_bench.error(fns[0](), layers[0], ref)
-        assert err <= TOLERANCE["fp16"], f"tree row {row}: plan {plan_str(cand)} error {err:.3g}"
-        methods[plan_str(cand)] = fns
+        assert err <= TOLERANCE["fp16"], f"tree row {row}: plan {name} error {err:.3g}"
+        methods[name] = fns
     got = timing.decode_us_rounds(methods, rounds=4)
     del layers, methods
     torch.cuda.empty_cache()

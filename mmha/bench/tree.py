@@ -129,7 +129,8 @@ class Layer:
         self.row = row
 
 
-def mmha_fn(layer: Layer):
+def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = None):
+    """mmha's tree step on ``layer``, at the dispatcher's plan or the split / stage counts given."""
     row = layer.row
     ws = ops.Workspace.allocate(
         "cuda", row.batch, row.num_heads, row.head_dim, dispatch.MAX_SPLITS, row.nodes
@@ -137,6 +138,7 @@ def mmha_fn(layer: Layer):
     return lambda: ops.decode_tree(
         layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
+        num_splits=num_splits, stages=stages,
     )  # fmt: skip
 
 
