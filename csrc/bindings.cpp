@@ -53,23 +53,6 @@ PYBIND11_MODULE(_C, m) {
       "Resident blocks per SM of the decode kernel with `stages` stages on the current device "
       "(dtype: 0 fp16, 1 bf16, 2 fp32; cache_dtype: the same, 3 fp8 e4m3, -1 = dtype; tile_source: "
       "1 cp.async, 2 tma); 0 when it cannot run there");
-  pybind11::list head_dims;
-  for (int d : mmha::kSupportedHeadDims) head_dims.append(d);
-  m.attr("SUPPORTED_HEAD_DIMS") = pybind11::tuple(head_dims);
-  pybind11::list blocks;
-  for (int qb : mmha::kQGroupBlocks) blocks.append(qb);
-  m.attr("Q_GROUP_BLOCKS") = pybind11::tuple(blocks);
-  m.attr("MAX_SPLITS") = mmha::kMaxSplits;
-  m.attr("MAX_TREE_NODES") = mmha::kMaxTreeNodes;
-  m.attr("TILE_KEYS") = mmha::kTileKeys;
-  m.attr("TILE_THREADS") = mmha::kTileThreads;
-  m.attr("MIN_STAGES") = mmha::kMinStages;
-  m.attr("MAX_STAGES") = mmha::kMaxStages;
-  m.attr("WIDE_COLUMNS") = mmha::kWideColumns;
-  m.attr("WIDE_MIN_COLUMNS") = mmha::kWideMinColumns;
-  m.attr("WIDE_MAX_HEAD_DIM") = mmha::kWideMaxHeadDim;
-  m.attr("EPILOGUE_COLUMNS") = mmha::kEpilogueColumns;
-  m.attr("EPILOGUE_GROUP_COLUMNS") = mmha::kEpilogueGroupColumns;
   m.def(
       "columns_block",
       [](int64_t columns, bool tree, bool tiles, int head_dim, int64_t kv_rows, bool epilogue) {
@@ -78,10 +61,6 @@ PYBIND11_MODULE(_C, m) {
       pybind11::arg("columns"), pybind11::arg("tree"), pybind11::arg("tiles"), pybind11::arg("head_dim"),
       pybind11::arg("kv_rows"), pybind11::arg("epilogue") = false,
       "Query columns per work item for `columns` columns per (row, kv head)");
-  m.def(
-      "tile_static_smem",
-      [](int head_dim, int elem_bytes, int qb) { return mmha::tile_static_smem(head_dim, elem_bytes, qb); },
-      "Bound on the tile kernel's static shared memory at qb query heads per block");
   m.def("build_check", &mmha::build_check,
         "Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX, its operators launch nothing)");
   m.def("timeline_built", &mmha::timeline_built,
@@ -90,7 +69,4 @@ PYBIND11_MODULE(_C, m) {
         "Later launches stamp block j's events into buffer[j] (int64 [blocks, TIMELINE_EVENTS], CUDA); "
         "None stops. MMHA_TIMELINE builds only");
   m.attr("TIMELINE_EVENTS") = static_cast<int>(mmha::kTimelineEvents);
-  m.def(
-      "tile_stage_bytes", [](int head_dim, int elem_bytes) { return mmha::tile_stage_bytes(head_dim, elem_bytes); },
-      "Shared memory of one stage of the tile loop (K and V of TILE_KEYS keys)");
 }

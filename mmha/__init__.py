@@ -1,22 +1,26 @@
 """mmha: fused append + masked multi-head attention for the decode step of transformer inference."""
 
-__version__ = "0.1.0"
-
-from . import dispatch, layout, reference  # noqa: E402
-from ._ext import extension_available  # noqa: E402
-from .cache import KVCache  # noqa: E402
-from .dispatch import Plan, choose_variant  # noqa: E402
-from .epilogue import OutEpilogue  # noqa: E402
-from .info import info  # noqa: E402
+from . import dispatch, layout, reference, spec
+from ._ext import extension_available
+from ._version import __version__
+from .cache import KVCache
+from .dispatch import Plan, choose_variant
+from .epilogue import OutEpilogue
+from .info import info
+from .spec import AttentionSpec, Rotary
 
 __all__ = [
+    "AttentionSpec",
     "KVCache",
     "OutEpilogue",
     "Plan",
+    "Rotary",
+    "__version__",
     "choose_variant",
     "dispatch",
     "extension_available",
     "info",
     "layout",
     "reference",
+    "spec",
 ]

@@ -2,9 +2,22 @@
 stages. One pure function of the shapes and of the device's numbers (``Device``); it asks
 nothing of the extension or the GPU, so ``mmha.ops`` calls it and it never calls back.
 
-The C++ side holds the same constants in ``csrc/kernels/mmha_params.h``;
-``tests/test_dispatch.py`` checks that both agree (and, on a GPU, that the occupancy computed
-here is what the compiled kernel gets).
+The sizes it shares with the kernels (head dims, query-group blocks, the tile loop's constants,
+the shared-memory model) come from ``mmha._constants``, generated with ``csrc/kernels/constants.h``
+from one table (``csrc/kernels/table.py``); the thresholds below are the dispatcher's own.
+``columns_block`` mirrors the C++ function of that name (the GPU tests compare them).
+
+Worked example (``choose_variant``): batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16,
+seq_len 4096, on an H100 (132 SMs, 228 KB of shared memory per SM, 227 KB per block). A stage is
+K and V of 64 keys: 2 * 64 * 128 * 2 = 32 KB. Six stages fit one block (6 * 32 + 1 + 4 = 197 KB
+with the 4 KB of static arrays of one query head per block), but two blocks per SM need 3:
+(3 * 32 + 1 + 4 + 1) * 2 = 204 KB <= 228 KB. So the wave is 132 * 2 = 264 items. One query head
+per kv head: a base grid of 1 * 32 * 1 = 32 items; 132 // 32 = 4 splits give one per SM, and
+4096 / 64 = 64 tiles allow them: ``Plan("split", 4, 3, 2)``, 128 items of 16 tiles (1024 keys)
+each. With 8 kv heads (4 query heads per block): 8 base items, 132 // 8 = 16 splits of 4 tiles,
+one per SM, so the ring stays at 3 stages: ``Plan("split", 16, 3, 2)``. At batch 64 the base
+grid is 2048 >= 132 items: 7.76 waves, whole enough (8 waves / 1 split vs 16 / 2), two items per
+SM at a time, so the ring takes 2 stages: ``Plan("single_pass", 1, 2, 2)``.
 """
 
 from __future__ import annotations
@@ -15,42 +28,32 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+from ._constants import (  # noqa: F401  (re-exported: the dispatcher's view of the kernels)
+    EPILOGUE_COLUMNS,
+    EPILOGUE_GROUP_COLUMNS,
+    ITEM_SLOTS_BYTES,
+    MAX_SPLITS,
+    MAX_STAGES,
+    MIN_STAGES,
+    Q_GROUP_BLOCKS,
+    SUPPORTED_HEAD_DIMS,
+    TILE_KEYS,
+    TILE_THREADS,
+    WARP_BUFFER_VALUES,
+    WIDE_ALWAYS_COLUMNS,
+    WIDE_COLUMNS,
+    WIDE_MAX_HEAD_DIM,
+    WIDE_MIN_COLUMNS,
+    WIDE_MIN_ITEMS,
+    tile_stage_bytes,
+    tile_static_smem,
+    v_whole_lines,
+)
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Cache dtypes besides the activations' own: fp8 e4m3 under fp16 / bf16 activations.
 FP8 = torch.float8_e4m3fn
 FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
-# Query heads handled by one block (K/V of a kv head is read once per block).
-Q_GROUP_BLOCKS = (1, 2, 4, 8)
-MAX_SPLITS = 64
-# Tree steps with at least WIDE_MIN_COLUMNS query columns (nodes x group) per kv head run wide
-# items of WIDE_COLUMNS columns on the tile loop, at head dims up to WIDE_MAX_HEAD_DIM
-# (csrc/kernels/attend_wide.cuh): a kv head's K/V is read once per WIDE_COLUMNS columns.
-WIDE_COLUMNS = 64
-WIDE_MIN_COLUMNS = 32
-WIDE_MAX_HEAD_DIM = 128
-# A step with an output epilogue (mmha.epilogue) runs kernels compiled with it, which exist for
-# items of EPILOGUE_COLUMNS columns, and of one and EPILOGUE_GROUP_COLUMNS columns on the tile loop
-# (csrc/kernels/mmha_params.h kEpilogueColumns, kEpilogueGroupColumns).
-EPILOGUE_COLUMNS = 8
-EPILOGUE_GROUP_COLUMNS = 4
-# Below WIDE_ALWAYS_COLUMNS, wide items only where a step has at least WIDE_MIN_ITEMS of them
-# (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
-# (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
-# timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide
-# items win, 114 against 134 and 179 against 310).
-WIDE_ALWAYS_COLUMNS = 128
-WIDE_MIN_ITEMS = 64
-
-# The tile loop (fp16 / bf16): blocks of 4 consumer warps and a producer warp around a ring of
-# stages, each holding K and V of TILE_KEYS keys.
-TILE_KEYS = 64
-TILE_THREADS = 192
-MIN_STAGES, MAX_STAGES = 2, 8
-# Static shared memory of the two item slots' items and barriers (kItemSlotsBytes in C++).
-ITEM_SLOTS_BYTES = 256
-# Items of at most this many values combine through a buffer per consumer warp (C++ kWarpBufferValues).
-WARP_BUFFER_VALUES = 512
 # Shared memory the GPU reserves per resident block (sm_80 and newer).
 SMEM_RESERVED_PER_BLOCK = 1024
 
@@ -178,31 +181,6 @@ def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         raise ValueError(f"dtype must be float16 or bfloat16 with an fp8 ({FP8}) cache, got {dtype}")
 
 
-def v_whole_lines(head_dim: int, elem_bytes: int) -> bool:
-    """Whether a V row is a whole number of 128-byte lines (mirrors ``v_whole_lines`` in C++)."""
-    return head_dim * elem_bytes % 128 == 0
-
-
-def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
-    """Shared memory of one tile-loop stage for caches of ``elem_bytes`` per element (mirrors
-    ``tile_stage_bytes`` in C++)."""
-    k = TILE_KEYS * head_dim * elem_bytes
-    pitch = head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes
-    v = TILE_KEYS * pitch * elem_bytes
-    return -(-(k + v) // 1024) * 1024
-
-
-def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
-    """Bound on the tile kernel's static shared memory at ``qb`` query heads per block (mirrors
-    ``tile_static_smem`` in C++): q / combine buffer, new token, staging, merge weights, barriers."""
-    if qb == WIDE_COLUMNS:  # the wide consumer: q staging (or merge weights), barriers, headers
-        staging = 4 * 16 * (head_dim + 8) * 2
-        return max(staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
-    return (qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes
-            + qb * 64 * 4 + 2 * 4 * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES
-            + (4 * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0) + 256)  # fmt: skip
-
-
 # In the functions below elem_bytes is the cache element's size (stages) and act_bytes the
 # activations' (static arrays: staged q and new token); act_bytes defaults to elem_bytes.
 
@@ -271,6 +249,45 @@ def keys_read(seq_len: int, window: int | None = None) -> int:
     return min(seq_len, window + TILE_KEYS - 1)
 
 
+def _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {SUPPORTED_HEAD_DIMS})")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    check_kv_dtype(dtype, kv_dtype)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+
+
+def _tile_plan(head_dim, elem, act, device, sms, qb, seq_len, tree) -> tuple[int, int, int, int]:
+    """The tile loop's ``(stages, blocks per SM, splits allowed, items that fill the GPU)``.
+
+    Small grids get one item per SM: filling two per SM measured slower (H200, decode timing: B=1
+    Hkv=8 S=4096 13.1 us at 16 splits against 15.5 at 33; B=16 Hkv=8 S=2048 39.0 in one pass
+    against 41.5 at 2 splits). fp8 tiles cost the consumers as much work for half the bytes, so one
+    block's consumers per SM cannot keep up: fp8 grids fill every resident block (H200: B=16 Hkv=8
+    S=32768 ran at 61 % of the fp8 floor with one item per SM). Tree steps' items (several nodes'
+    columns, each built at its own rotary position and masked on the tree's slots) fill every
+    resident block too (H200, decode timing: B=1 Hq=32 Hkv=8 T=16 at 4K 44.6 us at 4 splits
+    against 55.5 at 2, at 16K 93.8 against 138.7; T=4 at 16K 48.4 at 16 splits against 55.0 at 8;
+    the seed's B=4 T=54 at 16K 46.8 at 8 splits against 67.5 at 4)."""
+    stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
+    allowed = max(1, min(MAX_SPLITS, -(-seq_len // TILE_KEYS)))
+    fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
+    return stages, blocks_per_sm, allowed, fill
+
+
+def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> int:
+    """The ring of a grid where two blocks share each SM (``SHARED_STAGES``, ``SHARED_STAGES_FP8``)."""
+    if tiles_per_item <= SHORT_ITEM_TILES or (elem == 2 and not tree):
+        return min(stages, SHARED_STAGES)
+    if elem == 1 and not tree:
+        return min(stages, SHARED_STAGES_FP8)
+    return stages
+
+
 def choose_variant(
     batch: int,
     num_heads: int,
@@ -284,102 +301,56 @@ def choose_variant(
     tree: bool = False,
     epilogue: bool = False,
 ) -> Plan:
-    """Pick single pass or split sequence, the split count and the stages, from shapes alone.
+    """Pick single pass or split sequence, the split count and the stages, from shapes alone
+    (the module docstring works an example by hand).
 
     ``seq_len`` is the longest sequence the step may see: the host-side maximum of the lengths
     (plus the new token) in eager use, or the cache capacity when the step is captured in a CUDA
     graph, so no device value is ever read. The result depends only on the arguments.
 
-    Tile loop (fp16 / bf16): the step is cut into items, one per (row, kv head, query-head block,
-    split), walked by a grid of resident blocks. The ring gets the most stages that still let
-    ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave holds
-    ``num_sms * blocks_per_sm`` items; grids of more than one item per SM take
-    ``SHARED_STAGES`` stages when their caches are 16-bit (not a tree step) or their items are
-    at most ``SHORT_ITEM_TILES`` tiles, and at most ``SHARED_STAGES_FP8`` over fp8 caches (not a
-    tree step). If the
-    base grid (one item per row, kv head and query-head block) has fewer items than SMs, the
-    sequence is cut into as many splits as give one item per SM, at most one per tile of
-    ``TILE_KEYS`` keys. Otherwise a partial last wave still idles SMs: the sequence is split when
-    that lowers ``ceil(items * s / wave) / s`` (time in units of one item's work) by at least
-    ``1 - SPLIT_GAIN``. Never more than ``MAX_SPLITS`` splits. The kernel cuts a row of n tiles
-    into splits of ``n // s`` or ``n // s + 1`` tiles.
+    Tile loop (fp16 / bf16 / fp8 caches): the step is cut into items, one per (row, kv head,
+    query-head block, split), walked by a grid of resident blocks. The ring gets the most stages
+    that still let ``TILE_BLOCKS_PER_SM`` blocks share an SM (one at head_dim 256), so a wave
+    holds ``num_sms * blocks_per_sm`` items; grids of more than one item per SM take fewer
+    (``_shared_stages``). If the base grid (one item per row, kv head and query-head block) has
+    fewer items than fill the GPU (``_tile_plan``), the sequence is cut into as many splits as
+    fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
+    SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
+    SPLIT_GAIN``. Never more than ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into
+    splits of ``n // s`` or ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
+    ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid smaller than a wave split to fill it, splits of
+    ``MIN_KEYS_PER_SPLIT_SIMT`` to ``MAX_KEYS_PER_SPLIT_SIMT`` keys.
 
-    CUDA-core loop (fp32), one block per item: ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid
-    smaller than a wave split to fill it, splits of at least ``MIN_KEYS_PER_SPLIT_SIMT`` keys
-    and blocks of at most ``MAX_KEYS_PER_SPLIT_SIMT``.
-
-    Worked example: batch 1, 32 query heads, 32 kv heads, head_dim 128, fp16, seq_len 4096, on
-    an H100 (132 SMs, 228 KB of shared memory per SM, 227 KB per block). A stage is K and V of
-    64 keys: 2 * 64 * 128 * 2 = 32 KB. Six stages fit one block (6 * 32 + 1 + 4 = 197 KB with
-    the 4 KB of static arrays of one query head per block), but two blocks per SM need 3:
-    (3 * 32 + 1 + 4 + 1) * 2 = 204 KB <= 228 KB. So the wave is 132 * 2 = 264 items. One
-    query head per kv head: a base grid of 1 * 32 * 1 = 32 items; 132 // 32 = 4 splits give one
-    per SM, and 4096 / 64 = 64 tiles allow them: ``Plan("split", 4, 3, 2)``, 128 items of 16
-    tiles (1024 keys) each. With 8 kv heads (4 query heads per block): 8 base items, 132 // 8 =
-    16 splits of 4 tiles, one per SM, so the ring stays at 3 stages: ``Plan("split", 16, 3, 2)``.
-    At batch 64 the base grid is 2048 >= 132 items: 7.76 waves, whole enough (8 waves / 1 split
-    vs 16 / 2), two items per SM at a time, so the ring takes 2 stages:
-    ``Plan("single_pass", 1, 2, 2)``.
-
-    ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits).
-    ``kv_dtype`` is the caches' dtype (default ``dtype``; fp8 e4m3 halves a stage).
-
-    ``tree``: a tree step of two or more nodes, whose ``num_heads`` counts (node, head) columns
-    (``Hq * T``); from ``WIDE_MIN_COLUMNS`` columns per kv head on, its items are wide
-    (``columns_block``). Tree items, narrow or wide, compute more per tile than one-token items,
-    so their grid fills every resident block, as fp8's does.
-
-    ``epilogue``: the step has an output epilogue, whose kernels take 1, ``EPILOGUE_GROUP_COLUMNS``
-    or ``EPILOGUE_COLUMNS`` columns per item (``columns_block``).
+    ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits);
+    ``kv_dtype``: the caches' dtype (default ``dtype``); ``tree``: a tree step of two or more
+    nodes, whose ``num_heads`` counts (node, head) columns (``Hq * T``; wide items from
+    ``WIDE_MIN_COLUMNS`` columns per kv head, ``columns_block``); ``epilogue``: the step has an
+    output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or ``EPILOGUE_COLUMNS`` columns).
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {SUPPORTED_HEAD_DIMS})")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    check_kv_dtype(dtype, kv_dtype)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
     qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     if tiles:
-        elem = torch.empty((), dtype=kv_dtype).element_size()
         act = torch.empty((), dtype=dtype).element_size()
-        stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
-        grains = -(-seq_len // TILE_KEYS)
-        allowed = max(1, min(MAX_SPLITS, grains))
-        # Small grids get one item per SM: filling two per SM measured slower (H200, decode
-        # timing: B=1 Hkv=8 S=4096 13.1 us at 16 splits against 15.5 at 33; B=16 Hkv=8 S=2048
-        # 39.0 in one pass against 41.5 at 2 splits). fp8 tiles cost the consumers as much work
-        # for half the bytes, so one block's consumers per SM cannot keep up: fp8 grids fill
-        # every resident block (H200: B=16 Hkv=8 S=32768 ran at 61 % of the fp8 floor with
-        # one item per SM). Tree steps' items (several nodes' columns, each built at its own
-        # rotary position and masked on the tree's slots) fill every resident block too (H200,
-        # decode timing: B=1 Hq=32 Hkv=8 T=16 at 4K 44.6 us at 4 splits against 55.5 at 2, at 16K
-        # 93.8 against 138.7; T=4 at 16K 48.4 at 16 splits against 55.0 at 8; the seed's B=4 T=54
-        # at 16K 46.8 at 8 splits against 67.5 at 4).
-        fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
+        stages, blocks_per_sm, allowed, fill = _tile_plan(head_dim, elem, act, device, sms, qb, seq_len, tree)
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
         fill = sms * blocks_per_sm
-    wave = sms * blocks_per_sm
     if variant == "single_pass":
         splits = 1
     elif base < fill:
         splits = max(1, min(allowed, fill // base))
     else:
-        splits = wave_splits(base, wave, allowed)
+        splits = wave_splits(base, sms * blocks_per_sm, allowed)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
-        if -(-grains // splits) <= SHORT_ITEM_TILES or (elem == 2 and not tree):
-            stages = min(stages, SHARED_STAGES)
-        elif elem == 1 and not tree:
-            stages = min(stages, SHARED_STAGES_FP8)
+        grains = -(-seq_len // TILE_KEYS)
+        stages = _shared_stages(stages, -(-grains // splits), elem, tree)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

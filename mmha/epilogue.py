@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from .dispatch import FP8
+from ._constants import FP8_MAX
 
-FP8_MAX = 448.0  # largest finite e4m3 value (mmha.reference.FP8_MAX)
+FP8 = torch.float8_e4m3fn
 INT8_MAX = 127
 # round argument of the raw operator (Paddle's quant_round_type: 0 rint, 1 round).
 ROUNDING = {"half_even": 0, "half_away": 1}
@@ -122,6 +122,17 @@ class OutEpilogue:
             )
         if self.device is not None and self.device != torch.device(device):
             raise ValueError(f"epilogue tensors must be on {torch.device(device)}, got {self.device}")
+
+    def channels_of(self, first: int, last: int) -> OutEpilogue:
+        """The epilogue of output channels ``first .. last - 1`` alone (a rank's heads)."""
+
+        def part(t):
+            return t[first:last] if isinstance(t, torch.Tensor) else t
+
+        return OutEpilogue(
+            part(self.shift), part(self.smooth), part(self.scale), dtype=self.dtype or torch.int8,
+            rounding=self.rounding, min_bound=self.min_bound,
+        )  # fmt: skip
 
     def kernel_args(self) -> dict:
         """The raw operator's arguments."""

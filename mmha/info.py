@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import __version__, dispatch
+from . import dispatch
 from ._ext import _C, IMPORT_ERROR
+from ._version import __version__
 
 
 def _archs(raw: str) -> list[str]:

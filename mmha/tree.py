@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-MAX_NODES = 64
+from ._constants import MAX_TREE_NODES as MAX_NODES
 
 
 def check_parents(

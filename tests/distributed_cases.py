@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 import mmha
 from mmha.distributed import CollectiveError, ShardedKVCache, sharding
+from mmha.epilogue import OutEpilogue
+from mmha.spec import AttentionSpec, Rotary
 
 
 def free_port() -> int:
@@ -55,8 +57,10 @@ def _tol(dtype):
 
 
 def _caches(world, mode, device, dtype, kv_dtype=None, block=16, hq=4, hkv=2, d=16, max_batch=3, max_seq_len=160,
-            rotary_dim=8, layers=2):  # fmt: skip
-    kw = dict(rotary_dim=rotary_dim, kv_dtype=kv_dtype)
+            rotary_dim=8, layers=2, mods=None):  # fmt: skip
+    """A sharded cache and a single one of the same layers; ``mods``: every layer's spec's score
+    modifiers (beside rotary over ``rotary_dim``)."""
+    kw = dict(attention=AttentionSpec(rotary=Rotary(rotary_dim), **(mods or {})), kv_dtype=kv_dtype)
     sharded = ShardedKVCache(
         layers, max_batch, max_seq_len, hq, hkv, d, dtype, device, mode=mode, block=block, **kw
     )
@@ -98,16 +102,19 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
         device = f"cuda:{torch.cuda.current_device()}"
     gen = torch.Generator().manual_seed(1234)
     hq, hkv, d = 4, 2, 16 if device == "cpu" else 32  # the kernel's smallest head dim
-    sharded, single = _caches(world, mode, device, dtype, kv_dtype, block, d=d)
+    if mods:  # every head's settings: each rank takes its heads' sinks and epilogue channels
+        g = torch.Generator().manual_seed(5)
+        epilogue = OutEpilogue(shift=torch.randn(hq * d, generator=g).to(device),
+                               smooth=(torch.rand(hq * d, generator=g) + 0.5).to(device))  # fmt: skip
+        mods = dict(softcap=5.0, sinks=torch.tensor([0.5, -3.0, 2.0, 0.0], device=device), epilogue=epilogue)
+    sharded, single = _caches(world, mode, device, dtype, kv_dtype, block, d=d, mods=mods or None)
     _prefill_both(sharded, single, [0, 5, 120], gen, device, dtype, hkv, d)
-    sinks = torch.tensor([0.5, -3.0, 2.0, 0.0], device=device) if mods else None
-    softcap = 5.0 if mods else None
     for step in range(steps):
         _churn_row_1(step, sharded, single)
         for layer in range(2):
             qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
-            out, lse = sharded.step(layer, qkv, return_lse=True, output=output, softcap=softcap, sinks=sinks)
-            want, want_lse = single.step(layer, qkv, return_lse=True, softcap=softcap, sinks=sinks)
+            out, lse = sharded.step(layer, qkv, return_lse=True, output=output)
+            want, want_lse = single.step(layer, qkv, return_lse=True)
             heads_out = output == "heads" or (output is None and mode == "heads")
             if heads_out and world > 1:
                 h0, h1 = sharding.head_range(hq, world, rank)

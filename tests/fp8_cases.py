@@ -8,7 +8,7 @@ import math
 import torch
 from helpers import Case, make_case
 
-from mmha import reference
+from mmha import reference, spec
 
 FP8 = torch.float8_e4m3fn
 # Half the spacing of e4m3 values relative to a normal value: 3 mantissa bits.
@@ -40,8 +40,8 @@ def fp8_case(batch, num_heads, num_kv_heads, head_dim, lengths, max_seq_len, dty
     g = torch.Generator().manual_seed(seed + 1)
     amax_k = case.k_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3, 4)).cpu()
     amax_v = case.v_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3)).cpu()
-    k_scale = reference.fp8_scale(amax_k * (1 + torch.rand(num_kv_heads, generator=g)))
-    v_scale = reference.fp8_scale(amax_v * (1 + torch.rand(num_kv_heads, generator=g)))
+    k_scale = spec.fp8_scale(amax_k * (1 + torch.rand(num_kv_heads, generator=g)))
+    v_scale = spec.fp8_scale(amax_v * (1 + torch.rand(num_kv_heads, generator=g)))
     dev = case.qkv.device
     k_scale, v_scale = k_scale.to(dev), v_scale.to(dev)
     return quantize_cache(case, k_scale, v_scale), k_scale, v_scale

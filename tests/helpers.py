@@ -10,6 +10,7 @@ import torch
 
 from mmha import layout, reference
 from mmha._ext import extension_available
+from mmha.spec import AttentionSpec, Rotary
 
 HAS_GPU = torch.cuda.is_available() and extension_available()
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
@@ -28,13 +29,17 @@ class Case:
     num_heads: int
     num_kv_heads: int
     bias: torch.Tensor | None = None
-    rotary: dict = field(default_factory=dict)
-    mods: dict = field(default_factory=dict)  # score modifiers (window, softcap, alibi_slopes, sinks)
+    rotary: dict = field(default_factory=dict)  # Rotary's fields: dim, theta, interleaved
+    mods: dict = field(default_factory=dict)  # AttentionSpec's other fields (window, softcap, scale, ...)
 
-    def kwargs(self) -> dict:
+    def spec(self, **changes) -> AttentionSpec:
+        """The case's ``AttentionSpec`` (with ``changes``)."""
+        return AttentionSpec(rotary=Rotary(**self.rotary), **{**self.mods, **changes})
+
+    def kwargs(self, **changes) -> dict:
         return dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, qkv_bias=self.bias,
-            **self.rotary, **self.mods,
+            attention=self.spec(**changes),
         )  # fmt: skip
 
     def clone_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +80,7 @@ def make_case(
     v = torch.where(slot < lens, v, torch.full_like(v, unused_fill))
     rotary = {}
     if rotary_dim:
-        rotary = dict(rotary_dim=rotary_dim, rotary_theta=rotary_theta, rotary_interleaved=rotary_interleaved)
+        rotary = dict(dim=rotary_dim, theta=rotary_theta, interleaved=rotary_interleaved)
     return Case(
         qkv=qkv,
         k_cache=layout.pack_k(k),
@@ -121,22 +126,22 @@ def logit_spread(case: Case) -> float:
     scale). Negligible for typical rows; large where large logits nearly tie (a fuzzed fp32 row
     with logits near 235 and two weights of 0.61 / 0.39 moved by ~1e-3 whatever the order).
     0 for cases with score modifiers (the rule without this term)."""
-    if case.mods:
+    if case.spec().has_mods:
         return 0.0
     hq, hkv = case.num_heads, case.num_kv_heads
     d = case.v_cache.shape[-1]
     x = case.qkv.double()
     if case.bias is not None:
         x = x + case.bias.double()
-    r = case.rotary
-    rotary = (r.get("rotary_dim", 0), r.get("rotary_theta", 10000.0), r.get("rotary_interleaved", False))
     kc, vc = case.k_cache.double(), case.v_cache.double()  # copies: the new tokens go into these
-    q, k_new, v_new = reference._new_tokens(x, case.lengths.long(), hq, hkv, d, rotary, kc, vc, None, None)
+    q, k_new, v_new = reference.new_tokens(
+        x, case.lengths.long(), hq, hkv, d, Rotary(**case.rotary), kc, None, None
+    )
     spread = 0.0
     for row, n in enumerate(case.lengths.tolist()):
         kc[row, :, :, n, :] = k_new[row].reshape(hkv, d // kc.shape[-1], kc.shape[-1])
         vc[row, :, n, :] = v_new[row]
-        keys, values = reference._cached_kv(kc, vc, row, n + 1, None, None, torch.float64)
+        keys, values = reference.cached_kv(kc, vc, row, n + 1, None, None, torch.float64)
         keys, values = keys.repeat_interleave(hq // hkv, 0), values.repeat_interleave(hq // hkv, 0)
         weights = torch.softmax(torch.einsum("hd,hld->hl", q[row], keys) / math.sqrt(d), dim=-1)
         out = torch.einsum("hl,hld->hd", weights, values)

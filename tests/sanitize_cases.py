@@ -13,7 +13,7 @@ import torch
 from fp8_cases import fp8_case
 from helpers import make_case
 
-from mmha import ops
+from mmha import ops, spec
 
 
 def run(case, heads, head_dim, splits, source, stages, validate=True, workspace=None, scales=(None, None)):
@@ -48,7 +48,6 @@ def fp8_cases() -> None:
 
 
 def mods_cases() -> None:
-    from mmha import reference
 
     lengths = [0, 1, 17, 127, 255]
     for dtype, head_dim, sources in (
@@ -58,7 +57,7 @@ def mods_cases() -> None:
         for splits in (1, 5):
             for source in sources:
                 case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True)
-                case.mods = dict(window=70, softcap=10.0, alibi_slopes=reference.alibi_slopes(8).cuda(),
+                case.mods = dict(window=70, softcap=10.0, alibi_slopes=spec.alibi_slopes(8).cuda(),
                                  sinks=torch.linspace(-2, 2, 8, device="cuda"))  # fmt: skip
                 out = run(case, 8, head_dim, splits, source, 2)
                 assert torch.isfinite(out).all()

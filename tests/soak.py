@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmha import layout, reference, tree
+from mmha import layout, reference, spec, tree
 from mmha.cache import KVCache
 from mmha.epilogue import OutEpilogue
+from mmha.spec import AttentionSpec, Rotary
 
 FP8 = torch.float8_e4m3fn
 # Tolerance of an output against the reference on the mirror, in units of max(1, max|ref|): the
@@ -51,7 +52,7 @@ class SoakConfig:
     seed: int = 0
 
 
-def layer_settings(scenario: str, num_heads: int, head_dim: int, device) -> list[dict]:
+def layer_settings(scenario: str, num_heads: int, head_dim: int, device) -> list[AttentionSpec]:
     """Each layer's attention: rotary everywhere (NeoX over the head, or GPT-J over half of it),
     and score modifiers or an output epilogue per layer. Tree steps take no score modifiers, so the
     speculative scenario's layers have rotary and epilogues only."""
@@ -61,16 +62,16 @@ def layer_settings(scenario: str, num_heads: int, head_dim: int, device) -> list
         shift=(torch.randn(channels, generator=g) * 0.1).to(device),
         smooth=(torch.rand(channels, generator=g) + 0.5).to(device),
     )
-    plain = dict(rotary_dim=head_dim, rotary_theta=10000.0, rotary_interleaved=False)
-    half = dict(rotary_dim=head_dim // 2, rotary_theta=500.0, rotary_interleaved=True)
+    plain = Rotary(head_dim, 10000.0, False)
+    half = Rotary(head_dim // 2, 500.0, True)
     if scenario == "speculative":
-        return [dict(rotary=plain, mods={}), dict(rotary=half, mods=dict(epilogue=epilogue))]
+        return [AttentionSpec(rotary=plain), AttentionSpec(rotary=half, epilogue=epilogue)]
     sinks = torch.linspace(-1.0, 2.0, num_heads).to(device)
     return [
-        dict(rotary=plain, mods={}),
-        dict(rotary=plain, mods=dict(window=21, sinks=sinks)),
-        dict(rotary=half, mods=dict(softcap=8.0, alibi_slopes=reference.alibi_slopes(num_heads).to(device))),
-        dict(rotary=plain, mods=dict(epilogue=epilogue)),
+        AttentionSpec(rotary=plain),
+        AttentionSpec(rotary=plain, window=21, sinks=sinks),
+        AttentionSpec(rotary=half, softcap=8.0, alibi_slopes=spec.alibi_slopes(num_heads).to(device)),
+        AttentionSpec(rotary=plain, epilogue=epilogue),
     ]
 
 
@@ -83,22 +84,15 @@ class Soak:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.layers = layer_settings(cfg.scenario, cfg.num_heads, cfg.head_dim, self.device)
         max_blocks = -(-cfg.max_seq_len // cfg.block_size)
-        self.caches: list[tuple[KVCache, int]] = [None] * len(self.layers)  # layer -> (cache, its index)
-        # A cache has one rotary setting: layers of each setting share a cache, and the soak steps
-        # those caches in lockstep (the same rows, lengths, forks and accepts).
-        self.groups: dict[tuple, list[int]] = {}
-        for i, settings in enumerate(self.layers):
-            self.groups.setdefault(tuple(settings["rotary"].items()), []).append(i)
-        self.group_caches = []
-        for key, members in self.groups.items():
-            cache = KVCache(
-                len(members), cfg.max_batch, cfg.max_seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                cfg.dtype, self.device, kv_dtype=cfg.kv_dtype, paged=True, block_size=cfg.block_size,
-                num_blocks=cfg.max_batch * max_blocks, **dict(key),
-            )  # fmt: skip
-            self.group_caches.append(cache)
-            for j, layer in enumerate(members):
-                self.caches[layer] = (cache, j)
+        cache = KVCache(
+            len(self.layers), cfg.max_batch, cfg.max_seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.dtype, self.device, attention=self.layers, kv_dtype=cfg.kv_dtype, paged=True,
+            block_size=cfg.block_size, num_blocks=cfg.max_batch * max_blocks,
+        )  # fmt: skip
+        # Every layer in one cache, each with its own spec (the soak's helpers take several caches
+        # stepped in lockstep: the same rows, lengths, forks and accepts).
+        self.group_caches = [cache]
+        self.caches: list[tuple[KVCache, int]] = [(cache, layer) for layer in range(len(self.layers))]
         kv = cfg.kv_dtype or cfg.dtype
         hkv, d, s = cfg.num_kv_heads, cfg.head_dim, cfg.max_seq_len
         self.mk = [torch.zeros(layout.k_cache_shape(cfg.max_batch, hkv, s, d, kv), dtype=kv, device=self.device)
@@ -212,8 +206,8 @@ class Soak:
                 got_k, got_v = self.row_tokens(layer, r, n)
                 want_k, want_v = k[i : i + 1, :n], v[i : i + 1, :n]
                 if cache.fp8:
-                    want_k = reference.quantize_fp8(want_k, cache.k_scales[j])
-                    want_v = reference.quantize_fp8(want_v, cache.v_scales[j])
+                    want_k = spec.quantize_fp8(want_k, cache.k_scales[j])
+                    want_v = spec.quantize_fp8(want_v, cache.v_scales[j])
                 want_k = layout.pack_k(want_k.to(got_k.dtype))[0]
                 want_v = layout.pack_v(want_v.to(got_v.dtype))[0]
                 assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8)), "prefill wrote k wrong"
@@ -259,20 +253,19 @@ class Soak:
         active = lead.active_rows
         batch = max(active) + 1
         lengths = lead.host_lengths[:batch]
-        modes = [reference.ROW_STEP if r in active else reference.ROW_IDLE for r in range(batch)]
+        modes = [spec.ROW_STEP if r in active else spec.ROW_IDLE for r in range(batch)]
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        for layer, settings in enumerate(self.layers):
+        for layer, attention in enumerate(self.layers):
             cache, j = self.caches[layer]
             qkv = self.randn(batch, width)
             if check:
                 mk, mv = self.mk[layer][:batch].clone(), self.mv[layer][:batch].clone()
                 ref = reference.decode_step(
                     qkv, mk, mv, torch.tensor(lengths, dtype=torch.int32, device=self.device),
-                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                    row_active=torch.tensor(modes, dtype=torch.int32, device=self.device),
-                    **settings["rotary"], **settings["mods"], **self.scales(layer),
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, attention=attention,
+                    row_active=torch.tensor(modes, dtype=torch.int32, device=self.device), **self.scales(layer),
                 )  # fmt: skip
-            out = cache.step(j, qkv, **settings["mods"])
+            out = cache.step(j, qkv)
             self.copy_new_slots(layer, active, [lengths[r] for r in active], [1] * len(active))
             if check:
                 rows = torch.tensor(active, device=self.device)
@@ -300,16 +293,16 @@ class Soak:
         par = torch.tensor(parents, dtype=torch.int32, device=self.device)
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         expected = {}
-        for layer, settings in enumerate(self.layers):
+        for layer, attention in enumerate(self.layers):
             cache, j = self.caches[layer]
             qkv = self.randn(batch, t, width)
-            out = cache.step_tree(j, qkv, par, node_counts=counts, **settings["mods"])
+            out = cache.step_tree(j, qkv, par, node_counts=counts)
             if check:
                 mk, mv = self.mk[layer][:batch].clone(), self.mv[layer][:batch].clone()
                 ref = reference.decode_tree(
                     qkv, mk, mv, torch.tensor(lengths, dtype=torch.int32, device=self.device), par,
-                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, node_counts=counts,
-                    **settings["rotary"], **settings["mods"], **self.scales(layer),
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, node_counts=counts, attention=attention,
+                    **self.scales(layer),
                 )  # fmt: skip
                 for r in active:
                     self.close(out[r, : counts[r]], ref[r, : counts[r]], f"tree round layer {layer} row {r}")

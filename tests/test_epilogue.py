@@ -13,6 +13,7 @@ from helpers import make_case
 from mmha import reference
 from mmha.cache import KVCache
 from mmha.epilogue import FP8, OutEpilogue
+from mmha.spec import AttentionSpec
 
 NAN, INF = float("nan"), float("inf")
 X = torch.tensor(
@@ -112,7 +113,7 @@ def test_reference_step_is_the_epilogue_of_the_plain_step(dtype):
         kc, vc = case.clone_caches()
         runs.append(
             reference.decode_step(
-                case.qkv, kc, vc, case.lengths, epilogue=epilogue, return_lse=True, **case.kwargs()
+                case.qkv, kc, vc, case.lengths, return_lse=True, **case.kwargs(epilogue=epilogue)
             )
         )
     (plain, lse), (quant, lse_q) = runs
@@ -134,7 +135,7 @@ def test_reference_tree_applies_to_every_node():
         outs.append(
             reference.decode_tree(
                 qkv, kc, vc, case.lengths, parents, num_heads=2, num_kv_heads=1, node_counts=[4, 2],
-                epilogue=epilogue,
+                attention=AttentionSpec(epilogue=epilogue),
             )
         )  # fmt: skip
     assert torch.equal(outs[1], e.apply(outs[0], torch.float32))
@@ -146,26 +147,36 @@ def test_kvcache_step_with_epilogue_and_rejected_step(paged):
     kw = dict(num_layers=2, max_batch=2, max_seq_len=64, num_heads=4, num_kv_heads=2, head_dim=32)
     if paged:
         kw.update(paged=True, block_size=16)
-    cache, twin = _quiet_cache(dtype=torch.float32, **kw), _quiet_cache(dtype=torch.float32, **kw)
     g = torch.Generator().manual_seed(7)
     e = [
         OutEpilogue(torch.randn(128, generator=g), scale=20.0),
         OutEpilogue(smooth=torch.rand(128, generator=g)),
     ]
+    specs = [AttentionSpec(epilogue=x) for x in e]
+    cache, twin = (
+        _quiet_cache(dtype=torch.float32, attention=specs, **kw),
+        _quiet_cache(dtype=torch.float32, **kw),
+    )
     for _ in range(3):
         qkv = torch.randn(2, 256, generator=g)
         for layer in range(2):
-            out = cache.step(layer, qkv, epilogue=e[layer])
+            out = cache.step(layer, qkv)
             plain = twin.step(layer, qkv)
             assert torch.equal(out, e[layer].apply(plain, torch.float32))
         cache.advance()
         twin.advance()
     before = [t.clone() for t in (*cache.k_caches, *cache.v_caches, cache.lengths)]
-    with pytest.raises(ValueError, match=r"num_heads \* head_dim = 128\], got \[64\]"):
-        cache.step(0, torch.randn(2, 256), epilogue=OutEpilogue(shift=torch.zeros(64)))
-    with pytest.raises(ValueError, match="epilogue must be a mmha.epilogue.OutEpilogue"):
-        cache.step(0, torch.randn(2, 256), epilogue=20.0)
+    with pytest.raises(ValueError, match=r"qkv must have shape \[B, \(num_heads \+ 2 \* num_kv_heads\)"):
+        cache.step(1, torch.randn(2, 255))
     after = [*cache.k_caches, *cache.v_caches, cache.lengths]
     assert all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after, strict=True)
     )
+    bad = AttentionSpec(epilogue=OutEpilogue(shift=torch.zeros(64)))
+    with pytest.raises(
+        ValueError,
+        match=r"attention\[1\]\.epilogue tensors must have shape \[num_heads \* head_dim = 128\], got \[64\]",
+    ):
+        _quiet_cache(dtype=torch.float32, attention=[specs[0], bad], **kw)
+    with pytest.raises(ValueError, match="epilogue must be a mmha.epilogue.OutEpilogue or None, got float"):
+        AttentionSpec(epilogue=20.0)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmha import dispatch, ops, reference
+from mmha import dispatch, ops, reference, spec
 from mmha.cache import KVCache
+from mmha.spec import AttentionSpec, Rotary
 
 FP8 = torch.float8_e4m3fn
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("no_reference_warning")
 def test_quantize_saturates_rounds_to_nearest_even_and_keeps_nan():
     scale = torch.tensor([2.0])
     x = torch.tensor([[1000.0, -1000.0, 2 * 1.0625, 2 * 1.1875, 2 * 2.0**-10, float("nan")]])
-    q = reference.quantize_fp8(x, scale).float()[0]
+    q = spec.quantize_fp8(x, scale).float()[0]
     assert q[0].item() == 448 and q[1].item() == -448  # saturated, not NaN
     assert q[2].item() == 1.0  # 1.0625 is halfway between 1 and 1.125: ties to even (1.0)
     assert q[3].item() == 1.25  # 1.1875 is halfway between 1.125 and 1.25: ties to even (1.25)
@@ -27,10 +28,10 @@ def test_quantize_saturates_rounds_to_nearest_even_and_keeps_nan():
 
 
 def test_dequantize_and_scales_from_amax():
-    s = reference.fp8_scale(torch.tensor([448.0, 0.0, float("inf"), 4.48]), margin=2.0)
+    s = spec.fp8_scale(torch.tensor([448.0, 0.0, float("inf"), 4.48]), margin=2.0)
     assert s.tolist() == [2.0, 1.0, 1.0, pytest.approx(0.02)]
     x = torch.tensor([[3.0], [-5.0]]).to(FP8)
-    assert reference.dequantize_fp8(x, torch.tensor([0.5, 2.0])).flatten().tolist() == [1.5, -10.0]
+    assert spec.dequantize_fp8(x, torch.tensor([0.5, 2.0])).flatten().tolist() == [1.5, -10.0]
 
 
 def cache(**kw):
@@ -58,9 +59,9 @@ def test_prefill_calibrates_once_then_keeps_and_quantises():
     v = torch.randn(2, 10, 2, 32, generator=g).half()
     c.prefill(0, k, v, [10, 4])
     amax = torch.maximum(k[0, :10].float().abs().amax(dim=(0, 2)), k[1, :4].float().abs().amax(dim=(0, 2)))
-    assert torch.equal(c.k_scales[0], reference.fp8_scale(amax))
+    assert torch.equal(c.k_scales[0], spec.fp8_scale(amax))
     assert torch.equal(c.k_scales[1], torch.ones(2))  # layer 1 untouched
-    want = reference.quantize_fp8(k[0, :10], c.k_scales[0])
+    want = spec.quantize_fp8(k[0, :10], c.k_scales[0])
     got = c.k_caches[0][0, :, :, :10].permute(2, 0, 1, 3).reshape(10, 2, 32)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     before = c.k_scales.clone()
@@ -108,7 +109,7 @@ def test_cpu_steps_follow_the_reference():
     c.prefill(0, k, k, [8, 3, 0])
     qkv = torch.randn(3, 8 * 32, generator=g).half()
     kc, vc = c.k_caches[0].clone(), c.v_caches[0].clone()
-    want = reference.decode_step(qkv, kc, vc, c.lengths, num_heads=4, num_kv_heads=2, rotary_dim=32,
+    want = reference.decode_step(qkv, kc, vc, c.lengths, num_heads=4, num_kv_heads=2, attention=AttentionSpec(rotary=Rotary(32)),
                                  k_scale=c.k_scales[0], v_scale=c.v_scales[0])  # fmt: skip
     got = c.step(0, qkv)
     assert torch.equal(got, want)

@@ -11,7 +11,7 @@ import torch
 from fp8_cases import FP8, e4m3_error_bound, fp8_case, run_reference_fp8
 from helpers import FLOOR, assert_bits_equal, gpu, make_case
 
-from mmha import layout, ops, reference
+from mmha import layout, ops, reference, spec
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -123,7 +123,7 @@ def test_error_against_fp16_attention_within_e4m3_bound(head_dim):
     values = case.v_cache[0, :, :length].double()
     amax_k = torch.maximum(keys.abs().amax(dim=(1, 2)), k_new[0].abs().amax(-1))
     amax_v = torch.maximum(values.abs().amax(dim=(1, 2)), v_new[0].abs().amax(-1))
-    ks, vs = reference.fp8_scale(amax_k).cuda(), reference.fp8_scale(amax_v).cuda()
+    ks, vs = spec.fp8_scale(amax_k).cuda(), spec.fp8_scale(amax_v).cuda()
     keys = torch.cat([keys, k_new[0][:, None]], 1)
     values = torch.cat([values, v_new[0][:, None]], 1)
     exact, _ = reference.attend(q[0], keys, values, 1 / math.sqrt(head_dim))

@@ -86,7 +86,7 @@ def configs(draw):
         seed=draw(st.integers(0, 2**31 - 1)),
         row_pad=draw(st.sampled_from([0, 8, 24])),
         variant=draw(st.sampled_from(["auto", "single_pass", "split", "count"])),
-        splits=draw(st.integers(1, ops._C.MAX_SPLITS if ops._C is not None else 64)),
+        splits=draw(st.integers(1, dispatch.MAX_SPLITS)),
         stages=draw(st.sampled_from([None, 2, 3, 4])),  # None: the plan's
         source=draw(st.sampled_from(["auto", "cp_async", "tma"])),
     )

@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from mmha import layout, paging, reference
+from mmha import checks, layout, paging, reference
 from mmha.cache import KVCache
+from mmha.spec import AttentionSpec, Rotary
 
 FP8 = torch.float8_e4m3fn
 
@@ -75,12 +76,12 @@ def test_block_sizes_checked():
 def test_check_block_tables_names_the_argument():
     t = torch.tensor([[0, 1], [2, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_tables\[1\] must not repeat a block"):
-        reference.check_block_tables(t, [20, 20], 4, 16)
+        checks.block_tables(t, [20, 20], 4, 16)
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] must be in \[0, 3\], got 7"):
-        reference.check_block_tables(torch.tensor([[0, 7]]), [16], 4, 16)
+        checks.block_tables(torch.tensor([[0, 7]]), [16], 4, 16)
     with pytest.raises(ValueError, match="block_tables must hold 3 blocks for row 0"):
-        reference.check_block_tables(torch.tensor([[0, 1]]), [32], 4, 16)
-    reference.check_block_tables(torch.tensor([[3, 9]]), [15], 4, 16)  # entries past the need: ignored
+        checks.block_tables(torch.tensor([[0, 1]]), [32], 4, 16)
+    checks.block_tables(torch.tensor([[3, 9]]), [15], 4, 16)  # entries past the need: ignored
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
@@ -103,7 +104,7 @@ def test_paged_reference_equals_contiguous_on_shuffled_tables(block_size, dtype)
         layout.write_pages(kp, vp, tables[row].tolist(), k[row], v[row])
     qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(dtype)
     lens = torch.tensor(lengths, dtype=torch.int32)
-    kw = dict(num_heads=hq, num_kv_heads=hkv, rotary_dim=d, return_lse=True)
+    kw = dict(num_heads=hq, num_kv_heads=hkv, attention=AttentionSpec(rotary=Rotary(d)), return_lse=True)
     out_c, lse_c = reference.decode_step(qkv, kc, vc, lens, **kw)
     out_p, lse_p = reference.decode_step_paged(qkv, kp, vp, tables, lens, **kw)
     assert torch.equal(out_c, out_p) and torch.equal(lse_c, lse_p)
@@ -169,7 +170,7 @@ def test_fork_then_diverge_copies_on_write():
         for dst in (2, 3):
             flat.k_caches[layer][dst] = flat.k_caches[layer][0]
             flat.v_caches[layer][dst] = flat.v_caches[layer][0]
-    flat._set_lengths([2, 3], [37, 37])
+    flat.rows.set_lengths([2, 3], [37, 37])
     shared = paged.pool.rows[0][:2]
     assert all(paged.pool.refs[b] == 3 for b in shared)
     for _ in range(30):  # every row gets its own tokens: the shared prefix stays as it was
@@ -262,7 +263,7 @@ def test_fuzz_allocator_operations_against_a_contiguous_mirror(seed):
                     for d in dsts:
                         flat.k_caches[layer][d] = flat.k_caches[layer][src]
                         flat.v_caches[layer][d] = flat.v_caches[layer][src]
-                flat._set_lengths(dsts, [flat.host_lengths[src]] * len(dsts))
+                flat.rows.set_lengths(dsts, [flat.host_lengths[src]] * len(dsts))
                 for d in dsts:
                     family[d] = family[src]
             elif op == "release" and active:
@@ -298,7 +299,7 @@ def fork_and_release(paged: KVCache, flat: KVCache, k: torch.Tensor, lengths: li
     for layer in range(flat.num_layers):
         flat.k_caches[layer][3] = flat.k_caches[layer][0]
         flat.v_caches[layer][3] = flat.v_caches[layer][0]
-    flat._set_lengths([3], [lengths[0]])
+    flat.rows.set_lengths([3], [lengths[0]])
     for c in (paged, flat):
         c.release([1])
 

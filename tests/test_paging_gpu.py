@@ -290,7 +290,7 @@ def test_kvcache_steps_fork_and_continuous_batching(kv_dtype, block_size):
     for layer in range(2):
         flat.k_caches[layer][2] = flat.k_caches[layer][0]
         flat.v_caches[layer][2] = flat.v_caches[layer][0]
-    flat._set_lengths([2], [90])
+    flat.rows.set_lengths([2], [90])
     for step in range(40):
         qkv = torch.randn(4, width(), generator=g).half().cuda()
         for layer in range(2):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mmha import layout, reference
+from mmha.spec import AttentionSpec, Rotary
 
 
 def naive_step(qkv, k_rows, v_rows, lengths, hq, hkv, d, bias, rd, theta, interleaved, scale):
@@ -81,7 +82,7 @@ def test_reference_matches_naive_float64(case):
     theta = 500.0
     out, lse = reference.decode_step(
         qkv, k_cache, v_cache, lens, num_heads=hq, num_kv_heads=hkv, qkv_bias=bias,
-        rotary_dim=rd, rotary_theta=theta, rotary_interleaved=interleaved, return_lse=True,
+        attention=AttentionSpec(rotary=Rotary(rd, theta, interleaved)), return_lse=True,
         compute_dtype=torch.float64,
     )  # fmt: skip
     k_rows = [[k[i, t].double() for t in range(lengths[i])] for i in range(b)]
@@ -129,7 +130,7 @@ def test_reference_rejects_full_row_and_bad_heads():
 def test_rotary_is_a_rotation(interleaved):
     x = torch.randn(3, 4, 32, dtype=torch.float64)
     pos = torch.tensor([0, 5, 1000])
-    y = reference.apply_rotary(x, pos, 24, 10000.0, interleaved)
+    y = reference.apply_rotary(x, pos, Rotary(24, 10000.0, interleaved))
     # Norms of rotated pairs are preserved, untouched dims stay, position 0 is the identity.
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
     assert torch.equal(y[..., 24:], x[..., 24:])

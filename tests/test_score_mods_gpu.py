@@ -16,7 +16,7 @@ from helpers import (
 )
 from test_ops_gpu import check_case
 
-from mmha import ops, reference
+from mmha import ops, spec
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -27,7 +27,7 @@ HQ, HKV = 8, 2
 def mods_of(kind: str, hq: int = HQ, seed: int = 0) -> dict:
     """Modifier settings by name; tensors on the GPU."""
     g = torch.Generator().manual_seed(seed)
-    slopes = reference.alibi_slopes(hq).cuda()
+    slopes = spec.alibi_slopes(hq).cuda()
     custom = (torch.rand(hq, generator=g) * 0.6 - 0.1).cuda()  # some negative
     sinks = (torch.randn(hq, generator=g) * 3).cuda()
     return {

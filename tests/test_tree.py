@@ -12,6 +12,7 @@ from helpers import bits
 
 from mmha import tree
 from mmha.cache import KVCache
+from mmha.spec import AttentionSpec, Rotary
 
 FP8 = torch.float8_e4m3fn
 
@@ -49,7 +50,8 @@ def test_each_node_equals_one_token_decoding_of_its_path(kind, kv_dtype):
     for row in range(3):
         for node, path in enumerate(tree.ancestors(parents[row][: counts[row]])):
             solo = make()
-            solo.k_scales, solo.v_scales = c.k_scales, c.v_scales
+            if kv_dtype:
+                solo.set_scales(0, c.k_scales[0], c.v_scales[0])
             solo.prefill(0, k, k, lengths, scales="keep")
             for n in path:  # one-token steps over the node's path, the node last
                 want = solo.step(0, qkv[:, n])
@@ -80,7 +82,7 @@ def test_accept_moves_the_path_and_equals_one_token_steps():
         if i < 2:
             seq.advance()
         else:
-            seq._set_lengths([0], [seq.host_lengths[0] + 1])
+            seq.rows.set_lengths([0], [seq.host_lengths[0] + 1])
     assert seq.host_lengths == [14, 5]
     for layer in range(2):
         assert torch.equal(c.k_caches[layer][0, :, :, :14], seq.k_caches[layer][0, :, :, :14])
@@ -189,7 +191,8 @@ def test_reference_tree_lse_equals_one_token_lse_of_each_path(kind):
     counts = [t, t - 2]
     qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g)
     lens = torch.tensor(lengths, dtype=torch.int32)
-    kw = dict(num_heads=hq, num_kv_heads=hkv, rotary_dim=d, compute_dtype=torch.float64, return_lse=True)
+    kw = dict(num_heads=hq, num_kv_heads=hkv, attention=AttentionSpec(rotary=Rotary(d)), compute_dtype=torch.float64,
+              return_lse=True)  # fmt: skip
     _, lse = reference.decode_tree(qkv, kc.clone(), vc.clone(), lens, parents, node_counts=counts, **kw)
     assert lse.shape == (b, t, hq) and lse.dtype == torch.float32
     assert torch.isneginf(lse[1, counts[1] :]).all()

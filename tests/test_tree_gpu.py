@@ -15,7 +15,7 @@ from helpers import FLOOR, assert_bits_equal, gpu, make_case
 from test_generate import random_prompts
 from test_tree import random_tree
 
-from mmha import dispatch, ops, reference, tree
+from mmha import dispatch, ops, reference, spec
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -37,7 +37,7 @@ def tree_case(batch, hq, hkv, d, lengths, s_max, dtype, nodes, kind, *, seed=0, 
     if kv_dtype is not None:
         amax_k = case.k_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3, 4))
         amax_v = case.v_cache.float().nan_to_num(0).abs().amax(dim=(0, 2, 3))
-        k_scale, v_scale = reference.fp8_scale(amax_k * 1.5), reference.fp8_scale(amax_v * 1.5)
+        k_scale, v_scale = spec.fp8_scale(amax_k * 1.5), spec.fp8_scale(amax_v * 1.5)
         case = quantize_cache(case, k_scale, v_scale)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
     return case, qkv, parents, counts, scales
@@ -403,12 +403,6 @@ def test_gpu_speculative_demo_is_lossless():
         a = speculative_demo(model, prompts, 12, 1, shape)
         assert a["identical"], (shape, a)
         assert a["mean_accepted"] >= 1
-
-
-def test_nodes_constant_matches_the_extension():
-    from mmha._ext import _C
-
-    assert _C.MAX_TREE_NODES == tree.MAX_NODES
 
 
 def test_raw_op_refuses_bad_tree_arguments():

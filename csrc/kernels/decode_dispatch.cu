@@ -19,11 +19,11 @@ constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadD
 
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
+#define MMHA_CASE(QB) \
+  case QB: return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
   switch (p.q_group_block) {
-    case 1: return launch_decode_attention<T, C, HEAD_DIM, 1>(p, stream);
-    case 2: return launch_decode_attention<T, C, HEAD_DIM, 2>(p, stream);
-    case 4: return launch_decode_attention<T, C, HEAD_DIM, 4>(p, stream);
-    case 8: return launch_decode_attention<T, C, HEAD_DIM, 8>(p, stream);
+    MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
+#undef MMHA_CASE
     case kWideColumns:
       if constexpr (kHasWide<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideColumns>(p, stream);
       return cudaErrorInvalidValue;
@@ -33,24 +33,22 @@ cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
 
 template <typename T, typename C>
 cudaError_t dispatch_head_dim(const MmhaParams& p, cudaStream_t stream) {
+#define MMHA_CASE(D) \
+  case D: return dispatch_q_group_block<T, C, D>(p, stream);
   switch (p.head_dim) {
-    case 32: return dispatch_q_group_block<T, C, 32>(p, stream);
-    case 64: return dispatch_q_group_block<T, C, 64>(p, stream);
-    case 80: return dispatch_q_group_block<T, C, 80>(p, stream);
-    case 96: return dispatch_q_group_block<T, C, 96>(p, stream);
-    case 128: return dispatch_q_group_block<T, C, 128>(p, stream);
-    case 256: return dispatch_q_group_block<T, C, 256>(p, stream);
+    MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
+#undef MMHA_CASE
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T, typename C, int HEAD_DIM>
 int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
+#define MMHA_CASE(QB) \
+  case QB: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, QB>(stages, source);
   switch (q_group_block) {
-    case 1: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 1>(stages, source);
-    case 2: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 2>(stages, source);
-    case 4: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 4>(stages, source);
-    case 8: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, 8>(stages, source);
+    MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
+#undef MMHA_CASE
     case kWideColumns:
       if constexpr (kHasWide<C, HEAD_DIM>) return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideColumns>(stages, source);
       return 0;
@@ -60,13 +58,11 @@ int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
 
 template <typename T, typename C>
 int occupancy_head_dim(int head_dim, int q_group_block, int stages, TileSource source) {
+#define MMHA_CASE(D) \
+  case D: return occupancy_q_group_block<T, C, D>(q_group_block, stages, source);
   switch (head_dim) {
-    case 32: return occupancy_q_group_block<T, C, 32>(q_group_block, stages, source);
-    case 64: return occupancy_q_group_block<T, C, 64>(q_group_block, stages, source);
-    case 80: return occupancy_q_group_block<T, C, 80>(q_group_block, stages, source);
-    case 96: return occupancy_q_group_block<T, C, 96>(q_group_block, stages, source);
-    case 128: return occupancy_q_group_block<T, C, 128>(q_group_block, stages, source);
-    case 256: return occupancy_q_group_block<T, C, 256>(q_group_block, stages, source);
+    MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
+#undef MMHA_CASE
     default: return 0;
   }
 }

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "constants.h"  // generated from table.py: sizes, status bits, row modes, shared-memory model
+
 namespace mmha {
 
 enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3 };
@@ -14,78 +16,11 @@ constexpr int elem_bytes(DType t) { return t == DType::kFloat32 ? 4 : t == DType
 
 // Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
 enum class TileSource : int32_t {
-  kAuto = 0,     // the host picks: bulk tensor copies where tma_supported(), else cp.async
-  kCpAsync = 1,  // 16-byte cp.async by the producer warp (sm_80 and newer, every head dim)
-  kTma = 2,      // Hopper bulk tensor copies (sm_90, head_dim a multiple of 64)
+  kAuto = kTileSourceAuto,        // the host picks: bulk tensor copies where tma_supported(), else cp.async
+  kCpAsync = kTileSourceCpAsync,  // 16-byte cp.async by the producer warp (sm_80 and newer, every head dim)
+  kTma = kTileSourceTma,          // Hopper bulk tensor copies (sm_90, head_dim a multiple of 64)
 };
 
-// Supported configuration, mirrored in mmha/dispatch.py (tests/test_dispatch.py checks both agree).
-constexpr int kSupportedHeadDims[] = {32, 64, 80, 96, 128, 256};
-constexpr int kNumSupportedHeadDims = sizeof(kSupportedHeadDims) / sizeof(int);
-// Query heads of one kv head handled by one block: a group of G heads is cut into blocks of
-// kQGroupBlocks[i] >= G (or 8 when G > 8), so K/V is read once per group for G <= 8.
-constexpr int kQGroupBlocks[] = {1, 2, 4, 8};
-constexpr int kNumQGroupBlocks = sizeof(kQGroupBlocks) / sizeof(int);
-// Upper bound on sequence splits: the merge keeps one weight per split in shared memory.
-constexpr int kMaxSplits = 64;
-
-// The tile loop (fp16 / bf16 caches, every head dim): a block is kConsumerWarps warps that
-// compute, one producer warp that fills a ring of `stages` shared-memory stages, each holding K
-// and V of kTileKeys consecutive keys, and one stager warp that fetches the block's items. Each
-// consumer warp takes 16 keys of a tile (the M of its m16n8k16 products), so a tile is
-// 16 * kConsumerWarps keys.
-constexpr int kConsumerWarps = 4;
-constexpr int kTileKeys = 16 * kConsumerWarps;
-constexpr int kTileThreads = (kConsumerWarps + 2) * 32;
-constexpr int kMinStages = 2;
-constexpr int kMaxStages = 8;
-// Tree steps with many query columns per kv head (a node count times the group) run the tile
-// loop's wide consumer (attend_wide.cuh): an item holds kWideColumns columns, 16 per consumer
-// warp as the M of its m16n8k16 products, and every warp takes all keys of a tile, so a kv head's
-// K/V is read once per kWideColumns columns. From kWideMinColumns columns on, at head dims up to
-// kWideMaxHeadDim (its registers: q, O and a tile's scores of 16 columns per warp).
-constexpr int kWideColumns = 16 * kConsumerWarps;
-constexpr int kWideMinColumns = 32;
-constexpr int kWideMaxHeadDim = 128;
-// Below kWideAlwaysColumns, wide items only where the step has at least kWideMinItems of them
-// (rows x kv heads x column blocks): a small grid of wide items needs many splits, whose merge
-// (64 columns in one block) costs more than the narrow items' repeated reads (H100, decode
-// timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide
-// items win, 114 against 134 and 179 against 310).
-constexpr int kWideAlwaysColumns = 128;
-constexpr int kWideMinItems = 64;
-// An upper bound on the tile kernel's static shared memory for qb query heads per block, so that
-// host and dispatcher can size stages without asking the compiled kernel (mirrored by
-// tile_static_smem in mmha/dispatch.py; 22.1 KB against 21.8 compiled at 8 heads of head_dim 256).
-// The two item slots' items, scales and barriers (ItemStage, without the raw q and new token).
-constexpr int kItemSlotsBytes = 256;
-// Items of at most this many values (query heads x head dim) combine their consumer warps'
-// accumulators through a buffer per warp (one barrier) rather than warp by warp in the q buffer.
-constexpr int kWarpBufferValues = 512;
-constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
-  if (qb == kWideColumns) {  // the wide consumer: q staging (or merge weights), barriers, headers
-    const int staging = kConsumerWarps * 16 * (head_dim + 8) * 2;
-    return (staging > qb * 64 * 4 ? staging : qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + kItemSlotsBytes + 256;
-  }
-  return qb * head_dim * 4                   // q in fp32, then the block combine's buffer
-         + 2 * head_dim * elem_bytes         // the new token's k and v
-         + 2 * (qb + 2) * head_dim * elem_bytes  // two staging slots of raw q, k and v
-         + qb * 64 * 4                       // merge weights (kMaxSplits of them)
-         + 2 * 4 * qb * 4                    // per-warp max and sum (kConsumerWarps warps)
-         + 3 * 8 * 8 + 16                    // ring and staging barriers (kMaxStages stages)
-         + 8 * 64                            // tile headers
-         + kItemSlotsBytes                   // the two item slots' items and barriers
-         + (qb * head_dim <= kWarpBufferValues ? kConsumerWarps * qb * head_dim * 4 : 0)  // warp buffers
-         + 256;                              // alignment
-}
-// A step with an output epilogue runs kernels compiled with it (output_epilogue.cuh), so that the
-// plain kernels stay as they are (the epilogue's code in them cost 4 % on short rows, H200). They
-// exist for items of kEpilogueColumns columns, and of one and of four columns on the tile loop
-// (one query head per kv head: 8 columns there cost 8-17 % on short rows; groups of 2-4 heads,
-// as Llama's 4: 8 columns cost 2.5-5 % on the B=16 / 64 GQA rows): three more kernels per (dtype,
-// cache dtype, head dim, tile source) rather than five.
-constexpr int kEpilogueColumns = 8;
-constexpr int kEpilogueGroupColumns = 4;
 // Query columns per item for `columns` columns per (row, kv head): the smallest of
 // kQGroupBlocks that holds them (8 past 8), or kWideColumns for a tree step of two or more nodes
 // on the tile loop (see kWideMinColumns; a tree of one node is a one-token step and is computed
@@ -106,55 +41,18 @@ constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim
   }
   return kQGroupBlocks[kNumQGroupBlocks - 1];
 }
-// The CUDA-core loop (fp32 caches): blocks of kSimtWarps warps, each walking its own keys.
-constexpr int kSimtWarps = 4;
-constexpr int kSimtThreads = kSimtWarps * 32;
-
 // Whether the kernel runs the tile loop (tensor cores) rather than the CUDA-core one; mirrored
 // by uses_tensor_cores in mmha/dispatch.py.
 constexpr bool uses_tensor_cores(DType cache_dtype) { return cache_dtype != DType::kFloat32; }
-
-// Whether a V row of the cache is a whole number of 128-byte lines (head_dim a multiple of 64 at
-// 16 bits, of 128 at 8 bits): then bulk tensor copies bring V as boxes of one line per key with
-// the 128-byte swizzle; otherwise V rows in shared memory are padded by 16 bytes.
-constexpr bool v_whole_lines(int head_dim, int cache_elem_bytes) { return head_dim * cache_elem_bytes % 128 == 0; }
 
 // Whether bulk tensor copies can bring this head dim's tiles (caches of cache_dtype on the tile loop).
 constexpr bool tma_head_dim(DType cache_dtype, int head_dim) {
   return uses_tensor_cores(cache_dtype) && v_whole_lines(head_dim, elem_bytes(cache_dtype));
 }
 
-// Shared memory of one stage of the tile loop (K and V of kTileKeys keys of cache_elem_bytes
-// each); tile_layout.cuh lays it out, mmha/dispatch.py mirrors it. Stages are 1024-byte aligned.
-constexpr int tile_stage_bytes(int head_dim, int cache_elem_bytes) {
-  const int k = kTileKeys * head_dim * cache_elem_bytes;
-  const int pitch = v_whole_lines(head_dim, cache_elem_bytes) ? head_dim : head_dim + 16 / cache_elem_bytes;
-  const int v = kTileKeys * pitch * cache_elem_bytes;
-  return (k + v + 1023) / 1024 * 1024;
-}
-// Dynamic shared memory of a tile-loop block: its stages plus slack to align them to 1024 bytes.
-constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
-  return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024;
-}
-
-// Flags the kernel raises in MmhaParams::status for a row it refused (nothing read or written in
-// the caches for it, NaN output).
-constexpr int32_t kStatusLength = 1;
-constexpr int32_t kStatusScale = 2;
-constexpr int32_t kStatusTree = 4;  // a tree step's parents or node count broke mmha.tree's rules
-constexpr int32_t kStatusPages = 8;  // a paged cache's block table named a block outside the pool
-
 // What the output tensor holds (output_epilogue.cuh): the activations' dtype, or the attention
 // output quantised by the epilogue to int8 or e4m3.
 enum class OutKind : int32_t { kActivations = 0, kInt8 = 1, kE4M3 = 2 };
-
-// Nodes of a tree step at most (mmha.tree.MAX_NODES): a node's ancestors are one 64-bit mask.
-constexpr int kMaxTreeNodes = 64;
-
-// Row modes (MmhaParams::row_active).
-constexpr int32_t kRowIdle = 0;
-constexpr int32_t kRowStep = 1;
-constexpr int32_t kRowAttend = 2;
 
 struct MmhaParams {
   const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "constants.h"
+
 namespace mmha {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
@@ -30,7 +32,7 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 struct e4m3 {
   uint8_t bits;
 };
-constexpr float kE4m3Max = 448.f;
+constexpr float kE4m3Max = kFp8Max;
 
 // value / scale, saturated to +-448 and rounded to the nearest e4m3 (ties to even); NaN stays NaN.
 __device__ __forceinline__ e4m3 quantize_e4m3(float value, float scale) {

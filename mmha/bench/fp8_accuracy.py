@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .. import layout, ops, reference
+from .. import layout, ops, reference, spec
 
 E4M3_REL, E4M3_SUB = 2.0**-4, 2.0**-10
 
@@ -42,12 +42,12 @@ def attention_errors(head_dim: int, length: int = 1024, hq: int = 8, hkv: int = 
     values = torch.cat([v[0, :length].transpose(0, 1).double(), v_new[0][:, None]], 1)
     scale = 1 / math.sqrt(head_dim)
     exact, _ = reference.attend(q[0], keys, values, scale)
-    ks = reference.fp8_scale(keys.abs().amax(dim=(1, 2)).float())
-    vs = reference.fp8_scale(values.abs().amax(dim=(1, 2)).float())
+    ks = spec.fp8_scale(keys.abs().amax(dim=(1, 2)).float())
+    vs = spec.fp8_scale(values.abs().amax(dim=(1, 2)).float())
     lengths = torch.tensor([length], dtype=torch.int32, device=dev)
     kc16, vc16 = layout.pack_k(k, length + 1), layout.pack_v(v, length + 1)
     out16 = ops.decode_attention(qkv, kc16, vc16, lengths, num_heads=hq, num_kv_heads=hkv)
-    kq, vq = reference.quantize_fp8(k, ks), reference.quantize_fp8(v, vs)  # [1, S, Hkv, D]
+    kq, vq = spec.quantize_fp8(k, ks), spec.quantize_fp8(v, vs)  # [1, S, Hkv, D]
     kc8 = layout.pack_k(kq.view(torch.uint8), length + 1).view(torch.float8_e4m3fn)
     vc8 = layout.pack_v(vq.view(torch.uint8), length + 1).view(torch.float8_e4m3fn)
     out8 = ops.decode_attention(

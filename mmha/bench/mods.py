@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference
+from ..spec import AttentionSpec, alibi_slopes
 from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .timing import decode_us
@@ -95,7 +96,7 @@ def mods_of(modifier: str | None) -> dict:
     return {
         "window": dict(window=WINDOW),
         "softcap": dict(softcap=SOFTCAP),
-        "alibi": dict(alibi_slopes=reference.alibi_slopes(HQ).cuda()),
+        "alibi": dict(alibi_slopes=alibi_slopes(HQ).cuda()),
         "sinks": dict(sinks=torch.linspace(-1.0, 3.0, HQ, device="cuda")),
     }[modifier]
 
@@ -122,7 +123,7 @@ def mmha_fn(layer: Layer, mods: dict):
     ws = ops.Workspace.allocate("cuda", b, HQ, D, dispatch.MAX_SPLITS)
     return lambda: ops.decode_attention(
         layer.qkv, layer.kc, layer.vc, layer.lengths, num_heads=HQ, num_kv_heads=hkv, workspace=ws,
-        validate_lengths=False, **mods,
+        validate_lengths=False, attention=AttentionSpec(**mods),
     )  # fmt: skip
 
 
@@ -200,7 +201,7 @@ def peer_fn(peer: str, layer: Layer, modifier: str, mods: dict):
 def error(out: torch.Tensor, layer: Layer, mods: dict) -> float:
     """Max |out - reference| (``mmha.reference.attend`` in fp32, row by row)."""
     out = out.reshape(layer.q.shape[0], HQ, D).float()
-    sm = reference.ScoreMods(HQ, layer.q.device, **mods)
+    sm = AttentionSpec(**mods)
     err = 0.0
     for r in range(layer.q.shape[0]):
         ref, _ = reference.attend(layer.q[r, :, 0].float(), layer.kt[r].float(), layer.vt[r].float(),

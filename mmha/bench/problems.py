@@ -165,7 +165,8 @@ class Problem:
     def kv_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]``, k and v ``[n, Hkv, S, D]`` of the given rows, as the call sees them
         (the new token at slot S - 1)."""
-        from .. import layout, reference
+        from .. import layout
+        from ..spec import quantize_fp8
 
         cfg = self.cfg
         hq, hkv, d, s = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len
@@ -179,8 +180,8 @@ class Problem:
         if self.k_scale is not None:  # fp8: dequantised, the new token as the cache stores it
             ks, vs = self.k_scale.view(1, hkv, 1, 1), self.v_scale.view(1, hkv, 1, 1)
             k, v = k * ks, v * vs
-            k_new = reference.quantize_fp8(k_new, self.k_scale).float() * ks[..., 0]
-            v_new = reference.quantize_fp8(v_new, self.v_scale).float() * vs[..., 0]
+            k_new = quantize_fp8(k_new, self.k_scale).float() * ks[..., 0]
+            v_new = quantize_fp8(v_new, self.v_scale).float() * vs[..., 0]
         k[:, :, s - 1] = k_new
         v[:, :, s - 1] = v_new
         return q, k, v

@@ -23,16 +23,15 @@ exception; otherwise NCCL's watchdog ends the process at the timeout).
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .. import reference
 from ..cache import KVCache
-from ..epilogue import OutEpilogue, check_epilogue
+from ..scales import check_margin
+from ..spec import AttentionSpec, Rotary, layer_specs
 from . import merge, sharding
 
 MODES = ("heads", "sequence")
@@ -56,10 +55,15 @@ class ShardedKVCache:
     """``KVCache``'s API (``prefill``, ``step``, ``advance``, ``admit``, ``release``, ``reset``,
     ``check``, ``set_scales``) over the ranks of ``group`` (default: the world).
 
-    Parameters are ``KVCache``'s, for the whole model (every head, ``max_seq_len`` tokens per row),
-    plus ``mode`` (``"heads"`` or ``"sequence"``, module docstring), ``group``, and ``block``:
-    tokens per block of sequence sharding. Every rank constructs the cache with the same
-    arguments and makes the same calls in the same order.
+    Parameters are ``KVCache``'s, for the whole model (every head, ``max_seq_len`` tokens per row;
+    ``attention``: each layer's spec for every head), plus ``mode`` (``"heads"`` or ``"sequence"``,
+    module docstring), ``group``, and ``block``: tokens per block of sequence sharding. Every rank
+    constructs the cache with the same arguments and makes the same calls in the same order.
+
+    Heads mode gives each rank's local cache its heads' part of each spec (ALiBi slopes, sinks,
+    epilogue channels). Sequence mode takes no ``window`` or ``alibi_slopes`` (a shard's slots are
+    not the row's positions); its ranks attend with the spec's rotary, scale and soft-cap, and the
+    sinks and the epilogue apply after the merge, to the channels a step returns.
 
     Attributes: ``local`` (this rank's ``KVCache``), ``world``, ``rank``, ``lengths`` (global
     int32 ``[max_batch]`` on ``device``), ``head_range`` / ``kv_head_range`` (heads of this rank in
@@ -80,6 +84,7 @@ class ShardedKVCache:
         mode: str = "sequence",
         group: dist.ProcessGroup | None = None,
         block: int = 64,
+        attention: AttentionSpec | list[AttentionSpec] | None = None,
         rotary_dim: int = 0,
         rotary_theta: float = 10000.0,
         rotary_interleaved: bool = False,
@@ -121,10 +126,12 @@ class ShardedKVCache:
             self.kv_head_range, self.head_range = (0, num_kv_heads), (0, num_heads)
             local_heads, local_kv = num_heads, num_kv_heads
             local_seq = sharding.local_capacity(max_seq_len, self.world, block)
+        self.attention = layer_specs(
+            attention, num_layers, Rotary(rotary_dim, rotary_theta, rotary_interleaved), scale
+        )
         self.local = KVCache(
             num_layers, max_batch, local_seq, local_heads, local_kv, head_dim, dtype, device,
-            rotary_dim=rotary_dim, rotary_theta=rotary_theta, rotary_interleaved=rotary_interleaved,
-            scale=1.0 / math.sqrt(head_dim) if scale is None else scale, dispatch_on=dispatch_on,
+            attention=[self._local_spec(i, a) for i, a in enumerate(self.attention)], dispatch_on=dispatch_on,
             kv_dtype=kv_dtype,
         )  # fmt: skip
         # Sequence mode turns rows attend-only and back as their next slot moves between ranks: the
@@ -139,8 +146,20 @@ class ShardedKVCache:
         self._agree(
             mode=MODES.index(mode), block=block, num_layers=num_layers, max_batch=max_batch,
             max_seq_len=max_seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype=_code(dtype), kv_dtype=_code(kv_dtype), rotary_dim=rotary_dim,
+            dtype=_code(dtype), kv_dtype=_code(kv_dtype),
+            rotary_dims=_code([a.rotary.dim for a in self.attention]),
         )  # fmt: skip
+
+    def _local_spec(self, layer: int, spec: AttentionSpec) -> AttentionSpec:
+        """What this rank's local cache computes of layer ``layer``'s spec (class docstring)."""
+        if self.mode == "heads":
+            return spec.select_heads(*self.head_range, self.head_dim)
+        if spec.window is not None or spec.alibi_slopes is not None:
+            raise ValueError(
+                f"attention[{layer}].window and .alibi_slopes need every slot at its position: use "
+                "mode='heads' (sequence mode holds a row's tokens in blocks on several ranks)"
+            )
+        return spec.replace(sinks=None, epilogue=None)
 
     def _agree(self, **fields: int) -> None:
         """One all-gather of this rank's configuration when the cache is built: a field that
@@ -329,7 +348,7 @@ class ShardedKVCache:
             k_loc[i, : pos.numel()] = k[i, pos]
             v_loc[i, : pos.numel()] = v[i, pos]
         if self.fp8 and scales in ("auto", "amax"):
-            if scales == "amax" or not self.local._scales_set[layer]:
+            if scales == "amax" or not self.local.scales.was_set[layer]:
                 kept = [i for i, length in enumerate(lens) if length]
                 if kept:  # the whole prompt's maxima: the same scales on every rank
                     k_amax = torch.stack([k[i, : lens[i]].float().abs().amax(dim=(0, 2)) for i in kept]).amax(
@@ -338,18 +357,11 @@ class ShardedKVCache:
                     v_amax = torch.stack([v[i, : lens[i]].float().abs().amax(dim=(0, 2)) for i in kept]).amax(
                         dim=0
                     )
-                    self.local._check_scales_unused(layer, rows)
-                    self._set_scales_for(layer, k_amax, v_amax, scale_margin)
+                    self.local.check_scales_unused(layer, rows)
+                    self.local.scales.calibrate(layer, k_amax, v_amax, check_margin(scale_margin))
             scales = "keep"
         self.local.prefill(layer, k_loc, v_loc, local_lens, rows, scales=scales, scale_margin=scale_margin)
         self._set(rows, lens, True)
-
-    def _set_scales_for(self, layer, k_amax, v_amax, margin) -> None:
-        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin > 0):
-            raise ValueError(f"scale_margin must be a finite positive number, got {margin!r}")
-        self.local.k_scales[layer].copy_(reference.fp8_scale(k_amax, margin))
-        self.local.v_scales[layer].copy_(reference.fp8_scale(v_amax, margin))
-        self.local._scales_set[layer] = True
 
     # ----------------------------------------------------------------- decode
     def _local_qkv(self, qkv: torch.Tensor, name: str) -> torch.Tensor:
@@ -407,49 +419,26 @@ class ShardedKVCache:
         num_splits: int | None = None,
         stages: int | None = None,
         tile_source: str = "auto",
-        window: int | None = None,
-        softcap: float | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-        epilogue: OutEpilogue | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of ``layer`` for rows ``0..B-1`` (``KVCache.step``'s arguments).
+        """One decode step of ``layer`` for rows ``0..B-1`` (``KVCache.step``'s arguments), as the
+        layer's spec says (class docstring).
 
         ``qkv [B, (Hq + 2 Hkv) D]`` on every rank (heads mode: or the rank's ``[B, (Hq + 2 Hkv) D /
-        world]``, as a column-parallel projection gives it; ``qkv_bias``, ``alibi_slopes`` and
-        ``sinks`` likewise for every head or the rank's). ``output``: ``"full"`` returns ``out
-        [B, Hq * D]`` (and ``lse [B, Hq]``) on every rank, ``"heads"`` this rank's heads ``[B, Hq
-        * D / world]`` (and ``[B, Hq / world]``); default ``"heads"`` in heads mode (no
-        communication) and ``"full"`` in sequence mode. Sequence mode takes no ``window`` or
-        ``alibi_slopes`` (a shard's slots are not the row's positions) and applies ``sinks`` and
-        ``epilogue`` after the merge (torch ops). ``epilogue`` covers the channels this rank
-        computes: its heads in heads mode (fused in the kernel, before any gather), those of
-        ``output`` in sequence mode.
+        world]``, as a column-parallel projection gives it; ``qkv_bias`` likewise). ``output``:
+        ``"full"`` returns ``out [B, Hq * D]`` (and ``lse [B, Hq]``) on every rank, ``"heads"`` this
+        rank's heads ``[B, Hq * D / world]`` (and ``[B, Hq / world]``); default ``"heads"`` in heads
+        mode (no communication) and ``"full"`` in sequence mode.
         """
         mode_out = output if output is not None else ("heads" if self.mode == "heads" else "full")
         if mode_out not in ("heads", "full"):
             raise ValueError(f"output must be 'heads' or 'full', got {output!r}")
         if mode_out == "heads" and self.num_heads % self.world:
             raise ValueError(f"output='heads' needs num_heads ({self.num_heads}) divisible by the world size")
-        kw = dict(
-            variant=variant, num_splits=num_splits, stages=stages, tile_source=tile_source, softcap=softcap
-        )
+        kw = dict(variant=variant, num_splits=num_splits, stages=stages, tile_source=tile_source)
         if self.mode == "heads":
-            return self._step_heads(
-                layer, qkv, qkv_bias, return_lse, mode_out, window, alibi_slopes, sinks, epilogue, kw
-            )
-        if window is not None or alibi_slopes is not None:
-            raise ValueError(
-                "window and alibi_slopes need every slot at its position: use mode='heads' (sequence mode "
-                "holds a row's tokens in blocks on several ranks)"
-            )
-        if sinks is not None:  # checks sinks (their values too, outside capture: one synchronisation)
-            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            reference.ScoreMods(
-                self.num_heads, self.device, None, None, None, sinks, check_values=not capturing
-            )
-        heads_out = self.num_heads if mode_out == "full" else self.num_heads // self.world
-        check_epilogue(epilogue, heads_out, self.head_dim, self.device)
+            return self._step_heads(layer, qkv, qkv_bias, return_lse, mode_out, kw)
+        self.local.attention_of(layer)  # checks layer
+        spec = self.attention[layer]
         batch = qkv.shape[0] if qkv.dim() == 2 else -1
         full = [r for r in range(max(batch, 0)) if self._host_lengths[r] >= self.max_seq_len]
         if full:  # their ranks only attend (no next slot): refused here, as KVCache.step does
@@ -459,13 +448,14 @@ class ShardedKVCache:
             )
         positions = self.lengths[:batch] if 1 <= batch <= self.max_batch else None
         out, lse = self.local.step(layer, qkv, qkv_bias=qkv_bias, return_lse=True, positions=positions, **kw)
-        out, lse = self._exchange_merge(out, lse, sinks, layer, mode_out, epilogue)
+        out, lse = self._exchange_merge(out, lse, spec, layer, mode_out)
         return (out, lse) if return_lse else out
 
-    def _exchange_merge(self, out, lse, sinks, layer, mode_out, epilogue):
+    def _exchange_merge(self, out, lse, spec: AttentionSpec, layer: int, mode_out: str):
         """Every rank's ``(out, lse)`` over its shard -> the merged output of ``mode_out``'s heads:
         one all-gather of ``[B, Hq, D + 1]`` (``"full"``), or one all-to-all that sends each rank
-        its heads' partials (``"heads"``), then ``merge.merge``."""
+        its heads' partials (``"heads"``), then ``merge.merge`` with the spec's sinks and epilogue
+        (of those heads)."""
         groups = 1 if mode_out == "full" else self.world
         parts = merge.pack(out, lse, self.num_heads, groups)
         if self.world > 1:
@@ -475,26 +465,18 @@ class ShardedKVCache:
             else:
                 self._run(_all_to_all, received, parts, "all-to-all", layer)
             parts = received
-        if sinks is not None and groups > 1:
+        if groups > 1:
             per = self.num_heads // self.world
-            sinks = sinks[self.rank * per : (self.rank + 1) * per]
-        out, lse = merge.merge(parts, sinks, self.dtype if epilogue is None else torch.float32)
+            spec = spec.select_heads(self.rank * per, (self.rank + 1) * per, self.head_dim)
+        epilogue = spec.epilogue
+        out, lse = merge.merge(parts, spec.sinks, self.dtype if epilogue is None else torch.float32)
         return (out if epilogue is None else epilogue.apply(out, self.dtype)), lse
 
-    def _step_heads(
-        self, layer, qkv, qkv_bias, return_lse, output, window, alibi_slopes, sinks, epilogue, kw
-    ):
+    def _step_heads(self, layer, qkv, qkv_bias, return_lse, output, kw):
         qkv = self._local_qkv(qkv, "qkv")
         if qkv_bias is not None:
             qkv_bias = self._local_qkv(qkv_bias, "qkv_bias")
-        if alibi_slopes is not None:
-            alibi_slopes = self._local_heads(alibi_slopes, 0, self.num_heads, "alibi_slopes")
-        if sinks is not None:
-            sinks = self._local_heads(sinks, 0, self.num_heads, "sinks")
-        out, lse = self.local.step(
-            layer, qkv, qkv_bias=qkv_bias, return_lse=True, window=window, alibi_slopes=alibi_slopes,
-            sinks=sinks, epilogue=epilogue, **kw,
-        )  # fmt: skip
+        out, lse = self.local.step(layer, qkv, qkv_bias=qkv_bias, return_lse=True, **kw)
         if output == "full" and self.world > 1:
             out, lse = self._gather_heads(out, layer), self._gather_heads(lse, layer)
         return (out, lse) if return_lse else out

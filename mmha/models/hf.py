@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .._ext import extension_available
 from ..cache import KVCache
+from ..spec import AttentionSpec, Rotary
 from . import speculative
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gpt_oss")
@@ -93,6 +94,13 @@ def layer_mods(config, i: int, attn, max_seq_len: int) -> dict:
     if sinks is not None:
         mods["sinks"] = sinks.detach().float().contiguous()
     return mods
+
+
+def layer_spec(config, i: int, attn, max_seq_len: int, head_dim: int, theta: float) -> AttentionSpec:
+    """Layer ``i``'s ``AttentionSpec``: rotary over the whole head (GPT-NeoX halves), the module's
+    scale, and its score modifiers (``layer_mods``)."""
+    mods = layer_mods(config, i, attn, max_seq_len)
+    return AttentionSpec(rotary=Rotary(head_dim, theta), scale=float(attn.scaling), **mods)
 
 
 def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -177,8 +185,9 @@ class HFDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         param = next(model.parameters())
-        self.mods = [layer_mods(config, i, a, max_seq_len) for i, a in enumerate(attns)]
-        self.windowed = any("window" in m for m in self.mods)
+        specs = [layer_spec(config, i, a, max_seq_len, self.head_dim, theta) for i, a in enumerate(attns)]
+        self.windowed = any(s.window is not None for s in specs)
+        self.modified = any(s.has_mods for s in specs)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         on_gpu = param.device.type == "cuda"
         if graphs is None:
@@ -198,9 +207,8 @@ class HFDecoder:
         self.prefill_tokens = prefill_tokens
         self.cache = KVCache(
             config.num_hidden_layers, max_batch, max_seq_len, self.num_heads, self.num_kv_heads,
-            self.head_dim, param.dtype, param.device, rotary_dim=self.head_dim, rotary_theta=theta,
-            scale=float(attns[0].scaling), dispatch_on=dispatch_on, kv_dtype=kv_dtype, paged=paged,
-            block_size=block_size, num_blocks=num_blocks,
+            self.head_dim, param.dtype, param.device, attention=specs, dispatch_on=dispatch_on,
+            kv_dtype=kv_dtype, paged=paged, block_size=block_size, num_blocks=num_blocks,
         )  # fmt: skip
         self.kv_scale_margin = kv_scale_margin
         # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
@@ -291,7 +299,7 @@ class HFDecoder:
         x = self.body.embed_tokens(tokens)
         for i, layer in enumerate(self.body.layers):
             qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
-            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i], **self.mods[i])
+            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i])
             a = layer.self_attn.o_proj(out)
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: norms around both blocks
                 x = x + layer.post_attention_layernorm(a)
@@ -316,7 +324,7 @@ class HFDecoder:
         """A tree of tokens per row through every layer (``KVCache.step_tree``): ``tokens [B, T]``
         as the nodes of ``parents [B, T]``. Returns fp32 logits ``[B, T, vocab]`` (node t's
         prediction of the token after it); lengths do not move (``self.cache.accept``)."""
-        if any(self.mods):
+        if self.modified:
             raise ValueError("tree steps do not take score modifiers yet (sliding windows, soft-caps, sinks)")
         x = self.body.embed_tokens(tokens)  # [B, T, hidden]
         for i, layer in enumerate(self.body.layers):
@@ -345,8 +353,7 @@ class HFDecoder:
         graph = self._graphs.get(rows)
         if graph is None:
             if not self._graphs:  # every bucket's plans fit the workspace the graphs will share
-                windows = list({m.get("window") for m in self.mods})
-                self.cache.reserve_workspace(buckets(self.cache.max_batch), windows)
+                self.cache.reserve_workspace(buckets(self.cache.max_batch))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # one eager round: writes only what the step writes again

@@ -33,6 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import ops, reference
 from ..cache import KVCache
+from ..spec import AttentionSpec
 from .hf import attention_modules, layer_mods
 
 ATTN_IMPLEMENTATION = "mmha"
@@ -148,8 +149,8 @@ class MmhaCache(Cache):
         self.kv_scale_margin = kv_scale_margin
         self.kv = KVCache(
             len(modules), max_batch_size, max_cache_len, num_heads, num_kv_heads, head_dim, param.dtype,
-            param.device, rotary_dim=0, scale=float(modules[0].scaling), dispatch_on="capacity",
-            kv_dtype=kv_dtype,
+            param.device, attention=[AttentionSpec(scale=float(m.scaling)) for m in modules],
+            dispatch_on="capacity", kv_dtype=kv_dtype,
         )  # fmt: skip
         self.kv.release(range(max_batch_size))
         self._modules = modules
@@ -164,7 +165,7 @@ class MmhaCache(Cache):
             self._plans = {b: (p.num_splits, p.stages) for b in batches for p in [self.kv.plan(b)]}
             self._workspace = self.kv.reserve_workspace(batches)
             # Fixed addresses: a compiled step mutates them in place and may be a CUDA graph.
-            static = [*self.kv.k_caches, *self.kv.v_caches, self.kv.lengths, self.kv._active_mask]
+            static = [*self.kv.k_caches, *self.kv.v_caches, self.kv.lengths, self.kv.rows.active_mask]
             static += [self._workspace.partials, self._workspace.counters, self._workspace.status]
             static += [t for t in (self.kv.k_scales, self.kv.v_scales) if t is not None]
             for t in static:
@@ -204,21 +205,18 @@ class MmhaCache(Cache):
         b = query.shape[0]
         qkv = torch.cat([query.reshape(b, -1), key.reshape(b, -1), value.reshape(b, -1)], dim=1)
         kc, vc, lengths = kv.k_caches[layer][:b], kv.v_caches[layer][:b], kv.lengths[:b]
-        scales = {}
-        if kv.fp8:
-            scales = dict(k_scale=kv.k_scales[layer], v_scale=kv.v_scales[layer])
+        spec = kv.attention[layer]
+        if scale != spec.scale:  # transformers passed another scaling than the module's
+            spec = spec.replace(scale=float(scale))
+        kw = dict(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, attention=spec, **kv.scales_of(layer))
         if kv.use_kernel:
             splits, stages = self._plans[b]
             out = ops.decode_attention(
-                qkv, kc, vc, lengths, num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, scale=scale,
-                num_splits=splits, stages=stages, workspace=self._workspace, validate_lengths=False,
-                **scales,
+                qkv, kc, vc, lengths, num_splits=splits, stages=stages, workspace=self._workspace,
+                validate_lengths=False, **kw,
             )  # fmt: skip
         else:
-            out = reference.decode_step(
-                qkv, kc, vc, lengths, num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, scale=scale,
-                **scales,
-            )  # fmt: skip
+            out = reference.decode_step(qkv, kc, vc, lengths, **kw)
         if layer == kv.num_layers - 1:
             kv.advance()
         return out.view(b, 1, kv.num_heads, kv.head_dim)

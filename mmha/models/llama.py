@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
-from ..reference import apply_rotary, rotary_inv_freq
+from ..reference import apply_rotary
+from ..spec import Rotary
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,11 @@ class TinyLlama(nn.Module):
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [N, H, D]`` at ``positions [N]``: GPT-NeoX style over the whole head."""
         c = self.cfg
+        rotary = Rotary(c.head_dim, c.rope_theta)
         inv_freq = self._inv_freq.get(x.device)
         if inv_freq is None:  # once per device, so a captured step creates no host tensor
-            inv_freq = self._inv_freq[x.device] = rotary_inv_freq(
-                c.head_dim, c.rope_theta, torch.float32, x.device
-            )
-        return apply_rotary(x.float(), positions, c.head_dim, c.rope_theta, False, inv_freq).to(x.dtype)
+            inv_freq = self._inv_freq[x.device] = rotary.inv_freq(torch.float32, x.device)
+        return apply_rotary(x.float(), positions, rotary, inv_freq).to(x.dtype)
 
     def new_cache(self, max_batch: int, max_seq_len: int, device, dtype, **kw) -> KVCache:
         c = self.cfg

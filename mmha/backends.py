@@ -1,0 +1,138 @@
+"""How a ``KVCache`` step is computed: the CUDA kernel (``KernelBackend``) or the plain-torch
+reference (``ReferenceBackend``), behind one interface, so that the cache never routes inline.
+
+A backend takes a ``StepCall`` (one layer's one-token step, fully resolved by the cache: the
+caches' view, the spec, the row modes, the plan) or a ``TreeCall`` and returns ``out`` (and
+``lse`` when asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops, reference
+from .spec import AttentionSpec
+
+
+@dataclass
+class StepCall:
+    qkv: torch.Tensor  # [B, (Hq + 2 Hkv) D]
+    k: torch.Tensor  # the kernel's view: rows 0 .. B - 1, or a paged pool
+    v: torch.Tensor
+    lengths: torch.Tensor  # [B] int32 on the device
+    attention: AttentionSpec
+    qkv_bias: torch.Tensor | None = None
+    return_lse: bool = False
+    scales: dict = field(default_factory=dict)  # fp8: k_scale, v_scale
+    row_active: torch.Tensor | None = None  # [B] row modes, or None (every row steps)
+    positions: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] of a paged cache
+    active_rows: list[int] | None = None  # rows that take part (a paged cache's reference path)
+    num_splits: int = 1
+    stages: int = 2
+    tile_source: str = "auto"
+    workspace: ops.Workspace | None = None
+
+
+@dataclass
+class TreeCall:
+    qkv: torch.Tensor  # [B, T, (Hq + 2 Hkv) D]
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: torch.Tensor
+    parents: torch.Tensor  # [B, T]
+    attention: AttentionSpec
+    node_counts: list[int] | torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    return_lse: bool = False
+    scales: dict = field(default_factory=dict)
+    row_active: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    active_rows: list[int] | None = None
+    num_splits: int = 1
+    stages: int = 2
+    tile_source: str = "auto"
+    workspace: ops.Workspace | None = None
+
+
+def _zeros(shape, dtype, device, attention: AttentionSpec) -> torch.Tensor:
+    """The output of rows that take no part: zeros (through the epilogue, as the kernel gives)."""
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    return zeros if attention.epilogue is None else attention.epilogue.apply(zeros, dtype)
+
+
+class KernelBackend:
+    """``mmha.ops`` on the GPU; the cache tracks lengths itself, so the kernel's device-side guard
+    (status flags, ``KVCache.check``) stands in for host checks of the lengths."""
+
+    needs_plan = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+
+    def step(self, c: StepCall):
+        return ops.decode_attention(
+            c.qkv, c.k, c.v, c.lengths, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            attention=c.attention, qkv_bias=c.qkv_bias, num_splits=c.num_splits, stages=c.stages,
+            tile_source=c.tile_source, return_lse=c.return_lse, workspace=c.workspace, validate_lengths=False,
+            block_tables=c.block_tables, row_active=c.row_active, positions=c.positions, **c.scales,
+        )  # fmt: skip
+
+    def tree(self, c: TreeCall):
+        return ops.decode_tree(
+            c.qkv, c.k, c.v, c.lengths, c.parents, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            attention=c.attention, node_counts=c.node_counts, qkv_bias=c.qkv_bias, num_splits=c.num_splits,
+            stages=c.stages, tile_source=c.tile_source, return_lse=c.return_lse, workspace=c.workspace,
+            validate=False, block_tables=c.block_tables, row_active=c.row_active, **c.scales,
+        )  # fmt: skip
+
+
+class ReferenceBackend:
+    """``mmha.reference`` (CPU caches, or no extension); a paged cache's free rows own no blocks,
+    so only ``active_rows`` are computed and the others get the output of rows that take no part."""
+
+    needs_plan = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+
+    def step(self, c: StepCall):
+        kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
+                  qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
+        if c.block_tables is None:
+            return reference.decode_step(
+                c.qkv, c.k, c.v, c.lengths, return_lse=c.return_lse, row_active=c.row_active,
+                positions=c.positions, **kw,
+            )  # fmt: skip
+        batch, dev = c.qkv.shape[0], c.qkv.device
+        out = _zeros((batch, self.num_heads * c.v.shape[-1]), c.qkv.dtype, dev, c.attention)
+        lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=dev)
+        if c.active_rows:
+            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
+            out[idx], lse[idx] = reference.decode_step_paged(
+                c.qkv[idx], c.k, c.v, c.block_tables[idx], c.lengths[idx], return_lse=True, **kw
+            )
+        return (out, lse) if c.return_lse else out
+
+    def tree(self, c: TreeCall):
+        if c.return_lse:  # refused before anything is written
+            raise ValueError(
+                "return_lse needs the GPU kernel (the cache's reference tree step returns out only)"
+            )
+        kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
+                  qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
+        if c.block_tables is None:
+            return reference.decode_tree(
+                c.qkv, c.k, c.v, c.lengths, c.parents, node_counts=c.node_counts, **kw
+            )
+        batch, nodes, dev = c.qkv.shape[0], c.qkv.shape[1], c.qkv.device
+        out = _zeros((batch, nodes, self.num_heads * c.v.shape[-1]), c.qkv.dtype, dev, c.attention)
+        if c.active_rows:
+            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
+            out[idx] = reference.decode_tree_paged(
+                c.qkv[idx], c.k, c.v, c.block_tables[idx], c.lengths[idx], c.parents[idx],
+                node_counts=[c.node_counts[r] for r in c.active_rows], **kw,
+            )  # fmt: skip
+        return out

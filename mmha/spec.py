@@ -1,0 +1,255 @@
+"""What a layer's attention is: one frozen, checked ``AttentionSpec`` per layer, and the storage
+semantics every path shares (fp8 quantisation, row modes).
+
+The kernel path (``mmha.ops``), the cache (``mmha.KVCache``), the distributed cache and the
+oracle (``mmha.reference``) all take the same ``AttentionSpec``, built and checked once (its
+tensors' values are read here, one host read each) and then reused by every step, so a step
+takes no per-call list of settings and reads nothing on the host.
+
+The semantics, for the scaled logit ``s`` of query head ``h`` at slot ``t`` of a row whose new
+token sits at slot ``pos`` (``mmha.reference`` computes exactly this):
+
+- rotary (``Rotary``): q and the new k are rotated at their position on the first ``dim`` dims,
+  GPT-NeoX halves or GPT-J interleaved pairs, with ``inv_freq = 1 / theta ** (2i / dim)``;
+- ``scale``: ``s = q . k * scale`` (default ``1 / sqrt(head_dim)``);
+- ``softcap``: ``s = softcap * tanh(s / softcap)``;
+- ``alibi_slopes`` (fp32 ``[Hq]``): ``s += slope[h] * (t - pos)``;
+- ``window``: only slots ``t > pos - window`` are attended (``window`` slots, the new one's included);
+- ``sinks`` (fp32 ``[Hq]``): ``exp(sink[h])`` joins the softmax's denominator with no value;
+- ``epilogue`` (``mmha.epilogue.OutEpilogue``): shift, smooth and quantisation of the output.
+
+fp8 (e4m3) caches store ``saturate(x / scale[h])`` rounded to nearest (ties to even) and are read
+as ``cached * scale[h]``. Row modes (``row_active``): ``ROW_IDLE`` rows take no part (nothing
+written, zero output, lse ``-inf``), ``ROW_STEP`` rows append and attend, ``ROW_ATTEND`` rows
+attend to slots ``0 .. pos - 1`` only and write nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ._constants import FP8_MAX, ROW_ATTEND, ROW_IDLE, ROW_STEP
+from .epilogue import FP8, OutEpilogue
+
+ROW_MODES = (ROW_IDLE, ROW_STEP, ROW_ATTEND)
+
+__all__ = [
+    "FP8",
+    "FP8_MAX",
+    "PLAIN",
+    "ROW_ATTEND",
+    "ROW_IDLE",
+    "ROW_MODES",
+    "ROW_STEP",
+    "AttentionSpec",
+    "Rotary",
+    "alibi_slopes",
+    "dequantize_fp8",
+    "layer_specs",
+    "fp8_scale",
+    "quantize_fp8",
+]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary embedding on the first ``dim`` dims of q and k (``dim = 0``: none): angle
+    ``position * inv_freq[i]`` with ``inv_freq[i] = 1 / theta ** (2i / dim)``; ``interleaved``
+    rotates GPT-J pairs ``(2i, 2i + 1)``, else GPT-NeoX halves ``(i, i + dim / 2)``."""
+
+    dim: int = 0
+    theta: float = 10000.0
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0 or self.dim % 2:
+            raise ValueError(f"rotary dim must be an even int >= 0, got {self.dim!r}")
+        if not (_is_number(self.theta) and math.isfinite(self.theta) and self.theta > 0):
+            raise ValueError(f"rotary theta must be a finite number > 0, got {self.theta!r}")
+        if not isinstance(self.interleaved, bool):
+            raise ValueError(f"rotary interleaved must be a bool, got {self.interleaved!r}")
+
+    def inv_freq(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """``[dim // 2]``: ``1 / theta ** (2i / dim)`` in ``dtype``."""
+        exponent = torch.arange(0, self.dim, 2, dtype=dtype, device=device) / self.dim
+        return 1.0 / torch.pow(torch.tensor(self.theta, dtype=dtype, device=device), exponent)
+
+
+def _checked_head_tensor(name: str, t) -> torch.Tensor | None:
+    """A per-query-head fp32 tensor, contiguous and finite (its values read once, here)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 1-D float32 tensor [num_heads] (one per query head), got {got}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must be finite, got {t.tolist()}")
+    return t.contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """One layer's attention (module docstring): ``rotary`` (a ``Rotary``), ``scale`` (None:
+    ``1 / sqrt(head_dim)``), ``window`` (int >= 1 or None), ``softcap`` (finite > 0 or None),
+    ``alibi_slopes`` and ``sinks`` (fp32 ``[Hq]`` or None), ``epilogue`` (``OutEpilogue`` or
+    None). Checked when built (the tensors' values are read once); ``check_for`` checks that it
+    fits a layer's heads and device. The tensors must not change afterwards."""
+
+    rotary: Rotary = field(default_factory=Rotary)
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    epilogue: OutEpilogue | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rotary, Rotary):
+            raise ValueError(f"rotary must be a mmha.Rotary, got {type(self.rotary).__name__}")
+        if self.scale is not None and not (_is_number(self.scale) and math.isfinite(self.scale)):
+            raise ValueError(f"scale must be a finite number or None, got {self.scale!r}")
+        w = self.window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(
+                f"window must be an int >= 1 (slots attended, the new token's included), got {w!r}"
+            )
+        cap = self.softcap
+        if cap is not None and not (_is_number(cap) and math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a finite number > 0, got {cap!r}")
+        object.__setattr__(self, "alibi_slopes", _checked_head_tensor("alibi_slopes", self.alibi_slopes))
+        object.__setattr__(self, "sinks", _checked_head_tensor("sinks", self.sinks))
+        if self.epilogue is not None and not isinstance(self.epilogue, OutEpilogue):
+            raise ValueError(
+                f"epilogue must be a mmha.epilogue.OutEpilogue or None, got {type(self.epilogue).__name__}"
+            )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def has_mods(self) -> bool:
+        """Whether any score modifier (window, soft-cap, ALiBi, sinks) is set."""
+        return any(x is not None for x in (self.window, self.softcap, self.alibi_slopes, self.sinks))
+
+    def scale_for(self, head_dim: int) -> float:
+        return 1.0 / math.sqrt(head_dim) if self.scale is None else float(self.scale)
+
+    def first_slot(self, pos: int) -> int:
+        """The first slot the query at ``pos`` attends to."""
+        return 0 if self.window is None else max(0, pos - self.window + 1)
+
+    def check_for(self, num_heads: int, head_dim: int, device, name: str = "attention") -> None:
+        """The spec fits a layer of ``num_heads`` query heads of ``head_dim`` on ``device``
+        (ValueError naming ``name`` and the field otherwise)."""
+        device = torch.device(device)
+        if self.rotary.dim > head_dim:
+            raise ValueError(f"{name}.rotary.dim must be <= head_dim ({head_dim}), got {self.rotary.dim}")
+        for field_name in ("alibi_slopes", "sinks"):
+            t = getattr(self, field_name)
+            if t is None:
+                continue
+            if t.shape != (num_heads,):
+                raise ValueError(
+                    f"{name}.{field_name} must have shape [{num_heads}] (one per query head), "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.device != device:
+                raise ValueError(f"{name}.{field_name} must be on {device}, got {t.device}")
+        if self.epilogue is not None:
+            try:
+                self.epilogue.check_for(num_heads, head_dim, device)
+            except ValueError as e:
+                raise ValueError(f"{name}.{e}") from None
+
+    # ------------------------------------------------------------------ derived specs
+    def replace(self, **changes) -> AttentionSpec:
+        """A copy with ``changes`` (checked as a new spec)."""
+        return dataclasses.replace(self, **changes)
+
+    def select_heads(self, first: int, last: int, head_dim: int) -> AttentionSpec:
+        """The spec of query heads ``first .. last - 1`` alone (their ALiBi slopes, sinks and
+        epilogue channels): what a rank holding those heads computes."""
+        epilogue = (
+            None if self.epilogue is None else self.epilogue.channels_of(first * head_dim, last * head_dim)
+        )
+        return self.replace(
+            alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes[first:last],
+            sinks=None if self.sinks is None else self.sinks[first:last],
+            epilogue=epilogue,
+        )
+
+    def kernel_args(self, head_dim: int) -> dict:
+        """The raw operator's arguments for this spec (each modifier off at its zero)."""
+        args = dict(
+            scale=self.scale_for(head_dim), rotary_dim=self.rotary.dim, rotary_theta=float(self.rotary.theta),
+            rotary_interleaved=self.rotary.interleaved, window=self.window or 0,
+            softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+        )  # fmt: skip
+        if self.epilogue is not None:
+            args.update(self.epilogue.kernel_args())
+        return args
+
+
+PLAIN = AttentionSpec()
+
+
+def layer_specs(attention, num_layers: int, rotary: Rotary, scale=None) -> tuple[AttentionSpec, ...]:
+    """One spec per layer: ``attention`` (one for every layer, or a sequence of ``num_layers``), or,
+    without it, one built from a cache's ``rotary`` and ``scale`` arguments."""
+    if attention is None:
+        return (AttentionSpec(rotary=rotary, scale=scale),) * num_layers
+    if rotary != Rotary() or scale is not None:
+        raise ValueError(
+            "rotary_dim, rotary_theta, rotary_interleaved and scale must be left out with attention="
+        )
+    if isinstance(attention, AttentionSpec):
+        return (attention,) * num_layers
+    specs = tuple(attention)
+    if len(specs) != num_layers:
+        raise ValueError(
+            f"attention must be one AttentionSpec or {num_layers} (one per layer), got {len(specs)}"
+        )
+    return specs
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes (Press et al.; BLOOM's and MPT's): ``2^(-8 i / n)`` for
+    ``i = 1 .. n`` when ``n`` is a power of two, else those of the next lower power of two followed
+    by every other slope of the next higher one. fp32 ``[num_heads]``."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------- fp8 storage
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., Hkv, D]`` (any float dtype) -> e4m3 of ``x / scale[h]`` computed in fp32,
+    saturated to +-448, rounded to nearest (ties to even). ``scale [Hkv]`` fp32."""
+    y = x.float() / scale.float()[:, None]
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x [Hkv, ..., D]`` e4m3 -> ``x * scale[h]`` in ``dtype``."""
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    return x.to(dtype) * scale.to(dtype).reshape(shape)
+
+
+def fp8_scale(amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
+    """Per-head scales that map ``amax * margin`` to 448 (1 where ``amax`` is 0 or not finite),
+    fp32 on ``amax``'s device; computed on the host in fp64, so every device gives the same bits."""
+    s = (amax.detach().double().cpu() * margin / FP8_MAX).float()
+    s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    return s.to(amax.device)

@@ -1,0 +1,186 @@
+"""Where a cache's K/V live: contiguous rows or pages of one pool, behind one interface.
+
+``ContiguousStorage``: per layer ``k [max_batch, Hkv, D/x, capacity, x]`` and ``v [max_batch,
+Hkv, capacity, D]`` (``mmha.layout``). ``PagedStorage``: per layer a pool ``k_pages [num_blocks,
+Hkv, D/x, block_size, x]`` / ``v_pages [num_blocks, Hkv, block_size, D]`` and the block tables of
+its ``mmha.paging.PagePool`` (one table serves every layer). Both give the kernel's view of a
+layer, write prompts, and move or copy slots (``accept``, ``fork``); the paged one also owns the
+allocation of blocks, all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import layout, paging
+
+# GPU caches hold a multiple of this many slots per row (see ContiguousStorage.capacity).
+CAPACITY_ALIGN = 64
+
+
+def _allocate(
+    num_layers: int, k_shape, v_shape, dtype, device, workspace_bytes: int
+) -> tuple[list, list, int]:
+    """Every layer's K and V, after checking that they fit the device's free memory."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = num_layers * (torch.Size(k_shape).numel() + torch.Size(v_shape).numel()) * elem
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if nbytes + workspace_bytes > free:
+            need = nbytes + workspace_bytes
+            raise MemoryError(
+                f"KVCache needs {need} bytes ({need / 2**30:.2f} GiB) on {device}, but only {free} bytes "
+                f"({free / 2**30:.2f} GiB) are free"
+            )
+    k = [torch.empty(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    v = [torch.empty(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return k, v, nbytes
+
+
+class ContiguousStorage:
+    """Row ``b`` of a layer is ``k[b]`` / ``v[b]``. On a GPU the rows hold ``max_seq_len`` rounded
+    up to a multiple of ``CAPACITY_ALIGN`` slots, so that the tile loop's bulk tensor copies apply
+    (they need S_max % 32 == 0; the cp.async fallback issues every copy from one warp and ran the
+    step benchmark's 32K rows at 0.71x the SDPA graph step on the H200); slots past
+    ``max_seq_len`` are never written or read."""
+
+    paged = False
+    pool = None
+    block_tables = None
+
+    def __init__(
+        self, num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, kv_dtype, device, extra_bytes=0
+    ):
+        self.capacity = max_seq_len
+        if device.type == "cuda":
+            self.capacity = -(-max_seq_len // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        k_shape = layout.k_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim, kv_dtype)
+        v_shape = layout.v_cache_shape(max_batch, num_kv_heads, self.capacity, head_dim)
+        self.k_caches, self.v_caches, self.nbytes = _allocate(
+            num_layers, k_shape, v_shape, kv_dtype, device, extra_bytes
+        )
+        self.device = device
+
+    def view(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's caches of rows ``0 .. batch - 1``."""
+        return self.k_caches[layer][:batch], self.v_caches[layer][:batch]
+
+    def tables(self, batch: int) -> None:
+        return None
+
+    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Slots ``0 .. n - 1`` of ``row`` get ``k, v [1, n, Hkv, D]`` (in the cache's dtype)."""
+        layout.write_k(self.k_caches[layer][row : row + 1], k, 0)
+        layout.write_v(self.v_caches[layer][row : row + 1], v, 0)
+
+    # Block bookkeeping: a contiguous cache owns every slot already.
+    def check_room(self, rows, lengths, what: str) -> None:
+        pass
+
+    def reserve(self, rows, lengths, what: str) -> None:
+        pass
+
+    def assign(self, rows, lengths, what: str) -> None:
+        pass
+
+    def release(self, rows) -> None:
+        pass
+
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        """In every layer, slots ``dst`` of ``row`` take the contents of slots ``src``."""
+        s_idx = torch.tensor(src, dtype=torch.long, device=self.device)
+        d_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+            kc[row, :, :, d_idx] = kc[row, :, :, s_idx].clone()
+            vc[row, :, d_idx] = vc[row, :, s_idx].clone()
+
+    def slots(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device indices ``(row or block, offset)`` of ``slots [R, W]`` of ``rows [R]`` (device work)."""
+        return rows[:, None].expand_as(slots), slots
+
+
+class PagedStorage:
+    """Pages of one pool per layer (``mmha.paging``); ``pool`` allocates their blocks to rows."""
+
+    paged = True
+
+    def __init__(
+        self, num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, kv_dtype, device, block_size,
+        num_blocks=None, extra_bytes=0,
+    ):  # fmt: skip
+        paging.check_block_size(block_size)
+        max_blocks = -(-max_seq_len // block_size)
+        num_blocks = max_batch * max_blocks if num_blocks is None else num_blocks
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < max_batch:
+            raise ValueError(
+                f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
+                f"next token, got {num_blocks!r}"
+            )
+        k_shape = layout.k_pages_shape(num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
+        v_shape = layout.v_pages_shape(num_blocks, num_kv_heads, block_size, head_dim)
+        self.k_caches, self.v_caches, self.nbytes = _allocate(
+            num_layers, k_shape, v_shape, kv_dtype, device, extra_bytes
+        )
+        self.capacity, self.device = max_seq_len, device
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.pool = paging.PagePool(num_blocks, block_size, max_batch, max_blocks, device)
+        self.block_tables = self.pool.tables
+
+    def view(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_caches[layer], self.v_caches[layer]
+
+    def tables(self, batch: int) -> torch.Tensor:
+        return self.block_tables[:batch]
+
+    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        layout.write_pages(self.k_caches[layer], self.v_caches[layer], self.pool.rows[row], k[0], v[0])
+
+    def check_room(self, rows: list[int], lengths: list[int], what: str) -> None:
+        """Raise ``PoolExhausted`` (before anything changes) if rows about to hold ``lengths`` tokens
+        need more free blocks than the pool has (their next token's slot included)."""
+        next_slot = [min(n, self.capacity - 1) for n in lengths]
+        need = self.pool.need(rows, next_slot)
+        if need > self.pool.free_blocks:
+            raise paging.PoolExhausted(
+                f"{what}: the page pool has {self.pool.free_blocks} free blocks, {need} are needed for "
+                f"rows {rows}; nothing was changed"
+            )
+
+    def reserve(self, rows: Sequence[int], lengths: Sequence[int], what: str) -> None:
+        """Rows own the blocks of slots ``0 .. lengths[i]`` (all or nothing)."""
+        self.pool.ensure(rows, lengths, what)
+
+    def assign(self, rows: Sequence[int], lengths: Sequence[int], what: str) -> None:
+        """Rows start new sequences owning the blocks of slots ``0 .. lengths[i]`` (all or nothing)."""
+        self.pool.assign(rows, lengths, what)
+
+    def release(self, rows: Sequence[int]) -> None:
+        self.pool.release(rows)
+
+    def fork(self, src: int, dsts: list[int], length: int) -> None:
+        """Rows ``dsts`` share ``src``'s full blocks and copy its partial one (every layer)."""
+        copies = self.pool.fork(src, dsts, length)
+        if copies:
+            old = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+            new = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+            for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+                kc[new] = kc[old]
+                vc[new] = vc[old]
+
+    def _page_slots(self, row: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, blocks = self.block_size, self.pool.rows[row]
+        blk = torch.tensor([blocks[s // bs] for s in slots], dtype=torch.long, device=self.device)
+        off = torch.tensor([s % bs for s in slots], dtype=torch.long, device=self.device)
+        return blk, off
+
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        (sb, so), (db, do) = self._page_slots(row, src), self._page_slots(row, dst)
+        for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+            kc[db, :, :, do] = kc[sb, :, :, so]
+            vc[db, :, do] = vc[sb, :, so]
+
+    def slots(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self.block_tables[rows].long()
+        return tables.gather(1, slots // self.block_size), slots % self.block_size

@@ -1,0 +1,48 @@
+"""What csrc/kernels/table.py defines is generated, not copied: csrc/kernels/constants.h,
+mmha/_constants.py and the kernel instantiations are what csrc/kernels/generate.py writes from it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from mmha import _constants, dispatch, tree
+
+ROOT = Path(__file__).parent.parent
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "csrc" / "kernels" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_files_are_up_to_date():
+    gen = _generator()
+    files = gen.render()
+    stale = [str(p.relative_to(ROOT)) for p, text in files.items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"run `python csrc/kernels/generate.py`: stale {stale}"
+    written = set(files)
+    extra = [p for p in (ROOT / "csrc" / "kernels" / "instantiations").glob("*.cu") if p not in written]
+    assert not extra, f"instantiations the table does not name: {extra}"
+    assert gen.main(["--check"]) == 0
+
+
+def test_the_package_reads_the_generated_constants():
+    assert dispatch.SUPPORTED_HEAD_DIMS == _constants.SUPPORTED_HEAD_DIMS
+    assert dispatch.TILE_KEYS == 16 * _constants.CONSUMER_WARPS
+    assert tree.MAX_NODES == _constants.MAX_TREE_NODES
+    # The workspace layout: a one-token step's counters end where the tree step's masks begin.
+    assert _constants.tree_anc(3, 1, 8) >= _constants.work_counter(3, 1, 8) + 2
+    assert _constants.workspace_counters(2, 4, 8) == _constants.tree_rows(2, 4, 8) + 2
+
+
+def test_formulas_read_the_same_in_both_languages():
+    """Each formula's C++ text is the Python expression's own tree (operators, constants, calls)."""
+    header = (ROOT / "csrc" / "kernels" / "constants.h").read_text()
+    assert "constexpr int tile_stage_bytes(int head_dim, int elem_bytes)" in header
+    assert "constexpr int64_t tree_anc(int64_t batch, int64_t nodes, int64_t heads)" in header
+    assert "#define MMHA_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(80) X(96) X(128) X(256)" in header
+    assert _constants.tile_stage_bytes(128, 2) == 32 * 1024  # K and V of 64 keys of 128 fp16 values
+    assert _constants.tile_stage_bytes(80, 2) == 21 * 1024  # V rows padded by 16 bytes, then aligned
