@@ -78,16 +78,16 @@ def epilogue_cases() -> None:
             for splits in (1, 5):
                 case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits)
                 out = ops.decode_attention(
-                    case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits, epilogue=e,
-                    **case.kwargs(),
+                    case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=splits,
+                    **case.kwargs(epilogue=e),
                 )  # fmt: skip
                 assert out.dtype == e.out_dtype(dtype)
         case = make_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=9)
         case.lengths[0] = 256  # refused: int8 0
         ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, 3)
         out = ops.decode_attention(
-            case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=3, epilogue=OutEpilogue(scale=9.0),
-            workspace=ws, validate_lengths=False, **case.kwargs(),
+            case.qkv, case.k_cache, case.v_cache, case.lengths, num_splits=3, workspace=ws,
+            validate_lengths=False, **case.kwargs(epilogue=OutEpilogue(scale=9.0)),
         )  # fmt: skip
         torch.cuda.synchronize()
         assert ws.status.tolist() == [1, 0, 0, 0, 0] and (out[0] == 0).all()
@@ -158,18 +158,19 @@ def paged_cases() -> None:
                 vp[blk] = case.v_cache[r, :, j * bs : (j + 1) * bs]
         tables = tables.cuda()
         active = torch.tensor([1, 1, 1, 0, 1], dtype=torch.int32, device="cuda")
-        kw = dict(tile_source="auto", stages=2, k_scale=scales[0], v_scale=scales[1], **case.kwargs())
+        kw = dict(tile_source="auto", stages=2, k_scale=scales[0], v_scale=scales[1])
         for splits in (1, 5):
             for window in (None, 40):
                 out = ops.decode_attention(case.qkv, kp, vp, case.lengths, num_splits=splits, block_tables=tables,
-                                           row_active=active, window=window, **kw)  # fmt: skip
+                                           row_active=active, **kw, **case.kwargs(window=window))  # fmt: skip
                 assert torch.isfinite(out).all() and (out[3] == 0).all()
             bad = tables.clone()
             bad[2, 3] = sum(need)  # outside the pool
             bad[4, 0] = -1
             ws = ops.Workspace.allocate("cuda", 5, 8, head_dim, splits)
             out = ops.decode_attention(case.qkv, kp, vp, case.lengths, num_splits=splits, block_tables=bad,
-                                       row_active=active, workspace=ws, validate_lengths=False, **kw)  # fmt: skip
+                                       row_active=active, workspace=ws, validate_lengths=False, **kw,
+                                       **case.kwargs())  # fmt: skip
             torch.cuda.synchronize()
             assert ws.status.tolist() == [0, 0, 8, 0, 8], ws.status.tolist()
             assert torch.isnan(out[[2, 4]]).all() and torch.isfinite(out[[0, 1, 3]]).all()

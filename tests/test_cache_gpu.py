@@ -45,7 +45,13 @@ def test_steps_match_reference(dtype):
             qkv = torch.randn(4, WIDTH, generator=g, device="cuda").to(dtype)
             out = cache.step(layer, qkv)
             ref = reference.decode_step(
-                qkv, ks[layer], vs[layer], lens, num_heads=HQ, num_kv_heads=HKV, rotary_dim=D
+                qkv,
+                ks[layer],
+                vs[layer],
+                lens,
+                num_heads=HQ,
+                num_kv_heads=HKV,
+                attention=cache.attention[layer],
             )
             torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
         cache.advance()

@@ -17,6 +17,7 @@ from helpers import FLOOR, assert_bits_equal, gpu, make_case
 from mmha import ops, reference
 from mmha.cache import KVCache
 from mmha.epilogue import FP8, OutEpilogue
+from mmha.spec import AttentionSpec
 
 pytestmark = gpu
 
@@ -55,7 +56,7 @@ def step(case, epilogue=None, **kw):
     """One kernel step on fresh copies of the case's caches: out, lse, caches."""
     kc, vc = case.clone_caches()
     out, lse = ops.decode_attention(
-        case.qkv, kc, vc, case.lengths, return_lse=True, epilogue=epilogue, **case.kwargs(), **kw
+        case.qkv, kc, vc, case.lengths, return_lse=True, **case.kwargs(epilogue=epilogue), **kw
     )
     torch.cuda.synchronize()
     return out, lse, kc, vc
@@ -173,8 +174,8 @@ def test_fp8_caches(kind, head_dim, splits, source):
     e = epilogues(HQ * head_dim, seed=1)[kind]
     kc, vc = case.clone_caches()
     got = ops.decode_attention(
-        case.qkv, kc, vc, case.lengths, num_splits=splits, tile_source=source, epilogue=e,
-        k_scale=scales[0], v_scale=scales[1], **case.kwargs(),
+        case.qkv, kc, vc, case.lengths, num_splits=splits, tile_source=source,
+        k_scale=scales[0], v_scale=scales[1], **case.kwargs(epilogue=e),
     )  # fmt: skip
     plain = ops.decode_attention(
         case.qkv, *case.clone_caches(), case.lengths, num_splits=splits, tile_source=source,
@@ -213,7 +214,7 @@ def test_tree_steps(kind, dtype, nodes):
         outs.append(
             ops.decode_tree(
                 qkv, kc, vc, case.lengths, parents, num_heads=HQ, num_kv_heads=HKV, node_counts=counts,
-                epilogue=epilogue,
+                attention=AttentionSpec(epilogue=epilogue),
             )
         )  # fmt: skip
     plain, got = outs
@@ -238,8 +239,8 @@ def test_refused_and_idle_rows():
         ws = ops.Workspace.allocate("cuda", 3, HQ, 64, 1)
         kc, vc = case.clone_caches()
         got = ops.decode_attention(
-            case.qkv, kc, vc, bad, workspace=ws, validate_lengths=False, epilogue=e, num_splits=1,
-            row_active=torch.tensor([1, 1, 0], dtype=torch.int32, device="cuda"), **case.kwargs(),
+            case.qkv, kc, vc, bad, workspace=ws, validate_lengths=False, num_splits=1,
+            row_active=torch.tensor([1, 1, 0], dtype=torch.int32, device="cuda"), **case.kwargs(epilogue=e),
         )  # fmt: skip
         with pytest.raises(ops.LengthError):
             ws.check()
@@ -261,7 +262,7 @@ def test_paged_equals_contiguous():
         flat = step(case, e, num_splits=splits, tile_source="cp_async")[0]
         paged = ops.decode_attention(
             case.qkv, kp.clone(), vp.clone(), case.lengths, block_tables=tables, num_splits=splits,
-            tile_source="cp_async", epilogue=e, **case.kwargs(),
+            tile_source="cp_async", **case.kwargs(epilogue=e),
         )  # fmt: skip
         assert torch.equal(flat, paged)
 
@@ -330,12 +331,11 @@ def test_ops_checks_the_epilogue_fits_the_step():
             kc,
             vc,
             case.lengths,
-            epilogue=OutEpilogue(torch.zeros(256, device="cuda")),
-            **case.kwargs(),
+            **case.kwargs(epilogue=OutEpilogue(torch.zeros(256, device="cuda"))),
         )
-    with pytest.raises(ValueError, match="must be on cuda"):
+    with pytest.raises(ValueError, match="attention.epilogue tensors must be on cuda"):
         ops.decode_attention(
-            case.qkv, kc, vc, case.lengths, epilogue=OutEpilogue(torch.zeros(512)), **case.kwargs()
+            case.qkv, kc, vc, case.lengths, **case.kwargs(epilogue=OutEpilogue(torch.zeros(512)))
         )
     assert_bits_equal(kc, case.k_cache, "k_cache")
 
@@ -345,12 +345,13 @@ def test_kvcache_graph_replay():
     replayed: equal to eager steps of a twin cache."""
     layers, b, width = 2, 3, (HQ + 2 * HKV) * 64
     kw = dict(num_layers=layers, max_batch=b, max_seq_len=512, num_heads=HQ, num_kv_heads=HKV, head_dim=64)
-    graphed, eager = KVCache(**kw, dtype=torch.float16), KVCache(**kw, dtype=torch.float16)
     e = [epilogues(HQ * 64, seed=5)["int8_away_128"], epilogues(HQ * 64, seed=6)["e4m3"]]
+    kw.update(attention=[AttentionSpec(epilogue=x) for x in e], dtype=torch.float16)
+    graphed, eager = KVCache(**kw), KVCache(**kw)
     static = torch.zeros(layers, b, width, device="cuda", dtype=torch.float16)
 
     def run(cache, qkv):
-        outs = [cache.step(layer, qkv[layer], epilogue=e[layer]) for layer in range(layers)]
+        outs = [cache.step(layer, qkv[layer]) for layer in range(layers)]
         cache.advance()
         return outs
 
@@ -358,7 +359,7 @@ def test_kvcache_graph_replay():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (workspace); its writes are rewritten by the first replay
         for layer in range(layers):
-            graphed.step(layer, static[layer], epilogue=e[layer])
+            graphed.step(layer, static[layer])
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -378,11 +379,11 @@ def test_kvcache_graph_replay():
 
 def test_torch_compile_fullgraph():
     case = make_case(3, HQ, HKV, 64, [5, 300, 17], 320, torch.float16, seed=8)
-    e = epilogues(HQ * 64)["int8_even_127"]
+    spec = AttentionSpec(epilogue=epilogues(HQ * 64)["int8_even_127"])
 
     def fn(qkv, k_cache, v_cache, lengths):
         return ops.decode_attention(
-            qkv, k_cache, v_cache, lengths, num_heads=HQ, num_kv_heads=HKV, num_splits=2, epilogue=e,
+            qkv, k_cache, v_cache, lengths, num_heads=HQ, num_kv_heads=HKV, num_splits=2, attention=spec,
             validate_lengths=False,
         )  # fmt: skip
 

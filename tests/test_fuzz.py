@@ -147,8 +147,8 @@ def raw_args(case, num_splits: int, /, stages: int = 2, tile_source: int = 0, **
         qkv_bias=case.bias, out=torch.full((b, hq * d), float("nan"), dtype=case.qkv.dtype, device=dev),
         lse=torch.full((b, hq), float("nan"), device=dev), partials=ws.partials, counters=ws.counters,
         status=ws.status, num_heads=hq, num_kv_heads=case.num_kv_heads, scale=1.0 / math.sqrt(d),
-        rotary_dim=case.rotary.get("rotary_dim", 0), rotary_theta=case.rotary.get("rotary_theta", 1e4),
-        rotary_interleaved=case.rotary.get("rotary_interleaved", False), num_splits=num_splits,
+        rotary_dim=case.rotary.get("dim", 0), rotary_theta=case.rotary.get("theta", 1e4),
+        rotary_interleaved=case.rotary.get("interleaved", False), num_splits=num_splits,
         check_lengths=True, stages=stages, tile_source=tile_source,
     )  # fmt: skip
     a.update(over)

@@ -330,10 +330,10 @@ def test_extreme_scale():
         kc, vc = case.clone_caches()
         from mmha import reference
 
-        ref = reference.decode_step(case.qkv, kc, vc, case.lengths, scale=scale, **case.kwargs())
+        ref = reference.decode_step(case.qkv, kc, vc, case.lengths, **case.kwargs(scale=scale))
         out = ops.decode_attention(
-            case.qkv, case.k_cache.clone(), case.v_cache.clone(), case.lengths, scale=scale,
-            num_splits=3, **case.kwargs(),
+            case.qkv, case.k_cache.clone(), case.v_cache.clone(), case.lengths, num_splits=3,
+            **case.kwargs(scale=scale),
         )  # fmt: skip
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

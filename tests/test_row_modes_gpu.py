@@ -57,9 +57,9 @@ def test_row_modes_and_positions_match_reference(dtype, kv_dtype, head_dim, num_
         case, k_scale, v_scale = fp8_case(batch, hq, hkv, head_dim, LENGTHS, S_MAX, dtype, **kw)
         extra = dict(k_scale=k_scale, v_scale=v_scale)
     if mods.get("window"):
-        extra["window"] = mods["window"]
+        case.mods["window"] = mods["window"]
     if mods.get("sinks"):
-        extra["sinks"] = torch.linspace(-2.0, 3.0, hq, device="cuda")
+        case.mods["sinks"] = torch.linspace(-2.0, 3.0, hq, device="cuda")
     modes = torch.tensor(MODES, dtype=torch.int32, device="cuda")
     positions = torch.randint(0, 5000, (batch,), generator=torch.Generator().manual_seed(3)).to(
         "cuda", torch.int32

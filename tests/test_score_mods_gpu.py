@@ -18,6 +18,7 @@ from test_ops_gpu import check_case
 
 from mmha import ops, spec
 from mmha.cache import KVCache
+from mmha.spec import AttentionSpec, Rotary
 
 pytestmark = gpu
 
@@ -134,7 +135,7 @@ BAD = {
     "softcap inf": (lambda: dict(softcap=float("inf")), "softcap must be a finite number > 0"),
     "slopes shape": (
         lambda: dict(alibi_slopes=torch.ones(3, device="cuda")),
-        r"alibi_slopes must be a float32 tensor of shape \[8\]",
+        r"attention\.alibi_slopes must have shape \[8\]",
     ),
     "sinks on cpu": (lambda: dict(sinks=torch.ones(8)), "sinks must be on cuda"),
     "sinks nan": (lambda: dict(sinks=torch.full((8,), float("nan"), device="cuda")), "sinks must be finite"),
@@ -146,8 +147,9 @@ def test_bad_modifiers_are_named_and_nothing_is_written(bad):
     make, match = BAD[bad]
     case = make_case(2, HQ, HKV, 128, [3, 50], 128, torch.float16, seed=1)
     k0, v0 = case.clone_caches()
-    with pytest.raises(ValueError, match=match):
-        ops.decode_attention(case.qkv, case.k_cache, case.v_cache, case.lengths, **case.kwargs(), **make())
+    case.mods = make()
+    with pytest.raises(ValueError, match=match):  # refused where the spec is built, or by the op
+        ops.decode_attention(case.qkv, case.k_cache, case.v_cache, case.lengths, **case.kwargs())
     assert_bits_equal(case.k_cache, k0, "k_cache")
     assert_bits_equal(case.v_cache, v0, "v_cache")
 
@@ -182,8 +184,10 @@ def test_kvcache_graph_replay_with_window_and_sinks(dtype):
     width = (HQ + 2 * HKV) * d
     sinks = torch.randn(HQ, device="cuda")
 
+    specs = [AttentionSpec(rotary=Rotary(d), window=32), AttentionSpec(rotary=Rotary(d), sinks=sinks)]
+
     def new_cache():
-        c = KVCache(layers, rows, 300, HQ, HKV, d, dtype, "cuda", rotary_dim=d, dispatch_on="capacity")
+        c = KVCache(layers, rows, 300, HQ, HKV, d, dtype, "cuda", attention=specs, dispatch_on="capacity")
         g = torch.Generator(device="cpu").manual_seed(5)
         k = torch.randn(rows, 40, HKV, d, generator=g).to(dtype).cuda()
         for layer in range(layers):
@@ -195,14 +199,14 @@ def test_kvcache_graph_replay_with_window_and_sinks(dtype):
     eager, graphed = new_cache(), new_cache()
     expect = []
     for qkv in qkvs:
-        expect.append((eager.step(0, qkv, window=32), eager.step(1, qkv, sinks=sinks)))
+        expect.append((eager.step(0, qkv), eager.step(1, qkv)))
         eager.advance()
     static = qkvs[0].clone()
-    graphed.step(0, static, window=32)  # eager warm-up: checks the sinks' values, sizes the workspace
-    graphed.step(1, static, sinks=sinks)
+    graphed.step(0, static)  # eager warm-up: sizes the workspace
+    graphed.step(1, static)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = (graphed.step(0, static, window=32), graphed.step(1, static, sinks=sinks))
+        outs = (graphed.step(0, static), graphed.step(1, static))
         graphed.advance()
     for qkv, (a, b) in zip(qkvs, expect, strict=True):
         static.copy_(qkv)
