@@ -210,7 +210,7 @@ def main(argv=None) -> None:
         rows += [("heads", b, s, {}) for b, s in heads_rows]
     header = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
     if cuda and dist.get_rank() == 0:
-        from .cli import gpu_header
+        from .runner import gpu_header
 
         header.update(gpu_header())
     results = []

@@ -27,9 +27,9 @@ import torch
 
 from .. import ops
 from ..epilogue import OutEpilogue
-from .cli import gpu_header, print_report
 from .methods import mmha_fn
 from .problems import CANONICAL, TOLERANCE, Config, layer_problems
+from .runner import gpu_header, print_report
 
 TARGET = 1.02  # fused / plain
 SCALE = 40.0  # int8 steps per unit of (x + shift) * smooth

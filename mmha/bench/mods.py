@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference
 from ..spec import AttentionSpec, alibi_slopes
-from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
+from .runner import print_report
 from .timing import decode_us
 
 HQ, D = 32, 128

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from .. import ops, paging
-from .cli import gpu_header, print_report, time_method
 from .methods import MMHA, mmha_fn
 from .problems import CANONICAL, QUICK, TOLERANCE, Config, layer_problems
+from .runner import gpu_header, print_report, time_method
 
 BLOCK_SIZES = (16, 64)
 TARGET = 1.03  # paged / contiguous

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference, tree
 from . import floor
-from .cli import print_report
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
+from .runner import print_report
 from .timing import decode_us
 
 PEERS = ("sequential", "sdpa_mask", "flex")

@@ -101,7 +101,7 @@ class GraphStep:
         return self.y
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mmha.distributed.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=MODES, default="sequence")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-8b")
@@ -117,34 +117,12 @@ def main(argv=None) -> None:
         help="distinct sets of random weights, used by the layers in turn (default: one per layer); "
         "fewer leave room for a longer context",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    return ap
 
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype] if cuda else torch.float32
-    shape = PRESETS[args.preset]
-    if args.layers is not None:
-        shape = Shape(shape.dim, args.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    where = "NCCL on " + torch.cuda.get_device_name() if cuda else "gloo, CPU"
-    say(f"mmha.distributed.demo: {world} ranks ({where}), "
-        f"mode {args.mode}, {shape.layers} layers, Hq {shape.heads} Hkv {shape.kv_heads} D {shape.head_dim}, "
-        f"batch {args.batch}, context {args.context}, {args.dtype if cuda else 'fp32'}, "
-        f"{args.weight_sets or shape.layers} weight sets")  # fmt: skip
 
-    stack = Stack(shape, device, dtype, weight_sets=args.weight_sets)
-    cache = ShardedKVCache(
-        shape.layers, args.batch, args.context + args.steps + 1, shape.heads, shape.kv_heads, shape.head_dim,
-        dtype, device, mode=args.mode, block=args.block, rotary_dim=shape.head_dim, rotary_theta=500000.0,
-    )  # fmt: skip
-    g = torch.Generator(device=device).manual_seed(1)
-    t0 = time.perf_counter()
-    for layer in range(shape.layers):  # the context: the same random K/V on every rank, each keeps its part
+def _context(cache, shape, args, device, dtype, g) -> None:
+    """The context: the same random K/V on every rank, each keeping its part."""
+    for layer in range(shape.layers):
         kv = [
             torch.randn(args.batch, args.context, shape.kv_heads, shape.head_dim, generator=g, device=device,
                         dtype=dtype)
@@ -152,9 +130,11 @@ def main(argv=None) -> None:
         ]  # fmt: skip
         cache.prefill(layer, kv[0], kv[1])
         del kv
-    if cuda:
-        torch.cuda.synchronize()
-    say(f"context written in {time.perf_counter() - t0:.1f} s; cache per rank {cache.nbytes / 2**30:.2f} GiB")
+
+
+def _decode(stack, cache, args, shape, device, dtype, g, say) -> torch.Tensor:
+    """The timed decode steps (one CUDA graph each on a GPU unless ``--eager``), reported."""
+    cuda = device.type == "cuda"
 
     def eager(x):
         x = stack.layers_step(x, cache)
@@ -178,15 +158,49 @@ def main(argv=None) -> None:
     cache.check()
     n = max(args.steps - 1, 1)
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    mems = [None] * world
+    mems = [None] * dist.get_world_size()
     dist.all_gather_object(mems, mem)
     say(f"decode ({how}): {elapsed / n * 1e3:.2f} ms per step, {args.batch * n / elapsed:.1f} tokens/s "
         f"({n} steps, final length {cache.host_lengths[0]})")  # fmt: skip
     say("peak memory per GPU (GiB): " + ", ".join(f"rank {r}: {m:.2f}" for r, m in enumerate(mems)))
-    if not torch.isfinite(x.float()).all():
-        raise SystemExit("non-finite activations")
     # the graph's collectives hold the communicator: the graph goes first, on every rank
     del step
+    return x
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    dtype = DTYPES[args.dtype] if cuda else torch.float32
+    shape = PRESETS[args.preset]
+    if args.layers is not None:
+        shape = Shape(shape.dim, args.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    where = "NCCL on " + torch.cuda.get_device_name() if cuda else "gloo, CPU"
+    say(f"mmha.distributed.demo: {world} ranks ({where}), "
+        f"mode {args.mode}, {shape.layers} layers, Hq {shape.heads} Hkv {shape.kv_heads} D {shape.head_dim}, "
+        f"batch {args.batch}, context {args.context}, {args.dtype if cuda else 'fp32'}, "
+        f"{args.weight_sets or shape.layers} weight sets")  # fmt: skip
+    stack = Stack(shape, device, dtype, weight_sets=args.weight_sets)
+    cache = ShardedKVCache(
+        shape.layers, args.batch, args.context + args.steps + 1, shape.heads, shape.kv_heads, shape.head_dim,
+        dtype, device, mode=args.mode, block=args.block, rotary_dim=shape.head_dim, rotary_theta=500000.0,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(1)
+    t0 = time.perf_counter()
+    _context(cache, shape, args, device, dtype, g)
+    if cuda:
+        torch.cuda.synchronize()
+    say(f"context written in {time.perf_counter() - t0:.1f} s; cache per rank {cache.nbytes / 2**30:.2f} GiB")
+    x = _decode(stack, cache, args, shape, device, dtype, g, say)
+    if not torch.isfinite(x.float()).all():
+        raise SystemExit("non-finite activations")
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()

@@ -66,6 +66,72 @@ def random_prompts(n: int, lengths: list[int], vocab: int, seed: int) -> list[li
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
+class _Batcher:
+    """Continuous batching of ``requests`` over a cache's ``batch`` rows: a queue, the request each
+    row serves and each row's next input token."""
+
+    def __init__(self, model, cache, requests: list[Request], batch: int, pick_fn):
+        self.model, self.cache, self.requests, self.pick = model, cache, requests, pick_fn
+        self.dev = cache.device
+        self.queue = list(range(len(requests)))
+        self.slot_req: list[int | None] = [None] * batch
+        self.next_tok = torch.zeros(batch, dtype=torch.long, device=self.dev)
+        cache.release(list(range(batch)))
+
+    def admit(self, rows: list[int]) -> None:
+        """The next queued prompts into ``rows`` (prefilled; their first token picked)."""
+        ids = [self.queue.pop(0) for _ in rows]
+        self.cache.admit(rows)
+        lens = [len(self.requests[i].prompt) for i in ids]
+        toks = torch.zeros(len(ids), max(lens), dtype=torch.long, device=self.dev)
+        for j, i in enumerate(ids):
+            toks[j, : lens[j]] = torch.tensor(self.requests[i].prompt, device=self.dev)
+        logits, _ = self.model.prefill(toks, lens, self.cache, rows)
+        first = self.pick(logits)
+        for j, (r, i) in enumerate(zip(rows, ids, strict=True)):
+            self.slot_req[r] = i
+            self.requests[i].output.append(int(first[j]))
+            self.next_tok[r] = first[j]
+
+    @property
+    def busy(self) -> bool:
+        return any(r is not None for r in self.slot_req)
+
+    def take(self, host: list[int]) -> int:
+        """Each serving row's new token; finished rows are released and refilled. Returns the
+        tokens taken."""
+        done, produced = [], 0
+        for r, i in enumerate(self.slot_req):
+            if i is None:
+                continue
+            req = self.requests[i]
+            req.output.append(host[r])
+            produced += 1
+            if len(req.output) >= req.max_new_tokens:
+                done.append(r)
+        for r in done:
+            self.slot_req[r] = None
+        if done:
+            self.cache.release(done)
+            refill = done[: len(self.queue)]
+            if refill:
+                self.admit(refill)
+        return produced
+
+
+def _capture(model: TinyLlama, cache, static_tok: torch.Tensor):
+    """One decode step captured in a CUDA graph (after a warm-up on a side stream) and its logits."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        model.warm_up(static_tok, cache)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_logits = model.decode_step(static_tok, cache)
+    return g, static_logits
+
+
 @torch.no_grad()
 def generate(
     model: TinyLlama,
@@ -91,71 +157,28 @@ def generate(
         paged=paged, block_size=block_size,
     )  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(seed) if temperature else None
-    queue = list(range(len(requests)))
-    slot_req: list[int | None] = [None] * batch
-    next_tok = torch.zeros(batch, dtype=torch.long, device=dev)
-    cache.release(list(range(batch)))
-
-    def admit(rows: list[int]) -> None:
-        ids = [queue.pop(0) for _ in rows]
-        cache.admit(rows)
-        lens = [len(requests[i].prompt) for i in ids]
-        toks = torch.zeros(len(ids), max(lens), dtype=torch.long, device=dev)
-        for j, i in enumerate(ids):
-            toks[j, : lens[j]] = torch.tensor(requests[i].prompt, device=dev)
-        logits, _ = model.prefill(toks, lens, cache, rows)
-        first = pick(logits, temperature, top_k, gen)
-        for j, (r, i) in enumerate(zip(rows, ids, strict=True)):
-            slot_req[r] = i
-            requests[i].output.append(int(first[j]))
-            next_tok[r] = first[j]
-
-    admit(list(range(min(batch, len(queue)))))
-    static_tok = next_tok.clone()
-    g = None
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            model.warm_up(static_tok, cache)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            static_logits = model.decode_step(static_tok, cache)
-
+    slots = _Batcher(model, cache, requests, batch, lambda logits: pick(logits, temperature, top_k, gen))
+    slots.admit(list(range(min(batch, len(slots.queue)))))
+    static_tok = slots.next_tok.clone()
+    g, static_logits = _capture(model, cache, static_tok) if graph else (None, None)
     step_ms: list[float] = []
     produced = 0
-    while any(r is not None for r in slot_req):
+    while slots.busy:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         if g is not None:
-            static_tok.copy_(next_tok)
+            static_tok.copy_(slots.next_tok)
             g.replay()
             cache.account_replay()
             logits = static_logits
         else:
-            logits = model.decode_step(next_tok, cache)
+            logits = model.decode_step(slots.next_tok, cache)
         nxt = pick(logits, temperature, top_k, gen)
         host = nxt.tolist()  # the host needs the tokens anyway (stop checks): one sync per step
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        next_tok.copy_(nxt)
-        done = []
-        for r, i in enumerate(slot_req):
-            if i is None:
-                continue
-            req = requests[i]
-            req.output.append(host[r])
-            produced += 1
-            if len(req.output) >= req.max_new_tokens:
-                done.append(r)
-        for r in done:
-            slot_req[r] = None
-        if done:
-            cache.release(done)
-            refill = done[: len(queue)]
-            if refill:
-                admit(refill)
+        slots.next_tok.copy_(nxt)
+        produced += slots.take(host)
     return GenerationResult(requests, step_ms, produced)
 
 
@@ -301,8 +324,7 @@ def speculative_status(identical: bool, dtype: torch.dtype) -> int:
     return 0 if identical or dtype != torch.float32 else 1
 
 
-def main(argv: list[str]) -> int:
-    cmd, rest = argv[0], argv[1:]
+def _parser(cmd: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m mmha {cmd}")
     p.add_argument("--model", choices=list(PRESETS), default="small")
     p.add_argument("--batch", type=int, default=8)
@@ -325,78 +347,96 @@ def main(argv: list[str]) -> int:
         "--tree-shape", type=int, nargs="+", default=[2, 2, 1], help="children per node at each depth"
     )
     p.add_argument("--draft-layers", type=int, default=1, help="layers of the model the draft keeps")
-    args = p.parse_args(rest)
-    has_gpu = torch.cuda.is_available()
+    return p
+
+
+def _on_the_gpu(args, cmd: str) -> bool:
+    """Whether the kernels run here; otherwise ``args`` shrink to the reference path's small size."""
     from .._ext import extension_available
 
-    if not has_gpu or not extension_available():
-        why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
-        has_gpu = False
-        print(f"mmha {cmd}: {why}: running the reference path on the CPU at a small size.")
-        args.model, args.batch, args.graph = "tiny", 2, False
-        args.dtype = "fp32" if args.kv_dtype == "same" else "bf16"  # fp8 caches need 16-bit activations
-        args.new_tokens = min(args.new_tokens, 16)
-        args.prompt_lengths = [min(n, 12) for n in args.prompt_lengths]
+    has_gpu = torch.cuda.is_available()
+    if has_gpu and extension_available():
+        return True
+    why = "no CUDA GPU here" if not has_gpu else "the CUDA extension is not built here"
+    print(f"mmha {cmd}: {why}: running the reference path on the CPU at a small size.")
+    args.model, args.batch, args.graph = "tiny", 2, False
+    args.dtype = "fp32" if args.kv_dtype == "same" else "bf16"  # fp8 caches need 16-bit activations
+    args.new_tokens = min(args.new_tokens, 16)
+    args.prompt_lengths = [min(n, 12) for n in args.prompt_lengths]
+    return False
+
+
+def _speculative(args, model, prompts, has_gpu: bool) -> int:
+    """``--speculative``: the tree demo against plain greedy decoding, reported."""
+    cfg, dtype = model.cfg, DTYPES[args.dtype]
+    a = speculative_demo(
+        model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape, args.paged,
+        args.block_size,
+    )  # fmt: skip
+    tokens = args.new_tokens * len(prompts[: args.batch])
+    path = "GPU kernel" if has_gpu else "reference path"
+    kind = f", paged cache (blocks of {args.block_size})" if args.paged else ""
+    print(f"speculative greedy decoding, model {args.model} ({args.dtype}{kind}), batch {args.batch}, "
+          f"draft = the first {args.draft_layers} of {cfg.num_layers} layers, "
+          f"trees of {a['nodes']} nodes {args.tree_shape}: "
+          f"{a['rounds']} rounds for {args.new_tokens} tokens "
+          f"({a['mean_accepted']:.2f} tokens accepted per round); "
+          f"plain greedy {a['plain_s'] * 1e3:.0f} ms "
+          f"({tokens / a['plain_s']:.0f} tokens/s), speculative {a['speculative_s'] * 1e3:.0f} ms "
+          f"({tokens / a['speculative_s']:.0f} tokens/s), eager on the {path}; "
+          f"tokens identical to plain greedy: {a['identical']}")  # fmt: skip
+    if not a["identical"]:
+        row, at = a["parted"]
+        why = ("" if dtype == torch.float32 else
+               f": in {args.dtype} tree steps and one-token steps round differently, so a near tie "
+               "can pick another token (fp32 is exact)")  # fmt: skip
+        print(f"the two paths part at token {at} of row {row}{why}")
+    return speculative_status(a["identical"], dtype)
+
+
+def _agreement(args, model, prompts, has_gpu: bool) -> int:
+    """``--compare-reference``: greedy tokens of mmha against the reference decoder, reported."""
+    n_agree = min(args.new_tokens, 256) if has_gpu else args.new_tokens
+    a = agree(model, prompts[: max(4, min(args.batch, 8))] if has_gpu else prompts[:2], n_agree,
+              graph=args.graph, kv_dtype=KV_DTYPES[args.kv_dtype])  # fmt: skip
+    ok = a["first_mismatch"] is None
+    verdict = "no decisive mismatch" if ok else f"first decisive mismatch at step {a['first_mismatch']}"
+    print(f"agreement with reference decoding ({a['dtype']}, {a['kv_dtype']} cache, batch {a['batch']}, "
+          f"{a['new_tokens']} tokens, {'graph' if a['graph'] else 'eager'}): "
+          f"{a['identical_steps']} steps identical, {a['near_tie_steps']} near-tie flips, {verdict}; "
+          f"max |logit diff| {a['max_logit_abs_err']:.3g}")  # fmt: skip
+    return 0 if ok else 1
+
+
+def main(argv: list[str]) -> int:
+    cmd, rest = argv[0], argv[1:]
+    args = _parser(cmd).parse_args(rest)
+    has_gpu = _on_the_gpu(args, cmd)
     if cmd == "demo":
         args.compare_reference = True
     dev = "cuda" if has_gpu else "cpu"
-    dtype = DTYPES[args.dtype]
-    model = TinyLlama(PRESETS[args.model], seed=args.seed).to(dev, dtype).eval()
+    model = TinyLlama(PRESETS[args.model], seed=args.seed).to(dev, DTYPES[args.dtype]).eval()
     cfg = model.cfg
     n_req = args.requests or 2 * args.batch
     prompts = random_prompts(n_req, args.prompt_lengths, cfg.vocab_size, args.seed)
+    if args.speculative:
+        return _speculative(args, model, prompts, has_gpu)
     budgets = [args.new_tokens - (i % 3) * (args.new_tokens // 4) for i in range(n_req)]
     reqs = [Request(pr, max(1, b)) for pr, b in zip(prompts, budgets, strict=True)]
     max_seq = max(args.prompt_lengths) + args.new_tokens + 1
-    if args.speculative:
-        a = speculative_demo(
-            model, prompts[: args.batch], args.new_tokens, args.draft_layers, args.tree_shape,
-            args.paged, args.block_size,
-        )  # fmt: skip
-        tokens = args.new_tokens * len(prompts[: args.batch])
-        path = "GPU kernel" if has_gpu else "reference path"
-        kind = f", paged cache (blocks of {args.block_size})" if args.paged else ""
-        print(f"speculative greedy decoding, model {args.model} ({args.dtype}{kind}), batch {args.batch}, "
-              f"draft = the first {args.draft_layers} of {cfg.num_layers} layers, "
-              f"trees of {a['nodes']} nodes {args.tree_shape}: "
-              f"{a['rounds']} rounds for {args.new_tokens} tokens "
-              f"({a['mean_accepted']:.2f} tokens accepted per round); "
-              f"plain greedy {a['plain_s'] * 1e3:.0f} ms "
-              f"({tokens / a['plain_s']:.0f} tokens/s), speculative {a['speculative_s'] * 1e3:.0f} ms "
-              f"({tokens / a['speculative_s']:.0f} tokens/s), eager on the {path}; "
-              f"tokens identical to plain greedy: {a['identical']}")  # fmt: skip
-        if not a["identical"]:
-            row, at = a["parted"]
-            why = ("" if dtype == torch.float32 else
-                   f": in {args.dtype} tree steps and one-token steps round differently, so a near tie "
-                   "can pick another token (fp32 is exact)")  # fmt: skip
-            print(f"the two paths part at token {at} of row {row}{why}")
-        return speculative_status(a["identical"], dtype)
     cache_kind = f"{args.kv_dtype} cache" + (f" (paged, blocks of {args.block_size})" if args.paged else "")
     print(f"model {args.model}: {cfg.num_layers} layers, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, "
           f"D {cfg.head_dim}, {args.dtype}, {cache_kind}, batch {args.batch}, {n_req} requests, "
           f"{'CUDA graph' if args.graph else 'eager'} on {dev}")  # fmt: skip
-    kv_dtype = KV_DTYPES[args.kv_dtype]
     res = generate(model, reqs, args.batch, max_seq, graph=args.graph, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, kv_dtype=kv_dtype, paged=args.paged,
+                   top_k=args.top_k, seed=args.seed, kv_dtype=KV_DTYPES[args.kv_dtype], paged=args.paged,
                    block_size=args.block_size)  # fmt: skip
     s = res.summary()
     print(f"generated {s['tokens']} tokens in {s['steps']} steps: {s['tokens_per_s']:.0f} tokens/s; "
           f"step latency start median {s['start_median_ms']:.2f} ms (p90 {s['start_p90_ms']:.2f}), "
           f"end median {s['end_median_ms']:.2f} ms (p90 {s['end_p90_ms']:.2f})")  # fmt: skip
     print("first request's tokens:", reqs[0].output[:24], "...")
-    rc = 0
-    if args.compare_reference:
-        n_agree = min(args.new_tokens, 256) if has_gpu else args.new_tokens
-        a = agree(model, prompts[: max(4, min(args.batch, 8))] if has_gpu else prompts[:2], n_agree,
-                  graph=args.graph, kv_dtype=kv_dtype)  # fmt: skip
-        ok = a["first_mismatch"] is None
-        verdict = "no decisive mismatch" if ok else f"first decisive mismatch at step {a['first_mismatch']}"
-        print(f"agreement with reference decoding ({a['dtype']}, {a['kv_dtype']} cache, batch {a['batch']}, "
-              f"{a['new_tokens']} tokens, {'graph' if a['graph'] else 'eager'}): "
-              f"{a['identical_steps']} steps identical, {a['near_tie_steps']} near-tie flips, {verdict}; "
-              f"max |logit diff| {a['max_logit_abs_err']:.3g}")  # fmt: skip
-        rc = 0 if ok else 1
+    rc = _agreement(args, model, prompts, has_gpu) if args.compare_reference else 0
     if cmd == "demo":
         if has_gpu:
             from ..bench import main as bench_main
