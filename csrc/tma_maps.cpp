@@ -46,16 +46,16 @@ bool device_has_tma(int device) {
 }
 
 bool cache_maps_fit(const MmhaParams& p) {
-  if (p.block_tables != nullptr) {  // pages: the V map's rows (num_blocks * Hkv * bs) in an int
-    const int64_t rows = static_cast<int64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
-    const int64_t k_rows = static_cast<int64_t>(p.num_blocks) * p.num_kv_heads * p.head_dim * elem_bytes(p.cache_dtype) / 16;
-    return tma_head_dim(p.cache_dtype, p.head_dim) && rows < INT_MAX && k_rows < INT_MAX;
+  if (p.cache.block_tables != nullptr) {  // pages: the V map's rows (num_blocks * Hkv * bs) in an int
+    const int64_t rows = static_cast<int64_t>(p.cache.num_blocks) * p.num_kv_heads << p.cache.block_shift;
+    const int64_t k_rows = static_cast<int64_t>(p.cache.num_blocks) * p.num_kv_heads * p.head_dim * elem_bytes(p.cache.dtype) / 16;
+    return tma_head_dim(p.cache.dtype, p.head_dim) && rows < INT_MAX && k_rows < INT_MAX;
   }
   const int64_t x = 8;  // 16-bit elements per 16-byte chunk
-  const int64_t heads = static_cast<int64_t>(p.batch) * p.num_kv_heads;
-  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * elem_bytes(p.cache_dtype);
-  return tma_head_dim(p.cache_dtype, p.head_dim) && p.max_seq_len % 32 == 0 &&
-         static_cast<int64_t>(p.max_seq_len) * x < INT_MAX && heads * (row_bytes / 16) < INT_MAX;
+  const int64_t heads = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads;
+  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * elem_bytes(p.cache.dtype);
+  return tma_head_dim(p.cache.dtype, p.head_dim) && p.cache.max_seq_len % 32 == 0 &&
+         static_cast<int64_t>(p.cache.max_seq_len) * x < INT_MAX && heads * (row_bytes / 16) < INT_MAX;
 }
 
 cudaError_t encode_cache_maps(MmhaParams& p) {
@@ -67,42 +67,42 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   // Every cache is seen as 16-bit elements (the copies move bytes): x = 8 of them per 16-byte
   // chunk, d of them per V row (head_dim for 16-bit caches, head_dim / 2 for fp8).
   const cuuint64_t x = 8, elem = 2;
-  const cuuint64_t d = static_cast<cuuint64_t>(p.head_dim) * elem_bytes(p.cache_dtype) / elem;
-  const cuuint64_t smax = static_cast<cuuint64_t>(p.max_seq_len);
-  const cuuint64_t heads = static_cast<cuuint64_t>(p.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
+  const cuuint64_t d = static_cast<cuuint64_t>(p.head_dim) * elem_bytes(p.cache.dtype) / elem;
+  const cuuint64_t smax = static_cast<cuuint64_t>(p.cache.max_seq_len);
+  const cuuint64_t heads = static_cast<cuuint64_t>(p.rows.batch) * static_cast<cuuint64_t>(p.num_kv_heads);
   const cuuint32_t ones[3] = {1, 1, 1};
 
-  if (p.block_tables != nullptr) {
+  if (p.cache.block_tables != nullptr) {
     // Pages: V [num_blocks, Hkv, bs, D] as rows of d elements (tile_source.cuh). Blocks of >= 64
     // slots: a box of one 128-byte line by 64 rows. Smaller blocks: the lines as a third
     // dimension (stride 128 bytes, under the rows' stride), so that one box of all lines of bs
     // rows lands line after line, a stage's V group; their K goes by plain bulk copies, and the
     // K map's place holds the same view with one line per box (wide items' whole-tile groups).
-    const cuuint64_t rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads << p.block_shift;
-    const bool small = p.block_shift < 6;
+    const cuuint64_t rows = static_cast<cuuint64_t>(p.cache.num_blocks) * p.num_kv_heads << p.cache.block_shift;
+    const bool small = p.cache.block_shift < 6;
     const cuuint64_t v_dims[3] = {64, rows, d / 64};
     const cuuint64_t v_strides[2] = {d * elem, 64 * elem};
-    const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(small ? 1 << p.block_shift : 64),
+    const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(small ? 1 << p.cache.block_shift : 64),
                                  static_cast<cuuint32_t>(d / 64)};
     const cuuint64_t v_dims2[2] = {d, rows};
-    CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, small ? 3 : 2, p.v_cache, small ? v_dims : v_dims2,
+    CUresult r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, small ? 3 : 2, p.cache.v, small ? v_dims : v_dims2,
                         v_strides, v_box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r == CUDA_SUCCESS && small) {
       const cuuint32_t line_box[3] = {64, v_box[1], 1};
-      r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.v_cache, v_dims, v_strides, line_box, ones,
+      r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.cache.v, v_dims, v_strides, line_box, ones,
                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     }
     if (r != CUDA_SUCCESS || small) return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
     // Blocks of >= 64 slots: K [num_blocks, Hkv, D/x, bs, x] as the contiguous map with bs for
     // S_max, so a tile (64 keys of one block) is one box, as in the contiguous case.
-    const cuuint64_t bs = cuuint64_t{1} << p.block_shift;
-    const cuuint64_t k_rows = static_cast<cuuint64_t>(p.num_blocks) * p.num_kv_heads * (d / x);
+    const cuuint64_t bs = cuuint64_t{1} << p.cache.block_shift;
+    const cuuint64_t k_rows = static_cast<cuuint64_t>(p.cache.num_blocks) * p.num_kv_heads * (d / x);
     const cuuint64_t k_dims[3] = {32 * x, bs / 32, k_rows};
     const cuuint64_t k_strides[2] = {32 * x * elem, bs * x * elem};
     const cuuint32_t k_box[3] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(kTileKeys / 32),
                                  static_cast<cuuint32_t>(d / x)};
-    r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.k_cache, k_dims, k_strides, k_box, ones,
+    r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.cache.k, k_dims, k_strides, k_box, ones,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
   }
@@ -114,7 +114,7 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint64_t k_strides[2] = {32 * x * elem, smax * x * elem};
   const cuuint32_t k_box[3] = {32 * static_cast<cuuint32_t>(x), static_cast<cuuint32_t>(kTileKeys / 32),
                                static_cast<cuuint32_t>(d / x)};
-  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.k_cache, k_dims, k_strides, k_box, ones,
+  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.cache.k, k_dims, k_strides, k_box, ones,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, promo,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
@@ -123,7 +123,7 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   const cuuint64_t v_dims[3] = {d, smax, heads};
   const cuuint64_t v_strides[2] = {d * elem, smax * d * elem};
   const cuuint32_t v_box[3] = {64, static_cast<cuuint32_t>(kTileKeys), 1};
-  r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.v_cache, v_dims, v_strides, v_box, ones,
+  r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.cache.v, v_dims, v_strides, v_box, ones,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;

@@ -115,9 +115,9 @@ struct TileConsumer {
       const bool used = 2 * tq + h < nh;
       const auto c = column(used ? 2 * tq + h : 0);
       heads[h] = used ? c.head : -1;
-      tree.anc[h] = tree_on && used ? p.tree_anc[c.qrow] : 0;
+      tree.anc[h] = tree_on && used ? p.tree.anc[c.qrow] : 0;
     }
-    mods.init(p, heads);
+    mods.init(p.mods, heads);
     float qv[KSTEPS][2][2];
     float qmax = 0.f;
 #pragma unroll

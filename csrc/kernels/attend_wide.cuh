@@ -95,7 +95,7 @@ struct WideConsumer {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int cw = column(warp, lane, h);
-      tree.anc[h] = tree.on && cw < w.nh ? p.tree_anc[column_of(p, w, cw).qrow] : 0;
+      tree.anc[h] = tree.on && cw < w.nh ? p.tree.anc[column_of(p, w, cw).qrow] : 0;
     }
     s_unit = 1.f;
     sq = s_q;
@@ -128,7 +128,7 @@ struct WideConsumer {
       for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffles below
         const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
         const bool on = i0 + lane < HEAD_DIM / 2;
-        const RotaryPair rp = rotary_pair(i, p);
+        const RotaryPair rp = rotary_pair(i, p.rotary);
 #pragma unroll 4
         for (int node = n0; node <= n1; ++node) {
           const int c_lo = max(first, node * group - w.c0);

@@ -15,20 +15,18 @@
 
 namespace mmha {
 
-__device__ __forceinline__ bool paged(const MmhaParams& p) { return p.block_tables != nullptr; }
+__device__ __forceinline__ bool paged(const CacheParams& c) { return c.block_tables != nullptr; }
 
 // Whether a block table entry names a block of the pool.
-__device__ __forceinline__ bool block_ok(const MmhaParams& p, int id) {
-  return id >= 0 && id < p.num_blocks;
-}
+__device__ __forceinline__ bool block_ok(const CacheParams& c, int id) { return id >= 0 && id < c.num_blocks; }
 
 // Row b's mode (row_active; kRowStep for every row without it).
-__device__ __forceinline__ int32_t row_mode(const MmhaParams& p, int b) {
-  return p.row_active == nullptr ? kRowStep : p.row_active[b];
+__device__ __forceinline__ int32_t row_mode(const RowParams& r, int b) {
+  return r.modes == nullptr ? kRowStep : r.modes[b];
 }
 
 // Whether row b takes part in the step.
-__device__ __forceinline__ bool row_takes_part(const MmhaParams& p, int b) { return row_mode(p, b) != kRowIdle; }
+__device__ __forceinline__ bool row_takes_part(const RowParams& r, int b) { return row_mode(r, b) != kRowIdle; }
 
 // One (row, kv head)'s slots in caches of C. For a paged cache, k and v point at the head's part
 // of block 0 and a slot's block is added as id * block_stride; contiguous caches have no table
@@ -56,28 +54,29 @@ struct HeadSlots {
   }
 };
 
+// Row b's kv head kvh of caches with num_kv_heads heads.
 template <typename C, int HEAD_DIM>
-__device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const MmhaParams& p, int b, int kvh) {
-  C* k = static_cast<C*>(p.k_cache);
-  C* v = static_cast<C*>(p.v_cache);
-  if (!paged(p)) {
-    const int64_t head = (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * HEAD_DIM * p.max_seq_len;
-    return {k + head, v + head, nullptr, p.max_seq_len, 0, 0};
+__device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const CacheParams& c, int num_kv_heads, int b, int kvh) {
+  C* k = static_cast<C*>(c.k);
+  C* v = static_cast<C*>(c.v);
+  if (!paged(c)) {
+    const int64_t head = (static_cast<int64_t>(b) * num_kv_heads + kvh) * HEAD_DIM * c.max_seq_len;
+    return {k + head, v + head, nullptr, c.max_seq_len, 0, 0};
   }
-  const int bs = 1 << p.block_shift;
+  const int bs = 1 << c.block_shift;
   const int64_t head = static_cast<int64_t>(kvh) * HEAD_DIM * bs;  // K and V alike: D * bs per head
-  return {k + head, v + head, p.block_tables + static_cast<int64_t>(b) * p.max_blocks, bs, p.block_shift,
-          static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM * bs};
+  return {k + head, v + head, c.block_tables + static_cast<int64_t>(b) * c.max_blocks, bs, c.block_shift,
+          static_cast<int64_t>(num_kv_heads) * HEAD_DIM * bs};
 }
 
 // Whether every block of slots [first, last] of a paged row is in the pool (threads tid <
 // nthreads each check a share; combine their answers). True for contiguous caches.
 template <typename C, int HEAD_DIM>
-__device__ __forceinline__ bool blocks_ok(const MmhaParams& p, const HeadSlots<C, HEAD_DIM>& s, int first, int last,
+__device__ __forceinline__ bool blocks_ok(const CacheParams& c, const HeadSlots<C, HEAD_DIM>& s, int first, int last,
                                           int tid, int nthreads) {
   if (s.table == nullptr || last < first) return true;
   bool ok = true;
-  for (int e = (first >> s.shift) + tid; e <= (last >> s.shift); e += nthreads) ok = ok && block_ok(p, __ldg(s.table + e));
+  for (int e = (first >> s.shift) + tid; e <= (last >> s.shift); e += nthreads) ok = ok && block_ok(c, __ldg(s.table + e));
   return ok;
 }
 

@@ -86,12 +86,12 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
                                                          int nthreads) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
-  const int rpos = p.positions != nullptr ? __ldg(p.positions + w.b) : w.pos;  // rotary position (one-token steps)
+  const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, p)
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, p.rotary)
                            : 0.f;
     }
   } else {
@@ -103,7 +103,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
 #pragma unroll 1
     for (int idx = tid; idx < QB * PAIRS; idx += nthreads) {
       const int g = idx / PAIRS;
-      const RotaryPair rp = rotary_pair(idx % PAIRS, p);
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
       float x0 = 0.f, x1 = 0.f;
       if (g < w.nh) {
         const Column c = column_of(p, w, g);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, p), k_scale);
+      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, p.rotary), k_scale);
       s_new_v[d] = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
     }
   }
@@ -135,7 +135,7 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
                                                  const C (&s_new_v)[HEAD_DIM], int tid, int nthreads) {
   constexpr int VEC = kVec<C>;
   if (!w.owner() || w.qg != 0) return;
-  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
   const int blk = slots.table != nullptr ? slots.block(w.pos) : 0;
   for (int d = tid; d < HEAD_DIM; d += nthreads) {
     slots.k[slots.k_at(blk, w.pos, d / VEC) + d % VEC] = s_new_k[d];
@@ -155,17 +155,17 @@ __device__ __forceinline__ void poison_row(const MmhaParams& p, const WorkItem& 
     const Column col = column_of(p, w, idx / HEAD_DIM);
     const int64_t f = col.flat(p.num_heads);
     const int d = idx % HEAD_DIM;
-    store_out<T, EPI>(p, f * HEAD_DIM + d, col.head * HEAD_DIM + d, idle ? 0.f : NAN);
-    if (d == 0) p.lse[f] = idle ? -INFINITY : NAN;
+    store_out<T, EPI>(p.output, f * HEAD_DIM + d, col.head * HEAD_DIM + d, idle ? 0.f : NAN);
+    if (d == 0) p.output.lse[f] = idle ? -INFINITY : NAN;
   }
-  if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.status + w.b, flag);
+  if (flag != 0 && w.kvh == 0 && w.qg == 0 && tid == 0) atomicOr(p.rows.status + w.b, flag);
 }
 
 // A single pass's head sink (if any) joins its (max, sum), rescaled to max(mx, sink) so that a
 // large sink cannot overflow the sum; returns the factor on the accumulator (1 without a sink).
 __device__ __forceinline__ float with_sink(const MmhaParams& p, int head, float& mx, float& sum) {
-  if (p.sinks == nullptr) return 1.f;
-  const float sink = sink_log2(p, head);
+  if (p.mods.sinks == nullptr) return 1.f;
+  const float sink = sink_log2(p.mods, head);
   const float top = fmaxf(mx, sink);
   const float f = exp2f(mx - top);
   sum = sum * f + exp2f(sink - top);
@@ -185,24 +185,24 @@ template <typename T, int HEAD_DIM, bool EPI, bool PRE = false>
 __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem& w, const Column& col, int d,
                                             float a, float mx, float sum, float value_scale,
                                             const ChannelValue& cv = ChannelValue{}) {
-  const int num_splits = p.num_splits;
+  const int num_splits = p.sched.num_splits;
   const int64_t h = col.flat(p.num_heads);
   const auto out = [&](float x) {
     if constexpr (PRE) {
-      store_out_epilogue(p, h * HEAD_DIM + d, x, sizeof(T), cv);
+      store_out_epilogue<T>(p.output, h * HEAD_DIM + d, x, cv);
     } else {
-      store_out<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
+      store_out<T, EPI>(p.output, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
     }
   };
   if (col.node >= w.nodes) {  // a tree node the row does not use
     if (w.split == 0) {
       out(0.f);
-      if (d == 0) p.lse[h] = -INFINITY;
+      if (d == 0) p.output.lse[h] = -INFINITY;
     }
   } else if (num_splits == 1) {
     a *= with_sink(p, col.head, mx, sum);
     out(a / sum * value_scale);
-    if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+    if (d == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
   } else {
     const SplitPartials<HEAD_DIM> part(p);
     const int64_t slot = h * num_splits + w.split;
@@ -234,16 +234,16 @@ struct ItemChannels {
       const int d = tid + k * nthreads;
       if (d >= HEAD_DIM) continue;
       const int c = head * HEAD_DIM + d;
-      if (p.out_shift != nullptr) cp_async4(&shift[d], p.out_shift + c);
-      if (p.out_smooth != nullptr) cp_async4(&smooth[d], p.out_smooth + c);
-      if (p.out_scales != nullptr) cp_async4(&scale[d], p.out_scales + c);
+      if (p.output.shift != nullptr) cp_async4(&shift[d], p.output.shift + c);
+      if (p.output.smooth != nullptr) cp_async4(&smooth[d], p.output.smooth + c);
+      if (p.output.scales != nullptr) cp_async4(&scale[d], p.output.scales + c);
     }
   }
 
   // Dim d's channel values (the thread's own copies, after cp_async_wait_all).
   __device__ __forceinline__ ChannelValue get(const MmhaParams& p, int d) const {
-    return ChannelValue{p.out_shift != nullptr ? shift[d] : 0.f, p.out_smooth != nullptr ? smooth[d] : 1.f,
-                        p.out_scales != nullptr ? scale[d] : p.out_scale};
+    return ChannelValue{p.output.shift != nullptr ? shift[d] : 0.f, p.output.smooth != nullptr ? smooth[d] : 1.f,
+                        p.output.scales != nullptr ? scale[d] : p.output.scale};
   }
 };
 
@@ -253,7 +253,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
                                            float value_scale, int tid, int nthreads,
                                            const ItemChannels<PRE_N, HEAD_DIM>* pre = nullptr) {
   if constexpr (PRE_N > 0) {
-    const bool ml = p.num_splits == 1;
+    const bool ml = p.sched.num_splits == 1;
     cp_async_wait_all();
 #pragma unroll
     for (int k = 0; k < PRE_N; ++k) {
@@ -265,7 +265,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     }
     return;
   }
-  if (VEC && p.num_splits == 1) {  // four values per thread through the output epilogue
+  if (VEC && p.sched.num_splits == 1) {  // four values per thread through the output epilogue
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
@@ -277,18 +277,18 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
         const float f = with_sink(p, col.head, mx, sum);  // as store_value computes each value
         x = make_float4(acc(g, d) * f / sum * value_scale, acc(g, d + 1) * f / sum * value_scale,
                         acc(g, d + 2) * f / sum * value_scale, acc(g, d + 3) * f / sum * value_scale);
-        if (d == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+        if (d == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
       } else if (d == 0) {
-        p.lse[h] = -INFINITY;
+        p.output.lse[h] = -INFINITY;
       }
-      store_out4<T, EPI>(p, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
+      store_out4<T, EPI>(p.output, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
     }
     return;
   }
   for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
     const int g = idx / HEAD_DIM;
     const int d = idx % HEAD_DIM;
-    const bool ml = p.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
+    const bool ml = p.sched.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
     store_value<T, HEAD_DIM, EPI>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f,
                                   value_scale);
   }
@@ -409,7 +409,7 @@ __device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) 
 // read ([lo, start): the earlier splits'): the blocks of those keys are checked too, so that a
 // row with any bad block writes nothing (the stager checks them, check_blocks_before).
 __device__ __forceinline__ bool checks_before(const MmhaParams& p, const WorkItem& w) {
-  return p.block_tables != nullptr && w.owner() && w.start > w.lo;
+  return p.cache.block_tables != nullptr && w.owner() && w.start > w.lo;
 }
 
 // The stager's check of a checks_before item's earlier blocks, while the item's tiles stream: all
@@ -419,7 +419,7 @@ __device__ __forceinline__ bool checks_before(const MmhaParams& p, const WorkIte
 constexpr int kBeforeLoads = 8;
 template <typename C, int HEAD_DIM, class Stage>
 __device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const WorkItem& w, Stage& st, int lane) {
-  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
   const int e0 = w.lo >> hs.shift;
   const int e1 = ((w.start - 1) >> hs.shift) + 1;
   bool bad = false;
@@ -428,7 +428,7 @@ __device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const W
 #pragma unroll
     for (int u = 0; u < kBeforeLoads; ++u) ids[u] = e + 32 * u < e1 ? __ldg(hs.table + e + 32 * u) : 0;
 #pragma unroll
-    for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p, ids[u]);
+    for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p.cache, ids[u]);
   }
   bad = __any_sync(kFullMask, bad);
   if (lane == 0) st.before_bad = bad;
@@ -448,15 +448,15 @@ template <typename C, int QB>
 __device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int index, int lane) {
   DecidedItem d;
   d.w = work_item_head<QB>(p, index);
-  const int pos = p.lengths[d.w.b];
+  const int pos = p.rows.lengths[d.w.b];
   const int nodes = row_nodes(p, d.w.b);
   if constexpr (kFp8<C>) {
     // A bad scale of any kv head refuses the whole step: every item checks all of them.
     bool ok = true;
-    for (int h = lane; h < p.num_kv_heads; h += 32) ok = ok && scale_ok(p.k_scale[h]) && scale_ok(p.v_scale[h]);
+    for (int h = lane; h < p.num_kv_heads; h += 32) ok = ok && scale_ok(p.cache.k_scale[h]) && scale_ok(p.cache.v_scale[h]);
     d.scales_ok = __all_sync(kFullMask, ok);
-    d.k_scale = p.k_scale[d.w.kvh];
-    d.v_scale = p.v_scale[d.w.kvh];
+    d.k_scale = p.cache.k_scale[d.w.kvh];
+    d.v_scale = p.cache.v_scale[d.w.kvh];
   }
   work_item_range(p, d.w, pos, nodes, kTileKeys);
   return d;
@@ -555,7 +555,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       ++seq;
       if (checks_before(p, w)) check_blocks_before<C, HEAD_DIM>(p, w, st, lane);
     }
-    const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.work, 1) : 0;
+    const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.sched.work, 1) : 0;
     index = __shfl_sync(kFullMask, fetched, 0);
   }
   const int slot = seq & 1;
@@ -597,13 +597,13 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     if (!first_early) take();
     if (index < 0) break;
     const int64_t kv_head = w.kv_head(p.num_kv_heads);
-    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, w.b, w.kvh);
+    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
     const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
                          hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
     const int nt = w.t1 - w.t0;
     // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
-    const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p);
-    const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.num_splits + w.split) * 37 % nt)};
+    const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p.cache);
+    const TileWalk walk{w.t0, nt, static_cast<int>((kv_head * p.sched.num_splits + w.split) * 37 % nt)};
     // A paged row's blocks: each tile's table entries loaded two tiles ahead and checked one tile
     // ahead (the loads' latency behind a tile's copies, not in the producer's way); for the item
     // that appends, the blocks of the row's keys before its own ([lo, start)) are checked by the
@@ -613,7 +613,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     // Tree steps have appended before (tree_prepare_kernel, which refuses a row with a bad block:
     // its items are bad), so their items own no new slot and are never refused here.
     bool pages_bad = false;
-    TilePages pages = load_pages(ta, walk.key(0)).checked(p.num_blocks, pages_bad);
+    TilePages pages = load_pages(ta, walk.key(0)).checked(p.cache.num_blocks, pages_bad);
     TilePages ahead{{0, 0, 0, 0}};
     if (nt > 1) ahead = load_pages(ta, walk.key(1));
     const bool check_before = checks_before(p, w);
@@ -621,7 +621,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
-      if (i + 1 < nt) pages = ahead.checked(p.num_blocks, pages_bad);
+      if (i + 1 < nt) pages = ahead.checked(p.cache.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
       if (first_early && i == 0) take();  // the same item (the stager decides it alike): its q is staged now
       if (check_before && i == nt - 1) {  // the stager's verdict on the blocks before the item's
@@ -635,11 +635,11 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
                                   (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0),
                                   slot, (seq >> 1) & 1, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active,
                                   w.start, w.end, w.nodes, w.lo, k_scale, v_scale};
-        if (refused) atomicOr(p.status + w.b, kStatusPages);
+        if (refused) atomicOr(p.rows.status + w.b, kStatusPages);
       }
       mbar_arrive(&ring.header[cur.s]);  // each lane's header writes: consumers may start on q now
       Source::commit(&ring.full[cur.s], lane);
-      cur.next(p.stages);
+      cur.next(p.sched.stages);
     }
   }
   // No more items: a header that says so, then this block's count toward resetting the
@@ -649,9 +649,9 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   mbar_arrive(&ring.header[cur.s]);
   if (lane == 0) {
     __threadfence();
-    if (atomicAdd(p.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      p.work[0] = 0;
-      p.work[1] = 0;
+    if (atomicAdd(p.sched.work + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      p.sched.work[0] = 0;
+      p.sched.work[1] = 0;
     }
   }
   if (lane == 0) timeline_mark(p, kTlProducerDone);
@@ -681,7 +681,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // Two consecutive tiles of an item in one softmax update, where the ring is deep enough for a
-  // consumer to hold two stages (p.stages >= 4): fp8 caches (consumer-bound; 4 or more stages
+  // consumer to hold two stages (p.sched.stages >= 4): fp8 caches (consumer-bound; 4 or more stages
   // unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one item per SM;
   // head dim 128 spills with it).
   constexpr bool kPairTiles = std::is_same_v<C, e4m3> || HEAD_DIM <= 96;
@@ -702,7 +702,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
-    for (int s = 0; s < p.stages; ++s) {
+    for (int s = 0; s < p.sched.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
       mbar_init(&ring.header[s], 32);
       mbar_init(&ring.empty[s], CONSUMERS);
@@ -730,7 +730,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
   const int key0 = 16 * warp;
-  const int kg = L::k_group(p);
+  const int kg = L::k_group(p.cache);
   RingCursor cur;
   TileConsumer<C, HEAD_DIM, QB> c;
   WorkItem w;
@@ -752,7 +752,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) {
         // Only a single pass stores through the epilogue here (a split's merge applies it).
-        if (p.num_splits == 1) s_pre.start(p, column_of(p, w, 0).head, tid, CONSUMERS);
+        if (p.sched.num_splits == 1) s_pre.start(p, column_of(p, w, 0).head, tid, CONSUMERS);
       }
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
@@ -775,10 +775,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
     };
     int flags = h.flags;
-    if (kPairTiles && p.stages >= 4 && !(flags & kLastTile)) {
+    if (kPairTiles && p.sched.stages >= 4 && !(flags & kLastTile)) {
       // The item's next tile is in the next stage: both attended in one update.
       RingCursor nxt = cur;
-      nxt.next(p.stages);
+      nxt.next(p.sched.stages);
       mbar_wait(&ring.header[nxt.s], nxt.n & 1);
       const TileHeader h2 = s_hdr[nxt.s];
       unsigned char* stage2 = stages + nxt.s * L::STAGE_BYTES;
@@ -798,14 +798,14 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         c.step(one, key0, kg, t, w.lo, w.end, w.pos, lane);
       }
       mbar_arrive(&ring.empty[cur.s]);
-      cur.next(p.stages);
+      cur.next(p.sched.stages);
       flags = h2.flags;
     } else if (it < w.end) {
       patch_if(stage, it);
       c.step(stage, key0, kg, it, w.lo, w.end, w.pos, lane);
     }
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
-    cur.next(p.stages);
+    cur.next(p.sched.stages);
     if (flags & kLastTile) {
       if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
       if constexpr (kWarpBuffers) {
@@ -839,7 +839,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
-      if (p.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
+      if (p.sched.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
       sync();  // s_q, s_acc, s_m, s_l and s_w are free for the next item
       if (tid == 0 && first_item) timeline_mark(p, kTlItemDone);
       first_item = false;
@@ -856,21 +856,21 @@ __device__ __forceinline__ void store_wide_row(const MmhaParams& p, const WorkIt
                                                const Wide& c, int r, int lane, float value_scale) {
   const int64_t h = col.flat(p.num_heads);
   const bool lead = lane % 4 == 0;  // holds head dim 0 of the row
-  if (col.node >= w.nodes || p.num_splits == 1) {
+  if (col.node >= w.nodes || p.sched.num_splits == 1) {
     if (col.node >= w.nodes && w.split != 0) return;
-    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + h * HEAD_DIM);
+    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.output.out) + h * HEAD_DIM);
     if (col.node >= w.nodes) {
       c.row_pairs(r, lane, [&](int d, float, float) { out[d / 2] = 0u; });
-      if (lead) p.lse[h] = -INFINITY;
+      if (lead) p.output.lse[h] = -INFINITY;
       return;
     }
     float mx = c.m[r], sum = c.l[r];
     const float f = with_sink(p, col.head, mx, sum) / sum * value_scale;
     c.row_pairs(r, lane, [&](int d, float a0, float a1) { out[d / 2] = pack_rn<T>(a0 * f, a1 * f); });
-    if (lead) p.lse[h] = (mx + log2f(sum)) * kLn2;
+    if (lead) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
   } else {
     const SplitPartials<HEAD_DIM> part(p);
-    const int64_t slot = h * p.num_splits + w.split;
+    const int64_t slot = h * p.sched.num_splits + w.split;
     float2* acc = reinterpret_cast<float2*>(part.acc + slot * HEAD_DIM);
     c.row_pairs(r, lane, [&](int d, float a0, float a1) { acc[d / 2] = make_float2(a0, a1); });
     if (lead) part.ml[slot] = make_float2(c.m[r], c.l[r]);
@@ -911,7 +911,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
   M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
   if (tid == 0) {
-    for (int s = 0; s < p.stages; ++s) {
+    for (int s = 0; s < p.sched.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
       mbar_init(&ring.header[s], 32);
       mbar_init(&ring.empty[s], CONSUMERS);
@@ -963,7 +963,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     }
     if (Wide::kWg || c.busy) c.step(stage, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
-    cur.next(p.stages);
+    cur.next(p.sched.stages);
     if (h.flags & kLastTile) {
       if (c.busy) {
         c.finish();
@@ -974,7 +974,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
           }
         }
       }
-      if (p.num_splits > 1) {
+      if (p.sched.num_splits > 1) {
         merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
         sync();  // s_w is the q staging area again
       }
@@ -990,7 +990,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const int nthreads = blockDim.x;
   grid_dependency_wait();  // a tree step's check and append (launch_kernel)
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
-  work_item_range(p, w, p.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
+  work_item_range(p, w, p.rows.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
   if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
     poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
     return;
@@ -1006,17 +1006,17 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   __shared__ float s_w[QB][kMaxSplits];
   __shared__ bool s_last;
 
-  const HeadSlots<T, HEAD_DIM> slots = head_slots<T, HEAD_DIM>(p, w.b, w.kvh);
+  const HeadSlots<T, HEAD_DIM> slots = head_slots<T, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
   load_query_and_new_token<T, T, HEAD_DIM, QB>(
       p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh), 1.f, 1.f, s_q,
       s_new_k, s_new_v, tid, nthreads);
   // A paged row: the blocks of the item's keys (and, for the item that appends, of the row's keys
   // before them) must be in the pool, or the item is refused (NaN, no append, kStatusPages).
   const int first = w.owner() ? w.lo : max(w.lo, w.start);
-  if (!__syncthreads_and(blocks_ok(p, slots, first, w.end - 1, tid, nthreads))) {
-    if (tid == 0) atomicOr(p.status + w.b, kStatusPages);
+  if (!__syncthreads_and(blocks_ok(p.cache, slots, first, w.end - 1, tid, nthreads))) {
+    if (tid == 0) atomicOr(p.rows.status + w.b, kStatusPages);
     store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, nthreads);
-    if (p.num_splits > 1) {
+    if (p.sched.num_splits > 1) {
       merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
     }
     return;
@@ -1031,10 +1031,10 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   for (int g = 0; g < QB; ++g) {
     const Column c = column_of(p, w, g < w.nh ? g : 0);
     heads[g] = g < w.nh ? c.head : -1;
-    tree.anc[g] = tree.on && g < w.nh ? p.tree_anc[c.qrow] : 0;
+    tree.anc[g] = tree.on && g < w.nh ? p.tree.anc[c.qrow] : 0;
   }
   ScoreTransform<QB> mods;
-  mods.init(p, heads);
+  mods.init(p.mods, heads);
   const float* s_acc = Simt::run(args, mods, tree, s_m, s_l, s_q, s_new_k, s_new_v);
   // Block combine: the loop warps' (max, sum, acc), rescaled to the block's max.
   const auto block_max = [&](int g) { return warps_max<kSimtWarps, QB>(s_m, g); };
@@ -1053,7 +1053,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
     return a;
   };
   store_item<T, HEAD_DIM, EPI>(p, w, block_max, block_sum, block_acc, 1.f, tid, nthreads);
-  if (p.num_splits > 1) {
+  if (p.sched.num_splits > 1) {
     merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, 1.f, tid, nthreads, [] { __syncthreads(); });
   }
 }
@@ -1118,10 +1118,10 @@ int blocks_per_sm_of(int stages) {
 }
 
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
-// resident at once (its occupancy at p.stages stages), at most one per item.
+// resident at once (its occupancy at p.sched.stages stages), at most one per item.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
-  const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.q_groups * p.num_splits;
+  const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
   blocks = static_cast<int>(items);
   if constexpr (kTiles<T>) {
@@ -1142,13 +1142,13 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(kTiles<T> ? p.stages : kMinStages, smem_bytes);
+  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(kTiles<T> ? p.sched.stages : kMinStages, smem_bytes);
   if (err != cudaSuccess) return err;
   int blocks = 0;
   err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
-  if (p.parents == nullptr) {
+  if (p.tree.parents == nullptr) {
     decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
@@ -1180,7 +1180,7 @@ constexpr bool kHasTma = kTiles<C> && v_whole_lines(HEAD_DIM, static_cast<int>(s
 
 template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
 cudaError_t launch_source(const MmhaParams& params, cudaStream_t stream) {
-  if (params.tile_source == TileSource::kTma) {
+  if (params.sched.tile_source == TileSource::kTma) {
     if constexpr (kHasTma<C, HEAD_DIM>) {
       return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma, EPI>(params, stream);
     } else {
@@ -1197,7 +1197,7 @@ constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && (QB == 1 |
 
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
-  if (params.out_epilogue) {
+  if (params.output.epilogue) {
     if constexpr (kHasEpilogue<T, QB>) return launch_source<T, C, HEAD_DIM, QB, true>(params, stream);
     return cudaErrorInvalidValue;
   }

@@ -21,7 +21,7 @@ template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
 #define MMHA_CASE(QB) \
   case QB: return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
-  switch (p.q_group_block) {
+  switch (p.sched.q_group_block) {
     MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
 #undef MMHA_CASE
     case kWideColumns:
@@ -86,8 +86,8 @@ int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_gro
 }
 
 cudaError_t run_decode_attention(const MmhaParams& p, cudaStream_t stream) {
-  const bool fp8 = p.cache_dtype == DType::kFloat8E4M3;
-  if (!fp8 && p.cache_dtype != p.dtype) return cudaErrorInvalidValue;
+  const bool fp8 = p.cache.dtype == DType::kFloat8E4M3;
+  if (!fp8 && p.cache.dtype != p.dtype) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kFloat16: return fp8 ? dispatch_head_dim<__half, e4m3>(p, stream) : dispatch_head_dim<__half, __half>(p, stream);
     case DType::kBFloat16:

@@ -54,97 +54,121 @@ constexpr bool tma_head_dim(DType cache_dtype, int head_dim) {
 // output quantised by the epilogue to int8 or e4m3.
 enum class OutKind : int32_t { kActivations = 0, kInt8 = 1, kE4M3 = 2 };
 
-struct MmhaParams {
-  const void* qkv;           // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
-  const void* qkv_bias;      // [(Hq + 2 * Hkv) * D] or nullptr
-  void* k_cache;             // [B, Hkv, D / x, S_max, x], x = 16 / sizeof(cache element)
-  void* v_cache;             // [B, Hkv, S_max, D]
-  const float* k_scale;      // fp8 caches: [Hkv], stored k = quantise(k / k_scale[h]); else nullptr
-  const float* v_scale;      // fp8 caches: [Hkv], likewise for v
-  const int32_t* lengths;    // [B]: tokens already cached; the new token goes to slot lengths[b]
-  void* out;                 // [B, Hq * D]
-  float* lse;                // [B, Hq], natural-log log-sum-exp of the scaled logits
-  float* partials;           // num_splits > 1: acc [B, Hq, num_splits, D], then (max, sum) [B, Hq, num_splits, 2]
-  int32_t* counters;         // [B, Hkv * q_groups]: merge arrivals; zero on entry, left zero on exit
-  int32_t* work;             // [2]: tile loop's next item and finished blocks; zero on entry and exit
-  int32_t* status;           // [B]: bit 0 (kStatusLength): a length outside [0, S_max - 1];
-                             // bit 1 (kStatusScale): a k_scale / v_scale not finite and positive
-
-  int64_t qkv_row_stride;    // elements between rows of qkv
-  int32_t batch;
-  int32_t num_heads;         // Hq
-  int32_t num_kv_heads;      // Hkv
-  int32_t head_dim;          // D
-  int32_t max_seq_len;       // S_max
-  int32_t q_group_block;     // query heads per block (one of kQGroupBlocks)
-  int32_t q_groups;          // ceil((Hq / Hkv) / q_group_block)
-  int32_t group;             // Hq / Hkv: query heads per kv head (a tree node's columns)
-  float inv_group;           // 1 / group, rounded to nearest (column_of's division)
-  int32_t num_splits;        // 1: single pass; > 1: split sequence with in-kernel merge
-  int32_t stages;            // tile loop: shared-memory stages (kMinStages..kMaxStages)
-  TileSource tile_source;    // tile loop: kCpAsync or kTma (never kAuto at launch)
-  float scale;               // softmax scale, usually 1 / sqrt(D)
-  int32_t rotary_dim;        // 0: no rotary embedding; else even, <= D
-  const int32_t* positions;  // [B] or nullptr: one-token steps rotate q and the new k at positions[b]
-                             // (a shard of a longer context), not at lengths[b]
-  float rotary_theta;
-  bool rotary_interleaved;   // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + rd / 2)
-  DType dtype;               // qkv and out
-  DType cache_dtype;         // the caches: dtype, or kFloat8E4M3 (with dtype fp16 or bf16)
-
-  // Score modifiers (score_mods.cuh): each off at its zero.
-  int32_t window;              // 0: none; else a row attends to its last `window` slots (its own included)
-  float softcap;               // 0: none; else score = softcap * tanh(score / softcap)
-  const float* alibi_slopes;   // [Hq] or nullptr: score += slope[h] * (slot - pos), after the soft-cap
-  const float* sinks;          // [Hq] or nullptr: a logit per head in the softmax sum, with no value
-
-  // Tree steps (mmha.tree): `nodes` query rows per batch row (qkv, out and lse rows b * nodes + t;
-  // 1 for a one-token step). A tree step's tree_prepare_kernel (tree_step.cuh) checks parents,
-  // writes tree_rows / tree_anc / tree_depth and appends every node's K/V before the attention
-  // kernel runs; the attention kernel then appends nothing and masks the tree's slots.
-  int32_t nodes;
-  const int32_t* parents;      // [B, nodes]: -1 (a root) or an earlier node; nullptr: one-token step
-  const int32_t* node_counts;  // [B] nodes each row uses (1..nodes), or nullptr: all
-  int32_t* tree_rows;          // [B] (workspace): the row's node count, or -1 where it was refused
-  int32_t* tree_depth;         // [B * nodes] (workspace): node depth (rotary position length + depth)
-  uint64_t* tree_anc;          // [B * nodes] (workspace): bit j set: node j is on node t's root path
-
-  // Paged caches (mmha.paging; cache_slots.cuh): k_cache and v_cache are pools of num_blocks
-  // blocks, k [num_blocks, Hkv, D/x, bs, x] and v [num_blocks, Hkv, bs, D] with bs = 1 << block_shift;
-  // slot t of row b lives in block block_tables[b * max_blocks + t / bs] (max_seq_len = max_blocks
-  // * bs). nullptr: contiguous caches [B, Hkv, D/x, S_max, x] / [B, Hkv, S_max, D].
-  const int32_t* block_tables;
+// The caches (the seam between the kernels and the caches' storage: cache_slots.cuh,
+// tile_layout.cuh, tile_source.cuh, the append). Contiguous: k [B, Hkv, D/x, S_max, x] and
+// v [B, Hkv, S_max, D]. Paged (mmha.paging; block_tables not null): pools of num_blocks blocks,
+// k [num_blocks, Hkv, D/x, bs, x] and v [num_blocks, Hkv, bs, D] with bs = 1 << block_shift; slot
+// t of row b lives in block block_tables[b * max_blocks + t / bs] (max_seq_len = max_blocks * bs).
+struct CacheParams {
+  void* k;                      // [B, Hkv, D / x, S_max, x], x = 16 / sizeof(cache element)
+  void* v;                      // [B, Hkv, S_max, D]
+  const float* k_scale;         // fp8 caches: [Hkv], stored k = quantise(k / k_scale[h]); else nullptr
+  const float* v_scale;         // fp8 caches: [Hkv], likewise for v
+  const int32_t* block_tables;  // paged: [B, max_blocks]; nullptr: contiguous
+  int32_t max_seq_len;          // S_max
   int32_t max_blocks;
   int32_t num_blocks;
   int32_t block_shift;
-  // [B] or nullptr (every row kRowStep): each row's mode. kRowIdle: the row takes no part
-  // (nothing read or written, zero output, lse -inf), as a released row of a paged cache that
-  // owns no blocks. kRowStep: the new token is appended at slot lengths[b] and slots up to it are
-  // attended. kRowAttend (one-token steps): slots before lengths[b] only; nothing is written and
-  // lengths[b] may equal S_max (one shard of a context spread over several caches); a row left
-  // with no slot in reach is idle.
-  const int32_t* row_active;
+  DType dtype;                  // the caches' elements: qkv's dtype, or kFloat8E4M3 (under fp16 / bf16)
+};
 
-  // Output epilogue (output_epilogue.cuh; mmha.epilogue defines it), per output channel c =
-  // head * D + d: y = (x + out_shift[c]) * out_smooth[c], then for a quantised out_kind
-  // q = saturate(round(y * scale)), scale = out_scales[c] or out_scale. Off (out_epilogue false):
-  // out = x in the activations' dtype.
-  bool out_epilogue;
-  OutKind out_kind;
-  const float* out_shift;    // [Hq * D] or nullptr
-  const float* out_smooth;   // [Hq * D] or nullptr
-  const float* out_scales;   // [Hq * D] or nullptr (then out_scale)
-  float out_scale;
-  int32_t out_round;         // int8: 0 half to even, 1 half away from zero
-  int32_t out_min;           // int8: -127 or -128 (the upper bound is 127)
+// The rows of a step, and the flags the device-side guard raises for rows it refuses (nothing read
+// or written in the caches for them, NaN output).
+struct RowParams {
+  const int32_t* lengths;    // [B]: tokens already cached; the new token goes to slot lengths[b]
+  const int32_t* modes;      // [B] or nullptr (every row kRowStep). kRowIdle: the row takes no part
+                             // (nothing read or written, zero output, lse -inf). kRowStep: appended at
+                             // slot lengths[b], slots up to it attended. kRowAttend (one-token steps):
+                             // slots before lengths[b] only, nothing written, lengths[b] may be S_max
+  const int32_t* positions;  // [B] or nullptr: one-token steps rotate q and the new k at positions[b]
+  int32_t* status;           // [B]: kStatusLength, kStatusScale, kStatusTree, kStatusPages
+  int32_t batch;
+};
+
+// Rotary embedding of q and the new k (new_token.cuh).
+struct RotaryParams {
+  int32_t dim;       // 0: none; else even, <= D
+  float theta;
+  bool interleaved;  // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + dim / 2)
+};
+
+// Score modifiers (score_mods.cuh), each off at its zero.
+struct ScoreModParams {
+  const float* alibi_slopes;  // [Hq] or nullptr: score += slope[h] * (slot - pos), after the soft-cap
+  const float* sinks;         // [Hq] or nullptr: a logit per head in the softmax sum, with no value
+  int32_t window;             // 0: none; else a row attends to its last `window` slots (its own included)
+  float softcap;              // 0: none; else score = softcap * tanh(score / softcap)
+};
+
+// Tree steps (mmha.tree; tree_step.cuh): `nodes` query rows per batch row (qkv, out and lse rows
+// b * nodes + t; 1 for a one-token step). A tree step's tree_prepare_kernel checks parents, writes
+// rows / anc / depth and appends every node's K/V before the attention kernel runs; the attention
+// kernel then appends nothing and masks the tree's slots.
+struct TreeParams {
+  const int32_t* parents;      // [B, nodes]: -1 (a root) or an earlier node; nullptr: one-token step
+  const int32_t* node_counts;  // [B] nodes each row uses (1..nodes), or nullptr: all
+  int32_t* rows;               // [B] (workspace): the row's node count, or -1 where it was refused
+  int32_t* depth;              // [B * nodes] (workspace): node depth (rotary position length + depth)
+  uint64_t* anc;               // [B * nodes] (workspace): bit j set: node j is on node t's root path
+  int32_t nodes;
+};
+
+// Where the results go (output_epilogue.cuh; mmha.epilogue defines the epilogue), per output
+// channel c = head * D + d: y = (x + shift[c]) * smooth[c], then for a quantised kind
+// q = saturate(round(y * scale)), scale = scales[c] or scale. Off (epilogue false): out = x in the
+// activations' dtype.
+struct OutputParams {
+  void* out;             // [B, Hq * D] (tree steps [B, nodes, Hq * D])
+  float* lse;            // [B, Hq], natural-log log-sum-exp of the scaled logits
+  const float* shift;    // [Hq * D] or nullptr
+  const float* smooth;   // [Hq * D] or nullptr
+  const float* scales;   // [Hq * D] or nullptr (then scale)
+  float scale;
+  int32_t round;         // int8: 0 half to even, 1 half away from zero
+  int32_t min;           // int8: -127 or -128 (the upper bound is 127)
+  OutKind kind;
+  bool epilogue;
+};
+
+// How the step is cut into work and where the split workspace lies (work_items.cuh,
+// split_merge.cuh).
+struct ScheduleParams {
+  float* partials;        // num_splits > 1: acc [B, Hq, num_splits, D], then (max, sum) [B, Hq, num_splits, 2]
+  int32_t* counters;      // merge arrivals; zero on entry, left zero on exit
+  int32_t* work;          // [2]: tile loop's next item and finished blocks; zero on entry and exit
+  int32_t num_splits;     // 1: single pass; > 1: split sequence with in-kernel merge
+  int32_t stages;         // tile loop: shared-memory stages (kMinStages..kMaxStages)
+  int32_t q_group_block;  // query columns per item (one of kQGroupBlocks, or kWideColumns)
+  int32_t q_groups;       // ceil(columns / q_group_block)
+  TileSource tile_source; // tile loop: kCpAsync or kTma (never kAuto at launch)
+};
+
+struct MmhaParams {
+  const void* qkv;         // [B, (Hq + 2 * Hkv) * D], row stride qkv_row_stride elements
+  const void* qkv_bias;    // [(Hq + 2 * Hkv) * D] or nullptr
+  int64_t qkv_row_stride;  // elements between rows of qkv
+  int32_t num_heads;       // Hq
+  int32_t num_kv_heads;    // Hkv
+  int32_t head_dim;        // D
+  int32_t group;           // Hq / Hkv: query heads per kv head (a tree node's columns)
+  float inv_group;         // 1 / group, rounded to nearest (column_of's division)
+  float scale;             // softmax scale, usually 1 / sqrt(D)
+  DType dtype;             // qkv and out
+
+  CacheParams cache;
+  RowParams rows;
+  RotaryParams rotary;
+  ScoreModParams mods;
+  TreeParams tree;
+  OutputParams output;
+  ScheduleParams sched;
 
   // Builds with MMHA_TIMELINE only (timeline.cuh; mmha/bench/timeline.py): block j's event times
   // in ns at timeline[j * kTimelineEvents + e] for blocks j < timeline_blocks. Else unused (nullptr).
-  // (Here, in the padding before the descriptors: the struct keeps its size.)
   uint64_t* timeline;
   int32_t timeline_blocks;
 
-  // Bulk-tensor-copy descriptors of the caches (tile_source == kTma only; tma_maps.h fills them).
+  // Bulk-tensor-copy descriptors of the caches (sched.tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;
   CUtensorMap v_map;
 };

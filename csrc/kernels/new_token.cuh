@@ -25,13 +25,13 @@ __device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
 }
 
 template <typename T>
-__device__ float rotated(const T* row, const T* bias, int d, int pos, const MmhaParams& p) {
+__device__ float rotated(const T* row, const T* bias, int d, int pos, const RotaryParams& r) {
   const float x = biased(row, bias, d);
-  const int rd = p.rotary_dim;
+  const int rd = r.dim;
   if (d >= rd) return x;
   int i, partner;
   float sign;
-  if (p.rotary_interleaved) {
+  if (r.interleaved) {
     i = d / 2;
     partner = d ^ 1;
     sign = (d & 1) ? 1.f : -1.f;
@@ -42,7 +42,7 @@ __device__ float rotated(const T* row, const T* bias, int d, int pos, const Mmha
     sign = d < half ? -1.f : 1.f;
   }
   const float y = biased(row, bias, partner);
-  const float inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+  const float inv_freq = 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(rd));
   float s, c;
   sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
   return __fmaf_rn(x, c, __fmul_rn(sign * y, s));  // as rotate_pair: every path rounds alike
@@ -58,14 +58,14 @@ struct RotaryPair {
   float inv_freq;  // 1 / theta^(2 i / rd), as rotated() computes it
 };
 
-__device__ __forceinline__ RotaryPair rotary_pair(int i, const MmhaParams& p) {
-  const int rd = p.rotary_dim;
+__device__ __forceinline__ RotaryPair rotary_pair(int i, const RotaryParams& rot) {
+  const int rd = rot.dim;
   RotaryPair r;
   r.rotated = 2 * i < rd;
   if (r.rotated) {
-    r.d0 = p.rotary_interleaved ? 2 * i : i;
-    r.d1 = p.rotary_interleaved ? 2 * i + 1 : i + rd / 2;
-    r.inv_freq = 1.f / powf(p.rotary_theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+    r.d0 = rot.interleaved ? 2 * i : i;
+    r.d1 = rot.interleaved ? 2 * i + 1 : i + rd / 2;
+    r.inv_freq = 1.f / powf(rot.theta, static_cast<float>(2 * i) / static_cast<float>(rd));
   } else {
     r.d0 = rd + 2 * (i - rd / 2);
     r.d1 = r.d0 + 1;

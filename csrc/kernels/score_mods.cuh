@@ -1,6 +1,6 @@
 // Score modifiers (mmha.reference.ScoreMods) as the kernel applies them: the seam for how scores
 // are modified. Both main loops work in the log2 domain (score * log2 e); each modifier is a
-// uniform flag in MmhaParams, so a step without them pays one warp-uniform test per tile.
+// uniform flag in ScoreModParams (MmhaParams::mods), so a step without them pays one warp-uniform test per tile.
 //   window:  a row attends to slots [pos - window + 1, pos]; the work item range starts at the
 //            window's tile (bytes before it are never read) and keys before it are masked.
 //   softcap: score = softcap * tanh(score / softcap), on the scaled score, before the online max.
@@ -24,8 +24,8 @@
 namespace mmha {
 
 // The first slot a row whose new token sits at pos attends to.
-__device__ __forceinline__ int window_start(const MmhaParams& p, int pos) {
-  return p.window > 0 ? max(0, pos - p.window + 1) : 0;
+__device__ __forceinline__ int window_start(const ScoreModParams& m, int pos) {
+  return m.window > 0 ? max(0, pos - m.window + 1) : 0;
 }
 
 // tanh(x) as 1 - 2 / (e^2x + 1) with ex2.approx and a fast reciprocal: an absolute error of a
@@ -45,13 +45,13 @@ struct ScoreTransform {
   float slope[N];    // slope[h] * log2 e (0 without ALiBi)
 
   // heads[i]: the query head of slot i (< 0: a padding head, slope 0).
-  __device__ __forceinline__ void init(const MmhaParams& p, const int (&heads)[N]) {
-    cap = p.softcap > 0.f ? p.softcap * kLog2e : 0.f;
+  __device__ __forceinline__ void init(const ScoreModParams& m, const int (&heads)[N]) {
+    cap = m.softcap > 0.f ? m.softcap * kLog2e : 0.f;
     inv_cap = cap > 0.f ? 1.f / cap : 0.f;
-    on = cap > 0.f || p.alibi_slopes != nullptr;
+    on = cap > 0.f || m.alibi_slopes != nullptr;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      slope[i] = p.alibi_slopes != nullptr && heads[i] >= 0 ? p.alibi_slopes[heads[i]] * kLog2e : 0.f;
+      slope[i] = m.alibi_slopes != nullptr && heads[i] >= 0 ? m.alibi_slopes[heads[i]] * kLog2e : 0.f;
     }
   }
 
@@ -79,8 +79,8 @@ struct TreeMask {
 };
 
 // Head h's sink in the log2 domain; -inf without sinks.
-__device__ __forceinline__ float sink_log2(const MmhaParams& p, int h) {
-  return p.sinks != nullptr ? p.sinks[h] * kLog2e : -INFINITY;
+__device__ __forceinline__ float sink_log2(const ScoreModParams& m, int h) {
+  return m.sinks != nullptr ? m.sinks[h] * kLog2e : -INFINITY;
 }
 
 }  // namespace mmha

@@ -18,7 +18,7 @@
 
 namespace mmha {
 
-// Where the splits' partials lie in p.partials: split s of flat head h (query row x Hq + head) at
+// Where the splits' partials lie in p.sched.partials: split s of flat head h (query row x Hq + head) at
 // slot h * num_splits + s; its accumulator at acc + slot * HEAD_DIM (every row 16-byte aligned
 // for the merge's vector loads), its (max, sum) at ml + slot, past all the accumulators.
 // store_value writes them, the merges read them.
@@ -28,9 +28,9 @@ struct SplitPartials {
   float2* ml;
 
   __device__ __forceinline__ explicit SplitPartials(const MmhaParams& p)
-      : acc(p.partials),
-        ml(reinterpret_cast<float2*>(p.partials + static_cast<int64_t>(p.batch) * p.nodes * p.num_heads *
-                                                      p.num_splits * HEAD_DIM)) {}
+      : acc(p.sched.partials),
+        ml(reinterpret_cast<float2*>(p.sched.partials + static_cast<int64_t>(p.rows.batch) * p.tree.nodes * p.num_heads *
+                                                      p.sched.num_splits * HEAD_DIM)) {}
 };
 
 // The merge of a one-column item: a thread per 4 dims loads its splits' (max, sum) and values
@@ -44,7 +44,7 @@ constexpr int kOnlineBatch = 8;
 template <typename T, int HEAD_DIM, bool EPI>
 __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem& w, float value_scale, int tid,
                                              int nthreads) {
-  const int num_splits = p.num_splits;
+  const int num_splits = p.sched.num_splits;
   const SplitPartials<HEAD_DIM> part(p);
   constexpr int C4 = HEAD_DIM / 4;
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
@@ -53,7 +53,7 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
     const int64_t h = col.flat(p.num_heads);
     const float4* acc = reinterpret_cast<const float4*>(part.acc + h * num_splits * HEAD_DIM) + idx % C4;
     const float2* ml = part.ml + h * num_splits;
-    float mx = sink_log2(p, col.head);  // the head's sink joins the max and the sum once
+    float mx = sink_log2(p.mods, col.head);  // the head's sink joins the max and the sum once
     float sum = mx == -INFINITY ? 0.f : 1.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < w.active; s += kOnlineBatch) {
@@ -83,8 +83,8 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
       }
       mx = top;
     }
-    if (idx % C4 == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
-    store_out4<T, EPI>(p, h * HEAD_DIM + 4 * (idx % C4), col.head * HEAD_DIM + 4 * (idx % C4),
+    if (idx % C4 == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
+    store_out4<T, EPI>(p.output, h * HEAD_DIM + 4 * (idx % C4), col.head * HEAD_DIM + 4 * (idx % C4),
                        make_float4(a.x / sum * value_scale, a.y / sum * value_scale, a.z / sum * value_scale,
                                    a.w / sum * value_scale));
   }
@@ -106,12 +106,12 @@ constexpr int kMergeBatch = 16;  // value loads in flight per merging thread
 template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
                                               bool& s_last, float value_scale, int tid, int nthreads, Sync sync) {
-  const int num_splits = p.num_splits;
+  const int num_splits = p.sched.num_splits;
   const int warp = tid / 32;
   const int lane = tid % 32;
   sync();  // every thread's partial stores are issued
   if (tid == 0) {
-    int32_t* counter = p.counters + (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.q_groups + w.qg;
+    int32_t* counter = p.sched.counters + (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.sched.q_groups + w.qg;
     const int arrived = atomic_add_acq_rel_gpu(counter, 1);
     s_last = arrived == w.active - 1;
     if (s_last) *counter = 0;  // every active split has arrived: ready for the next launch
@@ -146,7 +146,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-    const float sink = sink_log2(p, col.head);
+    const float sink = sink_log2(p.mods, col.head);
     mx = fmaxf(mx, sink);
     const float m_ref = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
@@ -157,13 +157,13 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
-    if (p.sinks != nullptr) sum += exp2f(sink - m_ref);
+    if (p.mods.sinks != nullptr) sum += exp2f(sink - m_ref);
 #pragma unroll
     for (int i = 0; i < kMaxSplits / 32; ++i) {
       const int s = lane + 32 * i;
       if (s < w.active) s_w[g][s] = ms[i] / sum;
     }
-    if (lane == 0) p.lse[h] = (mx + log2f(sum)) * kLn2;
+    if (lane == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
   }
   sync();
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
@@ -188,7 +188,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
         a.w += wt * v[u].w;
       }
     }
-    store_out4<T, EPI>(p, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
+    store_out4<T, EPI>(p.output, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
                        make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
   }
 }

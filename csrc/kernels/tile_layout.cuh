@@ -54,8 +54,8 @@ struct TileLayout {
     return ((k - in_group) * CHUNKS + (c << kg) + in_group) * 16;
   }
   // The K group of a launch: one per pool block of < KEYS slots, else the whole tile.
-  __device__ __forceinline__ static int k_group(const MmhaParams& p) {
-    return p.block_tables != nullptr && p.block_shift < TILE_GROUP ? p.block_shift : TILE_GROUP;
+  __device__ __forceinline__ static int k_group(const CacheParams& c) {
+    return c.block_tables != nullptr && c.block_shift < TILE_GROUP ? c.block_shift : TILE_GROUP;
   }
   // Byte offset of chunk c of tile key r in the stage (V follows K), in groups of 2^kg keys.
   template <typename G>

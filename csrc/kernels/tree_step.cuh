@@ -38,19 +38,19 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const int b = blockIdx.x / p.num_kv_heads;
   const int kvh = blockIdx.x - b * p.num_kv_heads;
   const int tid = threadIdx.x;
-  const int nodes = p.nodes;
+  const int nodes = p.tree.nodes;
   __shared__ int s_flags;
   __shared__ int s_jump[kMaxTreeNodes];
   __shared__ int s_depth[kMaxTreeNodes];
   __shared__ uint64_t s_anc[kMaxTreeNodes];
 
-  if (!row_takes_part(p, b)) {  // a released row (row_active): nothing read or written
+  if (!row_takes_part(p.rows, b)) {  // a released row (row_active): nothing read or written
     if (kvh == 0 && blockIdx.y == 0) {
       for (int t = tid; t < nodes; t += kTreePrepareThreads) {
-        p.tree_depth[static_cast<int64_t>(b) * nodes + t] = 0;
-        p.tree_anc[static_cast<int64_t>(b) * nodes + t] = 0;
+        p.tree.depth[static_cast<int64_t>(b) * nodes + t] = 0;
+        p.tree.anc[static_cast<int64_t>(b) * nodes + t] = 0;
       }
-      if (tid == 0) p.tree_rows[b] = 0;
+      if (tid == 0) p.tree.rows[b] = 0;
     }
     return;
   }
@@ -58,13 +58,13 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   // thread's parent, and (into L1) the qkv values of its first (node, pair) to append. The check
   // is on the step's critical path (the attention grid waits for its end), so each dependent
   // global round trip shows in the step.
-  const int len = p.lengths[b];
-  const int n = p.node_counts != nullptr ? p.node_counts[b] : nodes;
-  const int parent = tid < nodes ? p.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
+  const int len = p.rows.lengths[b];
+  const int n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
+  const int parent = tid < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
   {
     const int t = blockIdx.y * kTreeNodesPerBlock + tid / (HEAD_DIM / 2);
     if (t < nodes && t < (blockIdx.y + 1) * kTreeNodesPerBlock) {
-      const RotaryPair rp = rotary_pair(tid % (HEAD_DIM / 2), p);
+      const RotaryPair rp = rotary_pair(tid % (HEAD_DIM / 2), p.rotary);
       const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
       prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
       prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
@@ -75,13 +75,13 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   if (tid == 0) {
     int flags = 0;
     if (n < 1 || n > nodes) flags |= kStatusTree;
-    if (len < 0 || len > p.max_seq_len - max(n, 1)) flags |= kStatusLength;
+    if (len < 0 || len > p.cache.max_seq_len - max(n, 1)) flags |= kStatusLength;
     s_flags = flags;
   }
   __syncthreads();
-  if (paged(p) && n >= 1 && n <= nodes && len >= 0 && len <= p.max_seq_len - n) {
-    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, b, kvh);
-    if (!blocks_ok(p, hs, window_start(p, len), len + n - 1, tid, kTreePrepareThreads)) {
+  if (paged(p.cache) && n >= 1 && n <= nodes && len >= 0 && len <= p.cache.max_seq_len - n) {
+    const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
+    if (!blocks_ok(p.cache, hs, window_start(p.mods, len), len + n - 1, tid, kTreePrepareThreads)) {
       atomicOr(&s_flags, kStatusPages);
     }
   }
@@ -123,36 +123,36 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   if (kvh == 0 && blockIdx.y == 0) {
     const int64_t row = static_cast<int64_t>(b) * nodes;
     for (int t = tid; t < nodes; t += kTreePrepareThreads) {
-      p.tree_depth[row + t] = ok ? s_depth[t] : 0;
-      p.tree_anc[row + t] = ok ? s_anc[t] : 0;
+      p.tree.depth[row + t] = ok ? s_depth[t] : 0;
+      p.tree.anc[row + t] = ok ? s_anc[t] : 0;
     }
     if (tid == 0) {
-      p.tree_rows[b] = ok ? n : -1;
-      if (!ok) atomicOr(p.status + b, s_flags);
+      p.tree.rows[b] = ok ? n : -1;
+      if (!ok) atomicOr(p.rows.status + b, s_flags);
     }
   }
   if (!ok) return;
   float k_scale = 1.f, v_scale = 1.f;
   if constexpr (std::is_same_v<C, e4m3>) {
     for (int h = 0; h < p.num_kv_heads; ++h) {
-      if (!scale_ok(p.k_scale[h]) || !scale_ok(p.v_scale[h])) return;
+      if (!scale_ok(p.cache.k_scale[h]) || !scale_ok(p.cache.v_scale[h])) return;
     }
-    k_scale = p.k_scale[kvh];
-    v_scale = p.v_scale[kvh];
+    k_scale = p.cache.k_scale[kvh];
+    v_scale = p.cache.v_scale[kvh];
   }
 
   // Append: node t's K/V at slot len + t, its k rotated at len + depth(t).
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
-  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p, b, kvh);
+  const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
   // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims.
   constexpr int PAIRS = HEAD_DIM / 2;
   const int t0 = blockIdx.y * kTreeNodesPerBlock;
   const int t1 = min(n, t0 + kTreeNodesPerBlock);
   for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
     const int t = t0 + idx / PAIRS;
-    const RotaryPair rp = rotary_pair(idx % PAIRS, p);
+    const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
     const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
     const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
     const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
@@ -177,10 +177,10 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
 // nodes) on the step's stream.
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t launch_tree_prepare(const MmhaParams& p, cudaStream_t stream) {
-  const int64_t blocks = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  const int64_t blocks = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks), (p.nodes + kTreeNodesPerBlock - 1) / kTreeNodesPerBlock);
+  const dim3 grid(static_cast<unsigned>(blocks), (p.tree.nodes + kTreeNodesPerBlock - 1) / kTreeNodesPerBlock);
   tree_prepare_kernel<T, C, HEAD_DIM><<<grid, kTreePrepareThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

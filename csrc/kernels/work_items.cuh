@@ -2,7 +2,7 @@
 //
 // A step is cut into items, one per (row, kv head, column block, split). The columns of a (row,
 // kv head) are its query heads of every query row: column c is head kvh * G + c % G (G = Hq /
-// Hkv) of query row c / G, which is node c / G of a tree step (p.nodes query rows per batch
+// Hkv) of query row c / G, which is node c / G of a tree step (p.tree.nodes query rows per batch
 // row) or the row's one token. An item holds QB consecutive columns (fewer in the last block),
 // so a tree's nodes share an item's K/V reads where a group leaves columns free.
 #pragma once
@@ -41,25 +41,25 @@ struct WorkItem {
 };
 
 __device__ __forceinline__ int num_items(const MmhaParams& p) {
-  return p.batch * p.num_kv_heads * p.q_groups * p.num_splits;
+  return p.rows.batch * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
 }
 
-__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.parents != nullptr; }
+__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.tree.parents != nullptr; }
 
 // Which (row, kv head, column block, split) item `index` is; no memory is read.
 template <int QB>
 __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
   WorkItem w;
-  const int per_row = p.num_kv_heads * p.q_groups * p.num_splits;
+  const int per_row = p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
   w.b = index / per_row;
   const int r = index - w.b * per_row;
-  const int head_block = r / p.num_splits;
-  w.split = r - head_block * p.num_splits;
-  w.kvh = head_block / p.q_groups;
-  w.qg = head_block - w.kvh * p.q_groups;
+  const int head_block = r / p.sched.num_splits;
+  w.split = r - head_block * p.sched.num_splits;
+  w.kvh = head_block / p.sched.q_groups;
+  w.qg = head_block - w.kvh * p.sched.q_groups;
   w.c0 = w.qg * QB;
   w.h0 = w.kvh * p.group + w.c0;
-  w.nh = min(QB, p.group * p.nodes - w.c0);
+  w.nh = min(QB, p.group * p.tree.nodes - w.c0);
   return w;
 }
 
@@ -73,12 +73,12 @@ struct Column {
 };
 
 __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem& w, int g) {
-  if (p.nodes == 1) return Column{w.b, 0, w.h0 + g};
+  if (p.tree.nodes == 1) return Column{w.b, 0, w.h0 + g};
   // node = c / group without an integer division: (c + 1/2) / group lies at least 1 / (2 group)
   // from an integer, and the float product errs by less than that while c + group < 2^22.
   const int c = w.c0 + g;
   const int node = __float2int_rz((static_cast<float>(c) + 0.5f) * p.inv_group);
-  return Column{w.b * p.nodes + node, node, w.kvh * p.group + c - node * p.group};
+  return Column{w.b * p.tree.nodes + node, node, w.kvh * p.group + c - node * p.group};
 }
 
 // The item's keys given its row's length pos and new tokens: the row attends to slots lo .. pos +
@@ -90,20 +90,20 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 // row (kRowAttend) reads slots lo .. pos - 1: its new slot pos lies past the keys, so no item
 // owns (appends) it; with no slot in reach the row is idle.
 __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int nodes, int grain) {
-  const int32_t mode = row_mode(p, w.b);
+  const int32_t mode = row_mode(p.rows, w.b);
   w.idle = mode == kRowIdle;
   if (w.idle) pos = 0, nodes = 1;  // its length is not looked at
   const int added = mode == kRowAttend ? 0 : nodes;  // new slots the row attends to
   w.pos = pos;
   w.nodes = nodes;
-  w.bad = pos < 0 || nodes < 1 || pos > p.max_seq_len - added;
+  w.bad = pos < 0 || nodes < 1 || pos > p.cache.max_seq_len - added;
   w.newslot = tree_step(p) || mode == kRowAttend ? -1 : pos;
   const int len = w.bad ? 1 : pos + added;
-  w.lo = w.bad ? 0 : window_start(p, pos);
+  w.lo = w.bad ? 0 : window_start(p.mods, pos);
   if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
   const int first = w.lo / grain;
   const int ntiles = (len + grain - 1) / grain - first;
-  w.active = w.bad ? 0 : min(p.num_splits, ntiles);
+  w.active = w.bad ? 0 : min(p.sched.num_splits, ntiles);
   const int act = max(w.active, 1);
   w.t0 = first + w.split * ntiles / act;
   w.t1 = first + (w.split + 1) * ntiles / act;
@@ -112,11 +112,11 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
 }
 
 // The new tokens of row b: 1 for a one-token step, else the tree's node count (-1: refused).
-__device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step(p) ? p.tree_rows[b] : 1; }
+__device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step(p) ? p.tree.rows[b] : 1; }
 
 // The rotary position of column g's query: pos, or pos + its node's depth.
 __device__ __forceinline__ int query_position(const MmhaParams& p, const WorkItem& w, const Column& c) {
-  return tree_step(p) ? w.pos + p.tree_depth[c.qrow] : w.pos;
+  return tree_step(p) ? w.pos + p.tree.depth[c.qrow] : w.pos;
 }
 
 }  // namespace mmha
