@@ -4,6 +4,8 @@
 # Builds BASE once per machine in /tmp/mmha_base, the working tree in place, then times the same
 # grid with each (python -m mmha.bench, same arguments), alternating twice (base, new, base, new)
 # so that drift shows, and prints per-row mmha times of both and their ratio.
+# HOST=1 also times an eager KVCache.step's host overhead with each build (bench/host_step_time.py),
+# SOAK=1 runs each build's GPU soak (tests/test_soak.py; MMHA_SOAK_STEPS steps), before the grid.
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
 #        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
 #        BASE=.base bash bench/ab.sh --paged --rows 1 3 13       (paged rows, by canonical index)
@@ -18,6 +20,19 @@ if [ ! -f /tmp/mmha_base/.built ]; then
   touch /tmp/mmha_base/.built
 fi
 build
+if [ "${SOAK:-0}" = 1 ]; then
+  for tree in /tmp/mmha_base "$PWD"; do
+    name=$([ "$tree" = "$PWD" ] && echo new || echo base)
+    (cd "$tree" && PYTHONPATH="$tree:$tree/tests" timeout 300 python -m pytest -q -p no:cacheprovider \
+      tests/test_soak.py -k gpu >"$OUT/soak_$name.txt" 2>&1); echo "soak $name: $(tail -n 1 "$OUT/soak_$name.txt")"
+  done
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  for round in 1 2; do
+    PYTHONPATH=/tmp/mmha_base python bench/host_step_time.py --out "$OUT/host_base_$round.json" | sed "s/^/base: /"
+    python bench/host_step_time.py --out "$OUT/host_new_$round.json" | sed "s/^/new:  /"
+  done
+fi
 for round in 1 2; do
   (cd /tmp/mmha_base && PYTHONPATH=/tmp/mmha_base python -m mmha.bench "$@" --out "$OUT/ab_base_$round" \
     >"$OUT/ab_base_$round.txt" 2>&1) || tail -n 5 "$OUT/ab_base_$round.txt"

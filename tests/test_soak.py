@@ -1,5 +1,5 @@
 """The soak (tests/soak.py): continuous batching on a paged cache, short on the CPU (CI) and long
-on a GPU (``MMHA_SOAK_STEPS`` steps, 3000 by default)."""
+on a GPU (``MMHA_SOAK_STEPS`` steps, 2000 by default)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,10 @@ def test_cpu_soak(scenario, kv_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("kv_dtype", [None, FP8])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float16, None), (torch.bfloat16, FP8)], ids=["fp16", "bf16-fp8"])
 @pytest.mark.parametrize("scenario", ["modifiers", "speculative"])
 def test_gpu_soak(scenario, dtype, kv_dtype):
-    steps = int(os.environ.get("MMHA_SOAK_STEPS", "3000"))
+    steps = int(os.environ.get("MMHA_SOAK_STEPS", "2000"))
     cfg = SoakConfig(
         scenario=scenario, dtype=dtype, kv_dtype=kv_dtype, steps=steps, max_batch=8, num_heads=8,
         num_kv_heads=2, head_dim=128, max_seq_len=400, block_size=16, check_every=25, seed=3,
