@@ -33,7 +33,15 @@ import functools
 import torch
 
 from . import checks, dispatch
-from ._constants import TILE_SOURCE_AUTO, TILE_SOURCE_CP_ASYNC, TILE_SOURCE_TMA
+from ._constants import (  # noqa: F401  (STATUS_*: the bits of Workspace.status)
+    STATUS_LENGTH,
+    STATUS_PAGES,
+    STATUS_SCALE,
+    STATUS_TREE,
+    TILE_SOURCE_AUTO,
+    TILE_SOURCE_CP_ASYNC,
+    TILE_SOURCE_TMA,
+)
 from ._ext import _C, IMPORT_ERROR
 from .spec import PLAIN, ROW_ATTEND, AttentionSpec
 from .workspace import (  # noqa: F401  (part of this module's API)
