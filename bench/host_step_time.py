@@ -73,8 +73,9 @@ def main() -> None:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mmha": mmha.__file__}
     for kind in ("plain", "modified"):
         us = time_calls(kind, args.rounds, args.calls)
-        res[kind] = {"median_us": statistics.median(us), "min_us": min(us), "max_us": max(us), "rounds_us": us}
-        print(f"{kind:9s} step: median {statistics.median(us):.2f} us per call (min {min(us):.2f}, max {max(us):.2f})")
+        med = statistics.median(us)
+        res[kind] = {"median_us": med, "min_us": min(us), "max_us": max(us), "rounds_us": us}
+        print(f"{kind:9s} step: median {med:.2f} us per call (min {min(us):.2f}, max {max(us):.2f})")
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
 

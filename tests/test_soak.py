@@ -27,7 +27,9 @@ def test_cpu_soak(scenario, kv_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float16, None), (torch.bfloat16, FP8)], ids=["fp16", "bf16-fp8"])
+@pytest.mark.parametrize(
+    "dtype, kv_dtype", [(torch.float16, None), (torch.bfloat16, FP8)], ids=["fp16", "bf16-fp8"]
+)
 @pytest.mark.parametrize("scenario", ["modifiers", "speculative"])
 def test_gpu_soak(scenario, dtype, kv_dtype):
     steps = int(os.environ.get("MMHA_SOAK_STEPS", "2000"))
