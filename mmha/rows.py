@@ -40,8 +40,8 @@ class RowTable:
         self.host = [0] * max_batch
         self._active = [True] * max_batch
         self._attend = [False] * max_batch
-        self._version = 0  # moves whenever a host length does (longest() keeps one answer per version)
-        self._longest: dict[int, int] = {}
+        self._version = 0  # moves whenever a host length does
+        self._longest: tuple[int, dict[int, int]] = (-1, {})  # (version, batch -> longest row)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -68,11 +68,13 @@ class RowTable:
 
     def longest(self, batch: int) -> int:
         """The longest host length among rows ``0 .. batch - 1`` (computed once per change)."""
-        if self._longest.get(-1) != self._version:
-            self._longest = {-1: self._version}
-        n = self._longest.get(batch)
+        version, known = self._longest
+        if version != self._version:
+            known = {}
+            self._longest = (self._version, known)
+        n = known.get(batch)
         if n is None:
-            n = self._longest[batch] = max(self.host[:batch], default=0)
+            n = known[batch] = max(self.host[:batch], default=0)
         return n
 
     def check(self, rows: Sequence[int], name: str = "rows") -> list[int]:

@@ -36,7 +36,7 @@ class TreeSteps:
             )
         if qkv.dtype != c.dtype or qkv.device != c.device:
             raise ValueError(f"qkv must have dtype {c.dtype} on {c.device}, got {qkv.dtype} on {qkv.device}")
-        attend = [r for r in range(qkv.shape[0]) if r in c.rows.attend_rows]
+        attend = [r for r in c.rows.attend_rows if r < qkv.shape[0]]
         if attend:
             raise ValueError(f"rows {attend} are attend-only (attend_only): tree steps need stepping rows")
         return qkv.shape[0]
