@@ -17,7 +17,7 @@ eagerly.
 
 Only what mmha computes exactly is accepted: default rotary over the whole head (GPT-NeoX
 halves) and head dims the kernel supports. Sliding windows, soft-caps and sinks go to each
-layer's ``KVCache.step`` as score modifiers. Anything else is rejected with the setting named.
+layer's ``AttentionSpec`` (``layer_spec``). Anything else is rejected with the setting named.
 Nothing is downloaded: build the model from a config (``AutoModelForCausalLM.from_config``) or
 load your own. ``mmha.models.hf_attention`` is the other route: mmha inside transformers' own
 ``generate`` (``attn_implementation="mmha"``).
@@ -76,7 +76,7 @@ def attention_modules(model) -> list:
 
 
 def layer_mods(config, i: int, attn, max_seq_len: int) -> dict:
-    """Layer ``i``'s score modifiers for ``KVCache.step`` (``attn``: its attention module): its
+    """Layer ``i``'s score modifiers, ``AttentionSpec`` fields (``attn``: its attention module): its
     sliding window (where it is shorter than the cache), Gemma 2's logit soft-cap, gpt-oss's sinks."""
     mods = {}
     window = getattr(config, "sliding_window", None)
