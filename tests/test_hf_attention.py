@@ -9,7 +9,7 @@ from helpers import HAS_GPU
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import PROMPT_LENGTHS, build, check_no_decisive_mismatch, hf_greedy, prompts  # noqa: E402
+from test_hf import FAMILIES, PROMPT_LENGTHS, build, check_no_decisive_mismatch, hf_greedy, prompts  # noqa: E402
 
 from mmha.hf import MmhaCache  # noqa: E402
 
@@ -110,9 +110,39 @@ def test_cpu_refusals_name_the_problem():
         model.generate(torch.ones(1, 70, dtype=torch.long), past_key_values=cache, max_new_tokens=2)
     with pytest.raises(NotImplementedError, match="beam search"):
         model.generate(torch.tensor([ps[0]]), past_key_values=cache, max_new_tokens=2, num_beams=2)
-    windowed = mmha_model("mistral", "cpu", torch.float32, sliding_window=8)
-    with pytest.raises(ValueError, match=r"needs score modifiers \(window\)"):
-        MmhaCache(windowed, 2, 64)
+
+
+def family_model(model_type: str, device: str, dtype: torch.dtype):
+    """A FAMILIES config (windows shorter than the prompts, soft-caps, sinks that matter) on mmha."""
+    model = mmha_model(model_type, device, dtype, **FAMILIES[model_type])
+    if model_type == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2.0)
+    return model
+
+
+def own_attention(model_type: str) -> str:
+    """The attention transformers' own generate() runs the family with (gpt-oss has no SDPA path)."""
+    return "eager" if model_type == "gpt_oss" else "sdpa"
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_cpu_windows_softcaps_and_sinks_match_generate(model_type):
+    """Mistral (a sliding window), Gemma 2 (alternating windows, attention and final soft-caps) and
+    gpt-oss (sinks, alternating windows, MoE) through MmhaCache: each layer's spec carries its
+    modifiers (the prompt through the model's own eager attention, decode steps through mmha), and
+    a left-padded ragged batch gives each prompt's own greedy tokens."""
+    model = family_model(model_type, "cpu", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    cache = MmhaCache(model, 6, max(PROMPT_LENGTHS) + 17)
+    specs = cache.kv.attention
+    assert specs[0].window == 8 and (model_type == "mistral" or specs[1].window is None)
+    assert (specs[0].softcap == 20.0) == (model_type == "gemma2")
+    assert (specs[0].sinks is not None) == (model_type == "gpt_oss")
+    got = generate(model, cache, ps, 16)
+    model.set_attn_implementation(own_attention(model_type))
+    assert got == [hf_greedy(model, p, 16) for p in ps]
 
 
 @gpu
@@ -127,6 +157,21 @@ def test_gpu_ragged_batch_matches_generate(compiled):
     model.set_attn_implementation("sdpa")
     for r, p in enumerate(ps):
         assert got[r] == hf_greedy(model, p, 40), f"row {r}"
+    cache.kv.check()
+
+
+@gpu
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_gpu_windows_softcaps_and_sinks_match_generate(model_type):
+    """The same families on the kernel, fp32: transformers' own greedy tokens (eager steps for
+    gpt-oss, whose mixture of experts transformers does not compile)."""
+    model = family_model(model_type, "cuda", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    cache = MmhaCache(model, 4, 256)
+    got = generate(model, cache, ps, 32, disable_compile=model_type == "gpt_oss")
+    model.set_attn_implementation(own_attention(model_type))
+    for r, p in enumerate(ps):
+        assert got[r] == hf_greedy(model, p, 32), f"row {r}"
     cache.kv.check()
 
 

@@ -8,9 +8,12 @@ into those two extension points (``transformers.AttentionInterface`` and ``trans
   rotated). Its layers' ``update`` passes the new K/V through and arms the layer, so the attention
   function knows that this forward carries the cache.
 - ``mmha_attention`` then runs, for a one-token step, mmha's fused append + attention on the
-  cache (the CUDA kernel; ``mmha.reference`` on the CPU) and advances the lengths after the last
-  layer; for a prompt, transformers' own SDPA attention, with the prompt's K/V written to the
-  cache. A forward without an armed ``MmhaCache`` is plain SDPA.
+  cache (the CUDA kernel; ``mmha.reference`` on the CPU) with the layer's ``AttentionSpec``
+  (scale, sliding window, logit soft-cap, sinks, from the model's config and modules) and advances
+  the lengths after the last layer; for a prompt, transformers' own attention (SDPA, or the
+  model's own eager attention where the layer has score modifiers, which applies its soft-cap and
+  sinks, with a mask that holds the padding, causality and the window), with the prompt's K/V
+  written to the cache. A forward without an armed ``MmhaCache`` is plain SDPA.
 
 Prompts are compacted: a left-padded prompt of ``n`` tokens (what ``generate`` feeds a ragged
 batch) lands in slots ``0 .. n - 1`` of its row, which are its tokens' positions, so decode steps
@@ -24,6 +27,7 @@ for caches that say ``is_compileable``) once per batch size.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -58,14 +62,43 @@ def mmha_attention(module, query, key, value, attention_mask, scaling=None, drop
     scale = module.scaling if scaling is None else scaling
     if query.shape[2] == 1:
         return layer.owner.decode(layer.index, query, key, value, scale), None
+    extra = {k: v for k, v in kwargs.items() if k in ("softcap", "s_aux")}  # the eager attention's own
     return layer.owner.prefill(
-        layer.index, module, query, key, value, scale, kwargs.get("position_ids")
+        layer.index, module, query, key, value, scale, kwargs.get("position_ids"), **extra
     ), None
 
 
 def register() -> None:
     """Make ``attn_implementation="mmha"`` known to transformers (done on ``import mmha.hf``)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, mmha_attention)
+
+
+def _eager_attention(module):
+    """The model's own eager attention function (its modeling module's ``eager_attention_forward``,
+    which applies the layer's soft-cap and sinks), for prompts of layers with score modifiers."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has score modifiers but its module has no eager_attention_forward for "
+            "the prompt's attention; MmhaCache cannot run this model"
+        )
+    return fn
+
+
+def _prompt_mask(counts: list[int], width: int, window: int | None, device) -> torch.Tensor | None:
+    """A prompt's attention mask ``[B, 1, S, S]`` (True: attended) for rows of ``counts`` tokens
+    left-padded to ``width``: the row's own tokens, causal, within the window (the last ``window``
+    keys, the query's own included); a pad query sees itself. None: plain causal (no padding or
+    window)."""
+    if min(counts) == width and (window is None or window >= width):
+        return None
+    i = torch.arange(width, device=device)
+    first = torch.tensor([width - n for n in counts], device=device)
+    causal = i[None, :] <= i[:, None]
+    if window is not None:
+        causal = causal & (i[None, :] > i[:, None] - window)
+    mask = (i[None, :] >= first[:, None])[:, None, None, :] & causal[None, None]
+    return mask | torch.eye(width, dtype=torch.bool, device=device)[None, None]
 
 
 class MmhaLayer(CacheLayerMixin):
@@ -114,9 +147,10 @@ class MmhaCache(Cache):
     Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
     fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``).
 
-    Any rotary variant works (transformers applies it); the attention itself must be plain:
-    sliding windows, logit soft-caps and sinks are refused for now. ``self.kv`` is the
-    underlying ``KVCache`` (its ``check()`` raises for rows the kernel's guard refused).
+    Any rotary variant works (transformers applies it); sliding windows, logit soft-caps and
+    sinks (Mistral, Gemma 2, gpt-oss) are each layer's ``AttentionSpec``: the kernel applies them
+    to a decode step, the model's own eager attention to a prompt. ``self.kv`` is the underlying
+    ``KVCache`` (its ``check()`` raises for rows the kernel's guard refused).
     """
 
     def __init__(
@@ -136,12 +170,13 @@ class MmhaCache(Cache):
                 f"{getattr(config, '_attn_implementation', None)!r}"
             )
         modules = attention_modules(model)
-        mods = sorted({k for i, m in enumerate(modules) for k in layer_mods(config, i, m, max_cache_len)})
-        if mods:
-            raise ValueError(
-                f"this {config.model_type} config needs score modifiers ({', '.join(mods)}) that MmhaCache "
-                "does not apply yet"
-            )
+        specs = [
+            AttentionSpec(scale=float(m.scaling), **layer_mods(config, i, m, max_cache_len))
+            for i, m in enumerate(modules)
+        ]
+        self._eager = [
+            _eager_attention(m) if spec.has_mods else None for m, spec in zip(modules, specs, strict=True)
+        ]
         param = next(model.parameters())
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads or num_heads
@@ -149,8 +184,7 @@ class MmhaCache(Cache):
         self.kv_scale_margin = kv_scale_margin
         self.kv = KVCache(
             len(modules), max_batch_size, max_cache_len, num_heads, num_kv_heads, head_dim, param.dtype,
-            param.device, attention=[AttentionSpec(scale=float(m.scaling)) for m in modules],
-            dispatch_on="capacity", kv_dtype=kv_dtype,
+            param.device, attention=specs, dispatch_on="capacity", kv_dtype=kv_dtype,
         )  # fmt: skip
         self.kv.release(range(max_batch_size))
         self._modules = modules
@@ -221,7 +255,9 @@ class MmhaCache(Cache):
             kv.advance()
         return out.view(b, 1, kv.num_heads, kv.head_dim)
 
-    def prefill(self, layer: int, module, query, key, value, scale: float, position_ids) -> torch.Tensor:
+    def prefill(
+        self, layer: int, module, query, key, value, scale: float, position_ids, **extra
+    ) -> torch.Tensor:
         """A prompt step of rows ``0..B-1``: transformers' SDPA attention over the prompt, whose
         K/V (each row's last ``n`` tokens: left padding) go to slots ``0..n-1``. ``[B, S, Hq, D]``."""
         kv = self.kv
@@ -229,16 +265,19 @@ class MmhaCache(Cache):
         if layer == 0:
             self._prompt_lengths = self._check_prompt(b, s, position_ids)
         counts = self._prompt_lengths
-        mask = None
-        if min(counts) < s:  # causal, keys of the row's own tokens only (a pad query sees itself)
-            dev = query.device
-            i = torch.arange(s, device=dev)
-            first = torch.tensor([s - n for n in counts], device=dev)
-            mask = (i[None, :] >= first[:, None])[:, None, None, :] & (i[None, :] <= i[:, None])[None, None]
-            mask = mask | torch.eye(s, dtype=torch.bool, device=dev)[None, None]
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, mask, dropout=0.0, scaling=scale, is_causal=mask is None
-        )
+        window = kv.attention[layer].window
+        mask = _prompt_mask(counts, s, window, query.device)
+        eager = self._eager[layer]
+        if eager is not None:  # the model's own attention applies its soft-cap and sinks
+            if mask is None:
+                mask = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()[None, None]
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+            additive = additive.masked_fill(~mask, torch.finfo(query.dtype).min)
+            out, _ = eager(module, query, key, value, additive, dropout=0.0, scaling=scale, **extra)
+        else:
+            out, _ = sdpa_attention_forward(
+                module, query, key, value, mask, dropout=0.0, scaling=scale, is_causal=mask is None
+            )
         # Row r's tokens are its last n: slot j takes position s - n + j (the rest is never read).
         shift = torch.tensor([s - n for n in counts], device=key.device)
         idx = (shift[:, None] + torch.arange(s, device=key.device)[None]).clamp(max=s - 1)
