@@ -341,8 +341,9 @@ def main() -> None:
     if args.fp8 or args.fp8_accuracy:
         lines += [
             "## fp8 (e4m3) caches", "",
-            "`python -m mmha.bench --grid canonical --dtype fp16 bf16 --no-extras --fp8 --no-secondary`: each canonical row"
-            " again with an fp8 cache (one scale per kv head), beside mmha's 16-bit time from the same run;"
+            "`python -m mmha.bench --grid canonical --dtype fp16 bf16 --no-extras --fp8 --no-secondary`:"
+            " each canonical row again with an fp8 cache (one scale per kv head), beside mmha's 16-bit time"
+            " from the same run;"
             " the peers have no fp8 cache and run the 16-bit row. The read floor is that of the fp8 bytes."
             " The bar: faster than every 16-bit peer on every row; on caches of >= 256 MB of fp8 bytes at"
             " most 0.55x mmha's 16-bit time and >= 95 % of the fp8 read floor.", "",
@@ -382,8 +383,13 @@ def main() -> None:
             " its one-token step, against the GPU's dense fp16 matrix product where the run measured it.",
             "",
         ]  # fmt: skip
-        lines += gpu_sections(args.tree, "tree", tree, extra=tree.ceiling_lines,
-                              misses=lambda data: tree.misses(data["rows"], data["header"]))
+        lines += gpu_sections(
+            args.tree,
+            "tree",
+            tree,
+            extra=tree.ceiling_lines,
+            misses=lambda data: tree.misses(data["rows"], data["header"]),
+        )
     if args.paged:
         from mmha.bench import paged
 

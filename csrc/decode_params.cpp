@@ -328,9 +328,16 @@ void fill_rotary(const DecodeArgs& a, MmhaParams& p) {
              "rotary_dim must be even and in [0, head_dim = ", p.head_dim, "], got ", a.rotary_dim);
   MMHA_CHECK(a.rotary_dim == 0 || a.rotary_theta > 0, "rotary_theta must be positive, got ", a.rotary_theta);
   MMHA_CHECK(std::isfinite(a.scale), "scale must be finite, got ", a.scale);
+  if (a.rotary_inv_freq.has_value()) {
+    check_vector(*a.rotary_inv_freq, "rotary_inv_freq", a.rotary_dim / 2, "rotary_dim / 2 frequencies", a.qkv.device());
+  }
+  const float factor = static_cast<float>(a.rotary_factor);
+  MMHA_CHECK(std::isfinite(factor) && factor > 0, "rotary_factor must be finite and > 0 in fp32, got ", a.rotary_factor);
   p.rotary.dim = static_cast<int32_t>(a.rotary_dim);
   p.rotary.theta = static_cast<float>(a.rotary_theta);
   p.rotary.interleaved = a.rotary_interleaved;
+  p.rotary.inv_freq = float_ptr(a.rotary_inv_freq);
+  p.rotary.factor = factor;
   p.scale = static_cast<float>(a.scale);
 }
 

@@ -52,6 +52,8 @@ struct DecodeArgs {
   double out_scale;
   int64_t out_round, out_min;
   const OptTensor& positions;
+  const OptTensor& rotary_inv_freq;
+  double rotary_factor;
 
   bool tree() const { return parents.has_value(); }
   bool paged() const { return block_tables.has_value(); }

@@ -43,16 +43,19 @@ from .spec import (
 def apply_rotary(x: torch.Tensor, pos: torch.Tensor, rotary: Rotary, inv_freq: torch.Tensor | None = None):
     """Rotate the first ``rotary.dim`` dims of ``x [B, H, D]`` by angles ``pos[B] * inv_freq``.
 
-    ``inv_freq`` (``rotary.inv_freq``, on ``x``'s device) may be passed in precomputed, as
-    CUDA-graph capture needs: computing it creates a host tensor."""
+    ``inv_freq`` (``rotary.frequencies``, on ``x``'s device) may be passed in precomputed, as
+    CUDA-graph capture needs: computing it creates a host tensor. cos and sin are multiplied by
+    ``rotary.attention_factor``."""
     if rotary.dim == 0:
         return x
     # Angles in at least fp32: in a 16-bit dtype position * inv_freq is meaningless past ~2K.
     angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = rotary.inv_freq(angle_dtype, x.device) if inv_freq is None else inv_freq.to(angle_dtype)
+    inv_freq = rotary.frequencies(angle_dtype, x.device) if inv_freq is None else inv_freq.to(angle_dtype)
     angle = pos.to(angle_dtype)[:, None] * inv_freq[None, :]  # [B, rd/2]
-    cos = torch.cos(angle)[:, None, :].to(x.dtype)
-    sin = torch.sin(angle)[:, None, :].to(x.dtype)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if rotary.attention_factor != 1.0:
+        cos, sin = cos * rotary.attention_factor, sin * rotary.attention_factor
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     rot, rest = x[..., : rotary.dim], x[..., rotary.dim :]
     if rotary.interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]

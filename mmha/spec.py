@@ -10,7 +10,9 @@ The semantics, for the scaled logit ``s`` of query head ``h`` at slot ``t`` of a
 token sits at slot ``pos`` (``mmha.reference`` computes exactly this):
 
 - rotary (``Rotary``): q and the new k are rotated at their position on the first ``dim`` dims,
-  GPT-NeoX halves or GPT-J interleaved pairs, with ``inv_freq = 1 / theta ** (2i / dim)``;
+  GPT-NeoX halves or GPT-J interleaved pairs, by the angle ``position * inv_freq[i]`` (fp32), with
+  ``inv_freq`` a table (any rotary variant: linear, llama3, YaRN, ...) or ``1 / theta ** (2i /
+  dim)``, and cos and sin times ``attention_factor`` (YaRN's, 1 by default);
 - ``scale``: ``s = q . k * scale`` (default ``1 / sqrt(head_dim)``);
 - ``softcap``: ``s = softcap * tanh(s / softcap)``;
 - ``alibi_slopes`` (fp32 ``[Hq]``): ``s += slope[h] * (t - pos)``;
@@ -59,15 +61,20 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rotary:
     """Rotary embedding on the first ``dim`` dims of q and k (``dim = 0``: none): angle
-    ``position * inv_freq[i]`` with ``inv_freq[i] = 1 / theta ** (2i / dim)``; ``interleaved``
-    rotates GPT-J pairs ``(2i, 2i + 1)``, else GPT-NeoX halves ``(i, i + dim / 2)``."""
+    ``position * inv_freq[i]`` in fp32, with ``inv_freq`` the given table (fp32 ``[dim // 2]``,
+    finite; transformers' ``rotary_emb.inv_freq`` for any of its variants) or ``1 / theta ** (2i /
+    dim)``; cos and sin are multiplied by ``attention_factor`` (transformers'
+    ``attention_scaling``: YaRN's, longrope's). ``interleaved`` rotates GPT-J pairs ``(2i, 2i +
+    1)``, else GPT-NeoX halves ``(i, i + dim / 2)``."""
 
     dim: int = 0
     theta: float = 10000.0
     interleaved: bool = False
+    inv_freq: torch.Tensor | None = None
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0 or self.dim % 2:
@@ -76,9 +83,38 @@ class Rotary:
             raise ValueError(f"rotary theta must be a finite number > 0, got {self.theta!r}")
         if not isinstance(self.interleaved, bool):
             raise ValueError(f"rotary interleaved must be a bool, got {self.interleaved!r}")
+        f = self.attention_factor
+        if not (_is_number(f) and math.isfinite(f) and f > 0):
+            raise ValueError(f"rotary attention_factor must be a finite number > 0, got {f!r}")
+        t = self.inv_freq
+        if t is not None:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (self.dim // 2,):
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"rotary inv_freq must be a float32 tensor [dim // 2 = {self.dim // 2}], got {got}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"rotary inv_freq must be finite, got {t.tolist()}")
+            object.__setattr__(self, "inv_freq", t.contiguous())
 
-    def inv_freq(self, dtype: torch.dtype, device) -> torch.Tensor:
-        """``[dim // 2]``: ``1 / theta ** (2i / dim)`` in ``dtype``."""
+    @property
+    def plain(self) -> bool:
+        """Whether the kernel computes the frequencies from theta (no table, factor 1)."""
+        return self.inv_freq is None and self.attention_factor == 1.0
+
+    def same(self, other: Rotary) -> bool:
+        """The same rotation (tables compared by value)."""
+        if (self.dim, self.theta, self.interleaved, self.attention_factor) != (
+            other.dim, other.theta, other.interleaved, other.attention_factor,
+        ):  # fmt: skip
+            return False
+        a, b = self.inv_freq, other.inv_freq
+        return (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu()))
+
+    def frequencies(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """``[dim // 2]`` in ``dtype`` on ``device``: the table, or ``1 / theta ** (2i / dim)``."""
+        if self.inv_freq is not None:
+            return self.inv_freq.to(device=device, dtype=dtype)
         exponent = torch.arange(0, self.dim, 2, dtype=dtype, device=device) / self.dim
         return 1.0 / torch.pow(torch.tensor(self.theta, dtype=dtype, device=device), exponent)
 
@@ -150,6 +186,9 @@ class AttentionSpec:
         device = torch.device(device)
         if self.rotary.dim > head_dim:
             raise ValueError(f"{name}.rotary.dim must be <= head_dim ({head_dim}), got {self.rotary.dim}")
+        table = self.rotary.inv_freq
+        if table is not None and table.device != device:
+            raise ValueError(f"{name}.rotary.inv_freq must be on {device}, got {table.device}")
         for field_name in ("alibi_slopes", "sinks"):
             t = getattr(self, field_name)
             if t is None:
@@ -186,11 +225,14 @@ class AttentionSpec:
 
     def kernel_args(self, head_dim: int) -> dict:
         """The raw operator's arguments for this spec (each modifier off at its zero)."""
+        r = self.rotary
         args = dict(
-            scale=self.scale_for(head_dim), rotary_dim=self.rotary.dim, rotary_theta=float(self.rotary.theta),
-            rotary_interleaved=self.rotary.interleaved, window=self.window or 0,
-            softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            scale=self.scale_for(head_dim), rotary_dim=r.dim, rotary_theta=float(r.theta),
+            rotary_interleaved=r.interleaved, window=self.window or 0, softcap=float(self.softcap or 0.0),
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
         )  # fmt: skip
+        if not r.plain:
+            args.update(rotary_inv_freq=r.inv_freq, rotary_factor=float(r.attention_factor))
         if self.epilogue is not None:
             args.update(self.epilogue.kernel_args())
         return args
@@ -204,7 +246,7 @@ def layer_specs(attention, num_layers: int, rotary: Rotary, scale=None) -> tuple
     without it, one built from a cache's ``rotary`` and ``scale`` arguments."""
     if attention is None:
         return (AttentionSpec(rotary=rotary, scale=scale),) * num_layers
-    if rotary != Rotary() or scale is not None:
+    if not rotary.same(Rotary()) or scale is not None:
         raise ValueError(
             "rotary_dim, rotary_theta, rotary_interleaved and scale must be left out with attention="
         )

@@ -153,11 +153,47 @@ def test_cpu_windows_softcaps_and_sinks_match_generate(model_type):
         check_matches_generate(model, new_tokens=16)
 
 
+# Rotary variants transformers computes from the config: the frequency table and attention factor
+# of the model's own rotary_emb (positions past the variants' switch points: original contexts of 16).
+ROPE_VARIANTS = {
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_cpu_rotary_variants_match_generate(model_type, variant):
+    """Llama 3.x's and Qwen 2.5's rotary scalings (and linear): each layer's spec takes the
+    model's own frequency table and attention factor; greedy tokens equal generate() in fp32."""
+    model = build(model_type, "cpu", torch.float32, rope_parameters=ROPE_VARIANTS[variant])
+    dec = HFDecoder(model, 4, 128)
+    rotary = dec.cache.attention[0].rotary
+    assert torch.equal(rotary.inv_freq, model.model.rotary_emb.inv_freq.float())
+    assert rotary.attention_factor == model.model.rotary_emb.attention_scaling
+    assert variant != "yarn" or rotary.attention_factor > 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        check_matches_generate(model, new_tokens=24)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_gpu_rotary_variants_match_generate(variant):
+    """The kernel's table path (CUDA graphs, capacity plans): fp32 tokens of generate()."""
+    model = build("llama", "cuda", torch.float32, rope_parameters=ROPE_VARIANTS[variant])
+    check_matches_generate(model, new_tokens=48)
+
+
 def test_rejects_what_the_kernel_does_not_compute():
-    scaled = build("llama", "cpu", torch.float32, rope_parameters={
-        "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})  # fmt: skip
-    with pytest.raises(ValueError, match=r"rope_type'\] must be 'default'.*got 'linear'"):
-        HFDecoder(scaled, 2, 64)
+    for params, match in (
+        ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "'dynamic' switches its frequencies"),
+        ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor must be 1.0"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            HFDecoder(build("llama", "cpu", torch.float32, rope_parameters=params), 2, 64)
     gpt2 = transformers.AutoModelForCausalLM.from_config(
         transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64)
     )

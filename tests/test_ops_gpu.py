@@ -203,6 +203,34 @@ def test_rotary_and_bias(interleaved, rotary_fraction, bias, dtype):
     check_case(case, 5)
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.25], ids=["no-factor", "factor"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_frequency_table(dtype, interleaved, factor):
+    """A rotation given as a frequency table (any of transformers' variants) and an attention
+    factor on cos and sin: the kernel against the reference, partial rotary, long positions."""
+    case = make_case(
+        4, 8, 2, 128, [0, 3, 700, 4000], 4096, dtype, seed=12, bias=True, rotary_dim=96,
+        rotary_interleaved=interleaved,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    table = (torch.rand(48, generator=g) ** 4).cuda()  # frequencies from ~1 down to ~1e-8
+    case.rotary.update(inv_freq=table, attention_factor=factor)
+    check_case(case, 3)
+
+
+def test_frequency_table_of_theta_is_the_theta_rotation():
+    """The table of 1 / theta^(2i / d) (torch's fp32) and the theta path agree to within the two
+    fp32 pow roundings' effect; outputs within the tolerance of one another."""
+    from mmha.spec import Rotary
+
+    case = make_case(3, 8, 2, 128, [5, 900, 3000], 4096, torch.float32, seed=13, rotary_dim=128)
+    theta = run_kernel(case, 2)[0]
+    case.rotary.update(inv_freq=Rotary(128, 10000.0).frequencies(torch.float32, "cuda"))
+    table = run_kernel(case, 2)[0]
+    torch.testing.assert_close(table, theta, atol=1e-3, rtol=1e-3)
+
+
 def test_bias_cache_write_bit_exact():
     case = make_case(3, 8, 4, 96, [0, 10, 99], 100, torch.float16, seed=3, bias=True)
     check_case(case, 1)

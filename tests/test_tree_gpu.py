@@ -106,6 +106,17 @@ def check_tree(case, qkv, parents, counts, scales=None, **kw):
     return out, lse
 
 
+@pytest.mark.parametrize("nodes", [6, 40])  # narrow and wide items
+def test_tree_rotary_frequency_table(nodes):
+    """A frequency table and an attention factor rotate every node at its own depth."""
+    case, qkv, parents, counts, scales = tree_case(
+        3, 8, 2, 64, [0, 100, 500], 1024, torch.float16, nodes, "random", seed=nodes
+    )
+    g = torch.Generator().manual_seed(nodes)
+    case.rotary.update(inv_freq=(torch.rand(32, generator=g) ** 3).cuda(), attention_factor=1.2)
+    check_tree(case, qkv, parents, counts, scales)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("source", ["cp_async", "tma"])

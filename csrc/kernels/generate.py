@@ -14,7 +14,6 @@ written file would change; tests/test_generated.py runs it).
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from pathlib import Path
 
@@ -77,7 +76,8 @@ def constants() -> list[tuple[str, object, str]]:
 
 def render_header() -> str:
     names = {n: camel(n) for n, _, _ in table.CONSTANTS}
-    lines = [f"// {HEADER_NOTE}", "// Torch-free: the kernels' and the host's shared constants.", "#pragma once", "",
+    lines = [f"// {HEADER_NOTE}", "// Torch-free: the kernels' and the host's shared constants.",
+             "#pragma once", "",
              "#include <cstdint>", "", "namespace mmha {", "",
              "constexpr int max_of(int a, int b) { return a > b ? a : b; }", ""]  # fmt: skip
     for name, value, comment in constants():
@@ -110,7 +110,8 @@ def constants_dict() -> dict:
 
 
 def render_python() -> str:
-    lines = [f'"""{HEADER_NOTE}', "", "The constants and formulas mmha shares with its kernels (csrc/kernels/constants.h).",
+    lines = [f'"""{HEADER_NOTE}', "",
+             "The constants and formulas mmha shares with its kernels (csrc/kernels/constants.h).",
              '"""', "", "from __future__ import annotations", ""]  # fmt: skip
     for name, value, comment in constants():
         lines += _wrap(comment, "# ")
@@ -148,7 +149,8 @@ def render_instantiations() -> dict[Path, str]:
                 lines = "\n".join(
                     f"template cudaError_t launch_decode_attention<{ctype}, {cache}, {head_dim}, {qb}>("
                     "const MmhaParams&, cudaStream_t);\n"
-                    f"template int decode_attention_blocks_per_sm<{ctype}, {cache}, {head_dim}, {qb}>(int, TileSource);"
+                    f"template int decode_attention_blocks_per_sm<{ctype}, {cache}, {head_dim}, {qb}>("
+                    "int, TileSource);"
                     for qb in qbs
                 )
                 out[HERE / "instantiations" / file] = INSTANTIATION.format(note=HEADER_NOTE, lines=lines)

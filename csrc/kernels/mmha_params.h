@@ -85,11 +85,14 @@ struct RowParams {
   int32_t batch;
 };
 
-// Rotary embedding of q and the new k (new_token.cuh).
+// Rotary embedding of q and the new k (new_token.cuh): pair i turns by position * inv_freq[i] (fp32),
+// inv_freq the table or 1 / theta^(2i / dim); cos and sin times factor.
 struct RotaryParams {
-  int32_t dim;       // 0: none; else even, <= D
+  const float* inv_freq;  // [dim / 2] or nullptr (from theta)
+  int32_t dim;            // 0: none; else even, <= D
   float theta;
-  bool interleaved;  // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + dim / 2)
+  float factor;           // 1: none (YaRN's and longrope's attention factor)
+  bool interleaved;       // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + dim / 2)
 };
 
 // Score modifiers (score_mods.cuh), each off at its zero.

@@ -24,6 +24,12 @@ __device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
   return v;
 }
 
+// Pair i's frequency: the table's, or 1 / theta^(2 i / dim).
+__device__ __forceinline__ float pair_frequency(int i, const RotaryParams& r) {
+  if (r.inv_freq != nullptr) return r.inv_freq[i];
+  return 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(r.dim));
+}
+
 template <typename T>
 __device__ float rotated(const T* row, const T* bias, int d, int pos, const RotaryParams& r) {
   const float x = biased(row, bias, d);
@@ -42,9 +48,9 @@ __device__ float rotated(const T* row, const T* bias, int d, int pos, const Rota
     sign = d < half ? -1.f : 1.f;
   }
   const float y = biased(row, bias, partner);
-  const float inv_freq = 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(rd));
   float s, c;
-  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
+  sincosf(static_cast<float>(pos) * pair_frequency(i, r), &s, &c);
+  if (r.factor != 1.f) s = __fmul_rn(s, r.factor), c = __fmul_rn(c, r.factor);
   return __fmaf_rn(x, c, __fmul_rn(sign * y, s));  // as rotate_pair: every path rounds alike
 }
 
@@ -55,7 +61,8 @@ __device__ float rotated(const T* row, const T* bias, int d, int pos, const Rota
 struct RotaryPair {
   int d0, d1;
   bool rotated;
-  float inv_freq;  // 1 / theta^(2 i / rd), as rotated() computes it
+  float inv_freq;  // pair_frequency, as rotated() takes it
+  float factor;    // cos and sin times it (RotaryParams::factor)
 };
 
 __device__ __forceinline__ RotaryPair rotary_pair(int i, const RotaryParams& rot) {
@@ -65,12 +72,13 @@ __device__ __forceinline__ RotaryPair rotary_pair(int i, const RotaryParams& rot
   if (r.rotated) {
     r.d0 = rot.interleaved ? 2 * i : i;
     r.d1 = rot.interleaved ? 2 * i + 1 : i + rd / 2;
-    r.inv_freq = 1.f / powf(rot.theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+    r.inv_freq = pair_frequency(i, rot);
   } else {
     r.d0 = rd + 2 * (i - rd / 2);
     r.d1 = r.d0 + 1;
     r.inv_freq = 0.f;
   }
+  r.factor = rot.factor;
   return r;
 }
 
@@ -82,6 +90,7 @@ __device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const R
   const float a = biased(row, bias, r.d0);
   const float b = biased(row, bias, r.d1);
   if (r.rotated) {  // explicit roundings: the same bits as rotated() whatever the compiler contracts
+    if (r.factor != 1.f) sn = __fmul_rn(sn, r.factor), cs = __fmul_rn(cs, r.factor);
     x0 = __fmaf_rn(a, cs, __fmul_rn(-b, sn));
     x1 = __fmaf_rn(b, cs, __fmul_rn(a, sn));
   } else {

@@ -11,34 +11,58 @@ a parameter, an earlier local, a constant or an earlier function.
 
 # (name, value or expression over earlier names, comment). Tuples become arrays.
 CONSTANTS = [
-    ("SUPPORTED_HEAD_DIMS", (32, 64, 80, 96, 128, 256), "head dims with kernels (others are refused naming these)"),
-    ("Q_GROUP_BLOCKS", (1, 2, 4, 8),
-     "query heads of one kv head per item: a group of G heads in blocks of the smallest >= G (8 past 8), "
-     "so K/V is read once per group for G <= 8"),
+    (
+        "SUPPORTED_HEAD_DIMS",
+        (32, 64, 80, 96, 128, 256),
+        "head dims with kernels (others are refused naming these)",
+    ),
+    (
+        "Q_GROUP_BLOCKS",
+        (1, 2, 4, 8),
+        "query heads of one kv head per item: a group of G heads in blocks of the smallest >= G (8 past 8), "
+        "so K/V is read once per group for G <= 8",
+    ),
     ("MAX_SPLITS", 64, "sequence splits at most: the merge keeps one weight per split in shared memory"),
     ("CONSUMER_WARPS", 4, "tile loop: warps that compute; each takes 16 keys of a tile (the M of m16n8k16)"),
     ("TILE_KEYS", "16 * CONSUMER_WARPS", "keys of one tile-loop stage"),
-    ("TILE_THREADS", "(CONSUMER_WARPS + 2) * 32", "a tile-loop block: consumers, one producer, one stager warp"),
+    (
+        "TILE_THREADS",
+        "(CONSUMER_WARPS + 2) * 32",
+        "a tile-loop block: consumers, one producer, one stager warp",
+    ),
     ("MIN_STAGES", 2, "tile loop: fewest shared-memory stages"),
     ("MAX_STAGES", 8, "tile loop: most shared-memory stages"),
-    ("WIDE_COLUMNS", "16 * CONSUMER_WARPS",
-     "tree steps: query columns of a wide item (16 per consumer warp, every warp takes all keys of a tile)"),
+    (
+        "WIDE_COLUMNS",
+        "16 * CONSUMER_WARPS",
+        "tree steps: query columns of a wide item (16 per consumer warp, every warp takes all keys of "
+        "a tile)",
+    ),
     ("WIDE_MIN_COLUMNS", 32, "tree steps: wide items from this many columns per kv head on"),
     ("WIDE_MAX_HEAD_DIM", 128, "tree steps: wide items up to this head dim (their registers)"),
-    ("WIDE_ALWAYS_COLUMNS", 128,
-     "below this many columns, wide items only where a step has WIDE_MIN_ITEMS of them: a small grid of "
-     "wide items needs many splits, whose merge costs more than narrow items' repeated reads (H100, "
-     "decode timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide "
-     "items win, 114 against 134 and 179 against 310)"),
+    (
+        "WIDE_ALWAYS_COLUMNS",
+        128,
+        "below this many columns, wide items only where a step has WIDE_MIN_ITEMS of them: a small grid of "
+        "wide items needs many splits, whose merge costs more than narrow items' repeated reads (H100, "
+        "decode timing, B=1 Hq=32 Hkv=8 T=16: 79 against 43 us at 1K, 114 against 62 at 4K; at B=16 wide "
+        "items win, 114 against 134 and 179 against 310)",
+    ),
     ("WIDE_MIN_ITEMS", 64, "see WIDE_ALWAYS_COLUMNS"),
     ("ITEM_SLOTS_BYTES", 256, "static shared memory of the two item slots' items, scales and barriers"),
-    ("WARP_BUFFER_VALUES", 512,
-     "items of at most this many values (query heads x head dim) combine their consumer warps' "
-     "accumulators through a buffer per warp (one barrier) rather than warp by warp"),
-    ("EPILOGUE_COLUMNS", 8,
-     "a step with an output epilogue runs kernels compiled with it, for items of this many columns, and "
-     "of 1 and EPILOGUE_GROUP_COLUMNS on the tile loop (8 columns for one query head cost 8-17 % on short "
-     "rows, for groups of 2-4 heads 2.5-5 % on the B=16 / 64 GQA rows)"),
+    (
+        "WARP_BUFFER_VALUES",
+        512,
+        "items of at most this many values (query heads x head dim) combine their consumer warps' "
+        "accumulators through a buffer per warp (one barrier) rather than warp by warp",
+    ),
+    (
+        "EPILOGUE_COLUMNS",
+        8,
+        "a step with an output epilogue runs kernels compiled with it, for items of this many columns, and "
+        "of 1 and EPILOGUE_GROUP_COLUMNS on the tile loop (8 columns for one query head cost 8-17 % on short "
+        "rows, for groups of 2-4 heads 2.5-5 % on the B=16 / 64 GQA rows)",
+    ),
     ("EPILOGUE_GROUP_COLUMNS", 4, "see EPILOGUE_COLUMNS"),
     ("SIMT_WARPS", 4, "the CUDA-core loop (fp32 caches): warps of a block, each walking its own keys"),
     ("SIMT_THREADS", "SIMT_WARPS * 32", "the CUDA-core loop's block"),
@@ -51,7 +75,11 @@ CONSTANTS = [
     ("ROW_IDLE", 0, "row mode: takes no part (nothing read or written, zero output, lse -inf)"),
     ("ROW_STEP", 1, "row mode: appends the new token at slot lengths[b] and attends up to it"),
     ("ROW_ATTEND", 2, "row mode: attends to slots before lengths[b] only, writes nothing"),
-    ("TILE_SOURCE_AUTO", 0, "tile_source: bulk tensor copies where the GPU and head dim allow, else cp.async"),
+    (
+        "TILE_SOURCE_AUTO",
+        0,
+        "tile_source: bulk tensor copies where the GPU and head dim allow, else cp.async",
+    ),
     ("TILE_SOURCE_CP_ASYNC", 1, "tile_source: 16-byte cp.async by the producer warp (sm_80 and newer)"),
     ("TILE_SOURCE_TMA", 2, "tile_source: Hopper bulk tensor copies (sm_90, V rows of whole 128-byte lines)"),
 ]
@@ -59,53 +87,119 @@ CONSTANTS = [
 # (name, [(parameter, type)], return type, [(local, expression)], result expression, comment).
 # Types: "int", "int64" or "bool".
 FUNCTIONS = [
-    ("v_whole_lines", [("head_dim", "int"), ("elem_bytes", "int")], "bool", [],
-     "head_dim * elem_bytes % 128 == 0",
-     "whether a V row of the cache is a whole number of 128-byte lines: then bulk tensor copies bring V as "
-     "boxes of one line per key with the 128-byte swizzle; otherwise V rows in shared memory are padded "
-     "by 16 bytes"),
-    ("tile_stage_bytes", [("head_dim", "int"), ("elem_bytes", "int")], "int",
-     [("k", "TILE_KEYS * head_dim * elem_bytes"),
-      ("pitch", "head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes"),
-      ("v", "TILE_KEYS * pitch * elem_bytes")],
-     "(k + v + 1023) // 1024 * 1024",
-     "shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each), 1024-byte aligned"),
-    ("tile_static_smem", [("head_dim", "int"), ("elem_bytes", "int"), ("qb", "int")], "int",
-     [("wide_staging", "CONSUMER_WARPS * 16 * (head_dim + 8) * 2"),
-      ("wide", "max(wide_staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256"),
-      ("warp_buffers", "CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0"),
-      ("narrow", "qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes"
-                 " + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES"
-                 " + warp_buffers + 256")],
-     "wide if qb == WIDE_COLUMNS else narrow",
-     "a bound on the tile kernel's static shared memory at qb query columns per item (elem_bytes: the "
-     "activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB "
-     "against 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's "
-     "buffer), the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), "
-     "per-warp max and sum, ring and staging barriers, tile headers, the item slots, warp buffers, "
-     "alignment. Wide items: q staging (or merge weights), barriers, headers, the item slots"),
-    ("tile_smem_bytes", [("head_dim", "int"), ("elem_bytes", "int"), ("stages", "int")], "int", [],
-     "stages * tile_stage_bytes(head_dim, elem_bytes) + 1024",
-     "dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes"),
-    ("work_counter", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")], "int64", [],
-     "batch * nodes * heads",
-     "workspace counters (int32 units): merge arrivals [B * T * Hq] first, then the tile loop's work "
-     "counter [2] at this offset"),
-    ("tree_anc", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")], "int64", [],
-     "(batch * nodes * heads + 2 + 1) // 2 * 2",
-     "a tree step's ancestor masks [2 * B * T] (8-byte aligned) after the work counter"),
-    ("tree_depth", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")], "int64", [],
-     "tree_anc(batch, nodes, heads) + 2 * batch * nodes", "then node depths [B * T]"),
-    ("tree_rows", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")], "int64", [],
-     "tree_depth(batch, nodes, heads) + batch * nodes", "then each row's node count [B]"),
-    ("workspace_counters", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")], "int64", [],
-     "tree_rows(batch, nodes, heads) + batch",
-     "int32 counters a step of `nodes` query rows per row needs (a one-token step uses the first "
-     "B * Hq + 2)"),
-    ("workspace_partials", [("batch", "int64"), ("nodes", "int64"), ("heads", "int64"), ("splits", "int64"),
-                            ("head_dim", "int64")], "int64", [],
-     "batch * nodes * heads * splits * (head_dim + 2) if splits > 1 else 0",
-     "fp32 split partials: acc [B * T, Hq, splits, D], then (max, sum) [B * T, Hq, splits, 2]"),
+    (
+        "v_whole_lines",
+        [("head_dim", "int"), ("elem_bytes", "int")],
+        "bool",
+        [],
+        "head_dim * elem_bytes % 128 == 0",
+        "whether a V row of the cache is a whole number of 128-byte lines: then bulk tensor copies bring V "
+        "as boxes of one line per key with the 128-byte swizzle; otherwise V rows in shared memory are "
+        "padded by 16 bytes",
+    ),
+    (
+        "tile_stage_bytes",
+        [("head_dim", "int"), ("elem_bytes", "int")],
+        "int",
+        [
+            ("k", "TILE_KEYS * head_dim * elem_bytes"),
+            ("pitch", "head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes"),
+            ("v", "TILE_KEYS * pitch * elem_bytes"),
+        ],
+        "(k + v + 1023) // 1024 * 1024",
+        "shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each), "
+        "1024-byte aligned",
+    ),
+    (
+        "tile_static_smem",
+        [("head_dim", "int"), ("elem_bytes", "int"), ("qb", "int")],
+        "int",
+        [
+            ("wide_staging", "CONSUMER_WARPS * 16 * (head_dim + 8) * 2"),
+            ("wide", "max(wide_staging, qb * 64 * 4) + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256"),
+            (
+                "warp_buffers",
+                "CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0",
+            ),
+            (
+                "narrow",
+                "qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes"
+                " + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES"
+                " + warp_buffers + 256",
+            ),
+        ],
+        "wide if qb == WIDE_COLUMNS else narrow",
+        "a bound on the tile kernel's static shared memory at qb query columns per item (elem_bytes: the "
+        "activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB "
+        "against 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's "
+        "buffer), the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), "
+        "per-warp max and sum, ring and staging barriers, tile headers, the item slots, warp buffers, "
+        "alignment. Wide items: q staging (or merge weights), barriers, headers, the item slots",
+    ),
+    (
+        "tile_smem_bytes",
+        [("head_dim", "int"), ("elem_bytes", "int"), ("stages", "int")],
+        "int",
+        [],
+        "stages * tile_stage_bytes(head_dim, elem_bytes) + 1024",
+        "dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes",
+    ),
+    (
+        "work_counter",
+        [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")],
+        "int64",
+        [],
+        "batch * nodes * heads",
+        "workspace counters (int32 units): merge arrivals [B * T * Hq] first, then the tile loop's work "
+        "counter [2] at this offset",
+    ),
+    (
+        "tree_anc",
+        [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")],
+        "int64",
+        [],
+        "(batch * nodes * heads + 2 + 1) // 2 * 2",
+        "a tree step's ancestor masks [2 * B * T] (8-byte aligned) after the work counter",
+    ),
+    (
+        "tree_depth",
+        [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")],
+        "int64",
+        [],
+        "tree_anc(batch, nodes, heads) + 2 * batch * nodes",
+        "then node depths [B * T]",
+    ),
+    (
+        "tree_rows",
+        [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")],
+        "int64",
+        [],
+        "tree_depth(batch, nodes, heads) + batch * nodes",
+        "then each row's node count [B]",
+    ),
+    (
+        "workspace_counters",
+        [("batch", "int64"), ("nodes", "int64"), ("heads", "int64")],
+        "int64",
+        [],
+        "tree_rows(batch, nodes, heads) + batch",
+        "int32 counters a step of `nodes` query rows per row needs (a one-token step uses the first "
+        "B * Hq + 2)",
+    ),
+    (
+        "workspace_partials",
+        [
+            ("batch", "int64"),
+            ("nodes", "int64"),
+            ("heads", "int64"),
+            ("splits", "int64"),
+            ("head_dim", "int64"),
+        ],
+        "int64",
+        [],
+        "batch * nodes * heads * splits * (head_dim + 2) if splits > 1 else 0",
+        "fp32 split partials: acc [B * T, Hq, splits, D], then (max, sum) [B * T, Hq, splits, 2]",
+    ),
 ]
 
 # Kernel instantiations (csrc/kernels/instantiations): (file name, qkv type, cache type).

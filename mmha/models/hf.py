@@ -15,9 +15,11 @@ dispatch; the greedy pick, the end-of-sequence bookkeeping and the token history
 device, and the host reads them every ``sync_every`` steps. ``graphs=False`` runs the same steps
 eagerly.
 
-Only what mmha computes exactly is accepted: default rotary over the whole head (GPT-NeoX
-halves) and head dims the kernel supports. Sliding windows, soft-caps and sinks go to each
-layer's ``AttentionSpec`` (``layer_spec``). Anything else is rejected with the setting named.
+Only what mmha computes exactly is accepted: rotary over the whole head (GPT-NeoX halves) with
+transformers' own frequency table and attention factor (default, linear, llama3, YaRN; not yet
+the variants that switch with the sequence length) and head dims the kernel supports. Sliding
+windows, soft-caps and sinks go to each layer's ``AttentionSpec`` (``layer_spec``). Anything else
+is rejected with the setting named.
 Nothing is downloaded: build the model from a config (``AutoModelForCausalLM.from_config``) or
 load your own. ``mmha.models.hf_attention`` is the other route: mmha inside transformers' own
 ``generate`` (``attn_implementation="mmha"``).
@@ -43,24 +45,42 @@ HISTORY = 64
 MAX_EOS_IDS = 8
 
 
-def _rope_theta(config) -> float:
-    """Rotary base; rejects rotary variants the kernel does not compute."""
+# Rotary variants whose frequencies transformers changes with the sequence length at run time.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def model_rotary(model, head_dim: int) -> Rotary:
+    """The model's rotation as ``KVCache`` takes it: transformers' own frequency table
+    (``rotary_emb.inv_freq``, from whichever of its rotary variants the config names: default,
+    linear, llama3, YaRN, ...) and attention factor, over the whole head, GPT-NeoX halves. Refuses
+    what the kernel does not follow yet, naming the setting."""
+    config = model.config
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
+    if rope_type in DYNAMIC_ROPE_TYPES:
         raise ValueError(
-            f"config.rope_parameters['rope_type'] must be 'default' (plain rotary), got {rope_type!r}"
+            f"config.rope_parameters['rope_type'] {rope_type!r} switches its frequencies with the sequence "
+            "length at run time, which HFDecoder does not follow yet"
         )
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("config must give rope_theta (config.rope_parameters['rope_theta'])")
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise ValueError(
             f"config partial_rotary_factor must be 1.0 (rotary over the whole head), got {factor}"
         )
-    return float(theta)
+    emb = getattr(model.model, "rotary_emb", None)
+    if emb is None or getattr(emb, "inv_freq", None) is None:
+        raise ValueError(
+            f"{type(model).__name__} has no model.rotary_emb.inv_freq (the rotation's frequencies)"
+        )
+    inv_freq = emb.inv_freq.detach().float().contiguous()
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(
+            f"model.rotary_emb.inv_freq must hold head_dim / 2 = {head_dim // 2} frequencies, "
+            f"got {tuple(inv_freq.shape)}"
+        )
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
+    return Rotary(head_dim, theta, inv_freq=inv_freq, attention_factor=float(emb.attention_scaling))
 
 
 def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +116,11 @@ def layer_mods(config, i: int, attn, max_seq_len: int) -> dict:
     return mods
 
 
-def layer_spec(config, i: int, attn, max_seq_len: int, head_dim: int, theta: float) -> AttentionSpec:
-    """Layer ``i``'s ``AttentionSpec``: rotary over the whole head (GPT-NeoX halves), the module's
-    scale, and its score modifiers (``layer_mods``)."""
+def layer_spec(config, i: int, attn, max_seq_len: int, rotary: Rotary) -> AttentionSpec:
+    """Layer ``i``'s ``AttentionSpec``: the model's rotation (``model_rotary``), the module's scale,
+    and its score modifiers (``layer_mods``)."""
     mods = layer_mods(config, i, attn, max_seq_len)
-    return AttentionSpec(rotary=Rotary(head_dim, theta), scale=float(attn.scaling), **mods)
+    return AttentionSpec(rotary=rotary, scale=float(attn.scaling), **mods)
 
 
 def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -177,7 +197,6 @@ class HFDecoder:
             raise ValueError(
                 f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
             )
-        theta = _rope_theta(config)
         self.model = model
         self.body = model.model
         attns = attention_modules(model)
@@ -185,7 +204,8 @@ class HFDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         param = next(model.parameters())
-        specs = [layer_spec(config, i, a, max_seq_len, self.head_dim, theta) for i, a in enumerate(attns)]
+        rotary = model_rotary(model, self.head_dim)
+        specs = [layer_spec(config, i, a, max_seq_len, rotary) for i, a in enumerate(attns)]
         self.windowed = any(s.window is not None for s in specs)
         self.modified = any(s.has_mods for s in specs)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)

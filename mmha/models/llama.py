@@ -108,7 +108,7 @@ class TinyLlama(nn.Module):
         rotary = Rotary(c.head_dim, c.rope_theta)
         inv_freq = self._inv_freq.get(x.device)
         if inv_freq is None:  # once per device, so a captured step creates no host tensor
-            inv_freq = self._inv_freq[x.device] = rotary.inv_freq(torch.float32, x.device)
+            inv_freq = self._inv_freq[x.device] = rotary.frequencies(torch.float32, x.device)
         return apply_rotary(x.float(), positions, rotary, inv_freq).to(x.dtype)
 
     def new_cache(self, max_batch: int, max_seq_len: int, device, dtype, **kw) -> KVCache:
