@@ -15,6 +15,13 @@ transformers = pytest.importorskip("transformers")
 from mmha.hf import HFDecoder  # noqa: E402
 
 PROMPT_LENGTHS = [5, 23, 11, 40]
+# The transformers config class of each model type the tests build.
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
+    "gpt_oss": "GptOssConfig", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
+    "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig", "glm4": "Glm4Config",
+    "smollm3": "SmolLM3Config", "starcoder2": "Starcoder2Config", "cohere": "CohereConfig",
+}  # fmt: skip
 
 
 def build(model_type: str, device: str, dtype: torch.dtype, **over):
@@ -24,16 +31,7 @@ def build(model_type: str, device: str, dtype: torch.dtype, **over):
         bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     common.update(over)
-    if model_type == "qwen2":
-        config = transformers.Qwen2Config(**common)
-    elif model_type == "mistral":
-        config = transformers.MistralConfig(**common)
-    elif model_type == "gemma2":
-        config = transformers.Gemma2Config(**common)
-    elif model_type == "gpt_oss":
-        config = transformers.GptOssConfig(**common)
-    else:
-        config = transformers.LlamaConfig(**common)
+    config = getattr(transformers, CONFIG_CLASSES[model_type])(**common)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # spread the weights so that greedy picks are decisive, biases non-zero

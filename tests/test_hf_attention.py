@@ -3,15 +3,26 @@ own ``generate`` (random-init models from configs, nothing downloaded)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import HAS_GPU
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import FAMILIES, PROMPT_LENGTHS, build, check_no_decisive_mismatch, hf_greedy, prompts  # noqa: E402
+from test_hf import (  # noqa: E402
+    FAMILIES,
+    PROMPT_LENGTHS,
+    ROPE_VARIANTS,
+    build,
+    check_no_decisive_mismatch,
+    hf_greedy,
+    prompts,
+)
 
 from mmha.hf import MmhaCache  # noqa: E402
+from mmha.models.hf import attention_modules  # noqa: E402
 
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
 pytestmark = pytest.mark.usefixtures("no_reference_warning")
@@ -172,6 +183,90 @@ def test_gpu_windows_softcaps_and_sinks_match_generate(model_type):
     model.set_attn_implementation(own_attention(model_type))
     for r, p in enumerate(ps):
         assert got[r] == hf_greedy(model, p, 32), f"row {r}"
+    cache.kv.check()
+
+
+# Families people deploy, each with what sets its attention apart (transformers computes rotary,
+# q/k norms and multipliers; mmha gets each layer's scale and modifiers): Llama 3's and Qwen 2.5's
+# rotary scalings, Qwen 3's per-head
+# q/k norms, Gemma 3's local / global layers (two rotary thetas, windows, query_pre_attn_scalar),
+# Phi-3's longrope (short factors, its attention factor), OLMo 2's whole-projection q/k norms, Granite's multipliers,
+# GLM-4's partial rotary, SmolLM3's layers without rotary, StarCoder2's window and biases, Cohere's
+# interleaved rotary with q/k layer norms.
+NATIVE_FAMILIES = {
+    "llama": dict(rope_parameters=ROPE_VARIANTS["llama3"]),
+    "qwen2": dict(rope_parameters=ROPE_VARIANTS["yarn"]),
+    "qwen3": {},
+    "gemma3_text": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(original_max_position_embeddings=80, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + i / 16 for i in range(16)],
+        "long_factor": [1.0 + i / 4 for i in range(16)], "original_max_position_embeddings": 80}),
+    "olmo2": {},
+    "granite": dict(attention_multiplier=0.05, residual_multiplier=0.5, embedding_multiplier=4.0,
+                    logits_scaling=2.0),
+    "glm4": {},
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "starcoder2": dict(sliding_window=8),
+    "cohere": dict(use_qk_norm=True, logit_scale=0.5),
+}  # fmt: skip
+
+
+def native_family_model(model_type: str, device: str, dtype: torch.dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mmha_model(model_type, device, dtype, **NATIVE_FAMILIES[model_type])
+
+
+def check_native_family(model, cache: MmhaCache, new_tokens: int, **kw) -> None:
+    """A left-padded ragged batch through MmhaCache gives each prompt transformers' own greedy
+    tokens (its SDPA attention); each layer's spec holds the module's scale and window."""
+    config = model.config
+    for i, (spec, module) in enumerate(zip(cache.kv.attention, attention_modules(model), strict=True)):
+        assert spec.scale == float(module.scaling)
+        sliding = (
+            getattr(config, "layer_types", None) is not None and config.layer_types[i] == "sliding_attention"
+        )
+        window = config.sliding_window if (sliding or config.model_type == "starcoder2") else None
+        assert spec.window == window, f"layer {i}"
+    ps = prompts(config.vocab_size)
+    got = generate(model, cache, ps, new_tokens, **kw)
+    model.set_attn_implementation("sdpa")
+    for r, p in enumerate(ps):
+        assert got[r] == hf_greedy(model, p, new_tokens), f"row {r} (prompt length {len(p)})"
+
+
+@pytest.mark.parametrize("model_type", list(NATIVE_FAMILIES))
+def test_cpu_families_match_generate(model_type):
+    model = native_family_model(model_type, "cpu", torch.float32)
+    check_native_family(model, MmhaCache(model, 6, max(PROMPT_LENGTHS) + 17), 16)
+
+
+def test_refuses_what_it_would_get_wrong():
+    """Phi-3's generate drops the cache past longrope's switch point (to recompute every key): a
+    cache that reaches past it is refused. Without an MmhaCache the "mmha" attention is plain SDPA
+    with no padding mask: a padded prompt is refused, an unpadded one runs."""
+    phi3 = native_family_model("phi3", "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings \(80\).*must be at most 80"):
+        MmhaCache(phi3, 2, 81)
+    MmhaCache(phi3, 2, 80)
+    model = mmha_model("llama", "cpu", torch.float32)
+    ps = prompts(model.config.vocab_size)[:2]
+    ids, mask = left_padded(ps, "cpu")
+    with pytest.raises(ValueError, match="without an MmhaCache .* this prompt is padded"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    out = model.generate(ids[1:], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert out[0, ids.shape[1] :].tolist() == hf_greedy(model, ps[1], 3)
+
+
+@gpu
+@pytest.mark.parametrize("model_type", list(NATIVE_FAMILIES))
+def test_gpu_families_match_generate(model_type):
+    """The same families on the kernel in fp32, compiled by transformers (CUDA graphs)."""
+    model = native_family_model(model_type, "cuda", torch.float32)
+    cache = MmhaCache(model, 4, 80)
+    check_native_family(model, cache, 32)
     cache.kv.check()
 
 

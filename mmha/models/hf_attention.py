@@ -13,7 +13,8 @@ into those two extension points (``transformers.AttentionInterface`` and ``trans
   the lengths after the last layer; for a prompt, transformers' own attention (SDPA, or the
   model's own eager attention where the layer has score modifiers, which applies its soft-cap and
   sinks, with a mask that holds the padding, causality and the window), with the prompt's K/V
-  written to the cache. A forward without an armed ``MmhaCache`` is plain SDPA.
+  written to the cache. A forward without an armed ``MmhaCache`` is plain SDPA (no mask is built
+  for it, so a padded prompt there is refused).
 
 Prompts are compacted: a left-padded prompt of ``n`` tokens (what ``generate`` feeds a ragged
 batch) lands in slots ``0 .. n - 1`` of its row, which are its tokens' positions, so decode steps
@@ -33,6 +34,7 @@ import weakref
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import ops, reference
@@ -50,6 +52,8 @@ def mmha_attention(module, query, key, value, attention_mask, scaling=None, drop
     ref = module.__dict__.get("_mmha_layer")
     layer = ref() if ref is not None else None
     if layer is None or not layer.armed:  # no MmhaCache in this forward
+        if attention_mask is None and query.shape[2] > 1:
+            _refuse_padding(kwargs.get("position_ids"))
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -66,6 +70,34 @@ def mmha_attention(module, query, key, value, attention_mask, scaling=None, drop
     return layer.owner.prefill(
         layer.index, module, query, key, value, scale, kwargs.get("position_ids"), **extra
     ), None
+
+
+def _refuse_padding(position_ids) -> None:
+    """No mask function is registered for "mmha", so a forward without an ``MmhaCache`` gets no
+    padding mask: refuse a padded prompt rather than attend its pads."""
+    if position_ids is None:
+        return
+    width = position_ids.shape[-1]
+    if bool((position_ids[..., -1] + 1 != width).any()):
+        raise ValueError(
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" without an MmhaCache in past_key_values is plain '
+            "SDPA with no padding mask, and this prompt is padded: pass past_key_values=MmhaCache(model, ...)"
+        )
+
+
+def _check_cache_is_kept(model, max_cache_len: int) -> None:
+    """Phi-3's ``generate`` drops the cache once a sequence passes the config's
+    ``original_max_position_embeddings`` (to recompute every key with longrope's long factors);
+    MmhaCache does not follow that recomputation, so its sequences must stay below that point."""
+    switch = getattr(model.config, "original_max_position_embeddings", None)
+    own = type(model).prepare_inputs_for_generation
+    if switch is None or own is GenerationMixin.prepare_inputs_for_generation or max_cache_len <= switch:
+        return
+    raise ValueError(
+        f"{type(model).__name__}.generate drops its cache when a sequence passes "
+        f"config.original_max_position_embeddings ({switch}) to recompute it (longrope's switch), which "
+        f"MmhaCache does not follow yet: max_cache_len ({max_cache_len}) must be at most {switch}"
+    )
 
 
 def register() -> None:
@@ -169,6 +201,7 @@ class MmhaCache(Cache):
                 f"or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})), got "
                 f"{getattr(config, '_attn_implementation', None)!r}"
             )
+        _check_cache_is_kept(model, max_cache_len)
         modules = attention_modules(model)
         specs = [
             AttentionSpec(scale=float(m.scaling), **layer_mods(config, i, m, max_cache_len))
