@@ -161,6 +161,53 @@ ROPE_VARIANTS = {
 }  # fmt: skip
 
 
+# Families people deploy, each with what sets its attention apart (transformers computes rotary,
+# q/k norms and multipliers; mmha gets each layer's scale and modifiers): Llama 3's and Qwen 2.5's
+# rotary scalings, Qwen 3's per-head
+# q/k norms, Gemma 3's local / global layers (two rotary thetas, windows, query_pre_attn_scalar),
+# Phi-3's longrope (short factors, its attention factor), OLMo 2's whole-projection q/k norms, Granite's multipliers,
+# GLM-4's partial rotary, SmolLM3's layers without rotary, StarCoder2's window and biases, Cohere's
+# interleaved rotary with q/k layer norms.
+MORE_FAMILIES = {
+    "llama": dict(rope_parameters=ROPE_VARIANTS["llama3"]),
+    "qwen2": dict(rope_parameters=ROPE_VARIANTS["yarn"]),
+    "qwen3": {},
+    "gemma3_text": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(original_max_position_embeddings=80, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + i / 16 for i in range(16)],
+        "long_factor": [1.0 + i / 4 for i in range(16)], "original_max_position_embeddings": 80}),
+    "olmo2": {},
+    "granite": dict(attention_multiplier=0.05, residual_multiplier=0.5, embedding_multiplier=4.0,
+                    logits_scaling=2.0),
+    "glm4": {},
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "starcoder2": dict(sliding_window=8),
+    "cohere": dict(use_qk_norm=True, logit_scale=0.5),
+}  # fmt: skip
+
+
+def family_model(model_type: str, device: str, dtype: torch.dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(model_type, device, dtype, **MORE_FAMILIES[model_type])
+
+
+@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
+def test_cpu_families_match_generate(model_type):
+    """Each family through HFDecoder (the model's own layers around mmha's attention: q/k norms,
+    per-layer rotations, partial and interleaved rotary, multipliers, windows): greedy tokens equal
+    the model's own generate() in fp32."""
+    check_matches_generate(family_model(model_type, "cpu", torch.float32), new_tokens=16)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
+def test_gpu_families_match_generate(model_type):
+    """The same families on the kernel in fp32, each decode step a CUDA graph."""
+    check_matches_generate(family_model(model_type, "cuda", torch.float32), new_tokens=32)
+
+
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_cpu_rotary_variants_match_generate(model_type, variant):
@@ -185,18 +232,43 @@ def test_gpu_rotary_variants_match_generate(variant):
     check_matches_generate(model, new_tokens=48)
 
 
+def tiny(config_class: str, **kw):
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kw))
+
+
 def test_rejects_what_the_kernel_does_not_compute():
-    for params, match in (
-        ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "'dynamic' switches its frequencies"),
-        ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor must be 1.0"),
-    ):  # fmt: skip
+    """Refused by what the attention computes, each naming it: a rotary variant past the length
+    where it switches frequencies, attention parts mmha does not know (multi-head latent attention,
+    Llama 4's L2 q/k norm), a q/k norm of another shape, a model without decoder layers' self_attn,
+    an output head that does more than mmha knows."""
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    model = build("llama", "cpu", torch.float32, rope_parameters=dynamic)
+    with pytest.raises(ValueError, match=r"'dynamic' switches its frequencies past 512 tokens.*at most 512"):
+        HFDecoder(model, 2, 513)
+    HFDecoder(model, 2, 512)  # never past the switch: the table holds
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)  # fmt: skip
+    mla = tiny("DeepseekV3Config", **small, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+               kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)  # fmt: skip
+    llama4 = tiny("Llama4TextConfig", **small, head_dim=32, intermediate_size_mlp=64, num_local_experts=2)
+    for model, match in (
+        (mla, r"DeepseekV3Attention\) has \['q_a_proj', .*'kv_b_proj'\], which mmha does not compute"),
+        (llama4, r"Llama4TextAttention\) has \['qk_norm'\]"),
+        (
+            tiny("GPT2Config", n_layer=1, n_embd=64, n_head=2, vocab_size=64),
+            "has no decoder layers with self_attn",
+        ),
+    ):
         with pytest.raises(ValueError, match=match):
-            HFDecoder(build("llama", "cpu", torch.float32, rope_parameters=params), 2, 64)
-    gpt2 = transformers.AutoModelForCausalLM.from_config(
-        transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64)
-    )
-    with pytest.raises(ValueError, match=r"model_type must be one of .*got 'gpt2'"):
-        HFDecoder(gpt2, 2, 64)
+            HFDecoder(model, 2, 64)
+    qwen3 = build("qwen3", "cpu", torch.float32)
+    qwen3.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(7)
+    with pytest.raises(ValueError, match=r"layer 1: k_norm has weight \(7,\)"):
+        HFDecoder(qwen3, 2, 64)
+    model = build("llama", "cpu", torch.float32)
+    model.register_forward_hook(lambda m, args, out: out.__setitem__("logits", out.logits * 2) or out)
+    with pytest.raises(ValueError, match="output head does more than lm_head"):
+        HFDecoder(model, 2, 64)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import (  # noqa: E402
     FAMILIES,
+    MORE_FAMILIES,
     PROMPT_LENGTHS,
-    ROPE_VARIANTS,
     build,
     check_no_decisive_mismatch,
     hf_greedy,
@@ -22,7 +22,7 @@ from test_hf import (  # noqa: E402
 )
 
 from mmha.hf import MmhaCache  # noqa: E402
-from mmha.models.hf import attention_modules  # noqa: E402
+from mmha.models.hf_layers import attention_modules  # noqa: E402
 
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
 pytestmark = pytest.mark.usefixtures("no_reference_warning")
@@ -186,36 +186,10 @@ def test_gpu_windows_softcaps_and_sinks_match_generate(model_type):
     cache.kv.check()
 
 
-# Families people deploy, each with what sets its attention apart (transformers computes rotary,
-# q/k norms and multipliers; mmha gets each layer's scale and modifiers): Llama 3's and Qwen 2.5's
-# rotary scalings, Qwen 3's per-head
-# q/k norms, Gemma 3's local / global layers (two rotary thetas, windows, query_pre_attn_scalar),
-# Phi-3's longrope (short factors, its attention factor), OLMo 2's whole-projection q/k norms, Granite's multipliers,
-# GLM-4's partial rotary, SmolLM3's layers without rotary, StarCoder2's window and biases, Cohere's
-# interleaved rotary with q/k layer norms.
-NATIVE_FAMILIES = {
-    "llama": dict(rope_parameters=ROPE_VARIANTS["llama3"]),
-    "qwen2": dict(rope_parameters=ROPE_VARIANTS["yarn"]),
-    "qwen3": {},
-    "gemma3_text": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "phi3": dict(original_max_position_embeddings=80, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + i / 16 for i in range(16)],
-        "long_factor": [1.0 + i / 4 for i in range(16)], "original_max_position_embeddings": 80}),
-    "olmo2": {},
-    "granite": dict(attention_multiplier=0.05, residual_multiplier=0.5, embedding_multiplier=4.0,
-                    logits_scaling=2.0),
-    "glm4": {},
-    "smollm3": dict(no_rope_layers=[1, 0]),
-    "starcoder2": dict(sliding_window=8),
-    "cohere": dict(use_qk_norm=True, logit_scale=0.5),
-}  # fmt: skip
-
-
 def native_family_model(model_type: str, device: str, dtype: torch.dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return mmha_model(model_type, device, dtype, **NATIVE_FAMILIES[model_type])
+        return mmha_model(model_type, device, dtype, **MORE_FAMILIES[model_type])
 
 
 def check_native_family(model, cache: MmhaCache, new_tokens: int, **kw) -> None:
@@ -236,7 +210,7 @@ def check_native_family(model, cache: MmhaCache, new_tokens: int, **kw) -> None:
         assert got[r] == hf_greedy(model, p, new_tokens), f"row {r} (prompt length {len(p)})"
 
 
-@pytest.mark.parametrize("model_type", list(NATIVE_FAMILIES))
+@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
 def test_cpu_families_match_generate(model_type):
     model = native_family_model(model_type, "cpu", torch.float32)
     check_native_family(model, MmhaCache(model, 6, max(PROMPT_LENGTHS) + 17), 16)
@@ -261,7 +235,7 @@ def test_refuses_what_it_would_get_wrong():
 
 
 @gpu
-@pytest.mark.parametrize("model_type", list(NATIVE_FAMILIES))
+@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
 def test_gpu_families_match_generate(model_type):
     """The same families on the kernel in fp32, compiled by transformers (CUDA graphs)."""
     model = native_family_model(model_type, "cuda", torch.float32)

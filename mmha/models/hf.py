@@ -1,13 +1,14 @@
-"""Run a Hugging Face Llama-family causal LM's decode steps through mmha.
+"""Run a Hugging Face causal LM's decode steps through mmha.
 
-``HFDecoder(model, max_batch, max_seq_len)`` takes a ``transformers`` ``LlamaForCausalLM`` (or
-Mistral / Qwen2: the same decoder layer, Qwen2 with a qkv bias; Gemma 2: sandwich norms, logit
-soft-caps, alternating sliding-window layers; gpt-oss: attention sinks, alternating sliding
-windows, a mixture-of-experts MLP) and keeps its K/V in a ``KVCache``. Prompts are prefilled by
-the model's own forward, several rows at a time (their rotated K/V are copied into the cache);
-each decode step then runs the model's own norms, MLPs and projections around ``KVCache.step``,
-which appends the new K/V and attends in one kernel. The model's q/k/v projection weights are
-concatenated once so each layer needs one matmul for ``qkv``.
+``HFDecoder(model, max_batch, max_seq_len)`` takes a ``transformers`` decoder-only causal LM whose
+attention mmha computes (``mmha.models.hf_layers``: the projections, q/k norms, the rotation probed
+against the model's own, scale, windows, soft-caps, sinks; anything else is refused, named) and
+keeps its K/V in a ``KVCache``. Prompts are prefilled by the model's own forward, several rows at a
+time (their rotated K/V are copied into the cache); each decode step runs the model's own forward
+(embedding, norms, MLPs or experts, multipliers) with each layer's ``self_attn`` swapped for an
+``MmhaSelfAttention``: one fused q/k/v matmul, the model's q/k norms, ``KVCache.step`` appending
+and attending in one kernel, ``o_proj``. The logits are ``lm_head`` and what the model's forward
+does after it (``hf_layers.output_head``).
 
 On a GPU, ``generate`` replays each decode step as one CUDA graph: one graph per batch-size
 bucket (powers of two up to ``max_batch``), captured at its first use with the cache's capacity
@@ -15,11 +16,6 @@ dispatch; the greedy pick, the end-of-sequence bookkeeping and the token history
 device, and the host reads them every ``sync_every`` steps. ``graphs=False`` runs the same steps
 eagerly.
 
-Only what mmha computes exactly is accepted: rotary over the whole head (GPT-NeoX halves) with
-transformers' own frequency table and attention factor (default, linear, llama3, YaRN; not yet
-the variants that switch with the sequence length) and head dims the kernel supports. Sliding
-windows, soft-caps and sinks go to each layer's ``AttentionSpec`` (``layer_spec``). Anything else
-is rejected with the setting named.
 Nothing is downloaded: build the model from a config (``AutoModelForCausalLM.from_config``) or
 load your own. ``mmha.models.hf_attention`` is the other route: mmha inside transformers' own
 ``generate`` (``attn_implementation="mmha"``).
@@ -31,56 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .._ext import extension_available
 from ..cache import KVCache
-from ..spec import AttentionSpec, Rotary
 from . import speculative
+from .hf_layers import MmhaSelfAttention, attention_modules, layer_attention, output_head, swapped_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2", "gpt_oss")
 # Token history kept on the device between host reads (sync_every <= HISTORY).
 HISTORY = 64
 # End-of-sequence ids a generate call may name.
 MAX_EOS_IDS = 8
-
-
-# Rotary variants whose frequencies transformers changes with the sequence length at run time.
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
-
-
-def model_rotary(model, head_dim: int) -> Rotary:
-    """The model's rotation as ``KVCache`` takes it: transformers' own frequency table
-    (``rotary_emb.inv_freq``, from whichever of its rotary variants the config names: default,
-    linear, llama3, YaRN, ...) and attention factor, over the whole head, GPT-NeoX halves. Refuses
-    what the kernel does not follow yet, naming the setting."""
-    config = model.config
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        raise ValueError(
-            f"config.rope_parameters['rope_type'] {rope_type!r} switches its frequencies with the sequence "
-            "length at run time, which HFDecoder does not follow yet"
-        )
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise ValueError(
-            f"config partial_rotary_factor must be 1.0 (rotary over the whole head), got {factor}"
-        )
-    emb = getattr(model.model, "rotary_emb", None)
-    if emb is None or getattr(emb, "inv_freq", None) is None:
-        raise ValueError(
-            f"{type(model).__name__} has no model.rotary_emb.inv_freq (the rotation's frequencies)"
-        )
-    inv_freq = emb.inv_freq.detach().float().contiguous()
-    if inv_freq.shape != (head_dim // 2,):
-        raise ValueError(
-            f"model.rotary_emb.inv_freq must hold head_dim / 2 = {head_dim // 2} frequencies, "
-            f"got {tuple(inv_freq.shape)}"
-        )
-    theta = float(params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
-    return Rotary(head_dim, theta, inv_freq=inv_freq, attention_factor=float(emb.attention_scaling))
 
 
 def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,39 +44,6 @@ def _layer_kv(past, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(past, "layers"):  # transformers >= 4.56
         return past.layers[layer].keys, past.layers[layer].values
     return past.key_cache[layer], past.value_cache[layer]
-
-
-def attention_modules(model) -> list:
-    """The attention module of each decoder layer of a Llama-family causal LM."""
-    return [layer.self_attn for layer in model.model.layers]
-
-
-def layer_mods(config, i: int, attn, max_seq_len: int) -> dict:
-    """Layer ``i``'s score modifiers, ``AttentionSpec`` fields (``attn``: its attention module): its
-    sliding window (where it is shorter than the cache), Gemma 2's logit soft-cap, gpt-oss's sinks."""
-    mods = {}
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        sliding = types[i] == "sliding_attention"
-    else:
-        sliding = getattr(config, "use_sliding_window", True)
-    if sliding and window is not None and window < max_seq_len:
-        mods["window"] = int(window)
-    cap = getattr(config, "attn_logit_softcapping", None)
-    if cap is not None:
-        mods["softcap"] = float(cap)
-    sinks = getattr(attn, "sinks", None)
-    if sinks is not None:
-        mods["sinks"] = sinks.detach().float().contiguous()
-    return mods
-
-
-def layer_spec(config, i: int, attn, max_seq_len: int, rotary: Rotary) -> AttentionSpec:
-    """Layer ``i``'s ``AttentionSpec``: the model's rotation (``model_rotary``), the module's scale,
-    and its score modifiers (``layer_mods``)."""
-    mods = layer_mods(config, i, attn, max_seq_len)
-    return AttentionSpec(rotary=rotary, scale=float(attn.scaling), **mods)
 
 
 def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -192,23 +115,19 @@ class HFDecoder:
         ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
         this many (padded) tokens."""
         config = model.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model.config.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}"
-            )
+        attns = attention_modules(model)
         self.model = model
         self.body = model.model
-        attns = attention_modules(model)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         param = next(model.parameters())
-        rotary = model_rotary(model, self.head_dim)
-        specs = [layer_spec(config, i, a, max_seq_len, rotary) for i, a in enumerate(attns)]
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.layers = [layer_attention(model, i, a, heads, max_seq_len) for i, a in enumerate(attns)]
+        specs = [layer.spec for layer in self.layers]
+        self.head = output_head(model)
         self.windowed = any(s.window is not None for s in specs)
         self.modified = any(s.has_mods for s in specs)
-        self.final_softcap = getattr(config, "final_logit_softcapping", None)
         on_gpu = param.device.type == "cuda"
         if graphs is None:
             moe = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -231,19 +150,9 @@ class HFDecoder:
             kv_dtype=kv_dtype, paged=paged, block_size=block_size, num_blocks=num_blocks,
         )  # fmt: skip
         self.kv_scale_margin = kv_scale_margin
-        # One [(Hq + 2 Hkv) D, hidden] weight (and bias) per layer: q, k, v rows in that order.
-        self.qkv_weight, self.qkv_bias = [], []
-        with torch.no_grad():
-            for a in attns:
-                self.qkv_weight.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-                if all(b is None for b in biases):
-                    self.qkv_bias.append(None)
-                else:
-                    self.qkv_bias.append(
-                        torch.cat([b if b is not None else torch.zeros_like(p.weight[:, 0])
-                                   for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj), strict=True)])
-                    )  # fmt: skip
+        # Set during a tree step: the parents the layers' MmhaSelfAttention pass to step_tree.
+        self.parents: torch.Tensor | None = None
+        self._attention = [MmhaSelfAttention(self, i, layer) for i, layer in enumerate(self.layers)]
         self._state: _GreedyState | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -303,33 +212,14 @@ class HFDecoder:
             ]
             for j, i in enumerate(group):
                 logits[i] = last[j]
-        return self._logits(torch.stack(logits))
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final-normed hidden states (Gemma 2's final soft-cap applied)."""
-        logits = self.model.lm_head(hidden).float()
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self.head(torch.stack(logits))
 
     # ------------------------------------------------------------------ decode steps
     def _layers(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Every layer's step for one token per row (lengths unchanged); the final-normed
-        hidden states ``[B, hidden]``."""
-        x = self.body.embed_tokens(tokens)
-        for i, layer in enumerate(self.body.layers):
-            qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
-            out = self.cache.step(i, qkv, qkv_bias=self.qkv_bias[i])
-            a = layer.self_attn.o_proj(out)
-            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: norms around both blocks
-                x = x + layer.post_attention_layernorm(a)
-                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
-            else:
-                x = x + a
-                # [B, 1, hidden] as in a forward; gpt-oss's MoE also returns its router scores
-                m = layer.mlp(layer.post_attention_layernorm(x)[:, None])
-                x = x + (m[0] if isinstance(m, tuple) else m)[:, 0]
-        return self.body.norm(x)
+        """Every layer's step for one token per row (lengths unchanged): the model's own forward
+        with each layer's attention on the cache. The final-normed hidden states ``[B, hidden]``."""
+        with swapped_attention(self.model, self._attention):
+            return self.body(input_ids=tokens[:, None], use_cache=False).last_hidden_state[:, 0]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -337,7 +227,7 @@ class HFDecoder:
         logits ``[B, vocab]``."""
         h = self._layers(tokens)
         self.cache.advance()
-        return self._logits(h)
+        return self.head(h)
 
     @torch.no_grad()
     def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -346,14 +236,13 @@ class HFDecoder:
         prediction of the token after it); lengths do not move (``self.cache.accept``)."""
         if self.modified:
             raise ValueError("tree steps do not take score modifiers yet (sliding windows, soft-caps, sinks)")
-        x = self.body.embed_tokens(tokens)  # [B, T, hidden]
-        for i, layer in enumerate(self.body.layers):
-            qkv = F.linear(layer.input_layernorm(x), self.qkv_weight[i])
-            out = self.cache.step_tree(i, qkv, parents, qkv_bias=self.qkv_bias[i])
-            x = x + layer.self_attn.o_proj(out)
-            m = layer.mlp(layer.post_attention_layernorm(x))
-            x = x + (m[0] if isinstance(m, tuple) else m)
-        return self._logits(self.body.norm(x))
+        self.parents = parents
+        try:
+            with swapped_attention(self.model, self._attention):
+                h = self.body(input_ids=tokens, use_cache=False).last_hidden_state
+        finally:
+            self.parents = None
+        return self.head(h)
 
     def _greedy_step(self, rows: int) -> None:
         """A greedy step of rows ``0..rows-1`` on the device state alone (what a graph captures):

@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .. import ops, reference
 from ..cache import KVCache
 from ..spec import AttentionSpec
-from .hf import attention_modules, layer_mods
+from .hf_layers import attention_modules, layer_mods
 
 ATTN_IMPLEMENTATION = "mmha"
 
