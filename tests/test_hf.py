@@ -12,47 +12,16 @@ from helpers import HAS_GPU
 
 transformers = pytest.importorskip("transformers")
 
+from mmha.bench.families import (  # noqa: E402
+    FAMILIES,
+    PROMPT_LENGTHS,
+    ROPE_VARIANTS,
+    build,
+    check_family,
+    hf_greedy,
+    prompts,
+)
 from mmha.hf import HFDecoder  # noqa: E402
-
-PROMPT_LENGTHS = [5, 23, 11, 40]
-# The transformers config class of each model type the tests build.
-CONFIG_CLASSES = {
-    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
-    "gpt_oss": "GptOssConfig", "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
-    "phi3": "Phi3Config", "olmo2": "Olmo2Config", "granite": "GraniteConfig", "glm4": "Glm4Config",
-    "smollm3": "SmolLM3Config", "starcoder2": "Starcoder2Config", "cohere": "CohereConfig",
-}  # fmt: skip
-
-
-def build(model_type: str, device: str, dtype: torch.dtype, **over):
-    common = dict(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    common.update(over)
-    config = getattr(transformers, CONFIG_CLASSES[model_type])(**common)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # spread the weights so that greedy picks are decisive, biases non-zero
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 1.0 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
-    return model.to(device, dtype).eval()
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int, eos: int | None = None) -> list[int]:
-    """transformers' own greedy tokens for one prompt (up to its first ``eos`` if one is given)."""
-    ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    stop = {} if eos is None else dict(eos_token_id=eos, pad_token_id=eos)
-    least = {} if eos is not None else dict(min_new_tokens=new_tokens)
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **least, **stop)
-    return out[0, len(prompt) :].tolist()
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -124,88 +93,21 @@ def test_gpu_mha_head_dim_128_other_theta():
     check_matches_generate(model, new_tokens=32)
 
 
-# Configs whose layers need score modifiers (mmha.reference; the CPU path computes them): windows
-# shorter than the prompts, so that the window matters from the first decode step on.
-FAMILIES = {
-    "mistral": dict(sliding_window=8),
-    "gemma2": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
-                   final_logit_softcapping=15.0, layer_types=["sliding_attention", "full_attention"]),
-    "gpt_oss": dict(sliding_window=8, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention"],
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_cpu_windows_softcaps_and_sinks_match_generate(model_type):
-    """Mistral with a sliding window, Gemma 2 (alternating windows, attention and final logit
-    soft-caps, sandwich norms) and gpt-oss (sinks, alternating windows, MoE): greedy tokens equal
-    the model's own generate() in fp32."""
-    model = build(model_type, "cpu", torch.float32, **FAMILIES[model_type])
-    if model_type == "gpt_oss":
-        with torch.no_grad():  # sinks that matter
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0, 2.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        check_matches_generate(model, new_tokens=16)
-
-
-# Rotary variants transformers computes from the config: the frequency table and attention factor
-# of the model's own rotary_emb (positions past the variants' switch points: original contexts of 16).
-ROPE_VARIANTS = {
-    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16},
-}  # fmt: skip
-
-
-# Families people deploy, each with what sets its attention apart (transformers computes rotary,
-# q/k norms and multipliers; mmha gets each layer's scale and modifiers): Llama 3's and Qwen 2.5's
-# rotary scalings, Qwen 3's per-head
-# q/k norms, Gemma 3's local / global layers (two rotary thetas, windows, query_pre_attn_scalar),
-# Phi-3's longrope (short factors, its attention factor), OLMo 2's whole-projection q/k norms, Granite's multipliers,
-# GLM-4's partial rotary, SmolLM3's layers without rotary, StarCoder2's window and biases, Cohere's
-# interleaved rotary with q/k layer norms.
-MORE_FAMILIES = {
-    "llama": dict(rope_parameters=ROPE_VARIANTS["llama3"]),
-    "qwen2": dict(rope_parameters=ROPE_VARIANTS["yarn"]),
-    "qwen3": {},
-    "gemma3_text": dict(sliding_window=8, head_dim=32, query_pre_attn_scalar=24,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "phi3": dict(original_max_position_embeddings=80, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + i / 16 for i in range(16)],
-        "long_factor": [1.0 + i / 4 for i in range(16)], "original_max_position_embeddings": 80}),
-    "olmo2": {},
-    "granite": dict(attention_multiplier=0.05, residual_multiplier=0.5, embedding_multiplier=4.0,
-                    logits_scaling=2.0),
-    "glm4": {},
-    "smollm3": dict(no_rope_layers=[1, 0]),
-    "starcoder2": dict(sliding_window=8),
-    "cohere": dict(use_qk_norm=True, logit_scale=0.5),
-}  # fmt: skip
-
-
-def family_model(model_type: str, device: str, dtype: torch.dtype):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return build(model_type, device, dtype, **MORE_FAMILIES[model_type])
-
-
-@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
-def test_cpu_families_match_generate(model_type):
-    """Each family through HFDecoder (the model's own layers around mmha's attention: q/k norms,
-    per-layer rotations, partial and interleaved rotary, multipliers, windows): greedy tokens equal
-    the model's own generate() in fp32."""
-    check_matches_generate(family_model(model_type, "cpu", torch.float32), new_tokens=16)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cpu_families_match_generate(family):
+    """Every family through HFDecoder (the model's own layers around mmha's attention: windows,
+    soft-caps, sinks, q/k norms, per-layer and partial / interleaved rotations, multipliers, MoE):
+    fp32 greedy tokens of a ragged batch equal the model's own generate() of each prompt."""
+    row = check_family(family, "graphs", "cpu")
+    assert row["refused"] is None and row["tokens_equal"], row
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
-@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
-def test_gpu_families_match_generate(model_type):
-    """The same families on the kernel in fp32, each decode step a CUDA graph."""
-    check_matches_generate(family_model(model_type, "cuda", torch.float32), new_tokens=32)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_families_match_generate(family):
+    """The same on the kernel, each decode step a CUDA graph (eager steps for gpt-oss's experts)."""
+    row = check_family(family, "graphs", "cuda", new_tokens=32)
+    assert row["refused"] is None and row["tokens_equal"], row
 
 
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))

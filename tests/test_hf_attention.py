@@ -3,24 +3,25 @@ own ``generate`` (random-init models from configs, nothing downloaded)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from helpers import HAS_GPU
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import (  # noqa: E402
+from test_hf import check_no_decisive_mismatch  # noqa: E402
+
+from mmha.bench.families import (  # noqa: E402
     FAMILIES,
-    MORE_FAMILIES,
     PROMPT_LENGTHS,
     build,
-    check_no_decisive_mismatch,
+    build_family,
+    check_family,
     hf_greedy,
+    left_padded,
     prompts,
 )
-
+from mmha.bench.families import native_generate as generate  # noqa: E402
 from mmha.hf import MmhaCache  # noqa: E402
 from mmha.models.hf_layers import attention_modules  # noqa: E402
 
@@ -28,30 +29,10 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built ext
 pytestmark = pytest.mark.usefixtures("no_reference_warning")
 
 
-def left_padded(ps: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of a left-padded batch (pad id 0)."""
-    width = max(len(p) for p in ps)
-    ids = torch.zeros(len(ps), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(ps):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def mmha_model(model_type: str, device: str, dtype: torch.dtype, **over):
     model = build(model_type, device, dtype, **over)
     model.set_attn_implementation("mmha")
     return model
-
-
-def generate(model, cache, ps, new: int, **kw) -> list[list[int]]:
-    ids, mask = left_padded(ps, next(model.parameters()).device)
-    out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
-        do_sample=False, **kw,
-    )  # fmt: skip
-    return out[:, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -123,37 +104,34 @@ def test_cpu_refusals_name_the_problem():
         model.generate(torch.tensor([ps[0]]), past_key_values=cache, max_new_tokens=2, num_beams=2)
 
 
-def family_model(model_type: str, device: str, dtype: torch.dtype):
-    """A FAMILIES config (windows shorter than the prompts, soft-caps, sinks that matter) on mmha."""
-    model = mmha_model(model_type, device, dtype, **FAMILIES[model_type])
-    if model_type == "gpt_oss":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0, 2.0)
-    return model
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cpu_specs_hold_each_layers_attention(family):
+    """Each layer's spec: the module's scale, its window (where the layer slides), the config's
+    attention soft-cap, the module's sinks."""
+    model = build_family(family, "cpu", torch.float32)
+    model.set_attn_implementation("mmha")
+    config = model.config
+    cache = MmhaCache(model, 2, 64)
+    for i, (spec, module) in enumerate(zip(cache.kv.attention, attention_modules(model), strict=True)):
+        assert spec.scale == float(module.scaling)
+        types = getattr(config, "layer_types", None)
+        sliding = config.model_type in ("mistral", "starcoder2") or (
+            types is not None and types[i] == "sliding_attention"
+        )
+        assert spec.window == (config.sliding_window if sliding else None), f"layer {i}"
+        assert spec.softcap == getattr(config, "attn_logit_softcapping", None)
+        sinks = getattr(module, "sinks", None)
+        assert (spec.sinks is None) == (sinks is None)
+        assert sinks is None or torch.equal(spec.sinks, sinks.float())
 
 
-def own_attention(model_type: str) -> str:
-    """The attention transformers' own generate() runs the family with (gpt-oss has no SDPA path)."""
-    return "eager" if model_type == "gpt_oss" else "sdpa"
-
-
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_cpu_windows_softcaps_and_sinks_match_generate(model_type):
-    """Mistral (a sliding window), Gemma 2 (alternating windows, attention and final soft-caps) and
-    gpt-oss (sinks, alternating windows, MoE) through MmhaCache: each layer's spec carries its
-    modifiers (the prompt through the model's own eager attention, decode steps through mmha), and
-    a left-padded ragged batch gives each prompt's own greedy tokens."""
-    model = family_model(model_type, "cpu", torch.float32)
-    ps = prompts(model.config.vocab_size)
-    cache = MmhaCache(model, 6, max(PROMPT_LENGTHS) + 17)
-    specs = cache.kv.attention
-    assert specs[0].window == 8 and (model_type == "mistral" or specs[1].window is None)
-    assert (specs[0].softcap == 20.0) == (model_type == "gemma2")
-    assert (specs[0].sinks is not None) == (model_type == "gpt_oss")
-    got = generate(model, cache, ps, 16)
-    model.set_attn_implementation(own_attention(model_type))
-    assert got == [hf_greedy(model, p, 16) for p in ps]
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cpu_families_match_generate(family):
+    """Every family through MmhaCache in transformers' generate (prompts through transformers'
+    attention or the model's own eager attention where a layer has modifiers, steps through
+    mmha): a left-padded ragged batch gives each prompt transformers' own greedy tokens (fp32)."""
+    row = check_family(family, "native", "cpu")
+    assert row["refused"] is None and row["tokens_equal"], row
 
 
 @gpu
@@ -171,56 +149,12 @@ def test_gpu_ragged_batch_matches_generate(compiled):
     cache.kv.check()
 
 
-@gpu
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_gpu_windows_softcaps_and_sinks_match_generate(model_type):
-    """The same families on the kernel, fp32: transformers' own greedy tokens (eager steps for
-    gpt-oss, whose mixture of experts transformers does not compile)."""
-    model = family_model(model_type, "cuda", torch.float32)
-    ps = prompts(model.config.vocab_size)
-    cache = MmhaCache(model, 4, 256)
-    got = generate(model, cache, ps, 32, disable_compile=model_type == "gpt_oss")
-    model.set_attn_implementation(own_attention(model_type))
-    for r, p in enumerate(ps):
-        assert got[r] == hf_greedy(model, p, 32), f"row {r}"
-    cache.kv.check()
-
-
-def native_family_model(model_type: str, device: str, dtype: torch.dtype):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return mmha_model(model_type, device, dtype, **MORE_FAMILIES[model_type])
-
-
-def check_native_family(model, cache: MmhaCache, new_tokens: int, **kw) -> None:
-    """A left-padded ragged batch through MmhaCache gives each prompt transformers' own greedy
-    tokens (its SDPA attention); each layer's spec holds the module's scale and window."""
-    config = model.config
-    for i, (spec, module) in enumerate(zip(cache.kv.attention, attention_modules(model), strict=True)):
-        assert spec.scale == float(module.scaling)
-        sliding = (
-            getattr(config, "layer_types", None) is not None and config.layer_types[i] == "sliding_attention"
-        )
-        window = config.sliding_window if (sliding or config.model_type == "starcoder2") else None
-        assert spec.window == window, f"layer {i}"
-    ps = prompts(config.vocab_size)
-    got = generate(model, cache, ps, new_tokens, **kw)
-    model.set_attn_implementation("sdpa")
-    for r, p in enumerate(ps):
-        assert got[r] == hf_greedy(model, p, new_tokens), f"row {r} (prompt length {len(p)})"
-
-
-@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
-def test_cpu_families_match_generate(model_type):
-    model = native_family_model(model_type, "cpu", torch.float32)
-    check_native_family(model, MmhaCache(model, 6, max(PROMPT_LENGTHS) + 17), 16)
-
-
 def test_refuses_what_it_would_get_wrong():
     """Phi-3's generate drops the cache past longrope's switch point (to recompute every key): a
     cache that reaches past it is refused. Without an MmhaCache the "mmha" attention is plain SDPA
     with no padding mask: a padded prompt is refused, an unpadded one runs."""
-    phi3 = native_family_model("phi3", "cpu", torch.float32)
+    phi3 = build_family("phi3", "cpu", torch.float32)
+    phi3.set_attn_implementation("mmha")
     with pytest.raises(ValueError, match=r"original_max_position_embeddings \(80\).*must be at most 80"):
         MmhaCache(phi3, 2, 81)
     MmhaCache(phi3, 2, 80)
@@ -235,13 +169,12 @@ def test_refuses_what_it_would_get_wrong():
 
 
 @gpu
-@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
-def test_gpu_families_match_generate(model_type):
-    """The same families on the kernel in fp32, compiled by transformers (CUDA graphs)."""
-    model = native_family_model(model_type, "cuda", torch.float32)
-    cache = MmhaCache(model, 4, 80)
-    check_native_family(model, cache, 32)
-    cache.kv.check()
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_families_match_generate(family):
+    """The same on the kernel in fp32, compiled by transformers (CUDA graphs; eager steps for
+    gpt-oss, whose mixture of experts transformers does not compile)."""
+    row = check_family(family, "native", "cuda", new_tokens=32)
+    assert row["refused"] is None and row["tokens_equal"], row
 
 
 @gpu
