@@ -222,3 +222,22 @@ def test_mods_rows_time_as_many_layers_as_their_reads_need():
     assert mods.Row("window", 16, 8, 131072, mods.WINDOW).layers(free_bytes=40 << 30) == MIN_LAYERS
     softcap = mods.Row("softcap", 16, 32, 32768, 32768)
     assert softcap.read_bytes == softcap.kv_bytes and softcap.layers() == MIN_LAYERS
+
+
+def test_models_table_writes_each_family_and_route(tmp_path, monkeypatch):
+    """python -m mmha.bench.models on the CPU: a row per family and route, tokens compared with
+    transformers' own, the refusals recorded with their reason."""
+    pytest.importorskip("transformers")
+    import json
+
+    from mmha.bench import families, models
+
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    assert models.gpu_slug() == "cpu"
+    assert models.main(["--families", "qwen3", "--new-tokens", "4", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "models_cpu.json").read_text())
+    assert [(r["family"], r["route"]) for r in data["rows"]] == [("qwen3", "graphs"), ("qwen3", "native")]
+    assert all(r["tokens_equal"] and r["refused"] is None for r in data["rows"]) and data["speed"] == []
+    monkeypatch.setitem(families.FAMILIES, "phi3-long", ("phi3", dict(original_max_position_embeddings=16)))
+    row = families.check_family("phi3-long", "native", "cpu", 4)
+    assert not row["tokens_equal"] and "original_max_position_embeddings (16)" in row["refused"]

@@ -1,5 +1,6 @@
-"""Decode tokens/s of a Hugging Face Llama-shaped model (random weights from a config, nothing
-downloaded) through four routes, greedy, after the prefill:
+"""Decode tokens/s of a Hugging Face model of a given shape (``--model``: a 1B-class Llama, Llama 3
+8B, Qwen 3 8B; random weights from a config, nothing downloaded) through four routes, greedy,
+after the prefill:
 
 - ``hf_dynamic``: ``model.generate()`` with transformers' default dynamic cache (SDPA, eager);
 - ``hf_static_compile``: ``generate(cache_implementation="static")``, which transformers compiles
@@ -19,7 +20,8 @@ GPU's memory is recorded as skipped, with the bytes it needs.
 
 Usage::
 
-    python -m mmha.bench.hf [--batch 1 16 64] [--context 1024 8192 32768] [--new-tokens 32] [--out DIR]
+    python -m mmha.bench.hf [--model llama-1b|llama3-8b|qwen3-8b] [--batch 1 16 64]
+        [--context 1024 8192 32768] [--new-tokens 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,15 +43,33 @@ MODEL = dict(
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
     bos_token_id=None, eos_token_id=None, pad_token_id=0,
 )  # fmt: skip
+# Model shapes ``--model`` picks: (transformers config class, config). Random weights.
+MODELS = {
+    "llama-1b": ("LlamaConfig", MODEL),
+    "llama3-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )),
+    "qwen3-8b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )),
+}  # fmt: skip
 # Memory a row may plan to use, as a fraction of the GPU's (weights, caches, the dynamic cache's
 # step copies, prefill activations).
 MEMORY_FRACTION = 0.85
 
 
-def build_model(dtype: torch.dtype, attn: str, seed: int = 0, **over):
+def build_model(dtype: torch.dtype, attn: str, seed: int = 0, model: str = "llama-1b", **over):
     import transformers
 
-    config = transformers.LlamaConfig(**{**MODEL, **over})
+    config_class, base = MODELS[model]
+    config = getattr(transformers, config_class)(**{**base, **over})
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -183,6 +203,57 @@ def table(rows: list[dict]) -> str:
     return tabulate(body, cols, tablefmt="github", disable_numparse=True)
 
 
+def measure(
+    shape: str,
+    methods,
+    batches,
+    contexts,
+    new_tokens: int,
+    dtype: torch.dtype,
+    layers: int | None = None,
+    progress=None,
+) -> list[dict]:
+    """Rows of ``run_method`` for every method x context x batch on a model of ``shape`` (a row
+    that would not fit the GPU's memory records why it was skipped), each with its speed-up over
+    ``hf_static_compile`` where that ran. ``progress(rows)`` after each row."""
+    base = MODELS[shape][1]
+    layers = layers or base["num_hidden_layers"]
+    model_cfg = {**base, "num_hidden_layers": layers}
+    total = torch.cuda.get_device_properties(0).total_memory
+    rows: list[dict] = []
+    for method in methods:
+        attn = "mmha" if method == "mmha_native" else "sdpa"
+        model = build_model(dtype, attn, model=shape, num_hidden_layers=layers)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        for context in contexts:
+            for batch in batches:
+                row = {"model": shape, "batch": batch, "context": context, "method": method}
+                need = needed_bytes(method, batch, context, new_tokens, model_cfg, weights)
+                if need > MEMORY_FRACTION * total:
+                    row["skipped"] = f"needs ~{need / 2**30:.0f} GiB of {total / 2**30:.0f}"
+                else:
+                    try:
+                        row |= run_method(method, model, batch, context, new_tokens, context + batch)
+                    except torch.OutOfMemoryError:
+                        row["skipped"] = "out of memory"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                if progress is not None:
+                    progress(rows)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    static = {(r["batch"], r["context"]): r for r in rows if r["method"] == "hf_static_compile"}
+    for r in rows:
+        b = static.get((r["batch"], r["context"]))
+        if b is not None and "step_ms" in b and "step_ms" in r:
+            r["vs_hf_static_compile"] = b["step_ms"] / r["step_ms"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmha.bench.hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -190,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    ap.add_argument("--model", choices=list(MODELS), default="llama-1b", help="the model's shape")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
     ap.add_argument("--out", type=Path, default=Path("bench_hf"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -200,41 +272,22 @@ def main(argv: list[str] | None = None) -> int:
 
     torch._dynamo.config.cache_size_limit = 64  # every row's shapes compile once
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    model_cfg = {**MODEL, "num_hidden_layers": args.layers}
-    hdr = header() | {"model": model_cfg, "dtype": args.dtype, "new_tokens": args.new_tokens}
-    total = torch.cuda.get_device_properties(0).total_memory
-    rows: list[dict] = []
+    base = MODELS[args.model][1]
+    layers = args.layers or base["num_hidden_layers"]
+    model_cfg = {**base, "num_hidden_layers": layers}
+    hdr = header() | {
+        "model_name": args.model,
+        "model": model_cfg,
+        "dtype": args.dtype,
+        "new_tokens": args.new_tokens,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
-    for method in args.methods:
-        attn = "mmha" if method == "mmha_native" else "sdpa"
-        model = build_model(dtype, attn, num_hidden_layers=args.layers)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        for context in args.context:
-            for batch in args.batch:
-                row = {"batch": batch, "context": context, "method": method}
-                need = needed_bytes(method, batch, context, args.new_tokens, model_cfg, weights)
-                if need > MEMORY_FRACTION * total:
-                    row["skipped"] = f"needs ~{need / 2**30:.0f} GiB of {total / 2**30:.0f}"
-                else:
-                    try:
-                        row |= run_method(method, model, batch, context, args.new_tokens, context + batch)
-                    except torch.OutOfMemoryError:
-                        row["skipped"] = "out of memory"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-                (args.out / "bench_hf.json").write_text(json.dumps({"header": hdr, "rows": rows}, indent=1))
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    base = {(r["batch"], r["context"]): r for r in rows if r["method"] == "hf_static_compile"}
-    for r in rows:
-        b = base.get((r["batch"], r["context"]))
-        if b is not None and "step_ms" in b and "step_ms" in r:
-            r["vs_hf_static_compile"] = b["step_ms"] / r["step_ms"]
-    (args.out / "bench_hf.json").write_text(json.dumps({"header": hdr, "rows": rows}, indent=1))
+
+    def save(rows: list[dict]) -> None:
+        (args.out / "bench_hf.json").write_text(json.dumps({"header": hdr, "rows": rows}, indent=1))
+
+    rows = measure(args.model, args.methods, args.batch, args.context, args.new_tokens, dtype, layers, save)
+    save(rows)
     text = table(rows)
     (args.out / "bench_hf.md").write_text(text + "\n")
     print(f"GPU: {hdr['gpu']} | torch {hdr['torch']} | transformers {hdr['transformers']} | {args.dtype}")

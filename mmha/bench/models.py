@@ -1,0 +1,106 @@
+"""The model families on both Hugging Face routes, and the decode speed of two 8B shapes.
+
+For every family of ``mmha.bench.families`` and each route (``graphs``: ``HFDecoder``; ``native``:
+``attn_implementation="mmha"`` + ``MmhaCache`` in transformers' ``generate``): whether its fp32
+greedy tokens of a left-padded ragged batch equal transformers' own (``tokens_equal``), or the
+route's refusal (``refused``). Then, on a GPU, the decode tokens/s of the Llama-3-8B and Qwen-3-8B
+shapes at batch 16, contexts 1K and 8K, on both routes and transformers' static cache +
+``torch.compile`` (``mmha.bench.hf.measure``). Writes ``models_<gpu>.json`` (``cpu`` without a
+GPU: tokens only, the reference path).
+
+Usage::
+
+    python -m mmha.bench.models [--families ...] [--routes graphs native] [--no-speed] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .families import FAMILIES, check_family
+
+ROUTES = ("graphs", "native")
+SHAPES = ("llama3-8b", "qwen3-8b")
+SPEED_METHODS = ("hf_static_compile", "mmha_native", "mmha_graphs")
+
+
+def gpu_slug() -> str:
+    """``h200``, ``h100``, ... from the device name; ``cpu`` without a GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    return next((w for w in name.replace("-", " ").split() if w[:1] in "abhlv" and w[1:2].isdigit()), "gpu")
+
+
+def header() -> dict:
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    body = [
+        [r["family"], r["model_type"], r["route"], "yes" if r["tokens_equal"] else "no", r["refused"] or ""]
+        for r in rows
+    ]
+    return tabulate(body, ["family", "model type", "route", "tokens equal", "refused"], tablefmt="github")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mmha.bench.models", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--no-speed", action="store_true", help="tokens only (no GPU timing)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16])
+    ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--out", type=Path, default=Path("bench_models"))
+    args = ap.parse_args(argv)
+    import mmha.hf  # noqa: F401  (registers attn_implementation="mmha")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out / f"models_{gpu_slug()}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"header": header(), "rows": [], "speed": []}
+
+    def save(*_) -> None:
+        out.write_text(json.dumps(result, indent=1))
+
+    for family in args.families:
+        for route in args.routes:
+            row = check_family(family, route, device, args.new_tokens)
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+    if device == "cuda" and not args.no_speed:
+        from .hf import measure
+
+        torch._dynamo.config.cache_size_limit = 64
+        for shape in args.shapes:
+            rows = measure(shape, SPEED_METHODS, args.batch, args.context, 32, torch.float16)
+            result["speed"] += rows
+            save()
+    save()
+    print(table(result["rows"]))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
