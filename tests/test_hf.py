@@ -110,6 +110,41 @@ def test_gpu_families_match_generate(family):
     assert row["refused"] is None and row["tokens_equal"], row
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("route", ["graphs", "native"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "phi3"])  # phi3: longrope's switch at 80
+def test_gpu_families_on_a_split_plan(family, route):
+    """A cache of 16K tokens: the capacity plan splits each row's sequence (FlashDecoding
+    partials merged) for the same fp32 tokens, on both routes."""
+    from mmha.bench.families import build_family
+    from mmha.cache import KVCache
+
+    model = build_family(family, "cuda", torch.float32)
+    config = model.config
+    plan = KVCache(1, 4, 16384, config.num_attention_heads, config.num_key_value_heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   torch.float32, "cuda", dispatch_on="capacity").plan(4)  # fmt: skip
+    assert plan.num_splits > 1
+    row = check_family(family, route, "cuda", new_tokens=24, capacity=16384)
+    assert row["refused"] is None and row["tokens_equal"], row
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("route", ["graphs", "native"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_families_16bit_no_decisive_mismatch(family, route, dtype):
+    from mmha.bench.families import build_family, route_tokens, transformers_tokens
+
+    model = build_family(family, "cuda", dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = route_tokens(model, route, 32)
+        theirs = transformers_tokens(model, 32)
+    for p, a, b in zip(prompts(model.config.vocab_size), ours, theirs, strict=True):
+        check_no_decisive_mismatch(model, p, a, b)
+
+
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_cpu_rotary_variants_match_generate(model_type, variant):

@@ -128,14 +128,15 @@ def native_generate(model, cache, ps: list[list[int]], new: int, **kw) -> list[l
     return out[:, ids.shape[1] :].tolist()
 
 
-def route_tokens(model, route: str, new_tokens: int, **kw) -> list[list[int]]:
+def route_tokens(model, route: str, new_tokens: int, capacity: int | None = None, **kw) -> list[list[int]]:
     """Greedy tokens of ``prompts`` through ``route``: ``"graphs"`` (``HFDecoder``) or
-    ``"native"`` (``attn_implementation="mmha"`` + ``MmhaCache`` in transformers' generate). Raises
-    ValueError where the route refuses the model."""
+    ``"native"`` (``attn_implementation="mmha"`` + ``MmhaCache`` in transformers' generate), on a
+    cache of ``capacity`` tokens (default: just enough; a long one makes the capacity plan split
+    the sequence). Raises ValueError where the route refuses the model."""
     from ..hf import HFDecoder, MmhaCache
 
     ps = prompts(model.config.vocab_size)
-    seq = max(PROMPT_LENGTHS) + new_tokens + 1
+    seq = capacity or max(PROMPT_LENGTHS) + new_tokens + 1
     if route == "graphs":
         return HFDecoder(model, len(ps), seq, **kw).generate(ps, new_tokens)
     own = model.config._attn_implementation
@@ -160,7 +161,7 @@ def transformers_tokens(model, new_tokens: int) -> list[list[int]]:
         model.set_attn_implementation(own)
 
 
-def check_family(family: str, route: str, device, new_tokens: int = 16) -> dict:
+def check_family(family: str, route: str, device, new_tokens: int = 16, capacity: int | None = None) -> dict:
     """One row of the families table: ``tokens_equal`` (fp32 greedy tokens of every prompt equal
     transformers' own) or ``refused`` (the route's reason)."""
     model = build_family(family, device, torch.float32)
@@ -168,7 +169,7 @@ def check_family(family: str, route: str, device, new_tokens: int = 16) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ours = route_tokens(model, route, new_tokens)
+            ours = route_tokens(model, route, new_tokens, capacity)
     except ValueError as e:
         return row | {"tokens_equal": False, "refused": str(e)}
     theirs = transformers_tokens(model, new_tokens)
