@@ -151,13 +151,27 @@ def test_gpu_ragged_batch_matches_generate(compiled):
 
 def test_refuses_what_it_would_get_wrong():
     """Phi-3's generate drops the cache past longrope's switch point (to recompute every key): a
-    cache that reaches past it is refused. Without an MmhaCache the "mmha" attention is plain SDPA
+    cache that reaches past it is refused. Attention no spec describes (multi-head latent attention,
+    Llama 4's chunked layers) is refused, named. Without an MmhaCache the "mmha" attention is plain SDPA
     with no padding mask: a padded prompt is refused, an unpadded one runs."""
     phi3 = build_family("phi3", "cpu", torch.float32)
     phi3.set_attn_implementation("mmha")
     with pytest.raises(ValueError, match=r"original_max_position_embeddings \(80\).*must be at most 80"):
         MmhaCache(phi3, 2, 81)
     MmhaCache(phi3, 2, 80)
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)  # fmt: skip
+    mla = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)  # fmt: skip
+    for config, match in (
+        (transformers.DeepseekV3Config(**small, **mla), r"config.qk_head_dim \(24\) differs from head_dim \(8\)"),
+        (transformers.Llama4TextConfig(**small, head_dim=32, intermediate_size_mlp=64, num_local_experts=2),
+         r"config.layer_types holds \['chunked_attention'\]"),
+    ):  # fmt: skip
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.set_attn_implementation("mmha")
+        with pytest.raises(ValueError, match=match):
+            MmhaCache(model, 2, 64)
     model = mmha_model("llama", "cpu", torch.float32)
     ps = prompts(model.config.vocab_size)[:2]
     ids, mask = left_padded(ps, "cpu")

@@ -31,7 +31,14 @@ import torch
 from .._ext import extension_available
 from ..cache import KVCache
 from . import speculative
-from .hf_layers import MmhaSelfAttention, attention_modules, layer_attention, output_head, swapped_attention
+from .hf_layers import (
+    MmhaSelfAttention,
+    attention_modules,
+    check_attention_kinds,
+    layer_attention,
+    output_head,
+    swapped_attention,
+)
 
 # Token history kept on the device between host reads (sync_every <= HISTORY).
 HISTORY = 64
@@ -124,6 +131,7 @@ class HFDecoder:
         param = next(model.parameters())
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         self.layers = [layer_attention(model, i, a, heads, max_seq_len) for i, a in enumerate(attns)]
+        check_attention_kinds(config, self.head_dim)
         specs = [layer.spec for layer in self.layers]
         self.head = output_head(model)
         self.windowed = any(s.window is not None for s in specs)

@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .. import ops, reference
 from ..cache import KVCache
 from ..spec import AttentionSpec
-from .hf_layers import attention_modules, layer_mods
+from .hf_layers import attention_modules, check_attention_kinds, layer_mods
 
 ATTN_IMPLEMENTATION = "mmha"
 
@@ -214,6 +214,7 @@ class MmhaCache(Cache):
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        check_attention_kinds(config, head_dim)
         self.kv_scale_margin = kv_scale_margin
         self.kv = KVCache(
             len(modules), max_batch_size, max_cache_len, num_heads, num_kv_heads, head_dim, param.dtype,

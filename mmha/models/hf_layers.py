@@ -39,6 +39,35 @@ DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 KNOWN_PARTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm", "sinks")
 
 
+# Layer types (config.layer_types) whose attention mmha computes.
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_attention_kinds(config, head_dim: int) -> None:
+    """Refuses, naming it, attention that no layer spec describes: layer types other than full and
+    sliding attention (chunked, linear, ...), chunked attention, q/k and v of other head dims than
+    ``head_dim`` (multi-head latent attention)."""
+    types = sorted(set(getattr(config, "layer_types", None) or [])) or []
+    other = [t for t in types if t not in KNOWN_LAYER_TYPES]
+    if other:
+        raise ValueError(
+            f"config.layer_types holds {other}, attention mmha does not compute "
+            f"(it runs {list(KNOWN_LAYER_TYPES)})"
+        )
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError(
+            f"config.attention_chunk_size ({config.attention_chunk_size}): chunked attention is not "
+            "computed by mmha"
+        )
+    for name in ("qk_head_dim", "v_head_dim"):
+        dim = getattr(config, name, None)
+        if dim is not None and dim != head_dim:
+            raise ValueError(
+                f"config.{name} ({dim}) differs from head_dim ({head_dim}): mmha's q, k and v share one head "
+                "dim (multi-head latent attention is not computed)"
+            )
+
+
 def attention_modules(model) -> list:
     """The attention module (``self_attn``) of each decoder layer (``model.model.layers``)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
