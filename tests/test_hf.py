@@ -386,3 +386,33 @@ def test_gpu_graphs_fp8_cache_equal_eager_steps():
     graphs = HFDecoder(model, len(ps), 256, graphs=True, **kw).generate(ps, 48, eos_token_id=[])
     eager = HFDecoder(model, len(ps), 256, graphs=False, **kw).generate(ps, 48, eos_token_id=[])
     assert graphs == eager
+
+
+def test_decode_steps_build_no_mask(monkeypatch):
+    """A decode step (one token and a tree) runs the model's forward with mmha's attention swapped
+    in under an implementation without masks: transformers builds no mask and reads no positions
+    for packed sequences (a host synchronisation outside graph capture)."""
+    import transformers.masking_utils as masking
+
+    model = build("llama", "cpu", torch.float32)
+    dec = HFDecoder(model, 2, 64)
+    dec.cache.release(range(2))
+    dec.prefill(prompts(model.config.vocab_size)[:2])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a mask was built for a decode step")
+
+    for name in ("find_packed_sequence_indices", "sdpa_mask", "eager_mask"):
+        monkeypatch.setattr(masking, name, refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert dec.step(torch.tensor([3, 4])).shape == (2, model.config.vocab_size)
+        parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])
+        assert dec.step_tree(torch.tensor([[1, 2, 3], [4, 5, 6]]), parents).shape == (
+            2,
+            3,
+            model.config.vocab_size,
+        )
+    assert model.config._attn_implementation == "sdpa" and type(model.model.layers[0].self_attn).__name__ == (
+        "LlamaAttention"
+    )

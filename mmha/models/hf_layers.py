@@ -309,21 +309,32 @@ class NoRotaryTables(nn.Module):
         return empty, empty
 
 
+# The attention implementation a swapped step names: one with no mask function registered, so
+# transformers builds no mask (the swapped modules take none) and reads no positions for packed
+# sequences (a host synchronisation outside graph capture).
+NO_MASK_IMPLEMENTATION = "mmha"
+
+
 @contextlib.contextmanager
 def swapped_attention(model, modules: list[nn.Module]):
-    """Each decoder layer's ``self_attn`` replaced by ``modules[i]`` (and ``rotary_emb``, if the
-    model has one, by ``NoRotaryTables``) for the duration."""
+    """Each decoder layer's ``self_attn`` replaced by ``modules[i]`` (``rotary_emb``, if the model
+    has one, by ``NoRotaryTables``; the config's attention implementation by one without masks)
+    for the duration."""
     body = model.model
     layers = body.layers
     own = [layer.self_attn for layer in layers]
     own_rotary = getattr(body, "rotary_emb", None)
+    config = body.config
+    own_impl = config._attn_implementation_internal
     try:
         for layer, m in zip(layers, modules, strict=True):
             layer.self_attn = m
         if own_rotary is not None:
             body.rotary_emb = NoRotaryTables()
+        config._attn_implementation_internal = NO_MASK_IMPLEMENTATION
         yield
     finally:
+        config._attn_implementation_internal = own_impl
         for layer, m in zip(layers, own, strict=True):
             layer.self_attn = m
         if own_rotary is not None:
