@@ -103,7 +103,7 @@ class _GreedyState:
 
 
 class HFDecoder:
-    """Greedy/step decoding of a Hugging Face Llama-family model with mmha's decode kernel."""
+    """Greedy / step decoding of a Hugging Face causal LM with mmha's decode kernel (module docstring)."""
 
     def __init__(
         self, model, max_batch: int, max_seq_len: int, *, graphs: bool | None = None,
