@@ -82,33 +82,15 @@ def attention_errors(head_dim: int, length: int = 1024, hq: int = 8, hkv: int = 
 
 def hf_comparison(dtype: torch.dtype, steps: int = 256) -> dict | None:
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         return None
     from ..models.hf import compare_kv_dtypes
+    from .families import build, prompts
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 1.0 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.5)
-    model = model.to("cuda", dtype).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (5, 23, 11, 40)]
-    res = compare_kv_dtypes(model, prompts, steps, torch.float8_e4m3fn)
+    # The tests' small Llama (2 layers, 8 / 2 heads of 32) and prompts of 5, 23, 11 and 40 tokens.
+    model = build("llama", "cuda", dtype)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), steps, torch.float8_e4m3fn)
     res["dtype"] = str(dtype).replace("torch.", "")
     return res
 
