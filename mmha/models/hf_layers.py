@@ -309,6 +309,8 @@ class NoRotaryTables(nn.Module):
         return empty, empty
 
 
+_NO_ROTARY_TABLES = NoRotaryTables()  # stateless: one instance stands in for every model's
+
 # The attention implementation a swapped step names: one with no mask function registered, so
 # transformers builds no mask (the swapped modules take none) and reads no positions for packed
 # sequences (a host synchronisation outside graph capture).
@@ -330,7 +332,7 @@ def swapped_attention(model, modules: list[nn.Module]):
         for layer, m in zip(layers, modules, strict=True):
             layer.self_attn = m
         if own_rotary is not None:
-            body.rotary_emb = NoRotaryTables()
+            body.rotary_emb = _NO_ROTARY_TABLES
         config._attn_implementation_internal = NO_MASK_IMPLEMENTATION
         yield
     finally:
