@@ -99,7 +99,7 @@ def test_cpu_families_match_generate(family):
     soft-caps, sinks, q/k norms, per-layer and partial / interleaved rotations, multipliers, MoE):
     fp32 greedy tokens of a ragged batch equal the model's own generate() of each prompt."""
     row = check_family(family, "graphs", "cpu")
-    assert row["refused"] is None and row["tokens_equal"], row
+    assert row["refused"] is None and row["tokens_equal"], str(row)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
@@ -107,7 +107,7 @@ def test_cpu_families_match_generate(family):
 def test_gpu_families_match_generate(family):
     """The same on the kernel, each decode step a CUDA graph (eager steps for gpt-oss's experts)."""
     row = check_family(family, "graphs", "cuda", new_tokens=32)
-    assert row["refused"] is None and row["tokens_equal"], row
+    assert row["refused"] is None and row["tokens_equal"], str(row)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
@@ -126,7 +126,7 @@ def test_gpu_families_on_a_split_plan(family, route):
                    torch.float32, "cuda", dispatch_on="capacity").plan(4)  # fmt: skip
     assert plan.num_splits > 1
     row = check_family(family, route, "cuda", new_tokens=24, capacity=16384)
-    assert row["refused"] is None and row["tokens_equal"], row
+    assert row["refused"] is None and row["tokens_equal"], str(row)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")

@@ -216,35 +216,20 @@ def test_kvcache_graph_replay_with_window_and_sinks(dtype):
     graphed.check()
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "gpt_oss"])
-def test_hf_families_on_the_gpu(model_type):
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt-oss"])
+def test_hf_families_on_the_gpu(family):
     """The HF adapter's families whose layers need modifiers (Mistral: a sliding window; Gemma 2:
     alternating windows, attention and final soft-caps; gpt-oss: sinks, alternating windows) on
     the kernel: fp32 greedy tokens equal the model's own generate(); fp16 has no decisive
     mismatch."""
     pytest.importorskip("transformers")
-    from test_hf import (
-        FAMILIES,
-        build,
-        check_matches_generate,
-        check_no_decisive_mismatch,
-        hf_greedy,
-        prompts,
-    )
+    from test_hf import check_matches_generate, check_no_decisive_mismatch
 
+    from mmha.bench.families import build_family, hf_greedy, prompts
     from mmha.hf import HFDecoder
 
-    def sinks_that_matter(model):
-        if model_type == "gpt_oss":
-            with torch.no_grad():
-                for layer in model.model.layers:
-                    layer.self_attn.sinks.normal_(0, 2.0)
-        return model
-
-    check_matches_generate(
-        sinks_that_matter(build(model_type, "cuda", torch.float32, **FAMILIES[model_type])), 32
-    )
-    model = sinks_that_matter(build(model_type, "cuda", torch.float16, **FAMILIES[model_type]))
+    check_matches_generate(build_family(family, "cuda", torch.float32), 32)  # gpt-oss: sinks spread
+    model = build_family(family, "cuda", torch.float16)
     ps = prompts(model.config.vocab_size)
     dec = HFDecoder(model, len(ps), 128)
     got = dec.generate(ps, 32, eos_token_id=[])

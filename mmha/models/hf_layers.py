@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -250,6 +250,8 @@ def layer_attention(model, i: int, attn, heads: tuple[int, int, int], max_seq_le
     q_mode = _norm_mode(q_norm, num_heads, head_dim, "q_norm", i)
     k_mode = _norm_mode(k_norm, num_kv_heads, head_dim, "k_norm", i)
     rotary = layer_rotary(model, i, attn, head_dim, max_seq_len)
+    if rotary is not None and rotary.inv_freq is not None:  # probed on the CPU; the kernel reads it here
+        rotary = replace(rotary, inv_freq=rotary.inv_freq.to(weight.device))
     spec = AttentionSpec(
         rotary=rotary or Rotary(), scale=float(attn.scaling), **layer_mods(model.config, i, attn, max_seq_len)
     )
