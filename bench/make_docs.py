@@ -18,6 +18,7 @@ bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --paged / 
 for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>.json). --ab: what
 ``bench/ab.sh`` wrote (ab.md) for a kernel change, after a first line saying what the two builds were;
 repeatable.
+--models: a ``python -m mmha.bench.models`` models_<gpu>.json, one per GPU model (kept under that name).
 --distributed: a ``torchrun ... -m mmha.bench.distributed --out`` JSON, one per machine (world size
 and GPU: docs/data/bench_distributed_w<N>_<gpu>.json). --distributed-demo: the output of
 ``torchrun ... -m mmha.distributed.demo`` (kept under its own name, quoted as it is).
@@ -272,6 +273,57 @@ def hf_section(data: dict) -> list[str]:
     ]
 
 
+# Targets of the model-families issue: mmha's routes against transformers' static cache + compile.
+MODELS_TARGET = {1024: 2.0, 8192: 4.0}
+
+
+def models_section(data: dict) -> list[str]:
+    """A ``models_<gpu>.json``: the families' tokens on each route, then the 8B shapes' speed."""
+    from tabulate import tabulate
+
+    h = data["header"]
+    routes: dict = {}
+    for r in data["rows"]:
+        cell = "refused: " + r["refused"] if r["refused"] else "equal" if r["tokens_equal"] else "differ"
+        routes.setdefault((r["family"], r["model_type"]), {})[r["route"]] = cell
+    families = [[f, t, m.get("graphs", ""), m.get("native", "")] for (f, t), m in routes.items()]
+    by: dict = {}
+    for r in data["speed"]:
+        by.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r
+    body, misses = [], []
+    for (model, batch, context), m in by.items():
+        base = m.get("hf_static_compile", {}).get("step_ms")
+        ratios = []
+        for method in ("mmha_native", "mmha_graphs"):
+            step = m.get(method, {}).get("step_ms")
+            ratio = base / step if base and step else None
+            ratios.append(f"{ratio:.2f}" if ratio else "")
+            need = MODELS_TARGET.get(context)
+            if ratio is not None and need is not None and ratio < need:
+                misses.append(f"{model} B={batch} context {context}: {method} {ratio:.2f}x < {need}x")
+        tok = [f"{m[x]['decode_tok_s']:.0f}" if "decode_tok_s" in m.get(x, {}) else "" for x in MODELS_METHODS]
+        share = m.get("mmha_graphs", {}).get("attention_share")
+        body.append([model, batch, context, *tok, *ratios, f"{100 * share:.0f} %" if share is not None else ""])
+    equal = sum(r["tokens_equal"] for r in data["rows"])
+    return [
+        f"### {h['device']}, {h['date']}: torch {h['torch']}, transformers {h['transformers']}", "",
+        f"fp32 greedy tokens against transformers' own `generate` ({equal} of {len(data['rows'])} family"
+        " x route rows equal):", "",
+        tabulate(families, ["family", "model type", "HFDecoder (graphs)", "MmhaCache (native)"],
+                 tablefmt="github"), "",
+        "Decode tokens/s (fp16, 32 new tokens after the prompt):", "",
+        tabulate(body, ["model", "batch", "context", *[f"{x} tok/s" for x in MODELS_METHODS],
+                        "native / static+compile", "graphs / static+compile", "attention share (graphs)"],
+                 tablefmt="github", disable_numparse=True), "",
+        "Targets (at least 2x transformers' static cache + compile at context 1K, 4x at 8K, both shapes): "
+        + ("met on every row." if not misses else "missed on:"), "",
+        *[f"- {x}" for x in misses], "",
+    ]  # fmt: skip
+
+
+MODELS_METHODS = ("hf_static_compile", "mmha_native", "mmha_graphs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bench", type=Path, action="append", required=True)
@@ -286,6 +338,7 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, action="append", default=[])
     ap.add_argument("--paged", type=Path, action="append", default=[])
     ap.add_argument("--epilogue", type=Path, action="append", default=[])
+    ap.add_argument("--models", type=Path, action="append", default=[])
     ap.add_argument("--distributed", type=Path, action="append", default=[])
     ap.add_argument("--distributed-demo", type=Path, action="append", default=[])
     args = ap.parse_args()
@@ -479,6 +532,19 @@ def main() -> None:
             data = json.loads(path.read_text())
             keep(path, f"bench_hf_{slug(data['header']['gpu'])}.json")
             lines += hf_section(data)
+    if args.models:
+        lines += [
+            "## Model families", "",
+            "`python -m mmha.bench.models` (its module docstring says how): every family of"
+            " `mmha.bench.families` (small random-weight models from each family's config class) on both"
+            " routes, then a Llama-3-8B-shaped and a Qwen-3-8B-shaped model (random weights, fp16) at batch"
+            " 16 against transformers' static cache, which its `generate` compiles (`torch.compile`, CUDA"
+            " graphs); the native route runs inside that same compiled `generate`.", "",
+        ]  # fmt: skip
+        for path in args.models:
+            data = json.loads(path.read_text())
+            keep(path, f"models_{slug(data['header']['device'])}.json")
+            lines += models_section(data)
     (DOCS / "benchmarks.md").write_text("\n".join(x for x in lines if x is not None).rstrip() + "\n")
     print(f"wrote {DOCS / 'benchmarks.md'}")
 

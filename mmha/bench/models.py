@@ -61,12 +61,26 @@ def table(rows: list[dict]) -> str:
     return tabulate(body, ["family", "model type", "route", "tokens equal", "refused"], tablefmt="github")
 
 
+def updated(previous: dict, args) -> dict:
+    """``previous`` without the rows this run redoes (a new header, the rest kept)."""
+    redo = set() if args.no_families else {(f, r) for f in args.families for r in args.routes}
+    rows = [r for r in previous["rows"] if (r["family"], r["route"]) not in redo]
+    shapes = set() if args.no_speed else set(args.shapes)
+    speed = [r for r in previous["speed"] if r.get("model") not in shapes]
+    return {"header": header(), "rows": rows, "speed": speed}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmha.bench.models", description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--no-speed", action="store_true", help="tokens only (no GPU timing)")
+    ap.add_argument("--no-families", action="store_true", help="speed rows only (no token checks)")
+    ap.add_argument(
+        "--update", action="store_true",
+        help="keep the rows of an existing models_<gpu>.json in --out that this run does not redo",
+    )
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     ap.add_argument("--batch", type=int, nargs="+", default=[16])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
@@ -78,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / f"models_{gpu_slug()}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"header": header(), "rows": [], "speed": []}
+    if args.update and out.exists():
+        result = updated(json.loads(out.read_text()), args)
 
     def save(*_) -> None:
         out.write_text(json.dumps(result, indent=1))
 
-    for family in args.families:
+    for family in [] if args.no_families else args.families:
         for route in args.routes:
             row = check_family(family, route, device, args.new_tokens)
             result["rows"].append(row)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks.md from the runs kept in docs/data (bench/make_docs.py, every section).
+# A new run: copy its JSON over the kept one (or add an --ab line below), then run this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+D=docs/data
+ab=()
+for f in barriers_h200 mods_h200 tree_columns_h200 softcap_tanh_h200 paged_check_h100 two_stages_h100 \
+  k_chunk_copies_h100 q_ahead_h100 restructure_h200 restructure_paged_h200 rotary_table_h200; do
+  ab+=(--ab "$D/ab_$f.md")
+done
+per_gpu() {  # --flag docs/data/<name>_<gpu>.json for each GPU that has one
+  for gpu in h200 h100; do [ -f "$D/$2_$gpu.json" ] && echo "$1 $D/$2_$gpu.json"; done
+}
+# shellcheck disable=SC2046
+python bench/make_docs.py \
+  $(per_gpu --bench bench) --before "$D/before_h200.json" --step "$D/step_bench_h200.md" \
+  --sweep "$D/sweep_h200.json" --sweep "$D/sweep_h100.json" --sweep "$D/sweep_tree_h100.json" \
+  $(per_gpu --fp8 bench_fp8) --fp8-accuracy "$D/fp8_accuracy_h200.json" $(per_gpu --hf bench_hf) \
+  $(per_gpu --mods bench_mods) $(per_gpu --tree bench_tree) $(per_gpu --paged bench_paged) \
+  $(per_gpu --epilogue bench_epilogue) $(per_gpu --models models) \
+  --distributed "$D/bench_distributed_w2_h100.json" --distributed "$D/bench_distributed_w1_h200.json" \
+  --distributed-demo "$D/demo_distributed_w2_h100.log" "${ab[@]}"
