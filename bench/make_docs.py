@@ -281,6 +281,7 @@ def models_section(data: dict) -> list[str]:
     """A ``models_<gpu>.json``: the families' tokens on each route, then the 8B shapes' speed."""
     from tabulate import tabulate
 
+    METHODS = ("hf_static_compile", "mmha_native", "mmha_graphs")  # noqa: N806
     h = data["header"]
     routes: dict = {}
     for r in data["rows"]:
@@ -301,9 +302,10 @@ def models_section(data: dict) -> list[str]:
             need = MODELS_TARGET.get(context)
             if ratio is not None and need is not None and ratio < need:
                 misses.append(f"{model} B={batch} context {context}: {method} {ratio:.2f}x < {need}x")
-        tok = [f"{m[x]['decode_tok_s']:.0f}" if "decode_tok_s" in m.get(x, {}) else "" for x in MODELS_METHODS]
+        tok = [f"{m[x]['decode_tok_s']:.0f}" if "decode_tok_s" in m.get(x, {}) else "" for x in METHODS]
         share = m.get("mmha_graphs", {}).get("attention_share")
-        body.append([model, batch, context, *tok, *ratios, f"{100 * share:.0f} %" if share is not None else ""])
+        share = f"{100 * share:.0f} %" if share is not None else ""
+        body.append([model, batch, context, *tok, *ratios, share])
     equal = sum(r["tokens_equal"] for r in data["rows"])
     return [
         f"### {h['device']}, {h['date']}: torch {h['torch']}, transformers {h['transformers']}", "",
@@ -312,16 +314,13 @@ def models_section(data: dict) -> list[str]:
         tabulate(families, ["family", "model type", "HFDecoder (graphs)", "MmhaCache (native)"],
                  tablefmt="github"), "",
         "Decode tokens/s (fp16, 32 new tokens after the prompt):", "",
-        tabulate(body, ["model", "batch", "context", *[f"{x} tok/s" for x in MODELS_METHODS],
+        tabulate(body, ["model", "batch", "context", *[f"{x} tok/s" for x in METHODS],
                         "native / static+compile", "graphs / static+compile", "attention share (graphs)"],
                  tablefmt="github", disable_numparse=True), "",
         "Targets (at least 2x transformers' static cache + compile at context 1K, 4x at 8K, both shapes): "
         + ("met on every row." if not misses else "missed on:"), "",
         *[f"- {x}" for x in misses], "",
     ]  # fmt: skip
-
-
-MODELS_METHODS = ("hf_static_compile", "mmha_native", "mmha_graphs")
 
 
 def main() -> None:
