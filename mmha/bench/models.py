@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-speed", action="store_true", help="tokens only (no GPU timing)")
     ap.add_argument("--no-families", action="store_true", help="speed rows only (no token checks)")
     ap.add_argument(
-        "--update", action="store_true",
+        "--update",
+        action="store_true",
         help="keep the rows of an existing models_<gpu>.json in --out that this run does not redo",
     )
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
