@@ -70,7 +70,8 @@ def extension_modules() -> tuple[list, dict]:
     )
     sources = [
         "csrc/bindings.cpp", "csrc/decode_op.cpp", "csrc/decode_params.cpp", "csrc/shard_ops.cpp",
-        "csrc/tma_maps.cpp", "csrc/kernels/decode_dispatch.cu", "csrc/kernels/shard_merge.cu",
+        "csrc/norm_ops.cpp", "csrc/tma_maps.cpp", "csrc/kernels/decode_dispatch.cu",
+        "csrc/kernels/shard_merge.cu", "csrc/kernels/row_norm.cu",
     ]  # fmt: skip
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu"))
     timeline = ["-DMMHA_TIMELINE"] if os.environ.get("MMHA_TIMELINE", "0") == "1" else []

@@ -24,6 +24,10 @@ TORCH_LIBRARY(mmha, m) {
   // carries, and the exact merge of every shard's buffer (csrc/kernels/shard_merge.h).
   m.def("shard_pack(Tensor out, Tensor lse, Tensor(a!) parts) -> ()");
   m.def("shard_merge(Tensor parts, Tensor? sinks, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  // A transformer layer's RMSNorm, or a fused qkv row's per-head q/k norms in place (out = x), in
+  // one launch (csrc/kernels/row_norm.h).
+  m.def("rms_norm(Tensor x, Tensor(a!) out, Tensor[] weights, int[] layout, float[] eps, float offset, "
+        "bool cast_first) -> ()");
 }
 
 // The CUDA kernel; the CPU entry exists only to reject CPU tensors with a message naming them.
@@ -31,11 +35,13 @@ TORCH_LIBRARY_IMPL(mmha, CUDA, m) {
   m.impl("decode_attention", &mmha::decode_attention);
   m.impl("shard_pack", &mmha::shard_pack);
   m.impl("shard_merge", &mmha::shard_merge);
+  m.impl("rms_norm", &mmha::rms_norm);
 }
 TORCH_LIBRARY_IMPL(mmha, CPU, m) {
   m.impl("decode_attention", &mmha::decode_attention);
   m.impl("shard_pack", &mmha::shard_pack);
   m.impl("shard_merge", &mmha::shard_merge);
+  m.impl("rms_norm", &mmha::rms_norm);
 }
 
 PYBIND11_MODULE(_C, m) {

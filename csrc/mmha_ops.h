@@ -66,6 +66,13 @@ void shard_pack(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
 void shard_merge(const at::Tensor& parts, const std::optional<at::Tensor>& sinks, const at::Tensor& out,
                  const at::Tensor& lse);
 
+// RMSNorm over segments of each row of x [rows, width] into out (x itself for in place): each
+// segment (col_offset, heads, cols in layout; its weight [cols] or [heads, cols]; its eps)
+// normalises each of its heads' cols values (csrc/kernels/row_norm.h says how, with offset and
+// cast_first). Columns outside every segment are not written.
+void rms_norm(const at::Tensor& x, const at::Tensor& out, at::TensorList weights, c10::IntArrayRef layout,
+              c10::ArrayRef<double> eps, double offset, bool cast_first);
+
 // Per-block event times of later decode_attention launches (MMHA_TIMELINE builds; timeline.cuh):
 // buffer int64 [blocks, kTimelineEvents] on the GPU, or none to stop. Launches capture the buffer
 // set at the time (a CUDA graph keeps it). Other builds refuse it with an error that says how to

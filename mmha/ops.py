@@ -103,6 +103,19 @@ def _require_extension() -> None:
         )
 
 
+def rms_norm(x, out, weights, layout, eps, offset: float = 0.0, cast_first: bool = True) -> torch.Tensor:
+    """RMSNorm of segments of each row of ``x [rows, width]`` into ``out`` (``x`` itself for in
+    place) in one launch; returns ``out``. Segment ``s`` is ``layout[3s : 3s + 3]`` = (col_offset,
+    heads, cols) with ``weights[s]`` (``[cols]`` or ``[heads, cols]``) and ``eps[s]``: each of its
+    heads normalises its ``cols`` values as ``mmha.reference.rms_norm`` does (``offset`` added to
+    the weight: Gemma's 1; ``cast_first``: Llama's rounding). Columns outside every segment are
+    not written. CUDA tensors only."""
+    _require_extension()
+    layout, eps = [int(v) for v in layout], [float(e) for e in eps]
+    torch.ops.mmha.rms_norm(x, out, list(weights), layout, eps, float(offset), bool(cast_first))
+    return out
+
+
 def _extent(v_cache: torch.Tensor, block_tables) -> tuple[int, int]:
     """``(batch, S_max)`` of a contiguous cache, or of a paged one through its block tables."""
     if block_tables is None:

@@ -67,6 +67,17 @@ def apply_rotary(x: torch.Tensor, pos: torch.Tensor, rotary: Rotary, inv_freq: t
     return torch.cat((out, rest), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, cast_first: bool = True):
+    """RMSNorm of ``x [..., C]`` over its last dim, as ``mmha.ops.rms_norm`` computes it:
+    ``n = x * rsqrt(mean(x^2) + eps)`` in fp32, then ``n`` rounded to x's dtype times
+    ``weight + offset`` (``cast_first``: Llama's ``weight * n.to(dtype)``) or ``n * (weight +
+    offset)`` (Gemma's ``n * (1 + weight)``), rounded to x's dtype."""
+    v = x.float()
+    n = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + offset
+    return ((n.to(x.dtype).float() if cast_first else n) * w).to(x.dtype)
+
+
 def split_qkv(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

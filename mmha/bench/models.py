@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -65,8 +66,8 @@ def updated(previous: dict, args) -> dict:
     """``previous`` without the rows this run redoes (a new header, the rest kept)."""
     redo = set() if args.no_families else {(f, r) for f in args.families for r in args.routes}
     rows = [r for r in previous["rows"] if (r["family"], r["route"]) not in redo]
-    shapes = set() if args.no_speed else set(args.shapes)
-    speed = [r for r in previous["speed"] if r.get("model") not in shapes]
+    redo_speed = set() if args.no_speed else set(itertools.product(args.shapes, args.batch, args.context))
+    speed = [r for r in previous["speed"] if (r["model"], r["batch"], r["context"]) not in redo_speed]
     return {"header": header(), "rows": rows, "speed": speed}
 
 

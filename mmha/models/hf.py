@@ -39,6 +39,7 @@ from .hf_layers import (
     output_head,
     swapped_attention,
 )
+from .hf_norms import layer_norms, qk_row_norm
 
 # Token history kept on the device between host reads (sync_every <= HISTORY).
 HISTORY = 64
@@ -109,7 +110,7 @@ class HFDecoder:
         self, model, max_batch: int, max_seq_len: int, *, graphs: bool | None = None,
         dispatch_on: str | None = None, kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0,
         paged: bool = False, block_size: int = 16, num_blocks: int | None = None,
-        prefill_tokens: int = 32768,
+        prefill_tokens: int = 32768, fuse_norms: bool | None = None,
     ):  # fmt: skip
         """``graphs``: decode steps of ``generate`` as CUDA graphs (default: on a GPU with the
         extension built, except mixture-of-experts models, whose expert routing has data-dependent
@@ -120,7 +121,9 @@ class HFDecoder:
         with ``self.cache.set_scales`` before the first prompt (e.g. a checkpoint's). ``paged``,
         ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; eager steps).
         ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
-        this many (padded) tokens."""
+        this many (padded) tokens. ``fuse_norms`` (default: on a GPU with the extension built):
+        decode steps run the model's RMSNorms (each layer's, the final one, the q/k norms) as one
+        launch each (``mmha.models.hf_norms``), where the module computes a form the row norm has."""
         config = model.config
         attns = attention_modules(model)
         self.model = model
@@ -160,7 +163,14 @@ class HFDecoder:
         self.kv_scale_margin = kv_scale_margin
         # Set during a tree step: the parents the layers' MmhaSelfAttention pass to step_tree.
         self.parents: torch.Tensor | None = None
-        self._attention = [MmhaSelfAttention(self, i, layer) for i, layer in enumerate(self.layers)]
+        if fuse_norms is None:
+            fuse_norms = on_gpu and extension_available()
+        if fuse_norms and not (on_gpu and extension_available()):
+            raise ValueError("fuse_norms=True needs the model on a CUDA device and the extension built")
+        # The model's RMSNorms (layers, final, q/k) as one launch each during decode steps.
+        self._norms = layer_norms(model) if fuse_norms else []
+        qk = [qk_row_norm(a.q_norm, a.k_norm, *heads) if fuse_norms else None for a in self.layers]
+        self._attention = [MmhaSelfAttention(self, i, a, qk[i]) for i, a in enumerate(self.layers)]
         self._state: _GreedyState | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -226,7 +236,7 @@ class HFDecoder:
     def _layers(self, tokens: torch.Tensor) -> torch.Tensor:
         """Every layer's step for one token per row (lengths unchanged): the model's own forward
         with each layer's attention on the cache. The final-normed hidden states ``[B, hidden]``."""
-        with swapped_attention(self.model, self._attention):
+        with swapped_attention(self.model, self._attention, self._norms):
             return self.body(input_ids=tokens[:, None], use_cache=False).last_hidden_state[:, 0]
 
     @torch.no_grad()
@@ -246,7 +256,7 @@ class HFDecoder:
             raise ValueError("tree steps do not take score modifiers yet (sliding windows, soft-caps, sinks)")
         self.parents = parents
         try:
-            with swapped_attention(self.model, self._attention):
+            with swapped_attention(self.model, self._attention, self._norms):
                 h = self.body(input_ids=tokens, use_cache=False).last_hidden_state
         finally:
             self.parents = None

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..reference import apply_rotary
 from ..spec import AttentionSpec, Rotary
 
@@ -277,9 +278,11 @@ class MmhaSelfAttention(nn.Module):
     ``[B, T, hidden]`` a decoder layer passes its ``self_attn``; returns ``(out, None)`` as
     transformers' attention modules do."""
 
-    def __init__(self, decoder, index: int, layer: LayerAttention):
+    def __init__(self, decoder, index: int, layer: LayerAttention, row_norm: tuple | None = None):
+        """``row_norm``: ``hf_norms.qk_row_norm``'s arguments, to apply the q/k norms in one
+        launch in place of the model's modules."""
         super().__init__()
-        self.decoder, self.index, self.layer = decoder, index, layer
+        self.decoder, self.index, self.layer, self.row_norm = decoder, index, layer, row_norm
         normed = layer.q_norm is not None or layer.k_norm is not None
         # The kernel adds qkv_bias before rotary; with q/k norms the bias comes before the norm.
         self.linear_bias = layer.bias if normed else None
@@ -290,7 +293,10 @@ class MmhaSelfAttention(nn.Module):
         cache = dec.cache
         hq, hkv, d = cache.num_heads, cache.num_kv_heads, cache.head_dim
         qkv = F.linear(hidden_states, layer.weight, self.linear_bias)
-        if layer.q_norm is not None or layer.k_norm is not None:
+        if self.row_norm is not None:
+            rows = qkv.view(-1, qkv.shape[-1])
+            ops.rms_norm(rows, rows, *self.row_norm)
+        elif layer.q_norm is not None or layer.k_norm is not None:
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             qkv = torch.cat([_normed(q, layer.q_norm, hq, d), _normed(k, layer.k_norm, hkv, d), v], dim=-1)
         if dec.parents is not None:
@@ -320,17 +326,21 @@ NO_MASK_IMPLEMENTATION = "mmha"
 
 
 @contextlib.contextmanager
-def swapped_attention(model, modules: list[nn.Module]):
+def swapped_attention(model, modules: list[nn.Module], norms: list[tuple[nn.Module, str, nn.Module]] = ()):
     """Each decoder layer's ``self_attn`` replaced by ``modules[i]`` (``rotary_emb``, if the model
-    has one, by ``NoRotaryTables``; the config's attention implementation by one without masks)
-    for the duration."""
+    has one, by ``NoRotaryTables``; the config's attention implementation by one without masks;
+    each ``(parent, name, module)`` of ``norms``, ``hf_norms.layer_norms``, in its place) for the
+    duration."""
     body = model.model
     layers = body.layers
     own = [layer.self_attn for layer in layers]
+    own_norms = [getattr(parent, name) for parent, name, _ in norms]
     own_rotary = getattr(body, "rotary_emb", None)
     config = body.config
     own_impl = config._attn_implementation_internal
     try:
+        for parent, name, m in norms:
+            setattr(parent, name, m)
         for layer, m in zip(layers, modules, strict=True):
             layer.self_attn = m
         if own_rotary is not None:
@@ -341,6 +351,8 @@ def swapped_attention(model, modules: list[nn.Module]):
         config._attn_implementation_internal = own_impl
         for layer, m in zip(layers, own, strict=True):
             layer.self_attn = m
+        for (parent, name, _), m in zip(norms, own_norms, strict=True):
+            setattr(parent, name, m)
         if own_rotary is not None:
             body.rotary_emb = own_rotary
 
