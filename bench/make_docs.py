@@ -305,7 +305,7 @@ def models_section(data: dict) -> list[str]:
         tok = [f"{m[x]['decode_tok_s']:.0f}" if "decode_tok_s" in m.get(x, {}) else "" for x in METHODS]
         share = m.get("mmha_graphs", {}).get("attention_share")
         share = f"{100 * share:.0f} %" if share is not None else ""
-        body.append([model, batch, context, *tok, *ratios, share])
+        body.append([model, batch, context, *tok, *ratios, share, m.get("mmha_graphs", {}).get("date", "")])
     equal = sum(r["tokens_equal"] for r in data["rows"])
     return [
         f"### {h['device']}, {h['date']}: torch {h['torch']}, transformers {h['transformers']}", "",
@@ -315,8 +315,8 @@ def models_section(data: dict) -> list[str]:
                  tablefmt="github"), "",
         "Decode tokens/s (fp16, 32 new tokens after the prompt):", "",
         tabulate(body, ["model", "batch", "context", *[f"{x} tok/s" for x in METHODS],
-                        "native / static+compile", "graphs / static+compile", "attention share (graphs)"],
-                 tablefmt="github", disable_numparse=True), "",
+                        "native / static+compile", "graphs / static+compile", "attention share (graphs)",
+                        "measured"], tablefmt="github", disable_numparse=True), "",
         "Targets (at least 2x transformers' static cache + compile at context 1K, 4x at 8K, both shapes): "
         + ("met on every row." if not misses else "missed on:"), "",
         *[f"- {x}" for x in misses], "",

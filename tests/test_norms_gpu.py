@@ -104,7 +104,7 @@ BAD = [
     (dict(out=lambda o: o.cpu()), "out must be on cuda"),
     (dict(weights=lambda w: [w[:100]]), "weights[0] must hold 128 values"),
     (dict(weights=lambda w: [w.half()]), None),  # another weight dtype is fine
-    (dict(weights=lambda w: [w, w.half()], layout=[0, 1, 64, 64, 1, 64], eps=[1e-6, 1e-6]),
+    (dict(weights=lambda w: [w[:64], w[:64].half()], layout=[0, 1, 64, 64, 1, 64], eps=[1e-6, 1e-6]),
      "weights[1] must have weights[0]'s dtype"),
     (dict(weights=lambda w: [w.cpu()]), "weights[0] must be on cuda"),
     (dict(weights=lambda w: []), "weights must hold 1 to 2 tensors"),

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.config.cache_size_limit = 64
         for shape in args.shapes:
             rows = measure(shape, SPEED_METHODS, args.batch, args.context, 32, torch.float16)
-            result["speed"] += rows
+            # Each row's own date: an --update run keeps rows of earlier runs beside them.
+            result["speed"] += [r | {"date": result["header"]["date"]} for r in rows]
             save()
     save()
     print(table(result["rows"]))
