@@ -146,7 +146,7 @@ def _launch(
     torch.ops.mmha.decode_attention(
         qkv, k_cache, v_cache, lengths, kw.pop("qkv_bias"), out, lse, workspace.partials, workspace.counters,
         workspace.status, num_heads, num_kv_heads, num_splits=num_splits, check_lengths=check, stages=stages,
-        tile_source=TILE_SOURCES[tile_source], **attention.kernel_args(head_dim), **kw,
+        tile_source=TILE_SOURCES[tile_source], **attention.kernel_args(head_dim, qkv.device), **kw,
     )  # fmt: skip
     return out, lse
 

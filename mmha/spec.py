@@ -97,11 +97,6 @@ class Rotary:
                 raise ValueError(f"rotary inv_freq must be finite, got {t.tolist()}")
             object.__setattr__(self, "inv_freq", t.contiguous())
 
-    @property
-    def plain(self) -> bool:
-        """Whether the kernel computes the frequencies from theta (no table, factor 1)."""
-        return self.inv_freq is None and self.attention_factor == 1.0
-
     def same(self, other: Rotary) -> bool:
         """The same rotation (tables compared by value)."""
         if (self.dim, self.theta, self.interleaved, self.attention_factor) != (
@@ -111,12 +106,35 @@ class Rotary:
         a, b = self.inv_freq, other.inv_freq
         return (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu()))
 
+    def kernel_table(self, device) -> torch.Tensor | None:
+        """The fp32 ``[dim // 2]`` table the kernel reads on ``device``: the given one, or theta's
+        frequencies as ``frequencies`` forms them (made once per dim, theta and device, so the
+        kernel and the reference rotate by the same fp32 values). None without rotary, or for a
+        theta not yet tabled while a CUDA graph is being captured (the kernel then forms theta's
+        frequencies itself)."""
+        if self.dim == 0:
+            return None
+        if self.inv_freq is not None:
+            return self.inv_freq
+        device = torch.device(device)
+        key = (self.dim, float(self.theta), str(device))
+        table = _THETA_TABLES.get(key)
+        if table is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None  # a tensor made here would live in the graph's pool
+            table = _THETA_TABLES[key] = Rotary(self.dim, self.theta).frequencies(torch.float32, device)
+        return table
+
     def frequencies(self, dtype: torch.dtype, device) -> torch.Tensor:
         """``[dim // 2]`` in ``dtype`` on ``device``: the table, or ``1 / theta ** (2i / dim)``."""
         if self.inv_freq is not None:
             return self.inv_freq.to(device=device, dtype=dtype)
         exponent = torch.arange(0, self.dim, 2, dtype=dtype, device=device) / self.dim
         return 1.0 / torch.pow(torch.tensor(self.theta, dtype=dtype, device=device), exponent)
+
+
+# Theta's fp32 frequency tables on each device (``Rotary.kernel_table``), by (dim, theta, device).
+_THETA_TABLES: dict[tuple[int, float, str], torch.Tensor] = {}
 
 
 def _checked_head_tensor(name: str, t) -> torch.Tensor | None:
@@ -189,6 +207,8 @@ class AttentionSpec:
         table = self.rotary.inv_freq
         if table is not None and table.device != device:
             raise ValueError(f"{name}.rotary.inv_freq must be on {device}, got {table.device}")
+        if device.type == "cuda":
+            self.rotary.kernel_table(device)  # theta's table made here, before any graph capture
         for field_name in ("alibi_slopes", "sinks"):
             t = getattr(self, field_name)
             if t is None:
@@ -223,16 +243,16 @@ class AttentionSpec:
             epilogue=epilogue,
         )
 
-    def kernel_args(self, head_dim: int) -> dict:
-        """The raw operator's arguments for this spec (each modifier off at its zero)."""
+    def kernel_args(self, head_dim: int, device) -> dict:
+        """The raw operator's arguments for this spec on ``device`` (each modifier off at its
+        zero; the rotation always as a frequency table, ``Rotary.kernel_table``)."""
         r = self.rotary
         args = dict(
             scale=self.scale_for(head_dim), rotary_dim=r.dim, rotary_theta=float(r.theta),
             rotary_interleaved=r.interleaved, window=self.window or 0, softcap=float(self.softcap or 0.0),
             alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            rotary_inv_freq=r.kernel_table(device), rotary_factor=float(r.attention_factor),
         )  # fmt: skip
-        if not r.plain:
-            args.update(rotary_inv_freq=r.inv_freq, rotary_factor=float(r.attention_factor))
         if self.epilogue is not None:
             args.update(self.epilogue.kernel_args())
         return args

@@ -219,16 +219,17 @@ def test_rotary_frequency_table(dtype, interleaved, factor):
     check_case(case, 3)
 
 
-def test_frequency_table_of_theta_is_the_theta_rotation():
-    """The table of 1 / theta^(2i / d) (torch's fp32) and the theta path agree to within the two
-    fp32 pow roundings' effect; outputs within the tolerance of one another."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_frequency_table_of_theta_is_the_theta_rotation(dtype):
+    """A theta rotation and the table of its frequencies (torch's fp32 1 / theta^(2i / d)) give
+    the same bits: the kernel is handed theta as that table (``Rotary.kernel_table``)."""
     from mmha.spec import Rotary
 
-    case = make_case(3, 8, 2, 128, [5, 900, 3000], 4096, torch.float32, seed=13, rotary_dim=128)
-    theta = run_kernel(case, 2)[0]
+    case = make_case(3, 8, 2, 128, [5, 900, 3000], 4096, dtype, seed=13, rotary_dim=128)
+    theta, theta_lse = run_kernel(case, 2)[:2]
     case.rotary.update(inv_freq=Rotary(128, 10000.0).frequencies(torch.float32, "cuda"))
-    table = run_kernel(case, 2)[0]
-    torch.testing.assert_close(table, theta, atol=1e-3, rtol=1e-3)
+    table, table_lse = run_kernel(case, 2)[:2]
+    assert torch.equal(table, theta) and torch.equal(table_lse, theta_lse)
 
 
 def test_bias_cache_write_bit_exact():

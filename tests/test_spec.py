@@ -35,7 +35,7 @@ def test_rotary_errors_name_the_field(kwargs, match):
 def test_table_of_theta_is_the_same_rotation():
     plain = Rotary(16, 5e5)
     table = Rotary(16, 5e5, inv_freq=plain.frequencies(torch.float32, "cpu"))
-    assert plain.plain and not table.plain and not table.same(plain)
+    assert not table.same(plain)
     assert table.same(Rotary(16, 5e5, inv_freq=table.inv_freq.clone()))
     want = [1.0 / 5e5 ** (2 * i / 16) for i in range(8)]
     assert torch.allclose(plain.frequencies(torch.float64, "cpu"), torch.tensor(want, dtype=torch.float64))
@@ -43,6 +43,20 @@ def test_table_of_theta_is_the_same_rotation():
     x = torch.randn(5, 2, 16)
     pos = torch.tensor([0, 1, 100, 4095, 70000])
     assert torch.equal(reference.apply_rotary(x, pos, plain), reference.apply_rotary(x, pos, table))
+
+
+def test_the_kernel_gets_theta_as_a_table():
+    """The kernel's arguments carry theta's fp32 frequencies as a table (one per dim, theta and
+    device, made once), so kernel and reference rotate by the same values; a given table as it is."""
+    spec = AttentionSpec(rotary=Rotary(16, 5e5))
+    args = spec.kernel_args(64, "cpu")
+    assert torch.equal(args["rotary_inv_freq"], Rotary(16, 5e5).frequencies(torch.float32, "cpu"))
+    assert spec.kernel_args(64, "cpu")["rotary_inv_freq"] is args["rotary_inv_freq"]
+    assert args["rotary_factor"] == 1.0 and args["rotary_dim"] == 16
+    table = torch.rand(8)
+    given = AttentionSpec(rotary=Rotary(16, 5e5, inv_freq=table, attention_factor=1.5)).kernel_args(64, "cpu")
+    assert torch.equal(given["rotary_inv_freq"], table) and given["rotary_factor"] == 1.5
+    assert AttentionSpec().kernel_args(64, "cpu")["rotary_inv_freq"] is None
 
 
 def test_attention_factor_scales_cos_and_sin():
