@@ -186,3 +186,17 @@ def test_decoder_fuses_the_norms(family):
     ours = fused.generate(ps, 24, eos_token_id=[])
     plain = HFDecoder(model, len(ps), 96, fuse_norms=False).generate(ps, 24, eos_token_id=[])
     assert ours == plain == transformers_tokens(model, 24)
+
+
+def test_a_norm_kept_in_fp32_is_probed_in_the_model_dtype():
+    """A bf16 model whose final norm's weight stays fp32: the Llama form would return fp32 there
+    (weight * n.to(bf16) promotes), so that norm keeps running as it is; the others are swapped."""
+    from mmha.bench.families import build_family
+    from mmha.models.hf_norms import layer_norms
+
+    model = build_family("llama3", "cuda", torch.bfloat16)
+    model.model.norm.float()
+    swapped = {id(m) for _, _, m in layer_norms(model)}
+    names = [(type(p).__name__, n) for p, n, _ in layer_norms(model)]
+    assert ("LlamaModel", "norm") not in names
+    assert len(swapped) == 2 * model.config.num_hidden_layers

@@ -169,8 +169,12 @@ class HFDecoder:
             raise ValueError("fuse_norms=True needs the model on a CUDA device and the extension built")
         # The model's RMSNorms (layers, final, q/k) as one launch each during decode steps.
         self._norms = layer_norms(model) if fuse_norms else []
-        qk = [qk_row_norm(a.q_norm, a.k_norm, *heads) if fuse_norms else None for a in self.layers]
-        self._attention = [MmhaSelfAttention(self, i, a, qk[i]) for i, a in enumerate(self.layers)]
+        self._attention = [
+            MmhaSelfAttention(
+                self, i, a, qk_row_norm(a.q_norm, a.k_norm, *heads, a.weight.dtype) if fuse_norms else None
+            )
+            for i, a in enumerate(self.layers)
+        ]
         self._state: _GreedyState | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None

@@ -42,15 +42,16 @@ def _eps(module: nn.Module) -> float | None:
     return None
 
 
-def norm_form(module: nn.Module | None) -> NormForm | None:
-    """The form in which ``module`` computes, or None (no form matches, not on a CUDA device, no
-    extension): its output on probe rows equals the row norm's in that form to a few units in
-    the last place of its dtype, closest first."""
+def norm_form(module: nn.Module | None, dtype: torch.dtype | None = None) -> NormForm | None:
+    """The form in which ``module`` computes on inputs of ``dtype`` (default its weight's), or None
+    (no form matches, its output is of another dtype, not on a CUDA device, no extension): its
+    output on probe rows equals the row norm's in that form to a few units in the last place of
+    ``dtype``, closest first."""
     w = getattr(module, "weight", None)
     eps = _eps(module) if module is not None else None
     if _C is None or not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.is_cuda or eps is None:
         return None
-    dtype = w.dtype
+    dtype = w.dtype if dtype is None else dtype
     if dtype not in _TOLERANCE:
         return None
     g = torch.Generator(device=w.device).manual_seed(0)
@@ -96,8 +97,10 @@ class RowRMSNorm(nn.Module):
 
 def layer_norms(model) -> list[tuple[nn.Module, str, nn.Module]]:
     """``(parent, name, RowRMSNorm)`` for each RMSNorm of ``model.model`` outside the attention
-    modules (decoder layers' norms, the final norm) that the row norm computes; one probe per
-    class and dtype, each instance's own eps checked against it."""
+    modules (decoder layers' norms, the final norm) that the row norm computes on the hidden
+    states' dtype (the embedding's); one probe per class and weight dtype and width, each
+    instance's own eps taken."""
+    hidden = model.model.get_input_embeddings().weight.dtype
     swaps, forms = [], {}
     for parent_name, parent in model.model.named_modules():
         if parent_name.endswith("self_attn") or ".self_attn." in parent_name:
@@ -110,24 +113,26 @@ def layer_norms(model) -> list[tuple[nn.Module, str, nn.Module]]:
                 continue
             key = (type(child), w.dtype, w.numel())
             if key not in forms:
-                forms[key] = norm_form(child)
+                forms[key] = norm_form(child, hidden)
             form = forms[key]
             if form is not None:
                 swaps.append((parent, name, RowRMSNorm(child, NormForm(eps, form.offset, form.cast_first))))
     return swaps
 
 
-def qk_row_norm(q_norm, k_norm, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple | None:
+def qk_row_norm(
+    q_norm, k_norm, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple | None:
     """The row norm's arguments after ``x, out`` (``weights, layout, eps, offset, cast_first``)
     that apply a layer's q and k norms (``(module, "head" | "whole")`` or None, as
-    ``LayerAttention`` holds them) in place on a fused qkv row in one launch; None when a norm
-    is not one the row norm computes (or both are in different forms)."""
+    ``LayerAttention`` holds them) in place on a fused qkv row of ``dtype`` in one launch; None
+    when a norm is not one the row norm computes (or both are in different forms)."""
     weights, layout, eps, forms = [], [], [], set()
     for norm, col, heads in ((q_norm, 0, num_heads), (k_norm, num_heads * head_dim, num_kv_heads)):
         if norm is None:
             continue
         module, mode = norm
-        form = norm_form(module)
+        form = norm_form(module, dtype)
         if form is None:
             return None
         weights.append(module.weight)
