@@ -157,12 +157,12 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const OptTensor& node_counts, const OptTensor& block_tables, const OptTensor& row_active,
                       const OptTensor& out_shift, const OptTensor& out_smooth, const OptTensor& out_scales,
                       double out_scale, int64_t out_round, int64_t out_min, const OptTensor& positions,
-                      const OptTensor& rotary_inv_freq, double rotary_factor) {
+                      const OptTensor& rotary_inv_freq, double rotary_factor, int64_t rotary_table_start) {
   const DecodeArgs a{qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
                      num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits, check_lengths,
                      stages, tile_source, k_scale, v_scale, window, softcap, alibi_slopes, sinks, parents,
                      node_counts, block_tables, row_active, out_shift, out_smooth, out_scales, out_scale, out_round,
-                     out_min, positions, rotary_inv_freq, rotary_factor};
+                     out_min, positions, rotary_inv_freq, rotary_factor, rotary_table_start};
   check_devices_and_dtypes(a);
   MmhaParams p{};
   fill_cache(a, p);

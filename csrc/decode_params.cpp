@@ -328,9 +328,25 @@ void fill_rotary(const DecodeArgs& a, MmhaParams& p) {
              "rotary_dim must be even and in [0, head_dim = ", p.head_dim, "], got ", a.rotary_dim);
   MMHA_CHECK(a.rotary_dim == 0 || a.rotary_theta > 0, "rotary_theta must be positive, got ", a.rotary_theta);
   MMHA_CHECK(std::isfinite(a.scale), "scale must be finite, got ", a.scale);
+  int64_t table_rows = 1;
   if (a.rotary_inv_freq.has_value()) {
-    check_vector(*a.rotary_inv_freq, "rotary_inv_freq", a.rotary_dim / 2, "rotary_dim / 2 frequencies", a.qkv.device());
+    const at::Tensor& t = *a.rotary_inv_freq;
+    if (t.dim() == 2) {  // rows by the sequence's length
+      MMHA_CHECK(t.size(0) >= 1 && t.size(0) < (int64_t{1} << 31) && t.size(1) == a.rotary_dim / 2,
+                 "rotary_inv_freq must have shape [rotary_dim / 2 = ", a.rotary_dim / 2,
+                 "] or [rows, rotary_dim / 2], got shape ", shape_str(t));
+      check_cuda(t, "rotary_inv_freq", a.qkv.device());
+      check_dtype(t, "rotary_inv_freq", at::kFloat);
+      check_contiguous(t, "rotary_inv_freq");
+      table_rows = t.size(0);
+      MMHA_CHECK(table_rows == 1 || !a.tree(), "rotary_inv_freq with rows by sequence length (shape ", shape_str(t),
+                 ") applies to one-token steps, not tree steps");
+    } else {
+      check_vector(t, "rotary_inv_freq", a.rotary_dim / 2, "rotary_dim / 2 frequencies", a.qkv.device());
+    }
   }
+  MMHA_CHECK(a.rotary_table_start >= 0 && a.rotary_table_start < (int64_t{1} << 31),
+             "rotary_table_start must be in [0, 2^31), got ", a.rotary_table_start);
   const float factor = static_cast<float>(a.rotary_factor);
   MMHA_CHECK(std::isfinite(factor) && factor > 0, "rotary_factor must be finite and > 0 in fp32, got ", a.rotary_factor);
   p.rotary.dim = static_cast<int32_t>(a.rotary_dim);
@@ -338,6 +354,8 @@ void fill_rotary(const DecodeArgs& a, MmhaParams& p) {
   p.rotary.interleaved = a.rotary_interleaved;
   p.rotary.inv_freq = float_ptr(a.rotary_inv_freq);
   p.rotary.factor = factor;
+  p.rotary.table_rows = static_cast<int32_t>(table_rows);
+  p.rotary.table_start = static_cast<int32_t>(a.rotary_table_start);
   p.scale = static_cast<float>(a.scale);
 }
 

@@ -54,6 +54,7 @@ struct DecodeArgs {
   const OptTensor& positions;
   const OptTensor& rotary_inv_freq;
   double rotary_factor;
+  int64_t rotary_table_start;
 
   bool tree() const { return parents.has_value(); }
   bool paged() const { return block_tables.has_value(); }

@@ -38,6 +38,9 @@ namespace mmha {
 // positions (int32 [B], one-token steps): q and the new k are rotated at positions[b], not lengths[b].
 // rotary_inv_freq (fp32 [rotary_dim / 2]): the rotation's frequencies (angle = position * inv_freq[i]
 // in fp32) instead of 1 / rotary_theta^(2i / rotary_dim); rotary_factor multiplies cos and sin.
+// A table of several rows (fp32 [rows, rotary_dim / 2], one-token steps only) is chosen per row by
+// the sequence's length n = position + 1: row min(max(n - rotary_table_start, 0), rows - 1)
+// (transformers' dynamic NTK and longrope, whose frequencies follow the length).
 // Output epilogue (mmha/epilogue.py defines it), per output channel c = head * D + d:
 // y = (x + out_shift[c]) * out_smooth[c] (fp32 [Hq * D] each, optional); an out of dtype int8 or
 // float8_e4m3fn holds y * scale quantised, scale = out_scales[c] (fp32 [Hq * D]) or out_scale (> 0;
@@ -57,7 +60,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& out_shift, const std::optional<at::Tensor>& out_smooth,
                       const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
                       int64_t out_min, const std::optional<at::Tensor>& positions,
-                      const std::optional<at::Tensor>& rotary_inv_freq, double rotary_factor);
+                      const std::optional<at::Tensor>& rotary_inv_freq, double rotary_factor,
+                      int64_t rotary_table_start);
 
 // Context-parallel steps (mmha/distributed, csrc/kernels/shard_merge.h): pack a shard's out
 // [B, H * D] (fp16 / bf16 / fp32) and lse [B, H] into parts [G, B, H / G, D + 1] fp32, and merge

@@ -71,7 +71,12 @@ def attention_spec(
 
 
 def tree_spec(attention: AttentionSpec, name: str = "attention") -> None:
-    """Tree steps take rotary, scale and an epilogue, no score modifiers."""
+    """Tree steps take rotary (one table), scale and an epilogue, no score modifiers."""
+    if attention.rotary.by_length:
+        raise ValueError(
+            f"{name}.rotary follows the sequence's length (a table of {attention.rotary.inv_freq.shape[0]} "
+            "rows), which one-token steps take, not tree steps (a tree's nodes have no one length)"
+        )
     if attention.has_mods:
         mods = [
             f for f in ("window", "softcap", "alibi_slopes", "sinks") if getattr(attention, f) is not None

@@ -45,13 +45,17 @@ def apply_rotary(x: torch.Tensor, pos: torch.Tensor, rotary: Rotary, inv_freq: t
 
     ``inv_freq`` (``rotary.frequencies``, on ``x``'s device) may be passed in precomputed, as
     CUDA-graph capture needs: computing it creates a host tensor. cos and sin are multiplied by
-    ``rotary.attention_factor``."""
+    ``rotary.attention_factor``. A table by length (``Rotary.by_length``) gives row ``b`` the
+    frequencies of a sequence of ``pos[b] + 1`` tokens."""
     if rotary.dim == 0:
         return x
     # Angles in at least fp32: in a 16-bit dtype position * inv_freq is meaningless past ~2K.
     angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv_freq = rotary.frequencies(angle_dtype, x.device) if inv_freq is None else inv_freq.to(angle_dtype)
-    angle = pos.to(angle_dtype)[:, None] * inv_freq[None, :]  # [B, rd/2]
+    if inv_freq.dim() == 2:  # rows by the sequence's length
+        row = (pos.to(torch.int64) + 1 - rotary.table_start).clamp(0, inv_freq.shape[0] - 1)
+        inv_freq = inv_freq[row.to(inv_freq.device)]  # [B, rd/2]
+    angle = pos.to(angle_dtype)[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
     cos, sin = torch.cos(angle), torch.sin(angle)
     if rotary.attention_factor != 1.0:
         cos, sin = cos * rotary.attention_factor, sin * rotary.attention_factor

@@ -68,13 +68,19 @@ class Rotary:
     finite; transformers' ``rotary_emb.inv_freq`` for any of its variants) or ``1 / theta ** (2i /
     dim)``; cos and sin are multiplied by ``attention_factor`` (transformers'
     ``attention_scaling``: YaRN's, longrope's). ``interleaved`` rotates GPT-J pairs ``(2i, 2i +
-    1)``, else GPT-NeoX halves ``(i, i + dim / 2)``."""
+    1)``, else GPT-NeoX halves ``(i, i + dim / 2)``.
+
+    A table of several rows, ``[rows, dim // 2]``, follows the sequence's length (transformers'
+    dynamic NTK and longrope, whose frequencies change with it): a step whose new token sits at
+    position ``p`` (a sequence of ``n = p + 1`` tokens) rotates by row ``min(max(n - table_start,
+    0), rows - 1)``. One-token steps only (a tree step's nodes have no one length)."""
 
     dim: int = 0
     theta: float = 10000.0
     interleaved: bool = False
     inv_freq: torch.Tensor | None = None
     attention_factor: float = 1.0
+    table_start: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0 or self.dim % 2:
@@ -86,25 +92,38 @@ class Rotary:
         f = self.attention_factor
         if not (_is_number(f) and math.isfinite(f) and f > 0):
             raise ValueError(f"rotary attention_factor must be a finite number > 0, got {f!r}")
+        start = self.table_start
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < 2**31:
+            raise ValueError(f"rotary table_start must be an int in [0, 2^31), got {start!r}")
         t = self.inv_freq
         if t is not None:
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (self.dim // 2,):
+            ok = isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() in (1, 2)
+            if not ok or t.shape[-1] != self.dim // 2 or (t.dim() == 2 and t.shape[0] == 0):
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"rotary inv_freq must be a float32 tensor [dim // 2 = {self.dim // 2}], got {got}"
+                    f"rotary inv_freq must be a float32 tensor [dim // 2 = {self.dim // 2}] or [rows, "
+                    f"{self.dim // 2}], got {got}"
                 )
             if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"rotary inv_freq must be finite, got {t.tolist()}")
+                bad = int((~torch.isfinite(t)).sum())
+                raise ValueError(f"rotary inv_freq must be finite, got {bad} non-finite of {t.numel()}")
             object.__setattr__(self, "inv_freq", t.contiguous())
+
+    @property
+    def by_length(self) -> bool:
+        """Whether the frequencies follow the sequence's length (a table of several rows)."""
+        return self.inv_freq is not None and self.inv_freq.dim() == 2 and self.inv_freq.shape[0] > 1
 
     def same(self, other: Rotary) -> bool:
         """The same rotation (tables compared by value)."""
-        if (self.dim, self.theta, self.interleaved, self.attention_factor) != (
-            other.dim, other.theta, other.interleaved, other.attention_factor,
+        if (self.dim, self.theta, self.interleaved, self.attention_factor, self.table_start) != (
+            other.dim, other.theta, other.interleaved, other.attention_factor, other.table_start,
         ):  # fmt: skip
             return False
         a, b = self.inv_freq, other.inv_freq
-        return (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu()))
+        if a is None or b is None:
+            return a is None and b is None
+        return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
     def kernel_table(self, device) -> torch.Tensor | None:
         """The fp32 ``[dim // 2]`` table the kernel reads on ``device``: the given one, or theta's
@@ -126,7 +145,8 @@ class Rotary:
         return table
 
     def frequencies(self, dtype: torch.dtype, device) -> torch.Tensor:
-        """``[dim // 2]`` in ``dtype`` on ``device``: the table, or ``1 / theta ** (2i / dim)``."""
+        """``[dim // 2]`` (or the table's ``[rows, dim // 2]``) in ``dtype`` on ``device``: the
+        table, or ``1 / theta ** (2i / dim)``."""
         if self.inv_freq is not None:
             return self.inv_freq.to(device=device, dtype=dtype)
         exponent = torch.arange(0, self.dim, 2, dtype=dtype, device=device) / self.dim
@@ -252,6 +272,7 @@ class AttentionSpec:
             rotary_interleaved=r.interleaved, window=self.window or 0, softcap=float(self.softcap or 0.0),
             alibi_slopes=self.alibi_slopes, sinks=self.sinks,
             rotary_inv_freq=r.kernel_table(device), rotary_factor=float(r.attention_factor),
+            rotary_table_start=r.table_start,
         )  # fmt: skip
         if self.epilogue is not None:
             args.update(self.epilogue.kernel_args())

@@ -220,6 +220,19 @@ def test_rotary_frequency_table(dtype, interleaved, factor):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_table_by_length(dtype):
+    """A table of rows by the sequence's length (dynamic NTK, longrope): each row rotates by the
+    row of its length (before the start, between, past the last row), against the reference."""
+    case = make_case(
+        5, 8, 2, 128, [3, 99, 100, 101, 3000], 4096, dtype, seed=14, bias=True, rotary_dim=128,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    table = (torch.rand(4, 64, generator=g) ** 4).cuda()  # lengths <= 100, 101, 102, >= 103
+    case.rotary.update(inv_freq=table, table_start=100)
+    check_case(case, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_frequency_table_of_theta_is_the_theta_rotation(dtype):
     """A theta rotation and the table of its frequencies (torch's fp32 1 / theta^(2i / d)) give
     the same bits: the kernel is handed theta as that table (``Rotary.kernel_table``)."""

@@ -21,10 +21,13 @@ from mmha.spec import AttentionSpec, Rotary
         (dict(dim=8, interleaved=1), r"rotary interleaved must be a bool, got 1"),
         (dict(dim=8, attention_factor=float("nan")), r"rotary attention_factor must be a finite number > 0"),
         (dict(dim=8, attention_factor=0.0), r"rotary attention_factor must be a finite number > 0"),
-        (dict(dim=8, inv_freq=torch.ones(3)), r"rotary inv_freq must be a float32 tensor \[dim // 2 = 4\], got"),
-        (dict(dim=8, inv_freq=torch.ones(4, dtype=torch.float64)), r"float32 tensor \[dim // 2 = 4\], got torch.float64"),
-        (dict(dim=8, inv_freq=[1.0, 0.5, 0.25, 0.125]), r"float32 tensor \[dim // 2 = 4\], got list"),
+        (dict(dim=8, inv_freq=torch.ones(3)), r"rotary inv_freq must be a float32 tensor \[dim // 2 = 4\] or \[rows, 4\], got"),
+        (dict(dim=8, inv_freq=torch.ones(4, dtype=torch.float64)), r"\[dim // 2 = 4\] or \[rows, 4\], got torch.float64"),
+        (dict(dim=8, inv_freq=[1.0, 0.5, 0.25, 0.125]), r"\[dim // 2 = 4\] or \[rows, 4\], got list"),
         (dict(dim=8, inv_freq=torch.tensor([1.0, float("inf"), 0.5, 0.1])), r"rotary inv_freq must be finite"),
+        (dict(dim=8, inv_freq=torch.ones(3, 5)), r"float32 tensor \[dim // 2 = 4\] or \[rows, 4\], got"),
+        (dict(dim=8, inv_freq=torch.ones(0, 4)), r"or \[rows, 4\], got torch.float32 \(0, 4\)"),
+        (dict(dim=8, inv_freq=torch.ones(2, 4), table_start=-1), r"rotary table_start must be an int in"),
     ],
 )  # fmt: skip
 def test_rotary_errors_name_the_field(kwargs, match):
@@ -57,6 +60,28 @@ def test_the_kernel_gets_theta_as_a_table():
     given = AttentionSpec(rotary=Rotary(16, 5e5, inv_freq=table, attention_factor=1.5)).kernel_args(64, "cpu")
     assert torch.equal(given["rotary_inv_freq"], table) and given["rotary_factor"] == 1.5
     assert AttentionSpec().kernel_args(64, "cpu")["rotary_inv_freq"] is None
+
+
+def test_table_by_length_picks_a_row_per_sequence_length():
+    """A table of rows by the sequence's length: row min(max(pos + 1 - table_start, 0), rows - 1);
+    the kernel gets it with its start; tree steps refuse it."""
+    from mmha import checks
+
+    rows = torch.stack([Rotary(8, t).frequencies(torch.float32, "cpu") for t in (1e4, 2e4, 4e4)])
+    by_length = Rotary(8, 1e4, inv_freq=rows, table_start=10)
+    assert by_length.by_length and not Rotary(8, 1e4, inv_freq=rows[:1]).by_length
+    x = torch.randn(5, 2, 8)
+    pos = torch.tensor([0, 9, 10, 11, 500])  # lengths 1, 10, 11, 12, 501: rows 0, 0, 1, 2, 2
+    got = reference.apply_rotary(x, pos, by_length)
+    for b, theta in enumerate([1e4, 1e4, 2e4, 4e4, 4e4]):
+        assert torch.equal(
+            got[b : b + 1], reference.apply_rotary(x[b : b + 1], pos[b : b + 1], Rotary(8, theta))
+        )
+    args = AttentionSpec(rotary=by_length).kernel_args(64, "cpu")
+    assert args["rotary_inv_freq"] is by_length.inv_freq and args["rotary_table_start"] == 10
+    assert not by_length.same(Rotary(8, 1e4, inv_freq=rows, table_start=11))
+    with pytest.raises(ValueError, match=r"attention.rotary follows the sequence's length .* not tree steps"):
+        checks.tree_spec(AttentionSpec(rotary=by_length))
 
 
 def test_attention_factor_scales_cos_and_sin():

@@ -87,11 +87,12 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          int nthreads) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
+  const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, p.rotary)
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, rot)
                            : 0.f;
     }
   } else {
@@ -120,7 +121,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, p.rotary), k_scale);
+      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, rot), k_scale);
       s_new_v[d] = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
     }
   }

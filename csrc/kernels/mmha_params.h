@@ -88,11 +88,13 @@ struct RowParams {
 // Rotary embedding of q and the new k (new_token.cuh): pair i turns by position * inv_freq[i] (fp32),
 // inv_freq the table or 1 / theta^(2i / dim); cos and sin times factor.
 struct RotaryParams {
-  const float* inv_freq;  // [dim / 2] or nullptr (from theta)
+  const float* inv_freq;  // [table_rows, dim / 2] or nullptr (from theta)
   int32_t dim;            // 0: none; else even, <= D
   float theta;
   float factor;           // 1: none (YaRN's and longrope's attention factor)
   bool interleaved;       // true: GPT-J pairs (2i, 2i + 1); false: GPT-NeoX halves (i, i + dim / 2)
+  int32_t table_rows;     // 1 (or 0): one table; else a sequence of n tokens uses row
+  int32_t table_start;    //   min(max(n - table_start, 0), table_rows - 1) (one-token steps)
 };
 
 // Score modifiers (score_mods.cuh), each off at its zero.

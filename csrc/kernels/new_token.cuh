@@ -24,6 +24,15 @@ __device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
   return v;
 }
 
+// The rotation of a sequence of seq_len tokens: its row of a table by length (RotaryParams).
+__device__ __forceinline__ RotaryParams for_length(RotaryParams r, int seq_len) {
+  if (r.table_rows > 1) {
+    const int row = min(max(seq_len - r.table_start, 0), r.table_rows - 1);
+    r.inv_freq += static_cast<int64_t>(row) * (r.dim / 2);
+  }
+  return r;
+}
+
 // Pair i's frequency: the table's, or 1 / theta^(2 i / dim).
 __device__ __forceinline__ float pair_frequency(int i, const RotaryParams& r) {
   if (r.inv_freq != nullptr) return r.inv_freq[i];
