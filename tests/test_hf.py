@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import HAS_GPU
+from helpers import HAS_GPU, gpu
 
 transformers = pytest.importorskip("transformers")
 
@@ -169,20 +169,64 @@ def test_gpu_rotary_variants_match_generate(variant):
     check_matches_generate(model, new_tokens=48)
 
 
+def full_forward_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens with the model's forward over the whole sequence at every step (no cache):
+    each step's every key rotated by the frequencies of the sequence's length."""
+    dev = next(model.parameters()).device
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_dynamic_ntk_past_its_switch_matches_generate(device):
+    """Dynamic NTK scaling past max_position_embeddings (48): each step's q and new k rotated by
+    the frequencies transformers computes for the sequence's length (a table row per length);
+    fp32 tokens equal generate()'s, from a fresh rotary state per prompt (transformers' keeps
+    the longest length it has seen across calls)."""
+    from mmha.models.hf_layers import reset_rotary_state
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    model = build("llama", device, torch.float32, rope_parameters=dynamic, max_position_embeddings=48)
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, len(ps), 112)
+    assert dec.rope_switch == 48 and not dec.recompute_at_switch
+    ours = dec.generate(ps, 64, eos_token_id=[])
+    for p, got in zip(ps, ours, strict=True):
+        reset_rotary_state(model.model)
+        assert got == hf_greedy(model, p, 64), f"prompt of {len(p)}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_longrope_past_its_switch_recomputes_the_sequence(device):
+    """Phi-3's longrope past original_max_position_embeddings (80): when a row first passes it,
+    its K/V are recomputed by the model's forward over the whole sequence with the long factors
+    (what transformers' generate means to do there: Phi3's prepare_inputs_for_generation drops
+    the cache), then steps go on with the long factors. fp32 tokens equal greedy decoding by the
+    model's forward over the whole sequence at every step. (transformers 5.17's generate itself,
+    having dropped the cache, goes on from the last token alone.)"""
+    from mmha.bench.families import build_family
+
+    model = build_family("phi3", device, torch.float32)
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, len(ps), 112)
+    assert dec.rope_switch == 80 and dec.recompute_at_switch
+    ours = dec.generate(ps, 70, eos_token_id=[])
+    for p, got in zip(ps, ours, strict=True):
+        assert got == full_forward_greedy(model, p, 70), f"prompt of {len(p)}"
+
+
 def tiny(config_class: str, **kw):
     return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kw))
 
 
 def test_rejects_what_the_kernel_does_not_compute():
-    """Refused by what the attention computes, each naming it: a rotary variant past the length
-    where it switches frequencies, attention parts mmha does not know (multi-head latent attention,
-    Llama 4's L2 q/k norm), a q/k norm of another shape, a model without decoder layers' self_attn,
-    an output head that does more than mmha knows."""
-    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
-    model = build("llama", "cpu", torch.float32, rope_parameters=dynamic)
-    with pytest.raises(ValueError, match=r"'dynamic' switches its frequencies past 512 tokens.*at most 512"):
-        HFDecoder(model, 2, 513)
-    HFDecoder(model, 2, 512)  # never past the switch: the table holds
+    """Refused by what the attention computes, each naming it: attention parts mmha does not know
+    (multi-head latent attention, Llama 4's L2 q/k norm), a q/k norm of another shape, a model
+    without decoder layers' self_attn, an output head that does more than mmha knows."""
     small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2)  # fmt: skip
     mla = tiny("DeepseekV3Config", **small, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,

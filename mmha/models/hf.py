@@ -35,8 +35,10 @@ from .hf_layers import (
     MmhaSelfAttention,
     attention_modules,
     check_attention_kinds,
+    drops_cache_at_switch,
     layer_attention,
     output_head,
+    reset_rotary_state,
     swapped_attention,
 )
 from .hf_norms import layer_norms, qk_row_norm
@@ -138,6 +140,12 @@ class HFDecoder:
         specs = [layer.spec for layer in self.layers]
         self.head = output_head(model)
         self.windowed = any(s.window is not None for s in specs)
+        # Rotary that follows the sequence's length (dynamic NTK, longrope past their switch): the
+        # length from which the frequencies change, and whether transformers' generate then
+        # recomputes every key (Phi-3's longrope drops the cache there).
+        starts = [s.rotary.table_start for s in specs if s.rotary.by_length]
+        self.rope_switch = min(starts) if starts else None
+        self.recompute_at_switch = self.rope_switch is not None and drops_cache_at_switch(model)
         self.modified = any(s.has_mods for s in specs)
         on_gpu = param.device.type == "cuda"
         if graphs is None:
@@ -182,13 +190,17 @@ class HFDecoder:
     # ------------------------------------------------------------------ prefill
     def _prefill_groups(self, lengths: list[int]) -> list[list[int]]:
         """Prompt indices in groups of at most ``prefill_tokens`` padded tokens (one prompt a
-        group where sliding windows cut the model's own prompt cache)."""
+        group where sliding windows cut the model's own prompt cache, or where a prompt is past
+        the length from which the rotary frequencies follow the length: a group's forward takes
+        its longest prompt's)."""
         groups: list[list[int]] = []
+        switch = self.rope_switch
         for i, n in enumerate(lengths):
             g = groups[-1] if groups else None
             if (
                 g
                 and not self.windowed
+                and (switch is None or max(n, *(lengths[j] for j in g)) <= switch)
                 and (len(g) + 1) * max(n, *(lengths[j] for j in g)) <= self.prefill_tokens
             ):
                 g.append(i)
@@ -222,6 +234,8 @@ class HFDecoder:
             ids = torch.zeros(len(group), max(n), dtype=torch.long, device=dev)
             for j, i in enumerate(group):
                 ids[j, : n[j]] = torch.tensor(list(prompts[i]), device=dev)
+            if self.rope_switch is not None:
+                reset_rotary_state(self.body)  # each group's forward as a fresh sequence's
             res = self.body(input_ids=ids, use_cache=True)
             for layer in range(len(self.body.layers)):
                 k, v = _layer_kv(res.past_key_values, layer)
@@ -361,6 +375,7 @@ class HFDecoder:
             return self._speculate(prompts, max_new_tokens, draft, list(tree_shape))
         eos = self._eos_ids(eos_token_id)
         self.cache.release(range(self.cache.max_batch))
+        self._prompts = [list(p) for p in prompts]
         first = self.prefill(prompts).argmax(-1)
         return self._decode(first, max_new_tokens, eos, sync_every)
 
@@ -382,6 +397,9 @@ class HFDecoder:
         st.step.zero_()
         out = [[t] for t in first.tolist()]
         rows = next(b for b in buckets(self.cache.max_batch) if b >= n) if self.graphs else n
+        # The step at which each row's sequence reaches the switch + 1 tokens (where transformers
+        # recomputes it), if it does.
+        crossing = self._crossing_steps(n) if self.recompute_at_switch else {}
         taken, pending = 0, 0
         while taken + pending < max_new_tokens - 1:
             if self.graphs:
@@ -389,7 +407,8 @@ class HFDecoder:
             else:
                 self._greedy_step(rows)
             pending += 1
-            if pending == sync_every or taken + pending == max_new_tokens - 1:
+            step = taken + pending - 1
+            if pending == sync_every or taken + pending == max_new_tokens - 1 or step in crossing.values():
                 if self.graphs:
                     self.cache.account_replay(pending)
                 history = st.history[:n].tolist()  # one read, whatever the number of steps
@@ -397,9 +416,33 @@ class HFDecoder:
                 for r in range(n):
                     out[r].extend(history[r][c] for c in cols)
                 taken, pending = taken + pending, 0
+                for r in [r for r, s in crossing.items() if s == step]:
+                    self._recompute(r, out[r], step, eos)
                 if bool(st.done[:n].all()):
                     break
         return [_until_eos(row, eos) for row in out]
+
+    def _crossing_steps(self, n: int) -> dict[int, int]:
+        """Row -> the decode step whose input token sits at position ``rope_switch`` (the step at
+        which the row's sequence has switch + 1 tokens), for rows whose prompt is shorter."""
+        switch = self.rope_switch
+        return {r: switch - len(p) for r, p in enumerate(self._prompts[:n]) if len(p) <= switch}
+
+    def _recompute(self, r: int, tokens: list[int], step: int, eos: list[int]) -> None:
+        """What transformers' generate does when a sequence first passes longrope's switch: row
+        ``r``'s K/V recomputed by the model's forward over its whole sequence (the prompt and
+        ``tokens`` but the last, which the step just picked with the short factors) and its pick
+        replaced by that forward's. The device state (next input, history, end flag) follows."""
+        st = self._state
+        if any(t in eos for t in tokens[:-1]):
+            return  # finished before the switch: its tokens after the end are cut anyway
+        prompt = self._prompts[r]
+        self.cache.release([r])
+        pick = int(self.prefill([list(prompt) + tokens[:-1]], rows=[r]).argmax(-1)[0])
+        tokens[-1] = pick
+        st.tokens[r] = pick
+        st.history[r, step % HISTORY] = pick
+        st.done[r] = pick in eos
 
     def _speculate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: HFDecoder, shape: list[int]

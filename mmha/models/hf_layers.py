@@ -23,6 +23,7 @@ model's own forward with each layer's ``self_attn`` swapped for an ``MmhaSelfAtt
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass, replace
 
@@ -119,6 +120,52 @@ def _switch_point(config, emb, rope_type: str, params: dict) -> int:
     return int(emb.original_max_seq_len)
 
 
+def drops_cache_at_switch(model) -> bool:
+    """Whether transformers' ``generate`` recomputes the whole sequence when it first passes
+    longrope's switch (Phi-3 and its kin drop the cache there, in their own
+    ``prepare_inputs_for_generation``), rather than keep the keys cached with the short factors."""
+    try:
+        source = inspect.getsource(type(model).prepare_inputs_for_generation)
+    except (OSError, TypeError):
+        return False
+    return "original_max_position_embeddings" in source and "past_key_values = None" in source
+
+
+def reset_rotary_state(body) -> None:
+    """transformers' dynamic rotary keeps the longest length it has seen and its table; a fresh
+    sequence (as a new ``generate`` sees it) starts from the original table."""
+    emb = getattr(body, "rotary_emb", None)
+    if emb is None or not hasattr(emb, "original_max_seq_len"):
+        return
+    for name in [n for n, _ in emb.named_buffers() if n.endswith("inv_freq") and "original" not in n]:
+        prefix = name[: -len("inv_freq")]
+        original = getattr(emb, f"{prefix}original_inv_freq", None)
+        if original is not None:
+            emb.register_buffer(name, original.to(getattr(emb, name).device), persistent=False)
+        if hasattr(emb, f"{prefix}max_seq_len_cached"):
+            setattr(emb, f"{prefix}max_seq_len_cached", emb.original_max_seq_len)
+
+
+def tables_by_length(model, emb, rope_type: str, layer_type, table, switch: int, max_seq_len: int):
+    """The frequencies of a variant transformers changes with the sequence's length, one row per
+    length as ``Rotary(table_start=switch)`` reads them: row 0 the model's own ``table`` (lengths up
+    to ``switch``); longrope's one more row, its long factors (every length past ``switch``);
+    dynamic NTK's row ``n - switch`` for each length ``n`` up to ``max_seq_len``, each made as
+    transformers makes it when the sequence grows to ``n`` (its init function, with ``n`` a tensor
+    on the model's device, so in the same fp32 operations)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    device = table.device if not hasattr(emb, "inv_freq") else emb.inv_freq.device
+    kw = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope":
+        lengths = [switch + 1]  # as transformers' longrope update asks for the long factors
+    else:
+        lengths = [torch.tensor(n, device=device) for n in range(switch + 1, max_seq_len + 1)]
+    rows = [table] + [init(model.config, device, seq_len=n, **kw)[0].detach().float().cpu() for n in lengths]
+    return torch.stack(rows).contiguous()
+
+
 def layer_rotary(model, i: int, attn, head_dim: int, max_seq_len: int) -> Rotary | None:
     """Layer ``i``'s rotation (module docstring), or None for a layer without rotary. Refuses a
     rotation mmha does not compute, naming it."""
@@ -137,13 +184,7 @@ def layer_rotary(model, i: int, attn, head_dim: int, max_seq_len: int) -> Rotary
         )
     params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", "default")
-    if rope_type in DYNAMIC_ROPE_TYPES:
-        switch = _switch_point(config, emb, rope_type, params)
-        if max_seq_len > switch:
-            raise ValueError(
-                f"rope_type {rope_type!r} switches its frequencies past {switch} tokens, which HFDecoder "
-                f"does not follow yet: max_seq_len ({max_seq_len}) must be at most {switch}"
-            )
+    switch = _switch_point(config, emb, rope_type, params) if rope_type in DYNAMIC_ROPE_TYPES else None
     factor = getattr(emb, f"{prefix}attention_scaling", 1.0)
     table = table.detach().float().cpu().contiguous()
     if 2 * table.numel() > head_dim:
@@ -153,8 +194,13 @@ def layer_rotary(model, i: int, attn, head_dim: int, max_seq_len: int) -> Rotary
         Rotary(2 * table.numel(), theta, interleaved, inv_freq=table, attention_factor=float(factor))
         for interleaved in (False, True)
     ]
+    # The probe's positions stay below a dynamic variant's switch (the model's own table there).
+    probe_len = max_seq_len if switch is None else min(max_seq_len, switch)
     for rotary in candidates:
-        if _rotates_like_the_model(model, emb, attn, layer_type, rotary, head_dim, max_seq_len):
+        if _rotates_like_the_model(model, emb, attn, layer_type, rotary, head_dim, probe_len):
+            if switch is not None and max_seq_len > switch:
+                rows = tables_by_length(model, emb, rope_type, layer_type, table, switch, max_seq_len)
+                return replace(rotary, inv_freq=rows, table_start=switch)
             return rotary
     raise ValueError(
         f"layer {i}: the model's rotation ({type(attn).__module__}.apply_rotary_pos_emb) is not GPT-NeoX "
