@@ -6,8 +6,12 @@ variant; fp8 caches on both sources, split and not, with a bad scale; score modi
 whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources and the CUDA-core loop,
 split and not; paged caches (pools with no spare block, tables with entries past the rows' blocks
 unset, a window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3
-outputs, per-channel tensors, refused rows): nothing may be read or written outside the caches
-and the output."""
+outputs, per-channel tensors, refused rows); rotary tables by length (rows before, within and past
+the table, out-of-range lengths); the row norm (widths from 1 to 5120, q/k segments in place):
+nothing may be read or written outside the caches and the output. ``norms`` as the argument runs
+the row norm's cases alone (the suite's second pass, filtered to that kernel)."""
+
+import sys
 
 import torch
 from fp8_cases import fp8_case
@@ -176,7 +180,43 @@ def paged_cases() -> None:
             assert torch.isnan(out[[2, 4]]).all() and torch.isfinite(out[[0, 1, 3]]).all()
 
 
+def rotary_cases() -> None:
+    """Tables by length: lengths before the start, within the rows and past the last; with
+    validation off, out-of-range lengths (the row index clamps, the guard refuses the row)."""
+    for splits in (1, 3):
+        case = make_case(5, 8, 2, 128, [0, 30, 31, 33, 255], 256, torch.float16, seed=splits, bias=True,
+                         rotary_dim=128)  # fmt: skip
+        case.rotary.update(inv_freq=torch.rand(3, 64, device="cuda"), table_start=31)
+        assert torch.isfinite(run(case, (8, 2), 128, splits, "auto", 2)).all()
+        case.lengths.copy_(torch.tensor([256, -1, 7, 10**6, -(2**31)], dtype=torch.int32))
+        ws = ops.Workspace.allocate("cuda", 5, 8, 128, splits)
+        out = run(case, (8, 2), 128, splits, "auto", 2, validate=False, workspace=ws)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out[2]).all()
+
+
+def norm_cases() -> None:
+    """The row norm: one segment over rows of every width class, in and out of place; q/k
+    segments of a qkv row in place, weights shared and per head; strided rows."""
+    for width in (1, 31, 128, 1000, 5120):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = torch.randn(3, width, device="cuda", dtype=dtype)
+            w = torch.randn(width, device="cuda", dtype=dtype)
+            ops.rms_norm(x, torch.empty_like(x), [w], [0, 1, width], [1e-6])
+            ops.rms_norm(x, x, [w], [0, 1, width], [1e-6], 1.0, False)
+    qkv = torch.randn(4, (8 + 2 * 2) * 64, device="cuda", dtype=torch.bfloat16)
+    wq, wk = torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda")
+    ops.rms_norm(qkv, qkv, [wq, wk], [0, 8, 64, 512, 2, 64], [1e-6, 1e-6])
+    big = torch.randn(4, 700, device="cuda")
+    ops.rms_norm(big[:, 50:650], big[:, 50:650], [torch.ones(300, device="cuda")], [0, 2, 300], [1e-5])
+    torch.cuda.synchronize()
+
+
 def main() -> None:
+    if sys.argv[1:] == ["norms"]:
+        norm_cases()
+        print("sanitize cases done")
+        return
     for dtype, head_dim, heads in (
         (torch.float16, 128, (8, 2)),
         (torch.bfloat16, 64, (4, 4)),
@@ -211,6 +251,8 @@ def main() -> None:
     tree_cases()
     paged_cases()
     epilogue_cases()
+    rotary_cases()
+    norm_cases()
     print("sanitize cases done")
 
 
