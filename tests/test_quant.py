@@ -72,3 +72,20 @@ def test_accuracy_study_runs(tmp_path):
     by = {(r["kv"], r["tensor"], r["format"]): r["mean_rel_err"] for r in rows}
     assert len(rows) == 2 * (len(kv_accuracy.K_FORMATS) + len(kv_accuracy.V_FORMATS))
     assert by[("random", "K", "int8")] < by[("random", "K", "int4")]  # 4 more bits, a smaller error
+
+
+def test_model_formats_teacher_forced():
+    """The formats on a small HF model, teacher-forced after a prompt: the 16-bit cache read
+    through no format agrees with itself exactly; int8 stays closer than int4; the model's
+    attention implementation is restored."""
+    pytest.importorskip("transformers")
+    from mmha.bench.families import build_family
+    from mmha.bench.kv_formats_model import compare
+
+    model = build_family("llama3", "cpu", torch.float32)
+    own = model.config._attn_implementation
+    rows = {r["format"]: r for r in compare(model, 80, 8, formats={"none": None, "int8": ("int8", "int8"),
+                                                                   "int4": ("int4", "int4")})}  # fmt: skip
+    assert rows["none"]["agreement"] == 1.0 and rows["none"]["mean_kl"] == 0.0
+    assert rows["int8"]["mean_kl"] < rows["int4"]["mean_kl"]
+    assert model.config._attn_implementation == own

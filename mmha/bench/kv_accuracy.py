@@ -17,6 +17,11 @@ a scale and zero point (``asym``), K ``smooth`` (``mmha.quant.smoothing_factors`
 half, alpha 0.5, folded into q), or K per channel (KIVI: a scale and zero point per channel over
 each group of 64 tokens, the last partial group kept in 16 bits: ``channels``). Runs on the CPU or
 a GPU (the same numbers up to fp64 rounding); writes kv_accuracy.json under --out.
+
+``--model NAME`` (a ``mmha.bench.hf`` shape, random weights at trained scale, fp16, on a GPU)
+adds the formats on that model, teacher-forced (``mmha.bench.kv_formats_model``): agreement of
+the greedy picks with the 16-bit cache and the mean KL divergence, after prompts of
+``--model-contexts`` tokens.
 """
 
 from __future__ import annotations
@@ -116,6 +121,15 @@ def table(rows: list[dict]) -> str:
     return tabulate(body, cols, tablefmt="github", disable_numparse=True)
 
 
+def model_table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    body = [[r["context"], r["format"], f"{r['agreement']:.3f}", f"{r['mean_kl']:.2e}", f"{r['max_kl']:.2e}"]
+            for r in rows]  # fmt: skip
+    cols = ["context", "format", "greedy agreement", "mean KL", "max KL"]
+    return tabulate(body, cols, tablefmt="github", disable_numparse=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     doc = __doc__.split("\n\n")[0]
     ap = argparse.ArgumentParser(prog="python -m mmha.bench.kv_accuracy", description=doc)
@@ -123,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("bench_kv_accuracy"))
+    ap.add_argument("--model", help="a mmha.bench.hf shape (llama-1b, llama3-8b, qwen3-8b): the model rows")
+    ap.add_argument("--model-contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--model-steps", type=int, default=128)
     args = ap.parse_args(argv)
     rows = []
     for kind in ("random", "outliers"):
@@ -135,9 +152,22 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "heads": [HQ, HKV, D], "seeds": args.seeds,
     }  # fmt: skip
+    model_rows = []
+    if args.model:
+        from .hf import build_model
+        from .kv_formats_model import compare
+
+        model = build_model(torch.float16, "sdpa", model=args.model)
+        header["model"] = args.model
+        for context in args.model_contexts:
+            model_rows += compare(model, context, args.model_steps)
+            print(json.dumps(model_rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kv_accuracy.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    result = {"header": header, "rows": rows, "model_rows": model_rows}
+    (args.out / "kv_accuracy.json").write_text(json.dumps(result, indent=1))
     print(table(rows))
+    if model_rows:
+        print(model_table(model_rows))
     return 0
 
 
