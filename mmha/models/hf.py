@@ -184,6 +184,7 @@ class HFDecoder:
             for i, a in enumerate(self.layers)
         ]
         self._state: _GreedyState | None = None
+        self._prompts: dict[int, list[int]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -226,6 +227,8 @@ class HFDecoder:
                     f"{self.cache.max_seq_len} including the tokens still to generate"
                 )
         self.cache.admit(rows)
+        for r, prompt in zip(rows, prompts, strict=True):
+            self._prompts[r] = list(prompt)  # what a row's recompute at longrope's switch starts from
         lengths = [len(p) for p in prompts]
         logits = [None] * len(prompts)
         for group in self._prefill_groups(lengths):
@@ -375,7 +378,6 @@ class HFDecoder:
             return self._speculate(prompts, max_new_tokens, draft, list(tree_shape))
         eos = self._eos_ids(eos_token_id)
         self.cache.release(range(self.cache.max_batch))
-        self._prompts = [list(p) for p in prompts]
         first = self.prefill(prompts).argmax(-1)
         return self._decode(first, max_new_tokens, eos, sync_every)
 
@@ -426,7 +428,7 @@ class HFDecoder:
         """Row -> the decode step whose input token sits at position ``rope_switch`` (the step at
         which the row's sequence has switch + 1 tokens), for rows whose prompt is shorter."""
         switch = self.rope_switch
-        return {r: switch - len(p) for r, p in enumerate(self._prompts[:n]) if len(p) <= switch}
+        return {r: switch - len(self._prompts[r]) for r in range(n) if len(self._prompts[r]) <= switch}
 
     def _recompute(self, r: int, tokens: list[int], step: int, eos: list[int]) -> None:
         """What transformers' generate does when a sequence first passes longrope's switch: row
