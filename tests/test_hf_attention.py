@@ -246,3 +246,23 @@ def test_gpu_guard_flags_reach_the_cache_check():
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
     with pytest.raises(LengthError, match=r"rows \[0\]"):
         cache.kv.check()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_dynamic_ntk_past_its_switch_matches_the_batch(device):
+    """Dynamic NTK past max_position_embeddings (48) on this route: transformers rotates q and k
+    (its table follows the batch's longest sequence), so a left-padded ragged batch through the
+    "mmha" attention and MmhaCache equals the same batch through transformers' own attention and
+    cache, token for token (fp32; eager steps: the table changes with the length)."""
+    from mmha.models.hf_layers import reset_rotary_state
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    model = build("llama", device, torch.float32, rope_parameters=dynamic, max_position_embeddings=48)
+    ps = prompts(model.config.vocab_size)
+    model.set_attn_implementation("eager")
+    reset_rotary_state(model.model)
+    theirs = generate(model, None, ps, 64, disable_compile=True)
+    model.set_attn_implementation("mmha")
+    reset_rotary_state(model.model)
+    ours = generate(model, MmhaCache(model, len(ps), max(map(len, ps)) + 65), ps, 64, disable_compile=True)
+    assert ours == theirs
