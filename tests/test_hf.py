@@ -273,19 +273,24 @@ class _AlwaysWrongDraft(HFDecoder):
     """A draft that never proposes its model's top token (with the target's own weights, it is
     always wrong)."""
 
-    def step_tree(self, tokens, parents):
-        logits = super().step_tree(tokens, parents)
+    def step_tree(self, tokens, parents, node_counts=None):
+        logits = super().step_tree(tokens, parents, node_counts)
         return logits.scatter(-1, logits.argmax(-1, keepdim=True), float("-inf"))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not HAS_GPU, reason="needs a CUDA GPU and the built extension"))])  # fmt: skip
 @pytest.mark.parametrize("draft_kind", ["same", "other", "wrong"])
-@pytest.mark.parametrize("shape", [(2, 2, 1), (1, 1, 1, 1), (3,)])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2, 1), (1, 1, 1, 1), (3,), ((2, 2, 1), (1,), (3, 1), (1, 1, 1, 1))],
+    ids=["2-2-1", "chain", "star", "ragged"],
+)
 def test_speculative_greedy_is_lossless(device, draft_kind, shape):
     """Speculative decoding with a draft equal to the target, a different random model, and a
     draft that is always wrong: the target's plain greedy tokens, token for token (fp32; on a GPU
-    the tree steps and one-token steps run the kernels)."""
+    the tree steps and one-token steps run the kernels); "ragged": each row its own tree shape
+    (node counts 11, 2, 7 and 5 in one step)."""
     target = build("llama", device, torch.float32)
     ps = prompts(target.config.vocab_size)
     new = 24

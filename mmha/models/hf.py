@@ -171,6 +171,7 @@ class HFDecoder:
         self.kv_scale_margin = kv_scale_margin
         # Set during a tree step: the parents the layers' MmhaSelfAttention pass to step_tree.
         self.parents: torch.Tensor | None = None
+        self.node_counts = None
         if fuse_norms is None:
             fuse_norms = on_gpu and extension_available()
         if fuse_norms and not (on_gpu and extension_available()):
@@ -269,18 +270,19 @@ class HFDecoder:
         return self.head(h)
 
     @torch.no_grad()
-    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor, node_counts=None) -> torch.Tensor:
         """A tree of tokens per row through every layer (``KVCache.step_tree``): ``tokens [B, T]``
-        as the nodes of ``parents [B, T]``. Returns fp32 logits ``[B, T, vocab]`` (node t's
-        prediction of the token after it); lengths do not move (``self.cache.accept``)."""
+        as the nodes of ``parents [B, T]``, row ``b`` its first ``node_counts[b]`` (default all).
+        Returns fp32 logits ``[B, T, vocab]`` (node t's prediction of the token after it; a row's
+        nodes past its count are not meaningful); lengths do not move (``self.cache.accept``)."""
         if self.modified:
             raise ValueError("tree steps do not take score modifiers yet (sliding windows, soft-caps, sinks)")
-        self.parents = parents
+        self.parents, self.node_counts = parents, node_counts
         try:
             with swapped_attention(self.model, self._attention, self._norms):
                 h = self.body(input_ids=tokens, use_cache=False).last_hidden_state
         finally:
-            self.parents = None
+            self.parents = self.node_counts = None
         return self.head(h)
 
     def _greedy_step(self, rows: int) -> None:
@@ -343,7 +345,7 @@ class HFDecoder:
         max_new_tokens: int,
         *,
         draft: HFDecoder | None = None,
-        tree_shape: Sequence[int] = (2, 2, 1),
+        tree_shape: Sequence[int] | Sequence[Sequence[int]] = (2, 2, 1),
         eos_token_id: int | Sequence[int] | None = None,
         sync_every: int = 16,
     ) -> list[list[int]]:
@@ -356,7 +358,8 @@ class HFDecoder:
 
         With ``draft`` (an ``HFDecoder`` of a model with the same tokenizer): speculative decoding.
         Each round the draft grows a tree under the last token, ``tree_shape[d]`` children per
-        node at depth ``d`` (its top tokens), and the target verifies the whole tree in one
+        node at depth ``d`` (its top tokens; ``tree_shape`` may instead hold one shape per prompt:
+        ragged trees, each row its own node count in one step), and the target verifies the whole tree in one
         ``step_tree``: the longest root path whose tokens are the target's own greedy picks is
         accepted in both caches (``KVCache.accept``), plus the target's next pick. The tokens are
         exactly those of plain greedy decoding with the target (no end-of-sequence stop)."""
@@ -447,24 +450,25 @@ class HFDecoder:
         st.done[r] = pick in eos
 
     def _speculate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: HFDecoder, shape: list[int]
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft: HFDecoder, shape
     ) -> list[list[int]]:
-        nodes = speculative.tree_nodes(shape)
+        shapes = speculative.row_shapes(shape, len(prompts))
+        nodes = max(speculative.tree_nodes(s) for s in shapes)
+        depth = max(len(s) for s in shapes)
         longest = max(len(p) for p in prompts)
         for name, dec in (("the target", self), ("the draft", draft)):
-            if longest + max_new_tokens + len(shape) + nodes > dec.cache.max_seq_len:
+            if longest + max_new_tokens + depth + nodes > dec.cache.max_seq_len:
                 raise ValueError(
                     f"max_seq_len of {name} ({dec.cache.max_seq_len}) must hold the longest prompt "
                     f"({longest}), max_new_tokens ({max_new_tokens}) and a tree of {nodes} nodes past "
-                    f"up to {len(shape)} extra accepted tokens"
+                    f"up to {depth} extra accepted tokens"
                 )
         for dec in (self, draft):
             dec.cache.release(range(dec.cache.max_batch))
         cur = self.prefill(prompts).argmax(-1)  # emitted, not yet cached
         draft.prefill(prompts)
-        out, _ = speculative.speculate(
-            self, draft, cur, [[int(t)] for t in cur.tolist()], max_new_tokens, shape
-        )
+        first = [[int(t)] for t in cur.tolist()]
+        out, _ = speculative.speculate(self, draft, cur, first, max_new_tokens, shapes)
         return out
 
 

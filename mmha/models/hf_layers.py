@@ -346,7 +346,9 @@ class MmhaSelfAttention(nn.Module):
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             qkv = torch.cat([_normed(q, layer.q_norm, hq, d), _normed(k, layer.k_norm, hkv, d), v], dim=-1)
         if dec.parents is not None:
-            out = cache.step_tree(self.index, qkv, dec.parents, qkv_bias=self.kernel_bias)
+            out = cache.step_tree(
+                self.index, qkv, dec.parents, node_counts=dec.node_counts, qkv_bias=self.kernel_bias
+            )
         else:
             b = hidden_states.shape[0]
             out = cache.step(self.index, qkv.reshape(b, -1), qkv_bias=self.kernel_bias).view(b, 1, -1)

@@ -181,12 +181,13 @@ class TreeDecoder:
             raise ValueError(f"cache must have {len(self.layers)} layers, got {cache.num_layers}")
 
     @torch.no_grad()
-    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    def step_tree(self, tokens: torch.Tensor, parents: torch.Tensor, node_counts=None) -> torch.Tensor:
         m = self.model
         x = m.embed(tokens)
         for i, blk in enumerate(self.layers):
             bias = blk.wqkv.bias.detach() if blk.wqkv.bias is not None else None
-            out = self.cache.step_tree(i, F.linear(blk.attn_norm(x), blk.wqkv.weight), parents, qkv_bias=bias)
+            qkv = F.linear(blk.attn_norm(x), blk.wqkv.weight)
+            out = self.cache.step_tree(i, qkv, parents, node_counts=node_counts, qkv_bias=bias)
             x = x + blk.wo(out)
             x = x + blk.mlp(x)
         return m.lm_head(m.norm(x)).float()
