@@ -135,13 +135,19 @@ class Rotary:
             return None
         if self.inv_freq is not None:
             return self.inv_freq
-        device = torch.device(device)
-        key = (self.dim, float(self.theta), str(device))
+        key = (self.dim, self.theta, device)  # as given: a lookup per step and layer, kept cheap
         table = _THETA_TABLES.get(key)
-        if table is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # a tensor made here would live in the graph's pool
-            table = _THETA_TABLES[key] = Rotary(self.dim, self.theta).frequencies(torch.float32, device)
+        if table is None:  # the same table for every spelling of the device ("cuda", "cuda:0", ...)
+            dev = torch.device(device)
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            table = _THETA_TABLES.get((self.dim, self.theta, dev))
+            if table is None:
+                if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    return None  # a tensor made here would live in the graph's pool
+                table = Rotary(self.dim, self.theta).frequencies(torch.float32, dev)
+                _THETA_TABLES[(self.dim, self.theta, dev)] = table
+            _THETA_TABLES[key] = table
         return table
 
     def frequencies(self, dtype: torch.dtype, device) -> torch.Tensor:
@@ -154,7 +160,7 @@ class Rotary:
 
 
 # Theta's fp32 frequency tables on each device (``Rotary.kernel_table``), by (dim, theta, device).
-_THETA_TABLES: dict[tuple[int, float, str], torch.Tensor] = {}
+_THETA_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _checked_head_tensor(name: str, t) -> torch.Tensor | None:
