@@ -18,6 +18,6 @@ python bench/make_docs.py \
   --sweep "$D/sweep_h200.json" --sweep "$D/sweep_h100.json" --sweep "$D/sweep_tree_h100.json" \
   $(per_gpu --fp8 bench_fp8) --fp8-accuracy "$D/fp8_accuracy_h200.json" $(per_gpu --hf bench_hf) \
   $(per_gpu --mods bench_mods) $(per_gpu --tree bench_tree) $(per_gpu --paged bench_paged) \
-  $(per_gpu --epilogue bench_epilogue) $(per_gpu --models models) \
+  $(per_gpu --epilogue bench_epilogue) $(per_gpu --models models) --kv-accuracy "$D/kv_formats_synthetic_cpu.json" \
   --distributed "$D/bench_distributed_w2_h100.json" --distributed "$D/bench_distributed_w1_h200.json" \
   --distributed-demo "$D/demo_distributed_w2_h100.log" "${ab[@]}"

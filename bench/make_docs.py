@@ -18,6 +18,7 @@ bench_tree.json, one per GPU model (docs/data/bench_tree_<gpu>.json). --paged / 
 for ``--paged`` and ``--epilogue`` (bench_paged_<gpu>.json, bench_epilogue_<gpu>.json). --ab: what
 ``bench/ab.sh`` wrote (ab.md) for a kernel change, after a first line saying what the two builds were;
 repeatable.
+--kv-accuracy: a ``python -m mmha.bench.kv_accuracy`` kv_accuracy.json (kept under its own name).
 --models: a ``python -m mmha.bench.models`` models_<gpu>.json, one per GPU model (kept under that name).
 --distributed: a ``torchrun ... -m mmha.bench.distributed --out`` JSON, one per machine (world size
 and GPU: docs/data/bench_distributed_w<N>_<gpu>.json). --distributed-demo: the output of
@@ -338,6 +339,7 @@ def main() -> None:
     ap.add_argument("--paged", type=Path, action="append", default=[])
     ap.add_argument("--epilogue", type=Path, action="append", default=[])
     ap.add_argument("--models", type=Path, action="append", default=[])
+    ap.add_argument("--kv-accuracy", type=Path, action="append", default=[])
     ap.add_argument("--distributed", type=Path, action="append", default=[])
     ap.add_argument("--distributed-demo", type=Path, action="append", default=[])
     args = ap.parse_args()
@@ -531,6 +533,25 @@ def main() -> None:
             data = json.loads(path.read_text())
             keep(path, f"bench_hf_{slug(data['header']['gpu'])}.json")
             lines += hf_section(data)
+    if args.kv_accuracy:
+        from mmha.bench.kv_accuracy import model_table, table
+
+        lines += [
+            "## K/V cache formats in accuracy", "",
+            "`python -m mmha.bench.kv_accuracy` (its module docstring says how): each format's attention"
+            " error against the 16-bit cache, one tensor stored in it and the other 16-bit (mean and max"
+            " relative error of the output over heads and seeds), on random and on outlier-channel K/V;"
+            " with `--model`, the formats on an HF model, teacher-forced against the 16-bit cache. No"
+            " kernel reads the integer formats yet: these numbers choose their layout.", "",
+        ]  # fmt: skip
+        for path in args.kv_accuracy:
+            data = json.loads(keep(path, path.name).read_text())
+            h = data["header"]
+            lines += [f"### {h['device']}, {h['date']}: torch {h['torch']} (`docs/data/{path.name}`)", "",
+                      table(data["rows"]), ""]  # fmt: skip
+            if data.get("model_rows"):
+                lines += [f"On `{h['model']}` (fp16, random weights at trained scale):", "",
+                          model_table(data["model_rows"]), ""]  # fmt: skip
     if args.models:
         lines += [
             "## Model families", "",
