@@ -233,6 +233,20 @@ HF_METHODS = ("hf_dynamic", "hf_static_compile", "mmha_native", "mmha_graphs")
 HF_TARGET = {1024: 1.1, 8192: 1.3, 32768: 1.3}
 
 
+def routes_against_static(methods: dict, need: float | None, row: str, misses: list[str]) -> list[str]:
+    """Both mmha routes' speed-ups over transformers' static cache + compile in one row of
+    ``methods`` (by method name), formatted; a miss of ``need`` is added to ``misses``."""
+    base = methods.get("hf_static_compile", {}).get("step_ms")
+    ratios = []
+    for method in ("mmha_native", "mmha_graphs"):
+        step = methods.get(method, {}).get("step_ms")
+        ratio = base / step if base and step else None
+        ratios.append(f"{ratio:.2f}" if ratio else "")
+        if ratio is not None and need is not None and ratio < need:
+            misses.append(f"{row}: {method} {ratio:.2f}x < {need}x")
+    return ratios
+
+
 def hf_section(data: dict) -> list[str]:
     from tabulate import tabulate
 
@@ -246,15 +260,7 @@ def hf_section(data: dict) -> list[str]:
         return f"{r['decode_tok_s']:.0f}" if "decode_tok_s" in r else r.get("skipped", "")
 
     for (batch, context), m in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        base = m.get("hf_static_compile", {}).get("step_ms")
-        ratios = []
-        for method in ("mmha_native", "mmha_graphs"):
-            step = m.get(method, {}).get("step_ms")
-            ratio = base / step if base and step else None
-            ratios.append(f"{ratio:.2f}" if ratio else "")
-            need = HF_TARGET.get(context)
-            if ratio is not None and need is not None and ratio < need:
-                misses.append(f"B={batch} context {context}: {method} {ratio:.2f}x < {need}x")
+        ratios = routes_against_static(m, HF_TARGET.get(context), f"B={batch} context {context}", misses)
         share = m.get("mmha_graphs", {}).get("attention_share")
         body.append([batch, context, *[tok(m.get(x, {})) for x in HF_METHODS], *ratios,
                      f"{100 * share:.0f} %" if share is not None else ""])  # fmt: skip
@@ -294,15 +300,8 @@ def models_section(data: dict) -> list[str]:
         by.setdefault((r["model"], r["batch"], r["context"]), {})[r["method"]] = r
     body, misses = [], []
     for (model, batch, context), m in by.items():
-        base = m.get("hf_static_compile", {}).get("step_ms")
-        ratios = []
-        for method in ("mmha_native", "mmha_graphs"):
-            step = m.get(method, {}).get("step_ms")
-            ratio = base / step if base and step else None
-            ratios.append(f"{ratio:.2f}" if ratio else "")
-            need = MODELS_TARGET.get(context)
-            if ratio is not None and need is not None and ratio < need:
-                misses.append(f"{model} B={batch} context {context}: {method} {ratio:.2f}x < {need}x")
+        row = f"{model} B={batch} context {context}"
+        ratios = routes_against_static(m, MODELS_TARGET.get(context), row, misses)
         tok = [f"{m[x]['decode_tok_s']:.0f}" if "decode_tok_s" in m.get(x, {}) else "" for x in METHODS]
         share = m.get("mmha_graphs", {}).get("attention_share")
         share = f"{100 * share:.0f} %" if share is not None else ""

@@ -31,40 +31,38 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >>"$summary"
 fi
 
+# sanitize LABEL LOG TOOL ARGS...: compute-sanitizer --tool TOOL ARGS (then the python command)
+# into $OUT/LOG; its summary line goes to $summary under LABEL, and any report fails the suite.
+sanitize() {
+  local label=$1 log=$2 tool=$3
+  shift 3
+  local report=()
+  [ "$tool" = racecheck ] && report=(--racecheck-report all)
+  PYTHONPATH="$PWD:$PWD/tests" timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "${report[@]}" \
+    "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  local last
+  last=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$log" | tail -n 1)
+  echo "$label: rc=$rc $last" | tee -a "$summary"
+  if [ "$rc" -ne 0 ] || ! echo "$last" | grep -qE 'SUMMARY: 0 (errors|hazards)'; then
+    failed=1
+    grep -m 20 -E '(Error|Warning|Race reported).*|^=+ +(Read|Write|at ).*' "$OUT/$log" | head -n 20
+  fi
+}
+
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
-  for tool in memcheck racecheck initcheck; do
-    env=()
-    [ "$tool" = memcheck ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
-    # initcheck runs unfiltered: torch's fill kernels must be instrumented for their writes to
-    # count as initialisation (with a kernel filter it reports false positives).
-    filter=(--kernel-name kns=decode_attention)
-    [ "$tool" = initcheck ] && filter=()
-    report=()
-    [ "$tool" = racecheck ] && report=(--racecheck-report all)
-    env "${env[@]}" PYTHONPATH="$PWD:$PWD/tests" timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      "${filter[@]}" "${report[@]}" python tests/sanitize_cases.py >"$OUT/sanitizer_$tool.log" 2>&1
-    rc=$?
-    last=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -n 1)
-    echo "sanitizer $tool: rc=$rc $last" | tee -a "$summary"
-    if [ "$rc" -ne 0 ] || ! echo "$last" | grep -qE 'SUMMARY: 0 (errors|hazards)'; then
-      failed=1
-      grep -m 20 -E '(Error|Warning|Race reported).*|^=+ +(Read|Write|at ).*' "$OUT/sanitizer_$tool.log" | head -n 20
-    fi
-  done
+  # memcheck without torch's caching allocator; initcheck unfiltered: torch's fill kernels must be
+  # instrumented for their writes to count as initialisation (with a kernel filter it reports
+  # false positives).
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitize "sanitizer memcheck" sanitizer_memcheck.log memcheck \
+    --kernel-name kns=decode_attention python tests/sanitize_cases.py
+  sanitize "sanitizer racecheck" sanitizer_racecheck.log racecheck --kernel-name kns=decode_attention \
+    python tests/sanitize_cases.py
+  sanitize "sanitizer initcheck" sanitizer_initcheck.log initcheck python tests/sanitize_cases.py
   # The row norm's kernel, which the decode filter above leaves out (initcheck ran it unfiltered).
   for tool in memcheck racecheck; do
-    report=()
-    [ "$tool" = racecheck ] && report=(--racecheck-report all)
-    PYTHONPATH="$PWD:$PWD/tests" timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      --kernel-name kns=row_norm "${report[@]}" python tests/sanitize_cases.py norms \
-      >"$OUT/sanitizer_${tool}_norms.log" 2>&1
-    rc=$?
-    last=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_${tool}_norms.log" | tail -n 1)
-    echo "sanitizer $tool (row norm): rc=$rc $last" | tee -a "$summary"
-    if [ "$rc" -ne 0 ] || ! echo "$last" | grep -qE 'SUMMARY: 0 (errors|hazards)'; then
-      failed=1
-      grep -m 20 -E '(Error|Warning|Race reported).*' "$OUT/sanitizer_${tool}_norms.log" | head -n 20
-    fi
+    sanitize "sanitizer $tool (row norm)" "sanitizer_${tool}_norms.log" "$tool" --kernel-name kns=row_norm \
+      python tests/sanitize_cases.py norms
   done
 fi
 echo "suite: $([ "$failed" -eq 0 ] && echo passed || echo FAILED)" | tee -a "$summary"
