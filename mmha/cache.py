@@ -124,6 +124,9 @@ class KVCache:
         self.dtype, self.kv_dtype, self.fp8 = dtype, kv_dtype, kv_dtype == FP8
         self.dispatch_on = dispatch_on
         self.use_kernel = self.device.type == "cuda" and extension_available()
+        if self.use_kernel:  # theta's frequency tables made now, before any step is captured in a graph
+            for spec in self.attention:
+                spec.rotary.kernel_table(self.device)
         if self.use_kernel and head_dim not in dispatch.SUPPORTED_HEAD_DIMS:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         workspace_bytes = (max_batch * num_heads + 2 + max_batch) * 4  # counters, status; partials grow later

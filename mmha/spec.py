@@ -233,8 +233,6 @@ class AttentionSpec:
         table = self.rotary.inv_freq
         if table is not None and table.device != device:
             raise ValueError(f"{name}.rotary.inv_freq must be on {device}, got {table.device}")
-        if device.type == "cuda":
-            self.rotary.kernel_table(device)  # theta's table made here, before any graph capture
         for field_name in ("alibi_slopes", "sinks"):
             t = getattr(self, field_name)
             if t is None:

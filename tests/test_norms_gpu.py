@@ -14,7 +14,7 @@ from helpers import gpu
 from test_norms import CLASSES, _eps, _module
 
 from mmha import ops, reference
-from mmha.models.hf_norms import NormForm, norm_form
+from mmha.models.hf_norms import norm_form
 
 pytestmark = gpu
 
@@ -166,7 +166,6 @@ def test_norm_form_refuses_a_layer_norm():
     with torch.no_grad():
         ln.bias.normal_()
     assert norm_form(ln) is None
-    assert isinstance(NormForm(1e-6, 0.0, True), NormForm)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2", "llama3"])
@@ -196,7 +195,6 @@ def test_a_norm_kept_in_fp32_is_probed_in_the_model_dtype():
 
     model = build_family("llama3", "cuda", torch.bfloat16)
     model.model.norm.float()
-    swapped = {id(m) for _, _, m in layer_norms(model)}
     names = [(type(p).__name__, n) for p, n, _ in layer_norms(model)]
     assert ("LlamaModel", "norm") not in names
-    assert len(swapped) == 2 * model.config.num_hidden_layers
+    assert len(names) == 2 * model.config.num_hidden_layers
