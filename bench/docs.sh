@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 D=docs/data
 ab=()
 for f in barriers_h200 mods_h200 tree_columns_h200 softcap_tanh_h200 paged_check_h100 two_stages_h100 \
-  k_chunk_copies_h100 q_ahead_h100 restructure_h200 restructure_paged_h200 rotary_table_h200; do
+  k_chunk_copies_h100 q_ahead_h100 restructure_h200 restructure_paged_h200 rotary_table_h200 \
+  rotary_by_length_h100; do
   ab+=(--ab "$D/ab_$f.md")
 done
 per_gpu() {  # --flag docs/data/<name>_<gpu>.json for each GPU that has one
@@ -19,5 +20,6 @@ python bench/make_docs.py \
   $(per_gpu --fp8 bench_fp8) --fp8-accuracy "$D/fp8_accuracy_h200.json" $(per_gpu --hf bench_hf) \
   $(per_gpu --mods bench_mods) $(per_gpu --tree bench_tree) $(per_gpu --paged bench_paged) \
   $(per_gpu --epilogue bench_epilogue) $(per_gpu --models models) --kv-accuracy "$D/kv_formats_synthetic_cpu.json" \
+  --kv-accuracy "$D/kv_accuracy_h100.json" \
   --distributed "$D/bench_distributed_w2_h100.json" --distributed "$D/bench_distributed_w1_h200.json" \
   --distributed-demo "$D/demo_distributed_w2_h100.log" "${ab[@]}"
