@@ -307,12 +307,21 @@ def models_section(data: dict) -> list[str]:
         share = f"{100 * share:.0f} %" if share is not None else ""
         body.append([model, batch, context, *tok, *ratios, share, m.get("mmha_graphs", {}).get("date", "")])
     equal = sum(r["tokens_equal"] for r in data["rows"])
-    tokens = [
-        f"fp32 greedy tokens against transformers' own `generate` ({equal} of {len(data['rows'])} family"
-        " x route rows equal):", "",
-        tabulate(families, ["family", "model type", "HFDecoder (graphs)", "MmhaCache (native)"],
-                 tablefmt="github"), "",
-    ] if data["rows"] else ["The families' tokens were not run on this GPU (`--no-families`).", ""]
+    tokens = (
+        [
+            f"fp32 greedy tokens against transformers' own `generate` ({equal} of {len(data['rows'])} family"
+            " x route rows equal):",
+            "",
+            tabulate(
+                families,
+                ["family", "model type", "HFDecoder (graphs)", "MmhaCache (native)"],
+                tablefmt="github",
+            ),
+            "",
+        ]
+        if data["rows"]
+        else ["The families' tokens were not run on this GPU (`--no-families`).", ""]
+    )
     return [
         f"### {h['device']}, {h['date']}: torch {h['torch']}, transformers {h['transformers']}", "",
         *tokens,

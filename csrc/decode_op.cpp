@@ -157,12 +157,15 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const OptTensor& node_counts, const OptTensor& block_tables, const OptTensor& row_active,
                       const OptTensor& out_shift, const OptTensor& out_smooth, const OptTensor& out_scales,
                       double out_scale, int64_t out_round, int64_t out_min, const OptTensor& positions,
-                      const OptTensor& rotary_inv_freq, double rotary_factor, int64_t rotary_table_start) {
+                      const OptTensor& rotary_inv_freq, double rotary_factor, int64_t rotary_table_start,
+                      const OptTensor& q_norm_weight, const OptTensor& k_norm_weight, double qk_norm_eps,
+                      bool qk_norm_cast_first) {
   const DecodeArgs a{qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
                      num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits, check_lengths,
                      stages, tile_source, k_scale, v_scale, window, softcap, alibi_slopes, sinks, parents,
                      node_counts, block_tables, row_active, out_shift, out_smooth, out_scales, out_scale, out_round,
-                     out_min, positions, rotary_inv_freq, rotary_factor, rotary_table_start};
+                     out_min, positions, rotary_inv_freq, rotary_factor, rotary_table_start, q_norm_weight,
+                     k_norm_weight, qk_norm_eps, qk_norm_cast_first};
   check_devices_and_dtypes(a);
   MmhaParams p{};
   fill_cache(a, p);
@@ -172,6 +175,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
   fill_mods(a, p);
   fill_output(a, p);
   fill_rotary(a, p);
+  fill_qk_norm(a, p);
   fill_schedule(a, p);
   if (p.rows.batch == 0) return;
 

@@ -359,6 +359,19 @@ void fill_rotary(const DecodeArgs& a, MmhaParams& p) {
   p.scale = static_cast<float>(a.scale);
 }
 
+void fill_qk_norm(const DecodeArgs& a, MmhaParams& p) {
+  for (const auto& [t, name] :
+       {std::pair{&a.q_norm_weight, "q_norm_weight"}, std::pair{&a.k_norm_weight, "k_norm_weight"}}) {
+    if (t->has_value()) check_vector(**t, name, p.head_dim, "head_dim, one for every head", a.qkv.device());
+  }
+  const float eps = static_cast<float>(a.qk_norm_eps);
+  MMHA_CHECK(std::isfinite(eps) && eps >= 0, "qk_norm_eps must be finite and >= 0 in fp32, got ", a.qk_norm_eps);
+  p.qk_norm.q_weight = float_ptr(a.q_norm_weight);
+  p.qk_norm.k_weight = float_ptr(a.k_norm_weight);
+  p.qk_norm.eps = eps;
+  p.qk_norm.cast_first = a.qk_norm_cast_first;
+}
+
 void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   const int64_t batch = p.rows.batch, nodes = p.tree.nodes, heads = a.num_heads, head_dim = p.head_dim;
   const bool tree = a.tree();

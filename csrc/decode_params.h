@@ -55,6 +55,10 @@ struct DecodeArgs {
   const OptTensor& rotary_inv_freq;
   double rotary_factor;
   int64_t rotary_table_start;
+  const OptTensor& q_norm_weight;
+  const OptTensor& k_norm_weight;
+  double qk_norm_eps;
+  bool qk_norm_cast_first;
 
   bool tree() const { return parents.has_value(); }
   bool paged() const { return block_tables.has_value(); }
@@ -80,6 +84,8 @@ void fill_mods(const DecodeArgs& a, MmhaParams& p);
 void fill_output(const DecodeArgs& a, MmhaParams& p);
 // Rotary embedding and the softmax scale: p.rotary, p.scale.
 void fill_rotary(const DecodeArgs& a, MmhaParams& p);
+// The per-head q/k RMSNorm before rotary: p.qk_norm.
+void fill_qk_norm(const DecodeArgs& a, MmhaParams& p);
 // Split workspace (partials, counters, a tree step's masks), stages, tile source, query-column
 // blocks: p.sched and p.tree's workspace (after the other parts).
 void fill_schedule(const DecodeArgs& a, MmhaParams& p);

@@ -41,6 +41,9 @@ namespace mmha {
 // A table of several rows (fp32 [rows, rotary_dim / 2], one-token steps only) is chosen per row by
 // the sequence's length n = position + 1: row min(max(n - rotary_table_start, 0), rows - 1)
 // (transformers' dynamic NTK and longrope, whose frequencies follow the length).
+// q_norm_weight / k_norm_weight (fp32 [head_dim], the weight with any offset added): a per-head
+// RMSNorm of q / of the new k after the bias and before rotary, n = x * rsqrt(mean(x^2) +
+// qk_norm_eps) in fp32, then T(float(T(n)) * w) (qk_norm_cast_first) or T(n * w), T qkv's dtype.
 // Output epilogue (mmha/epilogue.py defines it), per output channel c = head * D + d:
 // y = (x + out_shift[c]) * out_smooth[c] (fp32 [Hq * D] each, optional); an out of dtype int8 or
 // float8_e4m3fn holds y * scale quantised, scale = out_scales[c] (fp32 [Hq * D]) or out_scale (> 0;
@@ -61,7 +64,8 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const std::optional<at::Tensor>& out_scales, double out_scale, int64_t out_round,
                       int64_t out_min, const std::optional<at::Tensor>& positions,
                       const std::optional<at::Tensor>& rotary_inv_freq, double rotary_factor,
-                      int64_t rotary_table_start);
+                      int64_t rotary_table_start, const std::optional<at::Tensor>& q_norm_weight,
+                      const std::optional<at::Tensor>& k_norm_weight, double qk_norm_eps, bool qk_norm_cast_first);
 
 // Context-parallel steps (mmha/distributed, csrc/kernels/shard_merge.h): pack a shard's out
 // [B, H * D] (fp16 / bf16 / fp32) and lse [B, H] into parts [G, B, H / G, D + 1] fp32, and merge

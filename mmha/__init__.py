@@ -7,13 +7,14 @@ from .cache import KVCache
 from .dispatch import Plan, choose_variant
 from .epilogue import OutEpilogue
 from .info import info
-from .spec import AttentionSpec, Rotary
+from .spec import AttentionSpec, QKNorm, Rotary
 
 __all__ = [
     "AttentionSpec",
     "KVCache",
     "OutEpilogue",
     "Plan",
+    "QKNorm",
     "Rotary",
     "__version__",
     "choose_variant",

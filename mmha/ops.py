@@ -63,7 +63,8 @@ if _C is not None:
         check_lengths=True, stages=2, tile_source=0, k_scale=None, v_scale=None, window=0, softcap=0.0,
         alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
         out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
-        positions=None, rotary_inv_freq=None, rotary_factor=1.0, rotary_table_start=0,
+        positions=None, rotary_inv_freq=None, rotary_factor=1.0, rotary_table_start=0, q_norm_weight=None,
+        k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True,
     ):  # fmt: skip
         return None
 

@@ -4,7 +4,8 @@ One step for row ``b`` (with ``pos = lengths[b]`` tokens already cached) under a
 ``AttentionSpec`` (``mmha.spec`` defines every setting):
 
 1. ``x = qkv[b] + qkv_bias`` in the compute dtype, split into q ``[Hq, D]``, k and v ``[Hkv, D]``;
-2. rotary embedding of q and k at position ``pos`` (``attention.rotary``);
+2. the per-head q/k norm (``attention.qk_norm``, rounding to qkv's dtype as it says), then
+   rotary embedding of q and k at position ``pos`` (``attention.rotary``);
 3. k and v are rounded to the cache dtype and written to slot ``pos``; an fp8 (e4m3) cache stores
    ``quantize_fp8(k, k_scale)`` and ``quantize_fp8(v, v_scale)``;
 4. ``out = softmax(s) . V[0..pos]`` with the scaled, modified logits ``s`` of q against the cache
@@ -126,12 +127,16 @@ def attend(
     return torch.einsum("hl,hld->hd", torch.exp(scores - lse[:, None]), v), lse
 
 
-def new_tokens(x, pos, num_heads, num_kv_heads, head_dim, rotary, k_cache, k_scale, v_scale):
-    """Steps 2-3 for tokens ``x [N, W]`` (bias added, compute dtype) at positions ``pos [N]``:
-    q ``[N, Hq, D]`` in the compute dtype, and k, v ``[N, Hkv, D]`` as the caches store them."""
+def new_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, k_cache, k_scale, v_scale, act_dtype):
+    """Steps 2-3 for tokens ``x [N, W]`` (bias added, compute dtype; qkv of ``act_dtype``) at
+    positions ``pos [N]``: q ``[N, Hq, D]`` in the compute dtype, and k, v ``[N, Hkv, D]`` as the
+    caches store them."""
     q, k, v = split_qkv(x, num_heads, num_kv_heads, head_dim)
-    q = apply_rotary(q, pos, rotary)
-    k = apply_rotary(k, pos, rotary)
+    if attention.qk_norm is not None:
+        q = attention.qk_norm.apply(q, "q", act_dtype)
+        k = attention.qk_norm.apply(k, "k", act_dtype)
+    q = apply_rotary(q, pos, attention.rotary)
+    k = apply_rotary(k, pos, attention.rotary)
     if k_cache.dtype == FP8:
         return q, quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
     return q, k.to(k_cache.dtype), v.to(k_cache.dtype)
@@ -208,7 +213,7 @@ def decode_step(
         x = x + qkv_bias.to(compute_dtype)
     pos = torch.tensor(rot_pos, device=qkv.device)
     q, k_new, v_new = new_tokens(
-        x, pos, num_heads, num_kv_heads, d, attention.rotary, k_cache, k_scale, v_scale
+        x, pos, num_heads, num_kv_heads, d, attention, k_cache, k_scale, v_scale, qkv.dtype
     )
     scale, x_elems = attention.scale_for(d), k_cache.shape[-1]
     outs, lses = [], []
@@ -269,13 +274,15 @@ def decode_step_paged(
     return (out, torch.cat(lses)) if return_lse else out
 
 
-def _tree_row(x, p, par, num_heads, num_kv_heads, attention, k_cache, v_cache, row, k_scale, v_scale, dtype):
-    """One row of ``decode_tree``: append its nodes, return its nodes' out ``[n, Hq * D]`` and lse."""
+def _tree_row(x, p, par, num_heads, num_kv_heads, attention, k_cache, v_cache, row, k_scale, v_scale, dtypes):
+    """One row of ``decode_tree``: append its nodes, return its nodes' out ``[n, Hq * D]`` and lse.
+    ``dtypes``: (compute, qkv's)."""
+    dtype, act_dtype = dtypes
     hkv, d, x_elems = k_cache.shape[1], v_cache.shape[-1], k_cache.shape[-1]
     n = len(par)
     pos = torch.tensor([p + dep for dep in tree.depths(par)], device=x.device)
     q, k_new, v_new = new_tokens(
-        x[:n], pos, num_heads, num_kv_heads, d, attention.rotary, k_cache, k_scale, v_scale
+        x[:n], pos, num_heads, num_kv_heads, d, attention, k_cache, k_scale, v_scale, act_dtype
     )
     for t in range(n):
         k_cache[row, :, :, p + t, :] = k_new[t].reshape(hkv, d // x_elems, x_elems)
@@ -345,7 +352,7 @@ def decode_tree(
         n = len(rows[row])
         out[row, :n], lse[row, :n] = _tree_row(
             x[row], p, rows[row], num_heads, num_kv_heads, attention, k_cache, v_cache, row, k_scale, v_scale,
-            compute_dtype,
+            (compute_dtype, qkv.dtype),
         )  # fmt: skip
     out = _finish(out, qkv.dtype, attention)
     return (out, lse.float()) if return_lse else out

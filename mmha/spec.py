@@ -9,6 +9,7 @@ takes no per-call list of settings and reads nothing on the host.
 The semantics, for the scaled logit ``s`` of query head ``h`` at slot ``t`` of a row whose new
 token sits at slot ``pos`` (``mmha.reference`` computes exactly this):
 
+- ``qk_norm`` (``QKNorm``): q and the new k normed per head (RMSNorm) before rotary;
 - rotary (``Rotary``): q and the new k are rotated at their position on the first ``dim`` dims,
   GPT-NeoX halves or GPT-J interleaved pairs, by the angle ``position * inv_freq[i]`` (fp32), with
   ``inv_freq`` a table (any rotary variant: linear, llama3, YaRN, ...) or ``1 / theta ** (2i /
@@ -43,6 +44,7 @@ __all__ = [
     "FP8",
     "FP8_MAX",
     "PLAIN",
+    "QKNorm",
     "ROW_ATTEND",
     "ROW_IDLE",
     "ROW_MODES",
@@ -163,6 +165,75 @@ class Rotary:
 _THETA_TABLES: dict[tuple, torch.Tensor] = {}
 
 
+@dataclass(frozen=True, eq=False)
+class QKNorm:
+    """Per-head RMSNorm of q and of the new k, after ``qkv_bias`` and before rotary (Qwen 3's and
+    Gemma 3's ``q_norm`` / ``k_norm``): each head's ``head_dim`` values ``x`` (fp32) become ``n = x
+    * rsqrt(mean(x^2) + eps)``, then ``T(T(n) * w)`` (``cast_first``: Llama-style ``weight *
+    n.to(dtype)``) or ``T(n * w)`` (Gemma-style ``n * (1 + weight)``), with ``T`` qkv's dtype and
+    ``w = weight + offset`` in fp32: what ``mmha.ops.rms_norm`` leaves in the qkv row. ``q_weight``
+    and ``k_weight``: ``[head_dim]`` float tensors shared by every head (None: that side as it
+    is; at least one given), finite; kept as fp32 ``weight + offset`` (``q_table``,
+    ``k_table``), the values the kernel reads."""
+
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+    offset: float = 0.0
+    cast_first: bool = True
+    q_table: torch.Tensor | None = field(init=False, default=None, repr=False)
+    k_table: torch.Tensor | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.q_weight is None and self.k_weight is None:
+            raise ValueError("QKNorm needs q_weight or k_weight (or both), got neither")
+        if not (_is_number(self.eps) and math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(f"QKNorm eps must be a finite number >= 0, got {self.eps!r}")
+        if not (_is_number(self.offset) and math.isfinite(self.offset)):
+            raise ValueError(f"QKNorm offset must be a finite number, got {self.offset!r}")
+        if not isinstance(self.cast_first, bool):
+            raise ValueError(f"QKNorm cast_first must be a bool, got {self.cast_first!r}")
+        for name in ("q_weight", "k_weight"):
+            w = getattr(self, name)
+            if w is None:
+                object.__setattr__(self, name.replace("weight", "table"), None)
+                continue
+            if not isinstance(w, torch.Tensor) or w.dim() != 1 or not w.dtype.is_floating_point:
+                got = f"{w.dtype} {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+                raise ValueError(f"QKNorm {name} must be a 1-D float tensor [head_dim], got {got}")
+            table = w.detach().float() + float(self.offset)
+            if not bool(torch.isfinite(table).all()):
+                bad = int((~torch.isfinite(table)).sum())
+                raise ValueError(
+                    f"QKNorm {name} (+ offset) must be finite, got {bad} non-finite of {w.numel()}"
+                )
+            object.__setattr__(self, name.replace("weight", "table"), table.contiguous())
+
+    def check_for(self, head_dim: int, device, name: str) -> None:
+        for side in ("q", "k"):
+            t = getattr(self, f"{side}_table")
+            if t is None:
+                continue
+            if t.numel() != head_dim:
+                raise ValueError(
+                    f"{name}.qk_norm.{side}_weight must have shape [{head_dim}] (head_dim), "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.device != device:
+                raise ValueError(f"{name}.qk_norm.{side}_weight must be on {device}, got {t.device}")
+
+    def apply(self, x: torch.Tensor, side: str, dtype: torch.dtype) -> torch.Tensor:
+        """``x [..., head_dim]`` (the compute dtype) normed as the kernel norms side ``"q"`` or
+        ``"k"`` for activations of ``dtype`` (unchanged without that side's weight)."""
+        t = getattr(self, f"{side}_table")
+        if t is None:
+            return x
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_first:
+            n = n.to(dtype).to(x.dtype)
+        return (n * t.to(device=x.device, dtype=x.dtype)).to(dtype).to(x.dtype)
+
+
 def _checked_head_tensor(name: str, t) -> torch.Tensor | None:
     """A per-query-head fp32 tensor, contiguous and finite (its values read once, here)."""
     if t is None:
@@ -177,7 +248,8 @@ def _checked_head_tensor(name: str, t) -> torch.Tensor | None:
 
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:
-    """One layer's attention (module docstring): ``rotary`` (a ``Rotary``), ``scale`` (None:
+    """One layer's attention (module docstring): ``rotary`` (a ``Rotary``), ``qk_norm`` (a
+    ``QKNorm`` or None), ``scale`` (None:
     ``1 / sqrt(head_dim)``), ``window`` (int >= 1 or None), ``softcap`` (finite > 0 or None),
     ``alibi_slopes`` and ``sinks`` (fp32 ``[Hq]`` or None), ``epilogue`` (``OutEpilogue`` or
     None). Checked when built (the tensors' values are read once); ``check_for`` checks that it
@@ -190,10 +262,13 @@ class AttentionSpec:
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
     epilogue: OutEpilogue | None = None
+    qk_norm: QKNorm | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rotary, Rotary):
             raise ValueError(f"rotary must be a mmha.Rotary, got {type(self.rotary).__name__}")
+        if self.qk_norm is not None and not isinstance(self.qk_norm, QKNorm):
+            raise ValueError(f"qk_norm must be a mmha.spec.QKNorm or None, got {type(self.qk_norm).__name__}")
         if self.scale is not None and not (_is_number(self.scale) and math.isfinite(self.scale)):
             raise ValueError(f"scale must be a finite number or None, got {self.scale!r}")
         w = self.window
@@ -233,6 +308,8 @@ class AttentionSpec:
         table = self.rotary.inv_freq
         if table is not None and table.device != device:
             raise ValueError(f"{name}.rotary.inv_freq must be on {device}, got {table.device}")
+        if self.qk_norm is not None:
+            self.qk_norm.check_for(head_dim, device, name)
         for field_name in ("alibi_slopes", "sinks"):
             t = getattr(self, field_name)
             if t is None:
@@ -278,6 +355,10 @@ class AttentionSpec:
             rotary_inv_freq=r.kernel_table(device), rotary_factor=float(r.attention_factor),
             rotary_table_start=r.table_start,
         )  # fmt: skip
+        if self.qk_norm is not None:
+            n = self.qk_norm
+            args.update(q_norm_weight=n.q_table, k_norm_weight=n.k_table, qk_norm_eps=float(n.eps),
+                        qk_norm_cast_first=n.cast_first)  # fmt: skip
         if self.epilogue is not None:
             args.update(self.epilogue.kernel_args())
         return args

@@ -135,7 +135,16 @@ def logit_spread(case: Case) -> float:
         x = x + case.bias.double()
     kc, vc = case.k_cache.double(), case.v_cache.double()  # copies: the new tokens go into these
     q, k_new, v_new = reference.new_tokens(
-        x, case.lengths.long(), hq, hkv, d, Rotary(**case.rotary), kc, None, None
+        x,
+        case.lengths.long(),
+        hq,
+        hkv,
+        d,
+        case.spec(),
+        kc,
+        None,
+        None,
+        case.qkv.dtype,
     )
     spread = 0.0
     for row, n in enumerate(case.lengths.tolist()):

@@ -7,9 +7,10 @@ whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources and the CU
 split and not; paged caches (pools with no spare block, tables with entries past the rows' blocks
 unset, a window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3
 outputs, per-channel tensors, refused rows); rotary tables by length (rows before, within and past
-the table, out-of-range lengths); the row norm (widths from 1 to 5120, q/k segments in place):
-nothing may be read or written outside the caches and the output. ``norms`` as the argument runs
-the row norm's cases alone (the suite's second pass, filtered to that kernel)."""
+the table, out-of-range lengths); the q/k norm in the kernel (one-token and tree steps); the row
+norm (widths from 1 to 5120, q/k segments in place): nothing may be read or written outside the
+caches and the output. ``norms`` as the argument runs the row norm's cases alone (the suite's
+second pass, filtered to that kernel), ``qk_norm`` the kernel's q/k norm cases alone."""
 
 import sys
 
@@ -195,6 +196,35 @@ def rotary_cases() -> None:
         assert torch.isfinite(out[2]).all()
 
 
+def qk_norm_cases() -> None:
+    """The q/k norm in the kernel's q/k build: the tile loop on both sources, split and not, the
+    CUDA-core loop, a head dim the lanes cover unevenly; tree steps with narrow and wide items
+    (the norm of each node's q, and of its k in the tree append)."""
+    for dtype, head_dim, sources in (
+        (torch.float16, 128, ("tma", "cp_async")),
+        (torch.float32, 64, ("auto",)),
+        (torch.bfloat16, 80, ("auto",)),
+    ):
+        for splits in (1, 5):
+            for source in sources:
+                case = make_case(5, 8, 2, head_dim, [0, 1, 17, 127, 255], 256, dtype, seed=splits, bias=True,
+                                 rotary_dim=head_dim)  # fmt: skip
+                w = torch.rand(head_dim, device="cuda") + 0.5
+                case.mods["qk_norm"] = spec.QKNorm(w, w.flip(0), 1e-6)
+                assert torch.isfinite(run(case, (8, 2), head_dim, splits, source, 2)).all()
+    for nodes in (9, 33):
+        case = make_case(3, 8, 2, 128, [0, 17, 200], 256, torch.float16, seed=nodes, rotary_dim=128)
+        case.mods["qk_norm"] = spec.QKNorm(torch.rand(128, device="cuda"), torch.rand(128, device="cuda"),
+                                           1e-6, 1.0, False)  # fmt: skip
+        qkv = torch.randn(3, nodes, case.qkv.shape[1], device="cuda").to(torch.float16)
+        parents = torch.tensor([[-1] + [t - 1 for t in range(1, nodes)]] * 3, dtype=torch.int32).cuda()
+        kc, vc = case.clone_caches()
+        for splits in (1, 4):
+            out = ops.decode_tree(qkv, kc.clone(), vc.clone(), case.lengths, parents, num_splits=splits, stages=2,
+                                  **case.kwargs())  # fmt: skip
+            assert torch.isfinite(out).all()
+
+
 def norm_cases() -> None:
     """The row norm: one segment over rows of every width class, in and out of place; q/k
     segments of a qkv row in place, weights shared and per head; strided rows."""
@@ -215,6 +245,10 @@ def norm_cases() -> None:
 def main() -> None:
     if sys.argv[1:] == ["norms"]:
         norm_cases()
+        print("sanitize cases done")
+        return
+    if sys.argv[1:] == ["qk_norm"]:
+        qk_norm_cases()
         print("sanitize cases done")
         return
     for dtype, head_dim, heads in (
@@ -252,6 +286,7 @@ def main() -> None:
     paged_cases()
     epilogue_cases()
     rotary_cases()
+    qk_norm_cases()
     norm_cases()
     print("sanitize cases done")
 

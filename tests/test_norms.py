@@ -55,10 +55,13 @@ def test_reference_is_the_module(name, cls, offset, cast_first, dtype):
 def test_nothing_is_fused_without_a_gpu():
     """On the CPU no module has a form (the row norm is a CUDA kernel): every norm stays."""
     from mmha.bench.families import build_family
+    from mmha.hf import HFDecoder
 
     model = build_family("qwen3", "cpu", torch.float32)
     assert norm_form(model.model.norm) is None
     assert layer_norms(model) == []
+    dec = HFDecoder(model, 1, 32)
+    assert all(a.q_norm is not None and a.spec.qk_norm is None for a in dec.layers)
 
 
 def test_the_operator_refuses_cpu_tensors():

@@ -170,8 +170,10 @@ def test_norm_form_refuses_a_layer_norm():
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "olmo2", "llama3"])
 def test_decoder_fuses_the_norms(family):
-    """HFDecoder swaps every RMSNorm of the layers and the final norm, and the q/k norms, and
-    its graphs give transformers' fp32 tokens (with fuse_norms off, the same tokens)."""
+    """HFDecoder swaps every RMSNorm of the layers and the final norm; per-head q/k norms (Qwen 3,
+    Gemma 3) go into the kernel's q/k build (the layers' specs), OLMo 2's whole-projection ones
+    to one row-norm launch; its graphs give transformers' fp32 tokens (with fuse_norms off, the
+    same tokens)."""
     from mmha.bench.families import build_family, prompts, transformers_tokens
     from mmha.hf import HFDecoder
 
@@ -180,8 +182,11 @@ def test_decoder_fuses_the_norms(family):
     fused = HFDecoder(model, len(ps), 96)
     layers = model.config.num_hidden_layers
     assert len(fused._norms) >= 2 * layers + 1
-    if family in ("qwen3", "gemma3", "olmo2"):
-        assert all(a.row_norm is not None for a in fused._attention)
+    if family in ("qwen3", "gemma3"):
+        assert all(a.row_norm is None and a.layer.spec.qk_norm is not None for a in fused._attention)
+        assert all(s.qk_norm is not None for s in fused.cache.attention)
+    if family == "olmo2":
+        assert all(a.row_norm is not None and a.layer.spec.qk_norm is None for a in fused._attention)
     ours = fused.generate(ps, 24, eos_token_id=[])
     plain = HFDecoder(model, len(ps), 96, fuse_norms=False).generate(ps, 24, eos_token_id=[])
     assert ours == plain == transformers_tokens(model, 24)

@@ -1,6 +1,7 @@
-"""mmha.spec's Rotary: the frequency table and attention factor are checked when built (naming the
-field), a table that describes theta's frequencies is the same rotation, and a layer's spec
-refuses a table on another device than the cache's."""
+"""mmha.spec's Rotary and QKNorm: the frequency table, the attention factor and the q/k norm's
+weights are checked when built (naming the field), a table that describes theta's frequencies is
+the same rotation, a layer's spec refuses a table on another device than the cache's, and the
+reference's q/k norm is the row norm's value."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from mmha import reference
-from mmha.spec import AttentionSpec, Rotary
+from mmha.spec import AttentionSpec, QKNorm, Rotary
 
 
 @pytest.mark.parametrize(
@@ -102,3 +103,66 @@ def test_spec_refuses_a_table_on_another_device():
         spec.check_for(4, 32, "cuda")
     with pytest.raises(ValueError, match=r"attention.rotary.dim must be <= head_dim \(4\), got 8"):
         spec.check_for(4, 4, "cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), r"QKNorm needs q_weight or k_weight \(or both\), got neither"),
+        (dict(q_weight=torch.ones(2, 4)), r"QKNorm q_weight must be a 1-D float tensor \[head_dim\], got"),
+        (dict(k_weight=torch.ones(4, dtype=torch.int32)), r"QKNorm k_weight must be a 1-D float tensor"),
+        (dict(q_weight=torch.tensor([1.0, float("nan")])), r"QKNorm q_weight \(\+ offset\) must be finite, got 1"),
+        (dict(q_weight=torch.ones(4), eps=-1e-6), r"QKNorm eps must be a finite number >= 0"),
+        (dict(q_weight=torch.ones(4), offset=float("inf")), r"QKNorm offset must be a finite number"),
+        (dict(q_weight=torch.ones(4), cast_first=1), r"QKNorm cast_first must be a bool, got 1"),
+    ],
+)  # fmt: skip
+def test_qk_norm_errors_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QKNorm(**kwargs)
+
+
+def test_qk_norm_tables_and_kernel_args():
+    """The kernel reads fp32 weight + offset; a side without a weight is passed as None."""
+    w = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.bfloat16)
+    norm = QKNorm(k_weight=w, eps=1e-5, offset=1.0, cast_first=False)
+    assert norm.q_table is None
+    assert norm.k_table.dtype == torch.float32 and torch.equal(norm.k_table, w.float() + 1.0)
+    args = AttentionSpec(qk_norm=norm).kernel_args(4, "cpu")
+    assert args["q_norm_weight"] is None and args["k_norm_weight"] is norm.k_table
+    assert args["qk_norm_eps"] == 1e-5 and args["qk_norm_cast_first"] is False
+    assert "q_norm_weight" not in AttentionSpec().kernel_args(4, "cpu")
+    with pytest.raises(ValueError, match=r"layer\.qk_norm\.k_weight must have shape \[8\] \(head_dim\)"):
+        AttentionSpec(qk_norm=norm).check_for(2, 8, "cpu", "layer")
+    with pytest.raises(ValueError, match=r"qk_norm must be a mmha.spec.QKNorm or None, got dict"):
+        AttentionSpec(qk_norm={})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("offset, cast_first", [(0.0, True), (1.0, False)])
+def test_reference_norm_is_the_row_norm_then_the_plain_step(offset, cast_first, dtype):
+    """``reference.decode_step`` with a ``QKNorm`` equals the plain step on a qkv row whose q and
+    k heads ``reference.rms_norm`` normed first (the value the kernel's norm leaves), bit for bit."""
+    b, hq, hkv, d, s_max = 2, 4, 2, 16, 8
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(b, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    wq, wk = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    k_cache = torch.randn(
+        b, hkv, d // (16 // qkv.element_size()), s_max, 16 // qkv.element_size(), generator=g
+    )
+    v_cache = torch.randn(b, hkv, s_max, d, generator=g)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    lengths = torch.tensor([3, 5])
+    spec = AttentionSpec(rotary=Rotary(d), qk_norm=QKNorm(wq, wk, 1e-6, offset, cast_first))
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ours = reference.decode_step(qkv, kc, vc, lengths, num_heads=hq, num_kv_heads=hkv, attention=spec)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    normed = torch.cat([
+        reference.rms_norm(q.unflatten(1, (hq, d)), wq, 1e-6, offset, cast_first).flatten(1),
+        reference.rms_norm(k.unflatten(1, (hkv, d)), wk, 1e-6, offset, cast_first).flatten(1), v,
+    ], dim=1)  # fmt: skip
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    plain = reference.decode_step(
+        normed, kc2, vc2, lengths, num_heads=hq, num_kv_heads=hkv, attention=spec.replace(qk_norm=None)
+    )
+    assert torch.equal(ours, plain) and torch.equal(kc, kc2) and torch.equal(vc, vc2)

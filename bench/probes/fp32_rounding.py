@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import make_case  # noqa: E402
 
 from mmha import reference  # noqa: E402
-from mmha.spec import Rotary  # noqa: E402
+from mmha.spec import AttentionSpec, Rotary  # noqa: E402
 
 D, ROT, THETA, POS, TPK, CPT, VEC = 80, 80, 10000.0, 179, 4, 5, 4
 
@@ -66,8 +66,8 @@ def main() -> None:
                      rotary_dim=ROT, value_scale=8.0)  # fmt: skip
     bias = case.kwargs()["qkv_bias"]
     x64 = case.qkv.double() + bias.double()
-    rows = (x64, torch.tensor([POS, 0, 0]), 3, 1, D, Rotary(ROT, THETA))
-    q64, k_new, v_new = reference.new_tokens(*rows, case.k_cache.double(), None, None)
+    rows = (x64, torch.tensor([POS, 0, 0]), 3, 1, D, AttentionSpec(rotary=Rotary(ROT, THETA)))
+    q64, k_new, v_new = reference.new_tokens(*rows, case.k_cache.double(), None, None, torch.float32)
     keys = case.k_cache.double()[0, 0].permute(1, 0, 2).reshape(-1, D)[: POS + 1].clone()
     values = case.v_cache.double()[0, 0][: POS + 1].clone()
     keys[POS], values[POS] = k_new[0].reshape(D), v_new[0].reshape(D)

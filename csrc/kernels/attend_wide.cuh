@@ -82,7 +82,7 @@ struct WideConsumer {
     }
   }
 
-  // q of the warp's columns (bias, rotary at the node's position), times scale_log2 (the softmax
+  // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
   // fp8: a first pass finds the warp's largest |q|.
@@ -116,6 +116,18 @@ struct WideConsumer {
     const int group = p.group;
     const int first = 16 * warp;
     const int last = min(w.nh, first + 16);
+    // A q norm: the warp's columns' rsqrt(mean(x^2) + eps), a warp reduction each.
+    __shared__ float s_norm[kConsumerWarps][16];
+    const QKNormParams& qn = p.qk_norm;
+    if (qn.q_weight != nullptr) {
+      for (int cw = first; cw < last; ++cw) {  // warp-uniform: head_inv_rms shuffles
+        const Column c = column_of(p, w, cw);
+        const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
+        const float inv = head_inv_rms<T, HEAD_DIM>(row, bias ? bias + c.head * HEAD_DIM : nullptr, qn.eps, lane);
+        if (lane == 0) s_norm[warp][cw - first] = inv;
+      }
+      __syncwarp();
+    }
     const int n0 = (w.c0 + first) / group;
     const int n1 = (w.c0 + last - 1) / group;
     // pass 0 (fp8 only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
@@ -142,7 +154,9 @@ struct WideConsumer {
             const T* row =
                 static_cast<const T*>(p.qkv) + static_cast<int64_t>(c0.qrow) * p.qkv_row_stride + head * HEAD_DIM;
             float x0, x1;
-            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1);
+            const HeadNorm hn =
+                qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
+            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
             x0 *= scale_log2;
             x1 *= scale_log2;
             if (pass == 0) {

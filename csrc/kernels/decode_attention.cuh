@@ -78,21 +78,55 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
 // the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
 // step, its k (bias, rotary) and v as the cache stores them (rounded to C, or quantised with the
 // kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v (append_new_token writes them to
-// the caches once the item knows it may). Threads tid < nthreads take part.
-template <typename T, typename C, int HEAD_DIM, int QB>
-__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
+// the caches once the item knows it may). With q/k norms (p.qk_norm) a warp per row first reduces
+// its squares, then `sync` (a barrier of the nthreads threads, a multiple of 32). Threads tid <
+// nthreads take part.
+template <typename T, typename C, int HEAD_DIM, int QB, bool NORM, typename Sync>
+__device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
-                                                         int nthreads) {
+                                                         int nthreads, Sync sync) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
+  const QKNormParams& qn = p.qk_norm;
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
+  // Column g's raw q and its bias (a one-token step's from q_rows, a tree step's from its node's row).
+  const auto q_of = [&](int g, const T*& q_bias) -> const T* {
+    if (!tree_step(p)) {
+      q_bias = bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr;
+      return q_rows + g * HEAD_DIM;
+    }
+    const Column c = column_of(p, w, g);
+    q_bias = bias ? bias + c.head * HEAD_DIM : nullptr;
+    return global_q<T, HEAD_DIM>(p, c);
+  };
+  __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
+  if constexpr (NORM) {
+    const int lane = tid % 32, warps = nthreads / 32;
+    for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
+      float inv = 1.f;
+      if (g < QB && g < w.nh && qn.q_weight != nullptr) {
+        const T* q_bias;
+        const T* q = q_of(g, q_bias);
+        inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
+      } else if (g == QB && w.owner() && qn.k_weight != nullptr) {
+        inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
+      }
+      if (lane == 0) s_inv[g] = inv;
+    }
+    sync();
+  }
+  const auto q_norm = [&](int g) {
+    return NORM && qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_inv[g], qn.cast_first} : HeadNorm{};
+  };
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, rot)
+      s_q[g][d] = g < w.nh ? rotated<T, NORM>(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, rot,
+                                     q_norm(g))
                            : 0.f;
     }
   } else {
@@ -110,7 +144,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
         const Column c = column_of(p, w, g);
         float sn = 0.f, cs = 1.f;
         if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c)) * rp.inv_freq, &sn, &cs);
-        rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1);
+        rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1,
+                    q_norm(g));
       }
       s_q[g][rp.d0] = x0;
       s_q[g][rp.d1] = x1;
@@ -118,12 +153,29 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
   }
   if (w.owner()) {
     const int kvh = w.kvh, pos = rpos;
-    const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
+    const HeadNorm k_norm =
+        NORM && qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
     for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      s_new_k[d] = to_cache<C>(rotated(rows.k, k_bias, d, pos, rot), k_scale);
+      s_new_k[d] = to_cache<C>(rotated<T, NORM>(rows.k, k_bias, d, pos, rot, k_norm), k_scale);
       s_new_v[d] = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
     }
+  }
+}
+
+// build_query_and_new_token with the q/k norms' code only where the step has them.
+template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
+                                                         const TokenRows<T>& rows, float k_scale, float v_scale,
+                                                         float (&s_q)[QB][HEAD_DIM],
+                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
+                                                         int nthreads, Sync sync) {
+  if (p.qk_norm.q_weight != nullptr || p.qk_norm.k_weight != nullptr) {
+    build_query_and_new_token<T, C, HEAD_DIM, QB, true>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k, s_new_v,
+                                                        tid, nthreads, sync);
+  } else {
+    build_query_and_new_token<T, C, HEAD_DIM, QB, false>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k,
+                                                         s_new_v, tid, nthreads, sync);
   }
 }
 
@@ -758,7 +810,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
-                                                   tid, CONSUMERS);
+                                                   tid, CONSUMERS, sync);
       sync();
       mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
@@ -1010,7 +1062,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const HeadSlots<T, HEAD_DIM> slots = head_slots<T, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
   load_query_and_new_token<T, T, HEAD_DIM, QB>(
       p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh), 1.f, 1.f, s_q,
-      s_new_k, s_new_v, tid, nthreads);
+      s_new_k, s_new_v, tid, nthreads, [] { __syncthreads(); });
   // A paged row: the blocks of the item's keys (and, for the item that appends, of the row's keys
   // before them) must be in the pool, or the item is refused (NaN, no append, kStatusPages).
   const int first = w.owner() ? w.lo : max(w.lo, w.start);

@@ -97,6 +97,17 @@ struct RotaryParams {
   int32_t table_start;    //   min(max(n - table_start, 0), table_rows - 1) (one-token steps)
 };
 
+// Per-head RMSNorm of q and of the new k after the bias and before rotary (Qwen 3's, Gemma 3's
+// q_norm / k_norm; new_token.cuh): each head's D values x become n = x * rsqrt(mean(x^2) + eps)
+// (fp32), then T(float(T(n)) * w[d]) (cast_first: Llama-style `weight * n.to(dtype)`) or
+// T(n * w[d]) (Gemma-style), T the activations' dtype; w is the weight with any offset added.
+struct QKNormParams {
+  const float* q_weight;  // [D] or nullptr: q as it is
+  const float* k_weight;  // [D] or nullptr: k as it is
+  float eps;
+  bool cast_first;
+};
+
 // Score modifiers (score_mods.cuh), each off at its zero.
 struct ScoreModParams {
   const float* alibi_slopes;  // [Hq] or nullptr: score += slope[h] * (slot - pos), after the soft-cap
@@ -163,6 +174,7 @@ struct MmhaParams {
   CacheParams cache;
   RowParams rows;
   RotaryParams rotary;
+  QKNormParams qk_norm;
   ScoreModParams mods;
   TreeParams tree;
   OutputParams output;

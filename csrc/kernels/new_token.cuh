@@ -1,5 +1,5 @@
-// A new token's values as the step uses them: bias and rotary embedding in fp32, and the fp8
-// scale test. Shared by the attention kernel and a tree step's append (tree_step.cuh). Torch-free.
+// A new token's values as the step uses them: bias, q/k norm and rotary embedding in fp32, and
+// the fp8 scale test. Shared by the attention kernel and a tree step's append (tree_step.cuh). Torch-free.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,12 +16,44 @@ __device__ __forceinline__ bool scale_ok(float s) { return s > 0.f && s <= 3.402
 
 
 // Element d of one head's raw values `row` (global or shared memory) after its bias (global,
-// or nullptr) and rotary embedding at position pos, in fp32.
+// or nullptr), in fp32.
 template <typename T>
 __device__ __forceinline__ float biased(const T* row, const T* bias, int d) {
   float v = to_float(row[d]);
   if (bias != nullptr) v += to_float(bias[d]);
   return v;
+}
+
+// A head's q/k norm as the values of one row use it (QKNormParams): w nullptr is none; inv the
+// row's rsqrt(mean(x^2) + eps) (head_inv_rms).
+struct HeadNorm {
+  const float* w = nullptr;
+  float inv = 1.f;
+  bool cast_first = true;
+};
+
+// rsqrt(mean(x^2) + eps) over the HEAD_DIM biased values x of `row`, in fp32; every lane of a
+// whole warp calls it (a shuffle reduction) and gets it.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ float head_inv_rms(const T* row, const T* bias, float eps, int lane) {
+  float squares = 0.f;
+  for (int d = lane; d < HEAD_DIM; d += 32) {
+    const float v = biased(row, bias, d);
+    squares = __fmaf_rn(v, v, squares);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+  return rsqrtf(squares / static_cast<float>(HEAD_DIM) + eps);
+}
+
+// Element d of a head's values after its bias and its q/k norm (if any), in fp32: the value a
+// separate row norm in the activations' dtype T would leave in the qkv row.
+template <typename T>
+__device__ __forceinline__ float prepared(const T* row, const T* bias, int d, const HeadNorm& n) {
+  const float v = biased(row, bias, d);
+  if (n.w == nullptr) return v;
+  const float x = v * n.inv;
+  return to_float(from_float<T>(n.cast_first ? to_float(from_float<T>(x)) * n.w[d] : x * n.w[d]));
 }
 
 // The rotation of a sequence of seq_len tokens: its row of a table by length (RotaryParams).
@@ -39,9 +71,13 @@ __device__ __forceinline__ float pair_frequency(int i, const RotaryParams& r) {
   return 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(r.dim));
 }
 
-template <typename T>
-__device__ float rotated(const T* row, const T* bias, int d, int pos, const RotaryParams& r) {
-  const float x = biased(row, bias, d);
+// Element d after bias, norm n (NORM only: head_inv_rms, prepared) and rotary embedding at
+// position pos. Without NORM the code of a step with no norm, whatever the compiler inlines.
+template <typename T, bool NORM = false>
+__device__ float rotated(const T* row, const T* bias, int d, int pos, const RotaryParams& r,
+                         const HeadNorm& n = HeadNorm{}) {
+  const auto value = [&](int i) { return NORM ? prepared(row, bias, i, n) : biased(row, bias, i); };
+  const float x = value(d);
   const int rd = r.dim;
   if (d >= rd) return x;
   int i, partner;
@@ -56,7 +92,7 @@ __device__ float rotated(const T* row, const T* bias, int d, int pos, const Rota
     partner = d < half ? d + half : d - half;
     sign = d < half ? -1.f : 1.f;
   }
-  const float y = biased(row, bias, partner);
+  const float y = value(partner);
   float s, c;
   sincosf(static_cast<float>(pos) * pair_frequency(i, r), &s, &c);
   if (r.factor != 1.f) s = __fmul_rn(s, r.factor), c = __fmul_rn(c, r.factor);
@@ -91,13 +127,13 @@ __device__ __forceinline__ RotaryPair rotary_pair(int i, const RotaryParams& rot
   return r;
 }
 
-// (x0, x1) = row's dims (d0, d1) of pair r after bias and rotation by pos * inv_freq: the values
-// rotated() gives for d0 and d1. sn, cs: sincosf(pos * inv_freq) (unused for unrotated pairs).
+// (x0, x1) = row's dims (d0, d1) of pair r after bias, norm n and rotation by pos * inv_freq: the
+// values rotated() gives for d0 and d1. sn, cs: sincosf(pos * inv_freq) (unused for unrotated pairs).
 template <typename T>
 __device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const RotaryPair& r, float sn, float cs,
-                                            float& x0, float& x1) {
-  const float a = biased(row, bias, r.d0);
-  const float b = biased(row, bias, r.d1);
+                                            float& x0, float& x1, const HeadNorm& n = HeadNorm{}) {
+  const float a = prepared(row, bias, r.d0, n);
+  const float b = prepared(row, bias, r.d1, n);
   if (r.rotated) {  // explicit roundings: the same bits as rotated() whatever the compiler contracts
     if (r.factor != 1.f) sn = __fmul_rn(sn, r.factor), cs = __fmul_rn(cs, r.factor);
     x0 = __fmaf_rn(a, cs, __fmul_rn(-b, sn));

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     v_scale = p.cache.v_scale[kvh];
   }
 
-  // Append: node t's K/V at slot len + t, its k rotated at len + depth(t).
+  // Append: node t's K/V at slot len + t, its k normed (if so) and rotated at len + depth(t).
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
@@ -150,6 +150,18 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   constexpr int PAIRS = HEAD_DIM / 2;
   const int t0 = blockIdx.y * kTreeNodesPerBlock;
   const int t1 = min(n, t0 + kTreeNodesPerBlock);
+  // A k norm: each node's rsqrt(mean(k^2) + eps), a warp per node.
+  __shared__ float s_k_inv[kTreeNodesPerBlock];
+  const QKNormParams& qn = p.qk_norm;
+  if (qn.k_weight != nullptr) {
+    for (int t = t0 + tid / 32; t < t1; t += kTreePrepareThreads / 32) {  // warp-uniform
+      const T* k_row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride +
+                       (p.num_heads + kvh) * HEAD_DIM;
+      const float inv = head_inv_rms<T, HEAD_DIM>(k_row, k_bias, qn.eps, tid % 32);
+      if (tid % 32 == 0) s_k_inv[t - t0] = inv;
+    }
+    __syncthreads();
+  }
   for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
     const int t = t0 + idx / PAIRS;
     const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
@@ -161,7 +173,9 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     float sn = 0.f, cs = 1.f;
     if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
     float k0, k1;
-    rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1);
+    const HeadNorm k_norm =
+        qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{};
+    rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1, k_norm);
     hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
     hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
     hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);

@@ -23,6 +23,7 @@ load your own. ``mmha.models.hf_attention`` is the other route: mmha inside tran
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from .hf_layers import (
     reset_rotary_state,
     swapped_attention,
 )
-from .hf_norms import layer_norms, qk_row_norm
+from .hf_norms import layer_norms, qk_kernel_norm, qk_row_norm
 
 # Token history kept on the device between host reads (sync_every <= HISTORY).
 HISTORY = 64
@@ -65,6 +66,24 @@ def _full_length(t: torch.Tensor, n: int) -> torch.Tensor:
     full = t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3])
     full[:, :, n - t.shape[2] :] = t
     return full
+
+
+def _fused_norms(fuse_norms: bool | None, on_gpu: bool) -> bool:
+    """``HFDecoder``'s ``fuse_norms``: by default on a GPU with the extension built."""
+    if fuse_norms is None:
+        return on_gpu and extension_available()
+    if fuse_norms and not (on_gpu and extension_available()):
+        raise ValueError("fuse_norms=True needs the model on a CUDA device and the extension built")
+    return bool(fuse_norms)
+
+
+def _with_kernel_norms(layer, head_dim: int):
+    """``layer`` (a ``LayerAttention``) with its per-head q/k norms moved into its spec, for the
+    kernel's q/k build (``hf_norms.qk_kernel_norm``), or as it is."""
+    qk = qk_kernel_norm(layer.q_norm, layer.k_norm, head_dim, layer.weight.dtype)
+    if qk is None:
+        return layer
+    return dataclasses.replace(layer, spec=layer.spec.replace(qk_norm=qk), q_norm=None, k_norm=None)
 
 
 def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:
@@ -125,7 +144,8 @@ class HFDecoder:
         ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
         this many (padded) tokens. ``fuse_norms`` (default: on a GPU with the extension built):
         decode steps run the model's RMSNorms (each layer's, the final one, the q/k norms) as one
-        launch each (``mmha.models.hf_norms``), where the module computes a form the row norm has."""
+        launch each (``mmha.models.hf_norms``), where the module computes a form the row norm has;
+        per-head q/k norms inside the kernel's q/k build (the layers' ``AttentionSpec.qk_norm``)."""
         config = model.config
         attns = attention_modules(model)
         self.model = model
@@ -137,6 +157,9 @@ class HFDecoder:
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         self.layers = [layer_attention(model, i, a, heads, max_seq_len) for i, a in enumerate(attns)]
         check_attention_kinds(config, self.head_dim)
+        on_gpu = param.device.type == "cuda"
+        if fuse_norms := _fused_norms(fuse_norms, on_gpu):  # per-head q/k norms in the kernel
+            self.layers = [_with_kernel_norms(a, self.head_dim) for a in self.layers]
         specs = [layer.spec for layer in self.layers]
         self.head = output_head(model)
         self.windowed = any(s.window is not None for s in specs)
@@ -147,7 +170,6 @@ class HFDecoder:
         self.rope_switch = min(starts) if starts else None
         self.recompute_at_switch = self.rope_switch is not None and drops_cache_at_switch(model)
         self.modified = any(s.has_mods for s in specs)
-        on_gpu = param.device.type == "cuda"
         if graphs is None:
             moe = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
             graphs = on_gpu and extension_available() and not paged and not moe
@@ -172,11 +194,8 @@ class HFDecoder:
         # Set during a tree step: the parents the layers' MmhaSelfAttention pass to step_tree.
         self.parents: torch.Tensor | None = None
         self.node_counts = None
-        if fuse_norms is None:
-            fuse_norms = on_gpu and extension_available()
-        if fuse_norms and not (on_gpu and extension_available()):
-            raise ValueError("fuse_norms=True needs the model on a CUDA device and the extension built")
-        # The model's RMSNorms (layers, final, q/k) as one launch each during decode steps.
+        # The model's RMSNorms (layers, final; q/k norms the kernel does not take) as one launch each
+        # during decode steps.
         self._norms = layer_norms(model) if fuse_norms else []
         self._attention = [
             MmhaSelfAttention(

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import ops
 from .._ext import _C
+from ..spec import QKNorm
 
 # Probe tolerance by dtype: a few units in the last place (the reduction order differs).
 _TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -143,3 +144,30 @@ def qk_row_norm(
         return None
     ((offset, cast_first),) = forms
     return weights, layout, eps, offset, cast_first
+
+
+def qk_kernel_norm(q_norm, k_norm, head_dim: int, dtype: torch.dtype) -> QKNorm | None:
+    """The ``QKNorm`` with which the decode kernel computes a layer's q and k norms
+    (``(module, "head" | "whole")`` or None, as ``LayerAttention`` holds them) for qkv of ``dtype``
+    inside its q/k build: both per head with one ``[head_dim]`` weight each, in one form (offset,
+    rounding) and one eps. None otherwise (a whole-projection norm, OLMo 2's; a norm the row norm
+    does not compute; mixed forms): then ``qk_row_norm`` or the model's modules."""
+    weights, forms = {}, set()
+    for side, norm in (("q", q_norm), ("k", k_norm)):
+        if norm is None:
+            continue
+        module, mode = norm
+        w = getattr(module, "weight", None)
+        if mode != "head" or not isinstance(w, torch.Tensor) or w.shape != (head_dim,):
+            return None
+        form = norm_form(module, dtype)
+        if form is None:
+            return None
+        weights[side] = w.detach()
+        forms.add(form)
+    if len(forms) != 1:
+        return None
+    (form,) = forms
+    return QKNorm(
+        weights.get("q"), weights.get("k"), eps=form.eps, offset=form.offset, cast_first=form.cast_first
+    )
