@@ -17,7 +17,7 @@ import torch.distributed as dist
 import mmha
 from mmha.distributed import CollectiveError, ShardedKVCache, sharding
 from mmha.epilogue import OutEpilogue
-from mmha.spec import AttentionSpec, Rotary
+from mmha.spec import AttentionSpec, QKNorm, Rotary
 
 
 def free_port() -> int:
@@ -235,8 +235,20 @@ def config_differs(rank, world, device="cpu"):
     raise AssertionError("expected ValueError")
 
 
+def qk_norm_differs(rank, world, device="cpu"):
+    """Rank 1's layers norm q and k, rank 0's do not: every rank refuses, naming the field."""
+    mods = dict(qk_norm=QKNorm(torch.ones(16, device=device))) if rank == 1 else None
+    try:
+        _caches(world, "sequence", device, torch.float32, mods=mods)
+    except ValueError as e:
+        assert "qk_norms differs between ranks" in str(e), str(e)
+        return
+    raise AssertionError("expected ValueError")
+
+
 CASES = {
     "config_differs": config_differs,
+    "qk_norm_differs": qk_norm_differs,
     "decode_matches_single": decode_matches_single,
     "graph_matches_single": graph_matches_single,
     "heads_local_qkv": heads_local_qkv,

@@ -91,6 +91,10 @@ def test_ranks_that_build_different_caches_all_refuse():
     run_ranks("config_differs", 2)
 
 
+def test_ranks_that_disagree_on_q_k_norms_all_refuse():
+    run_ranks("qk_norm_differs", 2)
+
+
 @pytest.mark.parametrize("stay_s", [0.0, 6.0], ids=["rank-exits", "rank-stays-past-timeout"])
 def test_a_failing_rank_ends_the_step_on_every_rank(stay_s):
     t0 = time.monotonic()

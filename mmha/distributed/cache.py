@@ -41,9 +41,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _all_to_all = dist.all_to_all_single
 
 
-def _code(dtype: torch.dtype | None) -> int:
-    """A number for ``dtype`` that is the same in every process."""
-    return zlib.crc32(str(dtype).encode())
+def _code(value) -> int:
+    """A number for ``value`` (a dtype, a list of settings) that is the same in every process."""
+    return zlib.crc32(str(value).encode())
 
 
 class CollectiveError(RuntimeError):
@@ -148,6 +148,7 @@ class ShardedKVCache:
             max_seq_len=max_seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             dtype=_code(dtype), kv_dtype=_code(kv_dtype),
             rotary_dims=_code([a.rotary.dim for a in self.attention]),
+            qk_norms=_code([a.qk_norm is not None for a in self.attention]),
         )  # fmt: skip
 
     def _local_spec(self, layer: int, spec: AttentionSpec) -> AttentionSpec:
