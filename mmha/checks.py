@@ -14,10 +14,24 @@ def positive_int(name: str, value) -> int:
     return value
 
 
-def fp8_scales(k_cache: torch.Tensor, k_scale, v_scale) -> None:
-    """An fp8 cache's scales are given exactly when the cache is fp8."""
+def cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """A quantised cache's scales are given exactly when the cache is quantised: fp8 one per kv head
+    (``[Hkv]``), int8 one per token and kv head (fp32 ``[B, Hkv, S_max]``, or per page slot
+    ``[num_blocks, Hkv, block_size]``: ``v_cache``'s first three dims)."""
+    if k_cache.dtype == torch.int8:
+        shape = tuple(v_cache.shape[:3])
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be a float32 tensor {list(shape)} (a scale per token and kv head) for an "
+                    f"int8 cache, got {got}"
+                )
+        return
     if (k_cache.dtype == FP8) != (k_scale is not None and v_scale is not None):
-        raise ValueError("k_scale and v_scale must be given for float8_e4m3fn caches, and only for them")
+        raise ValueError(
+            "k_scale and v_scale must be given for float8_e4m3fn and int8 caches, and only for them"
+        )
 
 
 def row_modes(row_active: torch.Tensor | None, batch: int, tree: bool = False) -> list[int]:

@@ -18,8 +18,14 @@ multiplies q's channel ``c`` by ``s[c]`` (``q . k = (q * s) . (k / s)``), once p
 so the tile loop is unchanged. The factors come from the prompt (``smoothing_factors``: the
 channel's absolute maximum to the power ``alpha``, normalised to geometric mean 1).
 
-A scale of 0 (an all-zero vector) reads back zeros; non-finite input gives a non-finite scale,
-which the device-side guard reports (the cache must not silently saturate it).
+A scale of 0 (an all-zero vector) reads back zeros; non-finite input gives a non-finite scale
+(its codes 0), which reads back non-finite and which the device-side guard reports (the cache
+must not silently saturate it).
+
+An int8 cache (``KVCache``'s coming ``kv_dtype="int8"``; ``mmha.reference`` computes it today)
+stores each appended token's K and V symmetric per token and kv head: codes in the caches'
+layouts (int8, x = 16), scales fp32 beside the slots, ``[B, Hkv, S_max]`` (pages: ``[num_blocks,
+Hkv, block_size]``).
 """
 
 from __future__ import annotations
@@ -41,14 +47,14 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool = True):
         qmax = QMAX[bits]
         scale = v.abs().amax(-1) / qmax
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(v / safe[..., None]).clamp(-qmax, qmax).to(torch.int8)
-        return codes, scale, None
+        codes = torch.round(v / safe[..., None]).clamp(-qmax, qmax)
+        return torch.where(torch.isfinite(codes), codes, 0).to(torch.int8), scale, None
     levels = 2**bits - 1
     lo, hi = v.amin(-1), v.amax(-1)
     scale = (hi - lo) / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((v - lo[..., None]) / safe[..., None]).clamp(0, levels).to(torch.uint8)
-    return codes, scale, lo
+    codes = torch.round((v - lo[..., None]) / safe[..., None]).clamp(0, levels)
+    return torch.where(torch.isfinite(codes), codes, 0).to(torch.uint8), scale, lo
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype=torch.float32):

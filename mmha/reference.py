@@ -7,11 +7,14 @@ One step for row ``b`` (with ``pos = lengths[b]`` tokens already cached) under a
 2. the per-head q/k norm (``attention.qk_norm``, rounding to qkv's dtype as it says), then
    rotary embedding of q and k at position ``pos`` (``attention.rotary``);
 3. k and v are rounded to the cache dtype and written to slot ``pos``; an fp8 (e4m3) cache stores
-   ``quantize_fp8(k, k_scale)`` and ``quantize_fp8(v, v_scale)``;
+   ``quantize_fp8(k, k_scale)`` and ``quantize_fp8(v, v_scale)``; an int8 cache stores each
+   token's k and v symmetric per kv head (``mmha.quant.quantize(x, 8)``: codes in the cache,
+   their scales at ``k_scale[b, :, pos]`` / ``v_scale[b, :, pos]``);
 4. ``out = softmax(s) . V[0..pos]`` with the scaled, modified logits ``s`` of q against the cache
    (query head ``h`` uses kv head ``h // (Hq // Hkv)``; soft-cap, ALiBi, window and sinks as the
    spec says); ``lse`` is the natural-log log-sum-exp of ``s`` (sinks included). An fp8 cache is
-   read as ``cached * scale[h]`` (dequantised in the compute dtype);
+   read as ``cached * scale[h]``, an int8 one as ``code * scale[b, h, slot]`` (dequantised in the
+   compute dtype);
 5. the output epilogue (``attention.epilogue``) applies to ``out`` rounded to fp32; without one
    ``out`` is rounded to qkv's dtype.
 
@@ -27,7 +30,7 @@ import math
 
 import torch
 
-from . import checks, layout, tree
+from . import checks, layout, quant, tree
 from .spec import (
     FP8,
     PLAIN,
@@ -129,8 +132,9 @@ def attend(
 
 def new_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, k_cache, k_scale, v_scale, act_dtype):
     """Steps 2-3 for tokens ``x [N, W]`` (bias added, compute dtype; qkv of ``act_dtype``) at
-    positions ``pos [N]``: q ``[N, Hq, D]`` in the compute dtype, and k, v ``[N, Hkv, D]`` as the
-    caches store them."""
+    positions ``pos [N]``: q ``[N, Hq, D]`` in the compute dtype, k and v ``[N, Hkv, D]`` as the
+    caches store them, and for an int8 cache their scales ``(k [N, Hkv], v [N, Hkv])`` fp32
+    (else None)."""
     q, k, v = split_qkv(x, num_heads, num_kv_heads, head_dim)
     if attention.qk_norm is not None:
         q = attention.qk_norm.apply(q, "q", act_dtype)
@@ -138,14 +142,34 @@ def new_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, k_cache, k_
     q = apply_rotary(q, pos, attention.rotary)
     k = apply_rotary(k, pos, attention.rotary)
     if k_cache.dtype == FP8:
-        return q, quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    return q, k.to(k_cache.dtype), v.to(k_cache.dtype)
+        return q, quantize_fp8(k, k_scale), quantize_fp8(v, v_scale), None
+    if k_cache.dtype == torch.int8:
+        (k_codes, k_sc, _), (v_codes, v_sc, _) = quant.quantize(k, 8), quant.quantize(v, 8)
+        return q, k_codes, v_codes, (k_sc, v_sc)
+    return q, k.to(k_cache.dtype), v.to(k_cache.dtype), None
+
+
+def store_token(k_cache, v_cache, scales, row: int, slot: int, k, v, token_scales) -> None:
+    """Write one token's stored ``k, v [Hkv, D]`` to slot ``slot`` of row ``row`` (and an int8
+    cache's ``token_scales`` ``(k [Hkv], v [Hkv])`` into ``scales = (k_scale, v_scale)``)."""
+    hkv, d, x = k_cache.shape[1], v_cache.shape[-1], k_cache.shape[-1]
+    k_cache[row, :, :, slot, :] = k.reshape(hkv, d // x, x)
+    v_cache[row, :, slot, :] = v
+    if token_scales is not None:
+        scales[0][row, :, slot] = token_scales[0]
+        scales[1][row, :, slot] = token_scales[1]
 
 
 def cached_kv(k_cache, v_cache, row: int, n: int, k_scale, v_scale, compute_dtype):
-    """Slots ``0 .. n - 1`` of a row as ``[Hkv, n, D]`` K and V in the compute dtype (fp8 dequantised)."""
+    """Slots ``0 .. n - 1`` of a row as ``[Hkv, n, D]`` K and V in the compute dtype (fp8 and int8
+    dequantised)."""
     keys = layout.unpack_k(k_cache[row : row + 1], n, layout="bhsd")[0]
     values = v_cache[row, :, :n, :]
+    if k_cache.dtype == torch.int8:
+        return (
+            quant.dequantize(keys, k_scale[row, :, :n], None, compute_dtype),
+            quant.dequantize(values, v_scale[row, :, :n], None, compute_dtype),
+        )
     if k_cache.dtype == FP8:
         return dequantize_fp8(keys, k_scale, compute_dtype), dequantize_fp8(values, v_scale, compute_dtype)
     return keys.to(compute_dtype), values.to(compute_dtype)
@@ -193,12 +217,13 @@ def decode_step(
     ``qkv [B, (Hq + 2 * Hkv) * D]``; ``k_cache [B, Hkv, D / x, S_max, x]`` and ``v_cache [B, Hkv,
     S_max, D]``, written in place at slot ``lengths[b]`` (``[B]`` int, read, not changed);
     ``attention``: the layer's spec; ``compute_dtype``: fp32 (default) or fp64; ``k_scale``,
-    ``v_scale``: ``[Hkv]`` fp32 for fp8 caches only; ``row_active``: ``[B]`` int row modes
+    ``v_scale``: for quantised caches only, fp32 ``[Hkv]`` (fp8) or ``[B, Hkv, S_max]`` (int8: a
+    scale per token, written at the new slot); ``row_active``: ``[B]`` int row modes
     (default every row ``ROW_STEP``); ``positions``: ``[B]`` int rotary positions (default
     ``lengths``; slots, the window and ALiBi still count from ``lengths``).
     """
     b, hkv, s_max, d = v_cache.shape
-    checks.fp8_scales(k_cache, k_scale, v_scale)
+    checks.cache_scales(k_cache, v_cache, k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
     if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
@@ -212,10 +237,10 @@ def decode_step(
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)
     pos = torch.tensor(rot_pos, device=qkv.device)
-    q, k_new, v_new = new_tokens(
+    q, k_new, v_new, tok = new_tokens(
         x, pos, num_heads, num_kv_heads, d, attention, k_cache, k_scale, v_scale, qkv.dtype
     )
-    scale, x_elems = attention.scale_for(d), k_cache.shape[-1]
+    scale = attention.scale_for(d)
     outs, lses = [], []
     for row, p in enumerate(pos_list):
         keys_end = p + 1 if modes[row] == ROW_STEP else p
@@ -224,8 +249,8 @@ def decode_step(
             lses.append(torch.full((num_heads,), -math.inf, dtype=compute_dtype, device=qkv.device))
             continue
         if modes[row] == ROW_STEP:
-            k_cache[row, :, :, p, :] = k_new[row].reshape(hkv, d // x_elems, x_elems)
-            v_cache[row, :, p, :] = v_new[row]
+            row_scales = None if tok is None else (tok[0][row], tok[1][row])
+            store_token(k_cache, v_cache, (k_scale, v_scale), row, p, k_new[row], v_new[row], row_scales)
         keys, values = cached_kv(k_cache, v_cache, row, keys_end, k_scale, v_scale, compute_dtype)
         o, lse = attend(q[row], keys, values, scale, attention, p)
         outs.append(o.reshape(-1))
@@ -257,36 +282,57 @@ def decode_step_paged(
             raise ValueError(f"lengths[{row}] must be >= 0, got {p}")
     checks.block_tables(block_tables, pos, k_pages.shape[0], bs)
     tables = block_tables.tolist()
+    checks.cache_scales(k_pages, v_pages, kwargs.get("k_scale"), kwargs.get("v_scale"))
     outs, lses = [], []
     for b, p in enumerate(pos):
         blocks = tables[b][: p // bs + 1]
-        kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
+        kc, vc, row_kw = _gather_row(k_pages, v_pages, blocks, kwargs)
         out, lse = decode_step(
             qkv[b : b + 1], kc, vc, lengths[b : b + 1], num_heads=num_heads, num_kv_heads=num_kv_heads,
-            return_lse=True, **kwargs,
+            return_lse=True, **row_kw,
         )  # fmt: skip
-        blk, off = blocks[p // bs], p % bs
-        k_pages[blk, :, :, off, :] = kc[0, :, :, p, :]
-        v_pages[blk, :, off, :] = vc[0, :, p, :]
+        _put_slot(k_pages, v_pages, kwargs, blocks, p, kc, vc, row_kw)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs)
     return (out, torch.cat(lses)) if return_lse else out
 
 
+def _gather_row(k_pages, v_pages, blocks: list[int], kwargs: dict) -> tuple:
+    """One row's ``blocks`` as a contiguous cache ``(k [1, ...], v [1, ...], kwargs)``, an int8
+    pool's per-slot scales gathered into the row's ``k_scale`` / ``v_scale`` ``[1, Hkv, n * bs]``."""
+    kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
+    row_kw = dict(kwargs)
+    if k_pages.dtype == torch.int8:
+        for name in ("k_scale", "v_scale"):
+            row_kw[name] = layout.gather_v(kwargs[name][..., None], blocks)[..., 0]
+    return kc, vc, row_kw
+
+
+def _put_slot(k_pages, v_pages, kwargs: dict, blocks: list[int], t: int, kc, vc, row_kw) -> None:
+    """Slot ``t`` of a gathered row (``_gather_row``) back into its page (and its int8 scales)."""
+    bs = v_pages.shape[2]
+    blk, off = blocks[t // bs], t % bs
+    k_pages[blk, :, :, off, :] = kc[0, :, :, t, :]
+    v_pages[blk, :, off, :] = vc[0, :, t, :]
+    if k_pages.dtype == torch.int8:
+        for name in ("k_scale", "v_scale"):
+            kwargs[name][blk, :, off] = row_kw[name][0, :, t]
+
+
 def _tree_row(x, p, par, num_heads, num_kv_heads, attention, k_cache, v_cache, row, k_scale, v_scale, dtypes):
     """One row of ``decode_tree``: append its nodes, return its nodes' out ``[n, Hq * D]`` and lse.
     ``dtypes``: (compute, qkv's)."""
     dtype, act_dtype = dtypes
-    hkv, d, x_elems = k_cache.shape[1], v_cache.shape[-1], k_cache.shape[-1]
+    d = v_cache.shape[-1]
     n = len(par)
     pos = torch.tensor([p + dep for dep in tree.depths(par)], device=x.device)
-    q, k_new, v_new = new_tokens(
+    q, k_new, v_new, tok = new_tokens(
         x[:n], pos, num_heads, num_kv_heads, d, attention, k_cache, k_scale, v_scale, act_dtype
     )
     for t in range(n):
-        k_cache[row, :, :, p + t, :] = k_new[t].reshape(hkv, d // x_elems, x_elems)
-        v_cache[row, :, p + t, :] = v_new[t]
+        node_scales = None if tok is None else (tok[0][t], tok[1][t])
+        store_token(k_cache, v_cache, (k_scale, v_scale), row, p + t, k_new[t], v_new[t], node_scales)
     keys, values = cached_kv(k_cache, v_cache, row, p + n, k_scale, v_scale, dtype)
     group = num_heads // num_kv_heads
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
@@ -326,7 +372,7 @@ def decode_tree(
     [B, T, Hq]`` (``-inf`` for nodes past the count); lengths are not changed. The spec may not
     hold score modifiers (tree steps take none)."""
     b, _, s_max, d = v_cache.shape
-    checks.fp8_scales(k_cache, k_scale, v_scale)
+    checks.cache_scales(k_cache, v_cache, k_scale, v_scale)
     width = (num_heads + 2 * num_kv_heads) * d
     if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
         raise ValueError(f"qkv must have shape [{b}, T, {width}], got {tuple(qkv.shape)}")
@@ -384,19 +430,18 @@ def decode_tree_paged(
     last = [p + len(r) - 1 for p, r in zip(pos, rows, strict=True)]  # each row's last slot
     checks.block_tables(block_tables, last, k_pages.shape[0], bs)
     tables = block_tables.tolist()
+    checks.cache_scales(k_pages, v_pages, kwargs.get("k_scale"), kwargs.get("v_scale"))
     outs, lses = [], []
     for b, p in enumerate(pos):
         n = len(rows[b])
         blocks = tables[b][: (p + n - 1) // bs + 1]
-        kc, vc = layout.gather_k(k_pages, blocks), layout.gather_v(v_pages, blocks)
+        kc, vc, row_kw = _gather_row(k_pages, v_pages, blocks, kwargs)
         o, lse = decode_tree(
             qkv[b : b + 1], kc, vc, lengths[b : b + 1], parents[b : b + 1], num_heads=num_heads,
-            num_kv_heads=num_kv_heads, node_counts=[n], return_lse=True, **kwargs,
+            num_kv_heads=num_kv_heads, node_counts=[n], return_lse=True, **row_kw,
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)
         for t in range(p, p + n):
-            blk, off = blocks[t // bs], t % bs
-            k_pages[blk, :, :, off, :] = kc[0, :, :, t, :]
-            v_pages[blk, :, off, :] = vc[0, :, t, :]
+            _put_slot(k_pages, v_pages, kwargs, blocks, t, kc, vc, row_kw)
     return (torch.cat(outs), torch.cat(lses)) if return_lse else torch.cat(outs)

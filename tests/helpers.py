@@ -134,7 +134,7 @@ def logit_spread(case: Case) -> float:
     if case.bias is not None:
         x = x + case.bias.double()
     kc, vc = case.k_cache.double(), case.v_cache.double()  # copies: the new tokens go into these
-    q, k_new, v_new = reference.new_tokens(
+    q, k_new, v_new, _ = reference.new_tokens(
         x,
         case.lengths.long(),
         hq,

@@ -33,6 +33,8 @@ def test_zero_and_non_finite_vectors():
     codes, scale, _ = quant.quantize(x, 8)
     assert scale[0] == 0 and torch.equal(quant.dequantize(codes, scale, None)[0], torch.zeros(8))
     assert not torch.isfinite(scale[1])  # the guard's to report, not a saturated code
+    assert torch.equal(codes[1], torch.zeros(8, dtype=torch.int8))  # no cast of a NaN code
+    assert not torch.isfinite(quant.dequantize(codes, scale, None)[1]).all()
 
 
 def test_channel_groups_keep_the_partial_group():

@@ -67,7 +67,7 @@ def main() -> None:
     bias = case.kwargs()["qkv_bias"]
     x64 = case.qkv.double() + bias.double()
     rows = (x64, torch.tensor([POS, 0, 0]), 3, 1, D, AttentionSpec(rotary=Rotary(ROT, THETA)))
-    q64, k_new, v_new = reference.new_tokens(*rows, case.k_cache.double(), None, None, torch.float32)
+    q64, k_new, v_new, _ = reference.new_tokens(*rows, case.k_cache.double(), None, None, torch.float32)
     keys = case.k_cache.double()[0, 0].permute(1, 0, 2).reshape(-1, D)[: POS + 1].clone()
     values = case.v_cache.double()[0, 0][: POS + 1].clone()
     keys[POS], values[POS] = k_new[0].reshape(D), v_new[0].reshape(D)
