@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import checks, dispatch
+from . import checks, dispatch, quant
 from ._ext import extension_available
 from .backends import KernelBackend, ReferenceBackend, StepCall
 from .rows import RowTable, capturing
@@ -59,7 +59,9 @@ class KVCache:
         for ``max_seq_len``, so a captured CUDA graph stays right as rows grow.
     kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (under fp16 / bf16
         activations), with one fp32 scale per layer and kv head for K and one for V (``k_scales``,
-        ``v_scales``; ``set_scales``, ``prefill``).
+        ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8``: each token's K and V codes with
+        a scale per token and kv head beside its slot (``mmha.quant``; the reference path only, a
+        CUDA device refuses it until the kernel takes it).
     paged, block_size, num_blocks : a paged cache (``mmha.paging``): each layer's K/V in one pool of
         ``num_blocks`` blocks of ``block_size`` slots (16, 32, 64 or 128; default enough for every
         row at ``max_seq_len``); ``k_caches[layer]`` is then ``k_pages [num_blocks, Hkv, D/x,
@@ -122,8 +124,14 @@ class KVCache:
         self.num_layers, self.max_batch, self.max_seq_len = num_layers, max_batch, max_seq_len
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.kv_dtype, self.fp8 = dtype, kv_dtype, kv_dtype == FP8
+        self.int8 = kv_dtype == torch.int8
         self.dispatch_on = dispatch_on
         self.use_kernel = self.device.type == "cuda" and extension_available()
+        if self.use_kernel and self.int8:
+            raise ValueError(
+                "kv_dtype=torch.int8 runs on the reference path only (a CPU device): the decode kernel "
+                "does not take int8 caches yet"
+            )
         if self.use_kernel:  # theta's frequency tables made now, before any step is captured in a graph
             for spec in self.attention:
                 spec.rotary.kernel_table(self.device)
@@ -184,7 +192,11 @@ class KVCache:
             raise ValueError(f"layer must be in [0, {self.num_layers - 1}], got {layer!r}")
         return self.attention[layer]
 
-    def scales_of(self, layer: int) -> dict:
+    def scales_of(self, layer: int, batch: int) -> dict:
+        """The quantised caches' scales a step of rows ``0 .. batch - 1`` of ``layer`` passes: fp8's
+        per kv head, int8's per token (``{}`` otherwise)."""
+        if self.int8:
+            return self.storage.scales_view(layer, batch)
         return {} if self.scales is None else self.scales.of(layer)
 
     # ----------------------------------------------------------------- rows
@@ -361,9 +373,13 @@ class KVCache:
             self.scales.calibrate(layer, k_amax, amax_of([v[i, : lens[i]] for i in kept]), margin)
         for i in kept:
             ki, vi = k[i : i + 1, : lens[i]], v[i : i + 1, : lens[i]]
+            token_scales = None
             if self.fp8:
                 ki, vi = self.scales.quantize(layer, ki, vi)
-            self.storage.write_prompt(layer, rows[i], ki, vi)
+            elif self.int8:  # per token and kv head, as a step appends (mmha.quant)
+                (ki, ks, _), (vi, vs, _) = quant.quantize(ki, 8), quant.quantize(vi, 8)
+                token_scales = (ks, vs)
+            self.storage.write_prompt(layer, rows[i], ki, vi, token_scales)
         self.rows.set_active(rows, True)
         self.rows.set_lengths(rows, lens)
 
@@ -466,8 +482,9 @@ class KVCache:
         batch = self._checked_step(qkv, qkv_bias, positions)
         k, v = self.storage.view(layer, batch)
         call = StepCall(
-            qkv, k, v, self.rows.lengths[:batch], attention, qkv_bias, return_lse, self.scales_of(layer),
-            self.rows.modes_for(batch, always=self.paged), positions, self.storage.tables(batch),
+            qkv, k, v, self.rows.lengths[:batch], attention, qkv_bias, return_lse,
+            self.scales_of(layer, batch), self.rows.modes_for(batch, always=self.paged), positions,
+            self.storage.tables(batch),
         )  # fmt: skip
         if self.paged and not self.use_kernel:
             call.active_rows = [r for r in range(batch) if self.rows.is_active(r)]

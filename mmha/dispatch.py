@@ -172,11 +172,14 @@ def uses_tensor_cores(kv_dtype: torch.dtype) -> bool:
 
 
 def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    """Caches hold the activations' dtype, or fp8 e4m3 under fp16 / bf16 activations."""
-    if kv_dtype == dtype:
+    """Caches hold the activations' dtype, fp8 e4m3 under fp16 / bf16 activations, or int8 (codes
+    with per-token scales; the reference path only, for now)."""
+    if kv_dtype in (dtype, torch.int8):
         return
     if kv_dtype != FP8:
-        raise ValueError(f"kv_dtype must be {dtype} (the activations' dtype) or {FP8}, got {kv_dtype}")
+        raise ValueError(
+            f"kv_dtype must be {dtype} (the activations' dtype), {FP8} or torch.int8, got {kv_dtype}"
+        )
     if dtype not in FP8_ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be float16 or bfloat16 with an fp8 ({FP8}) cache, got {dtype}")
 

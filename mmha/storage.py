@@ -1,7 +1,8 @@
 """Where a cache's K/V live: contiguous rows or pages of one pool, behind one interface.
 
 ``ContiguousStorage``: per layer ``k [max_batch, Hkv, D/x, capacity, x]`` and ``v [max_batch,
-Hkv, capacity, D]`` (``mmha.layout``). ``PagedStorage``: per layer a pool ``k_pages [num_blocks,
+Hkv, capacity, D]`` (``mmha.layout``; an int8 cache also its per-token scales, ``k_scales`` /
+``v_scales`` ``[max_batch, Hkv, capacity]`` fp32). ``PagedStorage``: per layer a pool ``k_pages [num_blocks,
 Hkv, D/x, block_size, x]`` / ``v_pages [num_blocks, Hkv, block_size, D]`` and the block tables of
 its ``mmha.paging.PagePool`` (one table serves every layer). Both give the kernel's view of a
 layer, write prompts, and move or copy slots (``accept``, ``fork``); the paged one also owns the
@@ -23,9 +24,12 @@ CAPACITY_ALIGN = 64
 def _allocate(
     num_layers: int, k_shape, v_shape, dtype, device, workspace_bytes: int
 ) -> tuple[list, list, int]:
-    """Every layer's K and V, after checking that they fit the device's free memory."""
+    """Every layer's K and V, after checking that they fit the device's free memory (with an int8
+    cache's token scales, ``token_scales``)."""
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = num_layers * (torch.Size(k_shape).numel() + torch.Size(v_shape).numel()) * elem
+    if dtype == torch.int8:
+        nbytes += num_layers * 2 * torch.Size(v_shape[:3]).numel() * 4
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         if nbytes + workspace_bytes > free:
@@ -39,7 +43,42 @@ def _allocate(
     return k, v, nbytes
 
 
-class ContiguousStorage:
+def token_scales(num_layers: int, v_shape, kv_dtype, device) -> tuple[list, list]:
+    """An int8 cache's per-token scales of every layer: fp32, K's and V's, each ``v_shape[:3]``
+    (a scale per slot and kv head, beside the slots); empty lists for other caches."""
+    if kv_dtype != torch.int8:
+        return [], []
+    make = [torch.zeros(v_shape[:3], dtype=torch.float32, device=device) for _ in range(2 * num_layers)]
+    return make[:num_layers], make[num_layers:]
+
+
+class _Planes:
+    """What both storages share: the per-slot planes of each layer (K, V and an int8 cache's K and
+    V scales: ``[row or block, Hkv, D/x, slot, x]`` for K, ``[row or block, Hkv, slot, ...]`` for the
+    others), moved and copied together."""
+
+    def _planes(self):
+        for layer, (kc, vc) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
+            yield kc, vc, *((self.k_scales[layer], self.v_scales[layer]) if self.k_scales else ())
+
+    def scales_view(self, layer: int, batch: int) -> dict:
+        """An int8 cache's ``k_scale`` / ``v_scale`` as the kernel's view of ``layer`` takes them
+        (rows ``0 .. batch - 1``, or the pool's); ``{}`` for other caches."""
+        if not self.k_scales:
+            return {}
+        rows = slice(None) if self.paged else slice(0, batch)
+        return dict(k_scale=self.k_scales[layer][rows], v_scale=self.v_scales[layer][rows])
+
+    def copy_slots(self, src: tuple, dst: tuple) -> None:
+        """Slots at ``dst = (row or block [R, W], offset [R, W])`` take those at ``src`` (device
+        indices, ``slots``), in every layer and plane."""
+        for kc, *rest in self._planes():
+            kc[dst[0], :, :, dst[1]] = kc[src[0], :, :, src[1]]
+            for t in rest:
+                t[dst[0], :, dst[1]] = t[src[0], :, src[1]]
+
+
+class ContiguousStorage(_Planes):
     """Row ``b`` of a layer is ``k[b]`` / ``v[b]``. On a GPU the rows hold ``max_seq_len`` rounded
     up to a multiple of ``CAPACITY_ALIGN`` slots, so that the tile loop's bulk tensor copies apply
     (they need S_max % 32 == 0; the cp.async fallback issues every copy from one warp and ran the
@@ -61,6 +100,7 @@ class ContiguousStorage:
         self.k_caches, self.v_caches, self.nbytes = _allocate(
             num_layers, k_shape, v_shape, kv_dtype, device, extra_bytes
         )
+        self.k_scales, self.v_scales = token_scales(num_layers, v_shape, kv_dtype, device)
         self.device = device
 
     def view(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +110,15 @@ class ContiguousStorage:
     def tables(self, batch: int) -> None:
         return None
 
-    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Slots ``0 .. n - 1`` of ``row`` get ``k, v [1, n, Hkv, D]`` (in the cache's dtype)."""
+    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, scales=None) -> None:
+        """Slots ``0 .. n - 1`` of ``row`` get ``k, v [1, n, Hkv, D]`` (in the cache's dtype; an int8
+        cache's ``scales``: K's and V's ``[1, n, Hkv]``)."""
         layout.write_k(self.k_caches[layer][row : row + 1], k, 0)
         layout.write_v(self.v_caches[layer][row : row + 1], v, 0)
+        if scales is not None:
+            n = k.shape[1]
+            self.k_scales[layer][row, :, :n] = scales[0][0].T
+            self.v_scales[layer][row, :, :n] = scales[1][0].T
 
     # Block bookkeeping: a contiguous cache owns every slot already.
     def check_room(self, rows, lengths, what: str) -> None:
@@ -92,16 +137,17 @@ class ContiguousStorage:
         """In every layer, slots ``dst`` of ``row`` take the contents of slots ``src``."""
         s_idx = torch.tensor(src, dtype=torch.long, device=self.device)
         d_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
+        for kc, *rest in self._planes():
             kc[row, :, :, d_idx] = kc[row, :, :, s_idx].clone()
-            vc[row, :, d_idx] = vc[row, :, s_idx].clone()
+            for t in rest:
+                t[row, :, d_idx] = t[row, :, s_idx].clone()
 
     def slots(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Device indices ``(row or block, offset)`` of ``slots [R, W]`` of ``rows [R]`` (device work)."""
         return rows[:, None].expand_as(slots), slots
 
 
-class PagedStorage:
+class PagedStorage(_Planes):
     """Pages of one pool per layer (``mmha.paging``); ``pool`` allocates their blocks to rows."""
 
     paged = True
@@ -123,6 +169,7 @@ class PagedStorage:
         self.k_caches, self.v_caches, self.nbytes = _allocate(
             num_layers, k_shape, v_shape, kv_dtype, device, extra_bytes
         )
+        self.k_scales, self.v_scales = token_scales(num_layers, v_shape, kv_dtype, device)
         self.capacity, self.device = max_seq_len, device
         self.block_size, self.num_blocks = block_size, num_blocks
         self.pool = paging.PagePool(num_blocks, block_size, max_batch, max_blocks, device)
@@ -134,8 +181,12 @@ class PagedStorage:
     def tables(self, batch: int) -> torch.Tensor:
         return self.block_tables[:batch]
 
-    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, scales=None) -> None:
         layout.write_pages(self.k_caches[layer], self.v_caches[layer], self.pool.rows[row], k[0], v[0])
+        if scales is not None:
+            blk, off = self._page_slots(row, list(range(k.shape[1])))
+            self.k_scales[layer][blk, :, off] = scales[0][0]
+            self.v_scales[layer][blk, :, off] = scales[1][0]
 
     def check_room(self, rows: list[int], lengths: list[int], what: str) -> None:
         """Raise ``PoolExhausted`` (before anything changes) if rows about to hold ``lengths`` tokens
@@ -165,9 +216,9 @@ class PagedStorage:
         if copies:
             old = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
             new = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
-            for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
-                kc[new] = kc[old]
-                vc[new] = vc[old]
+            for planes in self._planes():
+                for t in planes:
+                    t[new] = t[old]
 
     def _page_slots(self, row: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         bs, blocks = self.block_size, self.pool.rows[row]
@@ -176,10 +227,7 @@ class PagedStorage:
         return blk, off
 
     def move(self, row: int, src: list[int], dst: list[int]) -> None:
-        (sb, so), (db, do) = self._page_slots(row, src), self._page_slots(row, dst)
-        for kc, vc in zip(self.k_caches, self.v_caches, strict=True):
-            kc[db, :, :, do] = kc[sb, :, :, so]
-            vc[db, :, do] = vc[sb, :, so]
+        self.copy_slots(self._page_slots(row, src), self._page_slots(row, dst))
 
     def slots(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tables = self.block_tables[rows].long()

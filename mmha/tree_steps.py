@@ -90,7 +90,7 @@ class TreeSteps:
         trees = None if capture and c.use_kernel else self._host_trees(qkv, parents, node_counts, batch)
         call = TreeCall(
             qkv, *c.storage.view(layer, batch), c.rows.lengths[:batch], parents, attention, node_counts,
-            qkv_bias, return_lse, c.scales_of(layer), block_tables=c.storage.tables(batch),
+            qkv_bias, return_lse, c.scales_of(layer, batch), block_tables=c.storage.tables(batch),
         )  # fmt: skip
         if c.paged:  # free rows own no blocks: they take no part (zero output)
             call.row_active = c.rows.modes[:batch]
@@ -190,9 +190,7 @@ class TreeSteps:
         top = c.max_seq_len - 1
         src_at = c.storage.slots(idx, (n[:, None] + p.gather(1, t).clamp_min(0)).clamp(max=top))
         dst_at = c.storage.slots(idx, (n[:, None] + t).clamp(max=top))
-        for kc, vc in zip(c.k_caches, c.v_caches, strict=True):
-            kc[dst_at[0], :, :, dst_at[1]] = kc[src_at[0], :, :, src_at[1]]
-            vc[dst_at[0], :, dst_at[1]] = vc[src_at[0], :, src_at[1]]
+        c.storage.copy_slots(src_at, dst_at)
         c.rows.lengths.index_add_(0, idx, count.to(c.rows.lengths.dtype))
         if kept is not None:
             c.rows.add_host(rows, [len(k) for k in kept])

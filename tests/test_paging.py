@@ -133,9 +133,16 @@ def rows_equal(paged: KVCache, flat: KVCache, rows) -> None:
             got_v = layout.gather_v(paged.v_caches[layer], blocks)[0, :, :n]
             assert torch.equal(got_k.view(torch.uint8), flat.k_caches[layer][r, :, :, :n].view(torch.uint8))
             assert torch.equal(got_v.view(torch.uint8), flat.v_caches[layer][r, :, :n].view(torch.uint8))
+            ours, theirs = (
+                paged.storage.scales_view(layer, 0),
+                flat.storage.scales_view(layer, flat.max_batch),
+            )
+            for name in ours:  # an int8 cache's token scales
+                got = layout.gather_v(ours[name][..., None], blocks)[0, :, :n, 0]
+                assert torch.equal(got, theirs[name][r, :, :n])
 
 
-@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("kv_dtype", [None, FP8, torch.int8], ids=["16-bit", "fp8", "int8"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_kvcache_paged_steps_equal_contiguous(kv_dtype, block_size):
     paged, flat = pair(kv_dtype, block_size=block_size)
@@ -299,6 +306,8 @@ def fork_and_release(paged: KVCache, flat: KVCache, k: torch.Tensor, lengths: li
     for layer in range(flat.num_layers):
         flat.k_caches[layer][3] = flat.k_caches[layer][0]
         flat.v_caches[layer][3] = flat.v_caches[layer][0]
+        for t in flat.storage.scales_view(layer, flat.max_batch).values():  # int8's token scales
+            t[3] = t[0]
     flat.rows.set_lengths([3], [lengths[0]])
     for c in (paged, flat):
         c.release([1])
@@ -345,7 +354,7 @@ def tree_rounds(paged: KVCache, flat: KVCache, rounds: int, nodes: int, seed: in
     rows_equal(paged, flat, paged.active_rows)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("kv_dtype", [None, FP8, torch.int8], ids=["16-bit", "fp8", "int8"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kvcache_paged_tree_steps_and_accept_equal_contiguous(kv_dtype, block_size):
     """Tree steps over pages (the nodes' blocks taken before the step), accept through the tables

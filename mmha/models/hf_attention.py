@@ -276,7 +276,8 @@ class MmhaCache(Cache):
         spec = kv.attention[layer]
         if scale != spec.scale:  # transformers passed another scaling than the module's
             spec = spec.replace(scale=float(scale))
-        kw = dict(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, attention=spec, **kv.scales_of(layer))
+        scales = kv.scales_of(layer, b)
+        kw = dict(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, attention=spec, **scales)
         if kv.use_kernel:
             splits, stages = self._plans[b]
             out = ops.decode_attention(
