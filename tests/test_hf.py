@@ -269,6 +269,18 @@ def test_fp8_kv_teacher_forced_no_decisive_mismatch(dtype):
     assert res["decisive_mismatches"] == 0
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_int8_kv_teacher_forced_no_decisive_mismatch(family):
+    """HFDecoder with an int8 cache (per-token scales; the reference path, on the CPU) against the
+    same model with an fp32 cache, fed the same tokens: no decisive mismatch."""
+    from mmha.bench.families import build_family
+    from mmha.models.hf import compare_kv_dtypes
+
+    model = build_family(family, "cpu", torch.float32)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), 24, torch.int8)
+    assert res["decisive_mismatches"] == 0 and res["max_logit_diff"] < 0.1 * res["logit_scale"]
+
+
 class _AlwaysWrongDraft(HFDecoder):
     """A draft that never proposes its model's top token (with the target's own weights, it is
     always wrong)."""

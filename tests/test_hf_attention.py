@@ -207,16 +207,25 @@ def test_gpu_fp8_cache_teacher_forced():
     """An fp8 MmhaCache against a 16-bit one, both fed the 16-bit run's greedy tokens through
     transformers' forward: no step where the 16-bit pick beats the fp8 one by more than twice the
     row's largest logit difference."""
-    model = mmha_model("llama", "cuda", torch.float16)
+    _teacher_forced("cuda", torch.float16, torch.float8_e4m3fn, 64)
+
+
+def test_int8_cache_teacher_forced_on_the_cpu():
+    """The same with an int8 MmhaCache (per-token scales; the reference path) against an fp32 one."""
+    _teacher_forced("cpu", torch.float32, torch.int8, 16)
+
+
+def _teacher_forced(device, dtype, kv_dtype, steps: int) -> None:
+    model = mmha_model("llama", device, dtype)
     ps = prompts(model.config.vocab_size)
-    ids, mask = left_padded(ps, "cuda")
-    caches = [MmhaCache(model, 4, 256), MmhaCache(model, 4, 256, kv_dtype=torch.float8_e4m3fn)]
+    ids, mask = left_padded(ps, device)
+    caches = [MmhaCache(model, 4, 256), MmhaCache(model, 4, 256, kv_dtype=kv_dtype)]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = [model(ids, position_ids=pos, past_key_values=c).logits[:, -1].float() for c in caches]
         nxt = pos[:, -1:] + 1
         decisive = 0
-        for _ in range(64):
+        for _ in range(steps):
             tok = logits[0].argmax(-1, keepdim=True)
             d = (logits[0] - logits[1]).abs().amax(-1)
             a, b = logits[0].argmax(-1), logits[1].argmax(-1)

@@ -177,7 +177,8 @@ class MmhaCache(Cache):
     with ``attn_implementation="mmha"`` (``import mmha.hf`` registers it). Pass the cache as
     ``past_key_values``; prompts must be left-padded (``generate``'s way for decoder-only models).
     Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
-    fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``).
+    fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``);
+    ``torch.int8``: codes with a scale per token (the reference path only, for now).
 
     Any rotary variant works (transformers applies it); sliding windows, logit soft-caps and
     sinks (Mistral, Gemma 2, gpt-oss) are each layer's ``AttentionSpec``: the kernel applies them
