@@ -125,8 +125,8 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated<T, NORM>(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr, d, rpos, rot,
-                                     q_norm(g))
+      s_q[g][d] = g < w.nh ? rotated<T, NORM>(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr,
+                                              d, rpos, rot, q_norm(g))
                            : 0.f;
     }
   } else {
