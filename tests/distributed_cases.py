@@ -102,11 +102,16 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
         device = f"cuda:{torch.cuda.current_device()}"
     gen = torch.Generator().manual_seed(1234)
     hq, hkv, d = 4, 2, 16 if device == "cpu" else 32  # the kernel's smallest head dim
-    if mods:  # every head's settings: each rank takes its heads' sinks and epilogue channels
+    if mods:  # every head's settings: each rank takes its heads' sinks and epilogue channels; q/k norms
         g = torch.Generator().manual_seed(5)
         epilogue = OutEpilogue(shift=torch.randn(hq * d, generator=g).to(device),
                                smooth=(torch.rand(hq * d, generator=g) + 0.5).to(device))  # fmt: skip
-        mods = dict(softcap=5.0, sinks=torch.tensor([0.5, -3.0, 2.0, 0.0], device=device), epilogue=epilogue)
+        mods = dict(
+            softcap=5.0,
+            sinks=torch.tensor([0.5, -3.0, 2.0, 0.0], device=device),
+            epilogue=epilogue,
+            qk_norm=QKNorm((torch.rand(d, generator=g) + 0.5).to(device), torch.ones(d, device=device)),
+        )
     sharded, single = _caches(world, mode, device, dtype, kv_dtype, block, d=d, mods=mods or None)
     _prefill_both(sharded, single, [0, 5, 120], gen, device, dtype, hkv, d)
     for step in range(steps):

@@ -166,3 +166,33 @@ def test_reference_norm_is_the_row_norm_then_the_plain_step(offset, cast_first, 
         normed, kc2, vc2, lengths, num_heads=hq, num_kv_heads=hkv, attention=spec.replace(qk_norm=None)
     )
     assert torch.equal(ours, plain) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_a_cache_refuses_a_q_k_norm_of_another_head_dim():
+    from mmha import KVCache
+
+    spec = AttentionSpec(qk_norm=QKNorm(torch.ones(8)))
+    with pytest.raises(
+        ValueError, match=r"attention\[1\]\.qk_norm\.q_weight must have shape \[16\] \(head_dim\)"
+    ):
+        KVCache(2, 1, 8, 2, 1, 16, torch.float32, "cpu", attention=[AttentionSpec(), spec])
+
+
+def test_reference_tree_of_one_node_is_the_one_token_step_with_a_q_k_norm():
+    b, hq, hkv, d, s_max = 2, 4, 2, 16, 8
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g)
+    k_cache, v_cache = (
+        torch.randn(b, hkv, d // 4, s_max, 4, generator=g),
+        torch.randn(b, hkv, s_max, d, generator=g),
+    )
+    spec = AttentionSpec(
+        rotary=Rotary(d), qk_norm=QKNorm(torch.rand(d, generator=g), torch.rand(d, generator=g))
+    )
+    lengths = torch.tensor([2, 6])
+    kw = dict(num_heads=hq, num_kv_heads=hkv, attention=spec)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    step = reference.decode_step(qkv, kc, vc, lengths, **kw)
+    kt, vt = k_cache.clone(), v_cache.clone()
+    tree = reference.decode_tree(qkv[:, None], kt, vt, lengths, torch.full((b, 1), -1), **kw)
+    assert torch.equal(tree[:, 0], step) and torch.equal(kt, kc) and torch.equal(vt, vc)
