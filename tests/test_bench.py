@@ -241,3 +241,18 @@ def test_models_table_writes_each_family_and_route(tmp_path, monkeypatch):
     monkeypatch.setitem(families.FAMILIES, "phi3-long", ("phi3", dict(original_max_position_embeddings=16)))
     row = families.check_family("phi3-long", "native", "cpu", 4)
     assert not row["tokens_equal"] and "original_max_position_embeddings (16)" in row["refused"]
+
+
+def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
+    """bench/graph_breaks.py runs one decode step of the native route under torch._dynamo.explain
+    (on the CPU the reference path's host reads are its breaks)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "graph_breaks.py"
+    spec = importlib.util.spec_from_file_location("graph_breaks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--family", "llama3"]) == 0
+    out = capsys.readouterr().out
+    assert "llama3 on cpu:" in out and "graphs," in out and "break 0:" in out
