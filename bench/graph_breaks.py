@@ -8,7 +8,12 @@ happened, for one decode step of a family's small random-weight model.
 Meaningful on a GPU with the extension built. On the CPU the reference path reads the host and
 breaks by design.
 
-Usage: python bench/graph_breaks.py [--family qwen3]
+With ``--generate N``, also runs transformers' own ``generate`` for N tokens with the cache (which
+transformers compiles with CUDA graphs, as the benchmark's native route does) with torch's
+``perf_hints`` and ``recompiles`` logs on: a step that skips CUDA graphs (mutated inputs, host
+reads) says so there.
+
+Usage: python bench/graph_breaks.py [--family qwen3] [--generate 8]
 """
 
 from __future__ import annotations
@@ -42,9 +47,29 @@ def explain_decode_step(family: str, device: str, dtype: torch.dtype):
         return torch._dynamo.explain(model)(tok, position_ids=nxt, past_key_values=cache)
 
 
+def compiled_generate(family: str, device: str, dtype: torch.dtype, new: int) -> list[list[int]]:
+    """transformers' ``generate`` of ``new`` tokens on the native route, as the benchmark runs it
+    (compiled by transformers for a compileable cache), with torch's perf hints and recompile
+    logs on. Returns the tokens."""
+    torch._logging.set_logs(perf_hints=True, recompiles=True, graph_breaks=True, cudagraphs=True)
+    model = build_family(family, device, dtype)
+    model.set_attn_implementation("mmha")
+    ps = prompts(model.config.vocab_size)
+    ids, mask = left_padded(ps, device)
+    cache = MmhaCache(model, len(ps), ids.shape[1] + new + 1)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False,
+        )  # fmt: skip
+    torch._logging.set_logs()
+    return out[:, ids.shape[1] :].tolist()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="qwen3", choices=sorted(FAMILIES))
+    ap.add_argument("--generate", type=int, default=0, help="also run compiled generate for N tokens")
     args = ap.parse_args(argv)
     on_gpu = torch.cuda.is_available() and extension_available()
     device, dtype = ("cuda", torch.float16) if on_gpu else ("cpu", torch.float32)
@@ -56,6 +81,9 @@ def main(argv=None) -> int:
         frame = b.user_stack[-1] if b.user_stack else None
         where = f"{frame.filename}:{frame.lineno} ({frame.name})" if frame is not None else "?"
         print(f"break {i}: {b.reason.splitlines()[0][:200]}\n    at {where}")
+    if args.generate:
+        print(f"compiled generate, {args.generate} tokens (logs above and below are torch's):", flush=True)
+        print(compiled_generate(args.family, device, dtype, args.generate))
     return 0
 
 

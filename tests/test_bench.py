@@ -246,6 +246,7 @@ def test_models_table_writes_each_family_and_route(tmp_path, monkeypatch):
 def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
     """bench/graph_breaks.py runs one decode step of the native route under torch._dynamo.explain
     (on the CPU the reference path's host reads are its breaks)."""
+    import ast
     import importlib.util
     from pathlib import Path
 
@@ -253,6 +254,8 @@ def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
     spec = importlib.util.spec_from_file_location("graph_breaks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--family", "llama3"]) == 0
+    assert module.main(["--family", "llama3", "--generate", "2"]) == 0
     out = capsys.readouterr().out
     assert "llama3 on cpu:" in out and "graphs," in out and "break 0:" in out
+    tokens = ast.literal_eval(out.split("compiled generate, 2 tokens")[1].splitlines()[1])
+    assert len(tokens) == 4 and all(len(t) == 2 for t in tokens)
