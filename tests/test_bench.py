@@ -256,6 +256,8 @@ def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--family", "llama3", "--generate", "2"]) == 0
     out = capsys.readouterr().out
-    assert "llama3 on cpu:" in out and "graphs," in out and "break 0:" in out
+    on_gpu = "llama3 on cuda:" in out
+    assert "llama3 on cpu:" in out or on_gpu
+    assert "graphs," in out and (on_gpu or "break 0:" in out)
     tokens = ast.literal_eval(out.split("compiled generate, 2 tokens")[1].splitlines()[1])
     assert len(tokens) == 4 and all(len(t) == 2 for t in tokens)
