@@ -261,3 +261,28 @@ def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
     assert "graphs," in out and (on_gpu or "break 0:" in out)
     tokens = ast.literal_eval(out.split("compiled generate, 2 tokens")[1].splitlines()[1])
     assert len(tokens) == 4 and all(len(t) == 2 for t in tokens)
+
+
+def test_hf_bench_keeps_the_last_compiled_steps_inputs_and_unwraps():
+    """mmha.bench.hf's forward_ms replays the last decode step that generate's compiled call saw:
+    the spy keeps that call's inputs and results pass through; without a compiled call nothing is
+    kept; the row's loop_ms is the step less the compiled step alone."""
+    from types import SimpleNamespace
+
+    from mmha.bench import hf
+
+    calls = []
+    model = SimpleNamespace(_compiled_call=lambda **kw: calls.append(kw) or len(calls))
+    original = model._compiled_call
+    seen = hf._spy_compiled_step(model)
+    assert model._compiled_call is not original
+    assert model._compiled_call(input_ids=1, cache_position=5) == 1
+    assert model._compiled_call(input_ids=2, cache_position=6) == 2
+    assert seen["input_ids"] == 2 and seen["cache_position"] == 6 and seen["_call"] is original
+    monkey = SimpleNamespace()
+    assert hf._spy_compiled_step(monkey) == {} and not hasattr(monkey, "_compiled_call")
+    res = hf._with_forward({"step_ms": 3.0}, SimpleNamespace(), {})
+    assert res == {"step_ms": 3.0}
+    row = {"batch": 16, "context": 1024, "method": "mmha_native", "decode_tok_s": 2000.0, "step_ms": 8.0,
+           "forward_ms": 6.5, "loop_ms": 1.5, "vs_hf_static_compile": 1.8}  # fmt: skip
+    assert "| 6.500 " in hf.table([row])

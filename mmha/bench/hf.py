@@ -14,9 +14,12 @@ tokens (no end-of-sequence). A decode step's time is measured from the host's re
 first new token (after the prefill) to its receipt of the last: transformers' routes through a
 streamer (``generate`` synchronises every step anyway, to test for the end), mmha's own loop
 around its decode alone. Each route runs once untimed first (compilation, graph capture).
-For ``mmha_graphs`` the attention share is the decode timing of the model's L kernel calls on its
-cache (one CUDA graph of them) over the step time. A row whose caches would not fit in the
-GPU's memory is recorded as skipped, with the bytes it needs.
+For ``mmha_graphs`` and ``mmha_native`` the attention share is the decode timing of the model's L
+kernel calls on its cache (one CUDA graph of them) over the step time. For the two compiled
+``generate`` routes, ``forward_ms`` is the compiled decode step alone: the last step's inputs called
+back to back (no ``generate`` loop between them, so no host synchronisation per step);
+``step_ms - forward_ms`` is what ``generate``'s own loop adds to a step (``loop_ms``). A row whose
+caches would not fit in the GPU's memory is recorded as skipped, with the bytes it needs.
 
 Usage::
 
@@ -123,6 +126,58 @@ def _hf_generate(model, ids, new: int, **kw) -> float:
     return clock.per_step_ms()
 
 
+REPLAYS = 8  # calls of the compiled step alone, after two untimed ones
+
+
+def _spy_compiled_step(model) -> dict:
+    """Wrap the compiled call transformers keeps for ``generate`` (``get_compiled_call`` caches
+    it as ``model._compiled_call``) so the last decode step's inputs are kept: returns the dict
+    they land in (empty when ``generate`` did not compile)."""
+    compiled = getattr(model, "_compiled_call", None)
+    seen: dict = {}
+    if compiled is None:
+        return seen
+
+    def spy(*args, **kwargs):
+        seen.clear()
+        seen.update(kwargs, _call=compiled)
+        return compiled(*args, **kwargs)
+
+    model._compiled_call = spy
+    return seen
+
+
+def forward_ms(seen: dict) -> float | None:
+    """The compiled decode step alone: the last step's inputs called ``REPLAYS`` times back to back
+    (each call appends to a cache with room for them), ms per call; None if nothing was kept."""
+    if not seen:
+        return None
+    inputs = dict(seen)
+    compiled = inputs.pop("_call")
+    for _ in range(2):
+        compiled(**inputs)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        compiled(**inputs)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / REPLAYS
+
+
+def _with_forward(res: dict, model, seen: dict) -> dict:
+    """``forward_ms`` and ``loop_ms`` into ``res``; then the model's compiled call unwrapped and
+    the kept inputs (which hold the route's cache) dropped."""
+    fwd = forward_ms(seen)
+    if fwd is not None:
+        res["forward_ms"] = fwd
+        res["loop_ms"] = res["step_ms"] - fwd
+        model._compiled_call = seen["_call"]
+    seen.clear()
+    return res
+
+
 def run_method(method: str, model, batch: int, context: int, new: int, seed: int) -> dict:
     """Per-step ms of one route on one row (after an untimed run of the same shapes)."""
     from ..hf import HFDecoder, MmhaCache
@@ -136,12 +191,18 @@ def run_method(method: str, model, batch: int, context: int, new: int, seed: int
         res["step_ms"] = _hf_generate(model, ids, new)
     elif method == "hf_static_compile":
         _hf_generate(model, ids, new, cache_implementation="static")
+        seen = _spy_compiled_step(model)
         res["step_ms"] = _hf_generate(model, ids, new, cache_implementation="static")
+        _with_forward(res, model, seen)  # the static cache rewrites the last step's slot each call
     elif method == "mmha_native":
-        cache = MmhaCache(model, batch, context + new + 1)
+        cache = MmhaCache(model, batch, context + new + 3 + REPLAYS)  # room for forward_ms's calls
         _hf_generate(model, ids, new, past_key_values=cache)
         cache.reset()
+        seen = _spy_compiled_step(model)
         res["step_ms"] = _hf_generate(model, ids, new, past_key_values=cache)
+        _with_forward(res, model, seen)
+        res["attention_ms"] = attention_ms(cache.kv, batch)
+        res["attention_share"] = res["attention_ms"] / res["step_ms"]
         cache.kv.check()
     else:
         dec = HFDecoder(model, batch, context + new + 1)
@@ -153,19 +214,18 @@ def run_method(method: str, model, batch: int, context: int, new: int, seed: int
         t0 = time.perf_counter()
         dec._decode(first, new, [], 16)
         res["step_ms"] = (time.perf_counter() - t0) * 1e3 / (new - 1)
-        res["attention_ms"] = attention_ms(dec, batch)
+        res["attention_ms"] = attention_ms(dec.cache, batch)
         res["attention_share"] = res["attention_ms"] / res["step_ms"]
         dec.cache.check()
     res["decode_tok_s"] = batch * 1e3 / res["step_ms"]
     return res
 
 
-def attention_ms(dec, batch: int) -> float:
-    """The decode timing of the model's L attention calls on the decoder's cache (rows at their
+def attention_ms(c, batch: int) -> float:
+    """The decode timing of the model's L attention calls on a route's ``KVCache`` (rows at their
     lengths after generation), in one CUDA graph: ms per step."""
     from .timing import decode_us
 
-    c = dec.cache
     width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     qkvs = [torch.randn(batch, width, device="cuda", dtype=c.dtype) for _ in range(c.num_layers)]
     fns = [lambda i=i: c.step(i, qkvs[i]) for i in range(c.num_layers)]
@@ -195,11 +255,13 @@ def table(rows: list[dict]) -> str:
         if "decode_tok_s" in r:
             share = f"{100 * r['attention_share']:.0f} %" if "attention_share" in r else ""
             ratio = f"{r['vs_hf_static_compile']:.2f}" if "vs_hf_static_compile" in r else ""
+            fwd = f"{r['forward_ms']:.3f}" if "forward_ms" in r else ""
             body.append([r["batch"], r["context"], r["method"], f"{r['decode_tok_s']:.0f}",
-                         f"{r['step_ms']:.3f}", ratio, share])  # fmt: skip
+                         f"{r['step_ms']:.3f}", fwd, ratio, share])  # fmt: skip
         else:
-            body.append([r["batch"], r["context"], r["method"], "", "", "", r.get("skipped", "")])
-    cols = ["batch", "context", "method", "decode tok/s", "step ms", "x hf static+compile", "attention share"]
+            body.append([r["batch"], r["context"], r["method"], "", "", "", "", r.get("skipped", "")])
+    cols = ["batch", "context", "method", "decode tok/s", "step ms", "forward ms", "x hf static+compile",
+            "attention share"]  # fmt: skip
     return tabulate(body, cols, tablefmt="github", disable_numparse=True)
 
 
