@@ -263,26 +263,56 @@ def test_graph_breaks_script_counts_the_native_steps_breaks(capsys):
     assert len(tokens) == 4 and all(len(t) == 2 for t in tokens)
 
 
-def test_hf_bench_keeps_the_last_compiled_steps_inputs_and_unwraps():
-    """mmha.bench.hf's forward_ms replays the last decode step that generate's compiled call saw:
-    the spy keeps that call's inputs and results pass through; without a compiled call nothing is
-    kept; the row's loop_ms is the step less the compiled step alone."""
+def test_hf_bench_times_one_decode_step_inside_generate(monkeypatch):
+    """mmha.bench.hf --forward: the TIMED_CALL-th call of generate's compiled step runs 2 + REPLAYS
+    times back to back (the last REPLAYS timed) and returns the last call's result; other calls
+    pass through once; unwrapping restores the compiled call; a model generate did not compile is
+    left alone; the row's loop_ms is the step less the step alone."""
     from types import SimpleNamespace
+
+    import torch
 
     from mmha.bench import hf
 
-    calls = []
-    model = SimpleNamespace(_compiled_call=lambda **kw: calls.append(kw) or len(calls))
-    original = model._compiled_call
-    seen = hf._spy_compiled_step(model)
-    assert model._compiled_call is not original
-    assert model._compiled_call(input_ids=1, cache_position=5) == 1
-    assert model._compiled_call(input_ids=2, cache_position=6) == 2
-    assert seen["input_ids"] == 2 and seen["cache_position"] == 6 and seen["_call"] is original
-    monkey = SimpleNamespace()
-    assert hf._spy_compiled_step(monkey) == {} and not hasattr(monkey, "_compiled_call")
-    res = hf._with_forward({"step_ms": 3.0}, SimpleNamespace(), {})
-    assert res == {"step_ms": 3.0}
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = len(calls)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return float(other.t - self.t)  # 1 "ms" per call between the events
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls: list[int] = []
+
+    def compiled(step):
+        calls.append(step)
+        return len(calls)
+
+    model = SimpleNamespace(_compiled_call=compiled)
+    out: dict = {}
+    assert hf._step_timer(model, out)
+    results = [model._compiled_call(step=i) for i in range(1, hf.TIMED_CALL + 2)]
+    repeats = 2 + hf.REPLAYS  # 2 untimed, REPLAYS timed
+    assert calls == [*range(1, hf.TIMED_CALL), *[hf.TIMED_CALL] * repeats, hf.TIMED_CALL + 1]
+    assert results[hf.TIMED_CALL - 1] == len(calls) - 1 and out["forward_ms"] == 1.0
+    out.pop("_unwrap")()
+    assert model._compiled_call is compiled
+    assert not hf._step_timer(SimpleNamespace(), {})
+
+    def generate(model, ids, new, **kw):
+        return [model._compiled_call(step=1) for _ in range(new)]
+
+    monkeypatch.setattr(hf, "_hf_generate", generate)
+    res = hf._forward_row({"step_ms": 3.0}, SimpleNamespace(_compiled_call=compiled), None)
+    assert res == {"step_ms": 3.0, "forward_ms": 1.0, "loop_ms": 2.0}
+    assert hf._forward_row({"step_ms": 3.0}, SimpleNamespace(), None) == {"step_ms": 3.0}
     row = {"batch": 16, "context": 1024, "method": "mmha_native", "decode_tok_s": 2000.0, "step_ms": 8.0,
            "forward_ms": 6.5, "loop_ms": 1.5, "vs_hf_static_compile": 1.8}  # fmt: skip
     assert "| 6.500 " in hf.table([row])

@@ -15,16 +15,17 @@ first new token (after the prefill) to its receipt of the last: transformers' ro
 streamer (``generate`` synchronises every step anyway, to test for the end), mmha's own loop
 around its decode alone. Each route runs once untimed first (compilation, graph capture).
 For ``mmha_graphs`` and ``mmha_native`` the attention share is the decode timing of the model's L
-kernel calls on its cache (one CUDA graph of them) over the step time. For the two compiled
-``generate`` routes, ``forward_ms`` is the compiled decode step alone: the last step's inputs called
-back to back (no ``generate`` loop between them, so no host synchronisation per step);
-``step_ms - forward_ms`` is what ``generate``'s own loop adds to a step (``loop_ms``). A row whose
+kernel calls on its cache (one CUDA graph of them) over the step time. With ``--forward``, for
+the two compiled ``generate`` routes, ``forward_ms`` is the compiled decode step alone: one decode
+step of one more ``generate`` repeated back to back (no ``generate`` loop between the repeats, so
+no host synchronisation per step); ``loop_ms = step_ms - forward_ms`` is what ``generate``'s own
+loop adds to a step. A row whose
 caches would not fit in the GPU's memory is recorded as skipped, with the bytes it needs.
 
 Usage::
 
     python -m mmha.bench.hf [--model llama-1b|llama3-8b|qwen3-8b] [--batch 1 16 64]
-        [--context 1024 8192 32768] [--new-tokens 32] [--out DIR]
+        [--context 1024 8192 32768] [--new-tokens 32] [--forward] [--out DIR]
 """
 
 from __future__ import annotations
@@ -126,59 +127,62 @@ def _hf_generate(model, ids, new: int, **kw) -> float:
     return clock.per_step_ms()
 
 
-REPLAYS = 8  # calls of the compiled step alone, after two untimed ones
+REPLAYS = 8  # timed calls of the compiled step alone, after two untimed ones
+TIMED_CALL = 4  # which call of a generate's compiled step is repeated (a decode step)
 
 
-def _spy_compiled_step(model) -> dict:
+def _step_timer(model, out: dict) -> bool:
     """Wrap the compiled call transformers keeps for ``generate`` (``get_compiled_call`` caches
-    it as ``model._compiled_call``) so the last decode step's inputs are kept: returns the dict
-    they land in (empty when ``generate`` did not compile)."""
+    it as ``model._compiled_call``) so that inside the next ``generate`` its ``TIMED_CALL``-th call
+    (a decode step) runs 2 + ``REPLAYS`` times back to back with the same inputs, the last
+    ``REPLAYS`` timed: ``out["forward_ms"]``, the step without ``generate``'s loop between steps.
+    The last call's result is returned (a CUDA graph's earlier outputs are overwritten by the
+    next replay). False when ``generate`` did not compile. Inside ``generate``, not after it: the
+    compiled step's guards hold only there (after it, a call recompiles)."""
     compiled = getattr(model, "_compiled_call", None)
-    seen: dict = {}
     if compiled is None:
-        return seen
+        return False
+    calls = [0]
 
-    def spy(*args, **kwargs):
-        seen.clear()
-        seen.update(kwargs, _call=compiled)
-        return compiled(*args, **kwargs)
+    def timer(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != TIMED_CALL:
+            return compiled(*args, **kwargs)
+        for _ in range(2):
+            compiled(*args, **kwargs)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            result = compiled(*args, **kwargs)
+        end.record()
+        end.synchronize()
+        out["forward_ms"] = start.elapsed_time(end) / REPLAYS
+        return result
 
-    model._compiled_call = spy
-    return seen
-
-
-def forward_ms(seen: dict) -> float | None:
-    """The compiled decode step alone: the last step's inputs called ``REPLAYS`` times back to back
-    (each call appends to a cache with room for them), ms per call; None if nothing was kept."""
-    if not seen:
-        return None
-    inputs = dict(seen)
-    compiled = inputs.pop("_call")
-    for _ in range(2):
-        compiled(**inputs)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        compiled(**inputs)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / REPLAYS
+    model._compiled_call = timer
+    out["_unwrap"] = lambda: setattr(model, "_compiled_call", compiled)
+    return True
 
 
-def _with_forward(res: dict, model, seen: dict) -> dict:
-    """``forward_ms`` and ``loop_ms`` into ``res``; then the model's compiled call unwrapped and
-    the kept inputs (which hold the route's cache) dropped."""
-    fwd = forward_ms(seen)
-    if fwd is not None:
-        res["forward_ms"] = fwd
-        res["loop_ms"] = res["step_ms"] - fwd
-        model._compiled_call = seen["_call"]
-    seen.clear()
+def _forward_row(res: dict, model, ids, **generate_kw) -> dict:
+    """``forward_ms`` (``_step_timer``, in one more ``generate`` of ``TIMED_CALL + 2`` tokens) and
+    ``loop_ms = step_ms - forward_ms`` into ``res``."""
+    out: dict = {}
+    if _step_timer(model, out):
+        try:
+            _hf_generate(model, ids, TIMED_CALL + 2, **generate_kw)
+        finally:
+            out.pop("_unwrap")()
+    if "forward_ms" in out:
+        res["forward_ms"] = out["forward_ms"]
+        res["loop_ms"] = res["step_ms"] - out["forward_ms"]
     return res
 
 
-def run_method(method: str, model, batch: int, context: int, new: int, seed: int) -> dict:
+def run_method(
+    method: str, model, batch: int, context: int, new: int, seed: int, forward: bool = False
+) -> dict:
     """Per-step ms of one route on one row (after an untimed run of the same shapes)."""
     from ..hf import HFDecoder, MmhaCache
 
@@ -191,16 +195,18 @@ def run_method(method: str, model, batch: int, context: int, new: int, seed: int
         res["step_ms"] = _hf_generate(model, ids, new)
     elif method == "hf_static_compile":
         _hf_generate(model, ids, new, cache_implementation="static")
-        seen = _spy_compiled_step(model)
         res["step_ms"] = _hf_generate(model, ids, new, cache_implementation="static")
-        _with_forward(res, model, seen)  # the static cache rewrites the last step's slot each call
+        if forward:  # the static cache rewrites the timed step's slot at each call
+            _forward_row(res, model, ids, cache_implementation="static")
     elif method == "mmha_native":
-        cache = MmhaCache(model, batch, context + new + 3 + REPLAYS)  # room for forward_ms's calls
+        # Room for the timed step's repeats (each appends a token).
+        cache = MmhaCache(model, batch, context + max(new, TIMED_CALL + 2) + 3 + REPLAYS)
         _hf_generate(model, ids, new, past_key_values=cache)
         cache.reset()
-        seen = _spy_compiled_step(model)
         res["step_ms"] = _hf_generate(model, ids, new, past_key_values=cache)
-        _with_forward(res, model, seen)
+        if forward:
+            cache.reset()
+            _forward_row(res, model, ids, past_key_values=cache)
         res["attention_ms"] = attention_ms(cache.kv, batch)
         res["attention_share"] = res["attention_ms"] / res["step_ms"]
         cache.kv.check()
@@ -274,10 +280,12 @@ def measure(
     dtype: torch.dtype,
     layers: int | None = None,
     progress=None,
+    forward: bool = False,
 ) -> list[dict]:
     """Rows of ``run_method`` for every method x context x batch on a model of ``shape`` (a row
-    that would not fit the GPU's memory records why it was skipped), each with its speed-up over
-    ``hf_static_compile`` where that ran. ``progress(rows)`` after each row."""
+        that would not fit the GPU's memory records why it was skipped), each with its speed-up over
+        ``hf_static_compile`` where that ran. ``progress(rows)`` after each row; ``forward``: also the
+    compiled routes' ``forward_ms`` / ``loop_ms`` (``run_method``)."""
     base = MODELS[shape][1]
     layers = layers or base["num_hidden_layers"]
     model_cfg = {**base, "num_hidden_layers": layers}
@@ -295,7 +303,7 @@ def measure(
                     row["skipped"] = f"needs ~{need / 2**30:.0f} GiB of {total / 2**30:.0f}"
                 else:
                     try:
-                        row |= run_method(method, model, batch, context, new_tokens, context + batch)
+                        row |= run_method(method, model, batch, context, new_tokens, context + batch, forward)
                     except torch.OutOfMemoryError:
                         row["skipped"] = "out of memory"
                 rows.append(row)
@@ -326,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=list(MODELS), default="llama-1b", help="the model's shape")
     ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
     ap.add_argument("--out", type=Path, default=Path("bench_hf"))
+    ap.add_argument(
+        "--forward", action="store_true", help="also time the compiled routes' decode step alone (forward_ms)"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m mmha.bench.hf needs a CUDA GPU")
@@ -348,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows: list[dict]) -> None:
         (args.out / "bench_hf.json").write_text(json.dumps({"header": hdr, "rows": rows}, indent=1))
 
-    rows = measure(args.model, args.methods, args.batch, args.context, args.new_tokens, dtype, layers, save)
+    rows = measure(
+        args.model, args.methods, args.batch, args.context, args.new_tokens, dtype, layers, save, args.forward
+    )
     save(rows)
     text = table(rows)
     (args.out / "bench_hf.md").write_text(text + "\n")
