@@ -60,6 +60,7 @@ inline DType to_dtype(at::ScalarType t) {
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
     case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kChar: return DType::kInt8;
     default: return DType::kFloat32;
   }
 }

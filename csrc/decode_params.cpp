@@ -38,6 +38,23 @@ void check_scale(const OptTensor& scale, const char* name, int64_t num_kv_heads,
   check_contiguous(*scale, name);
 }
 
+// An int8 cache's token scales: fp32, contiguous, on qkv's device, one per slot and kv head of
+// the caches (shape [B, Hkv, S_max], paged [num_blocks, Hkv, block_size]: v_cache's first three
+// dims). Written by the step for its new token; a scale that is not finite flags the row.
+void check_token_scales(const OptTensor& scale, const char* name, const at::Tensor& v_cache, bool paged,
+                        const c10::Device& device) {
+  const char* dims = paged ? "[num_blocks, Hkv, block_size]" : "[B, Hkv, S_max]";
+  MMHA_CHECK(scale.has_value(), name, " must be given for an int8 cache (fp32 ", dims,
+             ": a scale per token and kv head, value = code * scale)");
+  check_cuda(*scale, name, device);
+  check_dtype(*scale, name, at::kFloat);
+  MMHA_CHECK(scale->dim() == 3 && scale->size(0) == v_cache.size(0) && scale->size(1) == v_cache.size(1) &&
+                 scale->size(2) == v_cache.size(2),
+             name, " must have shape [", v_cache.size(0), ", ", v_cache.size(1), ", ", v_cache.size(2), "] ", dims,
+             " to match v_cache ", shape_str(v_cache), ", got shape ", shape_str(*scale));
+  check_contiguous(*scale, name);
+}
+
 // A per-query-head or per-channel fp32 tensor: on the device, [n], contiguous.
 void check_vector(const at::Tensor& t, const char* name, int64_t n, const char* what, const c10::Device& device) {
   check_cuda(t, name, device);
@@ -89,12 +106,14 @@ void check_devices_and_dtypes(const DecodeArgs& a) {
   const at::ScalarType dtype = a.qkv.scalar_type();
   MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
              "qkv must have dtype float16, bfloat16 or float32, got ", dtype);
-  // Caches of qkv's dtype, or fp8 e4m3 (with fp16 / bf16 qkv and a scale per kv head).
+  // Caches of qkv's dtype, or fp8 e4m3 (with fp16 / bf16 qkv and a scale per kv head), or int8
+  // (with fp16 / bf16 qkv and a scale per token and kv head; one-token steps).
   const at::ScalarType cache_dtype = a.k_cache.scalar_type();
   const bool fp8 = cache_dtype == at::kFloat8_e4m3fn;
-  if (fp8) {
-    MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
-               "qkv must have dtype float16 or bfloat16 with a float8_e4m3fn cache, got ", dtype);
+  const bool int8 = cache_dtype == at::kChar;
+  if (fp8 || int8) {
+    MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "qkv must have dtype float16 or bfloat16 with a ",
+               cache_dtype, " cache, got ", dtype);
   } else {
     check_dtype(a.k_cache, "k_cache", dtype);
   }
@@ -102,9 +121,13 @@ void check_devices_and_dtypes(const DecodeArgs& a) {
   if (fp8) {
     check_scale(a.k_scale, "k_scale", a.num_kv_heads, device);
     check_scale(a.v_scale, "v_scale", a.num_kv_heads, device);
+  } else if (int8) {
+    MMHA_CHECK(!a.tree(), "int8 caches take one-token steps only, got parents (a tree step)");
+    check_token_scales(a.k_scale, "k_scale", a.v_cache, a.paged(), device);
+    check_token_scales(a.v_scale, "v_scale", a.v_cache, a.paged(), device);
   } else {
     MMHA_CHECK(!a.k_scale.has_value() && !a.v_scale.has_value(),
-               "k_scale and v_scale must be None unless the caches are float8_e4m3fn, got caches of dtype ",
+               "k_scale and v_scale must be None unless the caches are float8_e4m3fn or int8, got caches of dtype ",
                cache_dtype);
   }
   // The output: qkv's dtype, or int8 / float8_e4m3fn holding the epilogue's quantised values.
@@ -186,8 +209,11 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
   CacheParams& c = p.cache;
   c.k = k_cache.data_ptr();
   c.v = v_cache.data_ptr();
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   c.k_scale = fp8 ? a.k_scale->data_ptr<float>() : nullptr;
   c.v_scale = fp8 ? a.v_scale->data_ptr<float>() : nullptr;
+  c.k_token_scale = int8 ? a.k_scale->data_ptr<float>() : nullptr;
+  c.v_token_scale = int8 ? a.v_scale->data_ptr<float>() : nullptr;
   c.block_tables = int_ptr(a.block_tables);
   c.max_seq_len = static_cast<int32_t>(max_seq_len);
   c.max_blocks = a.paged() ? static_cast<int32_t>(a.block_tables->size(1)) : 0;
@@ -414,7 +440,7 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   if (tiles) {
     int optin = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.qkv.device().index());
-    const int stage = tile_stage_bytes(p.head_dim, elem_bytes(cache_dtype));
+    const int stage = tile_stage_bytes(p.head_dim, elem_bytes(cache_dtype), cache_dtype == DType::kInt8);
     const int fixed = tile_static_smem(p.head_dim, static_cast<int>(a.qkv.element_size()), qb) + 1024;
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }

@@ -52,6 +52,8 @@ SIMT_WARPS = 4
 SIMT_THREADS = 128
 # largest finite e4m3 value: fp8 caches and outputs saturate to +-FP8_MAX
 FP8_MAX = 448
+# an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V
+TOKEN_SCALE_BYTES = 512
 # nodes of a tree step at most: a node's ancestors are one 64-bit mask
 MAX_TREE_NODES = 64
 # status flag: a length outside the cache (nothing written, NaN output)
@@ -83,12 +85,14 @@ def v_whole_lines(head_dim: int, elem_bytes: int) -> bool:
     return head_dim * elem_bytes % 128 == 0
 
 
-def tile_stage_bytes(head_dim: int, elem_bytes: int) -> int:
-    # shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each), 1024-byte aligned
+def tile_stage_bytes(head_dim: int, elem_bytes: int, token_scales: bool) -> int:
+    # shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each, and an int8 cache's
+    # token scales), 1024-byte aligned
     k = TILE_KEYS * head_dim * elem_bytes
     pitch = head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes
     v = TILE_KEYS * pitch * elem_bytes
-    return (k + v + 1023) // 1024 * 1024
+    scales = TOKEN_SCALE_BYTES if token_scales else 0
+    return (k + v + scales + 1023) // 1024 * 1024
 
 
 def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
@@ -106,9 +110,9 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     return wide if qb == WIDE_COLUMNS else narrow
 
 
-def tile_smem_bytes(head_dim: int, elem_bytes: int, stages: int) -> int:
+def tile_smem_bytes(head_dim: int, elem_bytes: int, token_scales: bool, stages: int) -> int:
     # dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes
-    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024
+    return stages * tile_stage_bytes(head_dim, elem_bytes, token_scales) + 1024
 
 
 def work_counter(batch: int, nodes: int, heads: int) -> int:

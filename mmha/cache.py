@@ -60,8 +60,8 @@ class KVCache:
     kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (under fp16 / bf16
         activations), with one fp32 scale per layer and kv head for K and one for V (``k_scales``,
         ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8``: each token's K and V codes with
-        a scale per token and kv head beside its slot (``mmha.quant``; the reference path only, a
-        CUDA device refuses it until the kernel takes it).
+        a scale per token and kv head beside its slot (``mmha.quant``; under fp16 / bf16 activations
+        on a GPU; one-token steps: tree and speculative steps refuse it).
     paged, block_size, num_blocks : a paged cache (``mmha.paging``): each layer's K/V in one pool of
         ``num_blocks`` blocks of ``block_size`` slots (16, 32, 64 or 128; default enough for every
         row at ``max_seq_len``); ``k_caches[layer]`` is then ``k_pages [num_blocks, Hkv, D/x,
@@ -127,11 +127,8 @@ class KVCache:
         self.int8 = kv_dtype == torch.int8
         self.dispatch_on = dispatch_on
         self.use_kernel = self.device.type == "cuda" and extension_available()
-        if self.use_kernel and self.int8:
-            raise ValueError(
-                "kv_dtype=torch.int8 runs on the reference path only (a CPU device): the decode kernel "
-                "does not take int8 caches yet"
-            )
+        if self.use_kernel and self.int8 and dtype not in dispatch.FP8_ACTIVATION_DTYPES:
+            raise ValueError(f"dtype must be float16 or bfloat16 with an int8 cache on a GPU, got {dtype}")
         if self.use_kernel:  # theta's frequency tables made now, before any step is captured in a graph
             for spec in self.attention:
                 spec.rotary.kernel_table(self.device)

@@ -173,7 +173,7 @@ def uses_tensor_cores(kv_dtype: torch.dtype) -> bool:
 
 def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     """Caches hold the activations' dtype, fp8 e4m3 under fp16 / bf16 activations, or int8 (codes
-    with per-token scales; the reference path only, for now)."""
+    with per-token scales; the kernel takes them under fp16 / bf16 activations)."""
     if kv_dtype in (dtype, torch.int8):
         return
     if kv_dtype != FP8:
@@ -184,49 +184,58 @@ def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         raise ValueError(f"dtype must be float16 or bfloat16 with an fp8 ({FP8}) cache, got {dtype}")
 
 
-# In the functions below elem_bytes is the cache element's size (stages) and act_bytes the
-# activations' (static arrays: staged q and new token); act_bytes defaults to elem_bytes.
+# In the functions below elem_bytes is the cache element's size (stages), act_bytes the
+# activations' (static arrays: staged q and new token; defaults to elem_bytes) and token_scales
+# whether the stages also hold their keys' scales (int8 caches).
 
 
 def tile_block_smem(
-    head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None
-) -> int:
+    head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None,
+    token_scales: bool = False,
+) -> int:  # fmt: skip
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
     static = tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    return stages * tile_stage_bytes(head_dim, elem_bytes) + 1024 + static
+    return stages * tile_stage_bytes(head_dim, elem_bytes, token_scales) + 1024 + static
 
 
 def tile_blocks_per_sm(
-    head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8, act_bytes: int | None = None
-) -> int:
+    head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8, act_bytes: int | None = None,
+    token_scales: bool = False,
+) -> int:  # fmt: skip
     """Tile-loop blocks with ``stages`` stages that fit one SM's shared memory."""
-    smem = tile_block_smem(head_dim, elem_bytes, stages, qb, act_bytes)
+    smem = tile_block_smem(head_dim, elem_bytes, stages, qb, act_bytes, token_scales)
     if smem > device.smem_per_block:
         return 0
     return device.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)
 
 
 def max_stages(
-    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None
-) -> int:
+    head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None,
+    token_scales: bool = False,
+) -> int:  # fmt: skip
     """Most stages one block of this head dim may take (what the operator accepts)."""
     fixed = 1024 + tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    return min(MAX_STAGES, (device.smem_per_block - fixed) // tile_stage_bytes(head_dim, elem_bytes))
+    stage = tile_stage_bytes(head_dim, elem_bytes, token_scales)
+    return min(MAX_STAGES, (device.smem_per_block - fixed) // stage)
 
 
 def tile_stages(
     head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None,
-    act_bytes: int | None = None,
+    act_bytes: int | None = None, token_scales: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """``(stages, blocks per SM)``: the deepest ring that keeps ``target`` blocks per SM (by
     default ``TILE_BLOCKS_PER_SM``, one at head_dim 256)."""
     if target is None:
         target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
-    for stages in range(max_stages(head_dim, elem_bytes, device, qb, act_bytes), MIN_STAGES - 1, -1):
-        fit = tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb, act_bytes)
-        if fit >= target:
+
+    def fits(stages: int) -> int:
+        return tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb, act_bytes, token_scales)
+
+    most = max_stages(head_dim, elem_bytes, device, qb, act_bytes, token_scales)
+    for stages in range(most, MIN_STAGES - 1, -1):
+        if fits(stages) >= target:
             return stages, target
-    return MIN_STAGES, max(1, tile_blocks_per_sm(head_dim, elem_bytes, MIN_STAGES, device, qb, act_bytes))
+    return MIN_STAGES, max(1, fits(MIN_STAGES))
 
 
 def wave_cost(blocks: int, wave: int) -> int:
@@ -264,7 +273,9 @@ def _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads) -
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
 
 
-def _tile_plan(head_dim, elem, act, device, sms, qb, seq_len, tree) -> tuple[int, int, int, int]:
+def _tile_plan(
+    head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=False
+) -> tuple[int, int, int, int]:
     """The tile loop's ``(stages, blocks per SM, splits allowed, items that fill the GPU)``.
 
     Small grids get one item per SM: filling two per SM measured slower (H200, decode timing: B=1
@@ -276,7 +287,7 @@ def _tile_plan(head_dim, elem, act, device, sms, qb, seq_len, tree) -> tuple[int
     resident block too (H200, decode timing: B=1 Hq=32 Hkv=8 T=16 at 4K 44.6 us at 4 splits
     against 55.5 at 2, at 16K 93.8 against 138.7; T=4 at 16K 48.4 at 16 splits against 55.0 at 8;
     the seed's B=4 T=54 at 16K 46.8 at 8 splits against 67.5 at 4)."""
-    stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act)
+    stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act, token_scales=token_scales)
     allowed = max(1, min(MAX_SPLITS, -(-seq_len // TILE_KEYS)))
     fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
     return stages, blocks_per_sm, allowed, fill
@@ -340,7 +351,9 @@ def choose_variant(
     elem = torch.empty((), dtype=kv_dtype).element_size()
     if tiles:
         act = torch.empty((), dtype=dtype).element_size()
-        stages, blocks_per_sm, allowed, fill = _tile_plan(head_dim, elem, act, device, sms, qb, seq_len, tree)
+        stages, blocks_per_sm, allowed, fill = _tile_plan(
+            head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=kv_dtype == torch.int8
+        )
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))

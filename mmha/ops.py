@@ -9,7 +9,11 @@ Arguments common to ``decode_attention`` and ``decode_tree``:
 - ``k_cache [B, Hkv, D / x, S_max, x]`` and ``v_cache [B, Hkv, S_max, D]`` in qkv's dtype, or
   ``torch.float8_e4m3fn`` (x = 16) under fp16 / bf16 qkv with ``k_scale`` / ``v_scale`` (fp32
   ``[Hkv]`` on the GPU; a scale that is not finite and positive refuses the step on the device:
-  nothing written, NaN output, ``workspace.check()`` raises ``ScaleError``);
+  nothing written, NaN output, ``workspace.check()`` raises ``ScaleError``), or ``torch.int8``
+  (x = 16) under fp16 / bf16 qkv with ``k_scale`` / ``v_scale`` fp32 ``[B, Hkv, S_max]`` (paged
+  ``[num_blocks, Hkv, bs]``): a scale per token and kv head, the new token's written with its
+  codes (``mmha.quant.quantize``; a non-finite one flags the row: ``ScaleError``); one-token
+  steps only;
 - ``block_tables``: a paged cache (``mmha.paging``): int32 ``[B, max_blocks]``, row ``b``'s slot
   ``t`` in block ``block_tables[b, t // bs]`` of the pools ``k_cache [num_blocks, Hkv, D/x, bs,
   x]`` and ``v_cache [num_blocks, Hkv, bs, D]`` (bs 16, 32, 64 or 128; S_max = max_blocks * bs).
@@ -194,9 +198,9 @@ def decode_attention(
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     head_dim = v_cache.shape[-1]
     checks.attention_spec(attention, num_heads, head_dim, qkv.device)
-    if k_cache.dtype == dispatch.FP8 and qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
+    if k_cache.dtype in (dispatch.FP8, torch.int8) and qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
         raise ValueError(
-            f"qkv must have dtype float16 or bfloat16 with a float8_e4m3fn cache, got {qkv.dtype}"
+            f"qkv must have dtype float16 or bfloat16 with a {k_cache.dtype} cache, got {qkv.dtype}"
         )
     batch, max_seq_len = _extent(v_cache, block_tables)
     if check and block_tables is not None and qkv.shape[0] == batch and lengths.shape == (batch,):

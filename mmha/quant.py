@@ -22,8 +22,8 @@ A scale of 0 (an all-zero vector) reads back zeros; non-finite input gives a non
 (its codes 0), which reads back non-finite and which the device-side guard reports (the cache
 must not silently saturate it).
 
-An int8 cache (``KVCache(kv_dtype=torch.int8)`` and ``mmha.reference``; the reference path only
-until the kernel takes it) stores each appended token's K and V symmetric per token and kv head:
+An int8 cache (``KVCache(kv_dtype=torch.int8)``, ``mmha.ops.decode_attention`` and
+``mmha.reference``; one-token steps) stores each appended token's K and V symmetric per token and kv head:
 codes in the caches' layouts (int8, x = 16), scales fp32 beside the slots, ``[B, Hkv, S_max]``
 (pages: ``[num_blocks, Hkv, block_size]``).
 """

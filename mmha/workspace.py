@@ -38,7 +38,9 @@ class TreeError(StepError):
 
 class ScaleError(StepError):
     """An fp8 cache's ``k_scale`` or ``v_scale`` held a value that is not finite and positive when
-    the kernel ran: the step wrote nothing to the caches and returned NaN for every row."""
+    the kernel ran: the step wrote nothing to the caches and returned NaN for every row. Or an
+    int8 cache's new token had a value that is not finite: its stored scale is not finite (so
+    every later read of that token says so) and the row's output is NaN."""
 
 
 class PageError(StepError):
@@ -116,6 +118,7 @@ class Workspace:
             )
         scales = [r for r, v in enumerate(status) if v & STATUS_SCALE]
         raise ScaleError(
-            f"k_scale / v_scale held a value that is not finite and positive when the kernel ran: rows "
-            f"{scales} wrote nothing to the caches and their output is NaN"
+            f"rows {scales}: an fp8 cache's k_scale / v_scale held a value that is not finite and positive "
+            "when the kernel ran (nothing was written to the caches; the output is NaN), or an int8 cache's "
+            "new token had a value that is not finite (its scale is stored non-finite; the output is NaN)"
         )

@@ -7,10 +7,12 @@ whose first slot is mid-tile, soft-cap, ALiBi, sinks) on both sources and the CU
 split and not; paged caches (pools with no spare block, tables with entries past the rows' blocks
 unset, a window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3
 outputs, per-channel tensors, refused rows); rotary tables by length (rows before, within and past
-the table, out-of-range lengths); the q/k norm in the kernel (one-token and tree steps); the row
-norm (widths from 1 to 5120, q/k segments in place): nothing may be read or written outside the
-caches and the output. ``norms`` as the argument runs the row norm's cases alone (the suite's
-second pass, filtered to that kernel), ``qk_norm`` the kernel's q/k norm cases alone."""
+the table, out-of-range lengths); the q/k norm in the kernel (one-token and tree steps); int8
+caches (both sources, pages, a non-finite new token, out-of-range lengths); the row norm (widths
+from 1 to 5120, q/k segments in place): nothing may be read or written outside the caches and the
+output. ``norms`` as the argument runs the row norm's cases alone (the suite's
+second pass, filtered to that kernel), ``qk_norm`` the kernel's q/k norm cases alone, ``int8`` the
+int8 caches' cases alone."""
 
 import sys
 
@@ -225,6 +227,44 @@ def qk_norm_cases() -> None:
             assert torch.isfinite(out).all()
 
 
+def int8_cases() -> None:
+    """int8 caches (codes, a scale per token and kv head): both tile sources, split and not, a ring
+    deep enough for paired tiles, pages of 16 and 64 slots, a non-finite new token (flagged), and
+    out-of-range lengths with validation off; unused slots hold stray codes and NaN scales."""
+    from int8_cases import int8_case, to_pages
+
+    lengths = [0, 1, 17, 127, 255]
+    for dtype, head_dim, plans in (
+        (torch.float16, 128, (("tma", 2), ("cp_async", 2), ("auto", 4))),
+        (torch.bfloat16, 80, (("auto", 2),)),
+    ):
+        for splits in (1, 5):
+            for source, stages in plans:
+                case, ks, vs = int8_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True,
+                                         rotary_dim=head_dim)  # fmt: skip
+                assert torch.isfinite(
+                    run(case, (8, 2), head_dim, splits, source, stages, scales=(ks, vs))
+                ).all()
+    for block_size in (16, 64):
+        case, ks, vs = int8_case(5, 8, 2, 128, lengths, 256, torch.float16, seed=block_size)
+        kp, vp, ksp, vsp, tables = to_pages(case, ks, vs, block_size, block_size)
+        for splits in (1, 5):
+            out = ops.decode_attention(case.qkv, kp, vp, case.lengths, k_scale=ksp, v_scale=vsp, block_tables=tables,
+                                       num_splits=splits, **case.kwargs())  # fmt: skip
+            assert torch.isfinite(out).all()
+    case, ks, vs = int8_case(5, 8, 2, 128, lengths, 256, torch.float16, seed=3)
+    case.qkv[2, 8 * 128 + 3] = float("nan")  # row 2's new k
+    ws = ops.Workspace.allocate("cuda", 5, 8, 128, 5)
+    run(case, (8, 2), 128, 5, "auto", 2, workspace=ws, scales=(ks, vs))
+    torch.cuda.synchronize()
+    assert ws.status.tolist() == [0, 0, 2, 0, 0], ws.status.tolist()
+    case.lengths.copy_(torch.tensor([256, -1, 7, 10**6, -(2**31)], dtype=torch.int32))
+    ws = ops.Workspace.allocate("cuda", 5, 8, 128, 3)
+    out = run(case, (8, 2), 128, 3, "auto", 2, validate=False, workspace=ws, scales=(ks, vs))
+    torch.cuda.synchronize()
+    assert ws.status.tolist() == [1, 1, 2, 1, 1], ws.status.tolist()
+
+
 def norm_cases() -> None:
     """The row norm: one segment over rows of every width class, in and out of place; q/k
     segments of a qkv row in place, weights shared and per head; strided rows."""
@@ -249,6 +289,10 @@ def main() -> None:
         return
     if sys.argv[1:] == ["qk_norm"]:
         qk_norm_cases()
+        print("sanitize cases done")
+        return
+    if sys.argv[1:] == ["int8"]:
+        int8_cases()
         print("sanitize cases done")
         return
     for dtype, head_dim, heads in (
@@ -287,6 +331,7 @@ def main() -> None:
     epilogue_cases()
     rotary_cases()
     qk_norm_cases()
+    int8_cases()
     norm_cases()
     print("sanitize cases done")
 

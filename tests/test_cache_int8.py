@@ -1,8 +1,8 @@
 """``KVCache(kv_dtype=torch.int8)`` on the reference path: prompts stored per token as ``mmha.quant``
 quantises them (codes and scales), steps close to a full-precision cache's, a tree step's accepted
-path moving codes and scales as one-token steps would have written them; on a GPU the cache is
-refused by name (the kernel does not take int8 caches yet). Paged int8 caches against contiguous
-ones: ``tests/test_paging.py``."""
+path moving codes and scales as one-token steps would have written them; on a GPU fp32 activations
+are refused by name (the kernel's int8 caches: ``tests/test_int8_gpu.py``). Paged int8 caches
+against contiguous ones: ``tests/test_paging.py``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,6 @@ def test_int8_takes_any_activation_dtype_and_counts_its_scales():
 
 
 @gpu
-def test_a_gpu_cache_refuses_int8_by_name():
-    with pytest.raises(ValueError, match=r"kv_dtype=torch.int8 runs on the reference path only"):
-        KVCache(L, B, S, HQ, HKV, D, torch.float16, "cuda", kv_dtype=torch.int8)
+def test_a_gpu_cache_refuses_int8_under_fp32_by_name():
+    with pytest.raises(ValueError, match=r"dtype must be float16 or bfloat16 with an int8 cache on a GPU"):
+        KVCache(L, B, S, HQ, HKV, D, torch.float32, "cuda", kv_dtype=torch.int8)

@@ -60,9 +60,12 @@ def test_choose_variant_table(case):
 
 
 def test_occupancy_model():
-    assert dispatch.tile_stage_bytes(128, 2) == 32768
-    assert dispatch.tile_stage_bytes(64, 2) == 16384
-    assert dispatch.tile_stage_bytes(80, 2) == 21504  # V rows of 88 elements, rounded to 1 KB
+    assert dispatch.tile_stage_bytes(128, 2, False) == 32768
+    assert dispatch.tile_stage_bytes(64, 2, False) == 16384
+    assert dispatch.tile_stage_bytes(80, 2, False) == 21504  # V rows of 88 elements, rounded to 1 KB
+    # int8: K and V codes and the 64 keys' K and V scales (512 bytes), rounded to 1 KB.
+    assert dispatch.tile_stage_bytes(128, 1, True) == 16384 + 1024
+    assert dispatch.max_stages(128, 1, H100, token_scales=True) <= dispatch.max_stages(128, 1, H100)
     assert dispatch.max_stages(128, 2, H100) == 6
     assert dispatch.max_stages(256, 2, H100) == 3
     assert dispatch.max_stages(64, 2, H100) == dispatch.MAX_STAGES

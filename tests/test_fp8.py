@@ -119,7 +119,7 @@ def test_cpu_steps_follow_the_reference():
 def test_dispatch_fp8_stages_hold_twice_the_keys():
     p16 = dispatch.choose_variant(16, 32, 32, 128, 8192, torch.float16)
     p8 = dispatch.choose_variant(16, 32, 32, 128, 8192, torch.float16, kv_dtype=FP8)
-    assert dispatch.tile_stage_bytes(128, 1) * 2 == dispatch.tile_stage_bytes(128, 2)
+    assert dispatch.tile_stage_bytes(128, 1, False) * 2 == dispatch.tile_stage_bytes(128, 2, False)
     assert p8.stages > p16.stages
     with pytest.raises(ValueError, match="dtype must be float16 or bfloat16"):
         dispatch.choose_variant(1, 8, 8, 128, 64, torch.float32, kv_dtype=FP8)

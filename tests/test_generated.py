@@ -41,8 +41,8 @@ def test_the_package_reads_the_generated_constants():
 def test_formulas_read_the_same_in_both_languages():
     """Each formula's C++ text is the Python expression's own tree (operators, constants, calls)."""
     header = (ROOT / "csrc" / "kernels" / "constants.h").read_text()
-    assert "constexpr int tile_stage_bytes(int head_dim, int elem_bytes)" in header
+    assert "constexpr int tile_stage_bytes(int head_dim, int elem_bytes, bool token_scales)" in header
     assert "constexpr int64_t tree_anc(int64_t batch, int64_t nodes, int64_t heads)" in header
     assert "#define MMHA_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(80) X(96) X(128) X(256)" in header
-    assert _constants.tile_stage_bytes(128, 2) == 32 * 1024  # K and V of 64 keys of 128 fp16 values
-    assert _constants.tile_stage_bytes(80, 2) == 21 * 1024  # V rows padded by 16 bytes, then aligned
+    assert _constants.tile_stage_bytes(128, 2, False) == 32 * 1024  # K and V of 64 keys of 128 fp16 values
+    assert _constants.tile_stage_bytes(80, 2, False) == 21 * 1024  # V rows padded by 16 bytes, then aligned

@@ -80,10 +80,14 @@ struct TileConsumer {
   using Ops = TileOperands<C, HEAD_DIM>;
   using M = typename Ops::M;                    // the mma element type
   static constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+  // int8 caches: a scale per key for K (on its scores) and V (on its probabilities, in units of
+  // v_unit: below).
+  static constexpr bool kInt8 = std::is_same_v<C, s8>;
+  static constexpr bool kBytes = kFp8 || kInt8;  // one-byte caches, widened to fp16 (tile_operands.cuh)
   // q and P as hi + lo 16-bit parts (16-bit caches: about fp32 products), or as one fp16 value
-  // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer), which halves
-  // the products per key.
-  static constexpr bool kSplit = !kFp8;
+  // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer; int8's 2^-8 of
+  // a token's largest value likewise), which halves the products per key.
+  static constexpr bool kSplit = !kBytes;
   static constexpr int KSTEPS = HEAD_DIM / 16;  // mma K steps over the head dim / M tiles of O^T
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
@@ -91,7 +95,12 @@ struct TileConsumer {
   uint32_t qh[KSTEPS][2], ql[KSTEPS][2];  // B fragments of q^T (hi and lo parts)
   float m[2], l[2];                        // heads 2tq, 2tq + 1 (the fragment columns of this lane)
   float acc[KSTEPS][4];                    // O^T: dims out_dim(i, g, 0 / 1), heads 2tq (+ 1)
-  float s_unit;                            // fp8: scores are the mma's times this power of two
+  float s_unit;                            // one-byte caches: scores are the mma's times this power of two
+  // int8: P^T goes to the V mma as P * v_scale[key] / v_unit, v_unit the largest V scale of the
+  // warp's keys so far (so those products stay <= P, in fp16's range whatever the scales' size),
+  // and acc is in units of v_unit: acc is rescaled when v_unit grows, and finish() multiplies it
+  // back.
+  float v_unit;
   ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
   TreeMask<2> tree;                        // a tree step: this lane's two columns' root paths
 
@@ -132,7 +141,8 @@ struct TileConsumer {
     }
     float q_unit = 1.f;
     s_unit = 1.f;
-    if constexpr (kFp8) {
+    v_unit = 0.f;
+    if constexpr (kBytes) {
 #pragma unroll
       for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
       if (qmax > 0.f && qmax <= 3.0e38f) {
@@ -163,7 +173,8 @@ struct TileConsumer {
   // (an attend-only row's pos included) are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
   __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
-                                               int pos, const C* s_new_k, const C* s_new_v, int lane) {
+                                               int pos, const C* s_new_k, const C* s_new_v, int lane,
+                                               const float* s_new_scales = nullptr) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
@@ -175,6 +186,11 @@ struct TileConsumer {
             *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) =
             *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
+      }
+    }
+    if constexpr (kInt8) {  // the new token's scales (the producer's copies left its slot zero)
+      if (lane < 2 && it <= pos && pos < it + 16) {
+        reinterpret_cast<float*>(stage + L::SCALE_OFF)[lane * L::KEYS + key0 + pos - it] = s_new_scales[lane];
       }
     }
     fence_proxy_async_smem();
@@ -222,8 +238,17 @@ struct TileConsumer {
           }
         }
       }
+      if constexpr (kInt8) {  // key g's and key g + 8's K scales
+        const float* k_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + key0 + g;
+        const float u0 = s_unit * k_scales[0], u1 = s_unit * k_scales[8];
+        s[n][0] = (s[n][0] + s_lo[0]) * u0;
+        s[n][1] = (s[n][1] + s_lo[1]) * u0;
+        s[n][2] = (s[n][2] + s_lo[2]) * u1;
+        s[n][3] = (s[n][3] + s_lo[3]) * u1;
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
+        for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
+      }
       const int it = its[n];
       if (mods.on) {
 #pragma unroll
@@ -269,6 +294,36 @@ struct TileConsumer {
         acc[i][3] *= alpha[1];
       }
     }
+    // int8: the V scales of keys g and g + 8 of each stage, over v_unit (raised first, if one of
+    // the warp's keys outgrew it: acc is rescaled to the new unit).
+    float v_w[N][2];
+    if constexpr (kInt8) {
+      float vmax = 0.f;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        const float* v_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + L::KEYS + key0 + g;
+        v_w[n][0] = v_scales[0];
+        v_w[n][1] = v_scales[8];
+        vmax = fmaxf(vmax, fmaxf(v_w[n][0], v_w[n][1]));
+      }
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
+      if (vmax > v_unit) {  // warp-uniform
+        const float r = v_unit / vmax;
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][e] *= r;
+        }
+        v_unit = vmax;
+      }
+      const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        v_w[n][0] *= inv;
+        v_w[n][1] *= inv;
+      }
+    }
 #pragma unroll
     for (int n = 0; n < N; ++n) {
 #pragma unroll
@@ -277,6 +332,10 @@ struct TileConsumer {
         s[n][h] = exp2_ftz(s[n][h] - m_ref);
         s[n][h + 2] = exp2_ftz(s[n][h + 2] - m_ref);
         l[h] += s[n][h] + s[n][h + 2];
+        if constexpr (kInt8) {
+          s[n][h] *= v_w[n][0];
+          s[n][h + 2] *= v_w[n][1];
+        }
       }
 
       // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
@@ -302,6 +361,17 @@ struct TileConsumer {
             if constexpr (kSplit) mma_16816<M>(acc[i + u], vt[u], pl0, pl1);
           }
         }
+      }
+    }
+  }
+
+  // At an item's end, before its combine: an int8 cache's acc back from units of v_unit.
+  __device__ __forceinline__ void finish() {
+    if constexpr (kInt8) {
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] *= v_unit;
       }
     }
   }

@@ -69,6 +69,29 @@ __device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const CacheParams& 
           static_cast<int64_t>(num_kv_heads) * HEAD_DIM * bs};
 }
 
+// One (row, kv head)'s token scales of an int8 cache (CacheParams::k_token_scale /
+// v_token_scale: [B, Hkv, S_max], paged [num_blocks, Hkv, bs]): slot t of block blk (0 for a
+// contiguous cache) at k[at(blk, t)] and v[at(blk, t)].
+struct TokenScales {
+  float* k;
+  float* v;
+  int pitch;             // S_max, or the block size
+  int64_t block_stride;  // paged: floats between consecutive blocks; 0: contiguous
+  __device__ __forceinline__ int64_t at(int blk, int t) const {
+    return block_stride == 0 ? t : static_cast<int64_t>(blk) * block_stride + (t & (pitch - 1));
+  }
+};
+
+__device__ __forceinline__ TokenScales token_scales(const CacheParams& c, int num_kv_heads, int b, int kvh) {
+  if (!paged(c)) {
+    const int64_t head = (static_cast<int64_t>(b) * num_kv_heads + kvh) * c.max_seq_len;
+    return {c.k_token_scale + head, c.v_token_scale + head, c.max_seq_len, 0};
+  }
+  const int bs = 1 << c.block_shift;
+  const int64_t head = static_cast<int64_t>(kvh) * bs;
+  return {c.k_token_scale + head, c.v_token_scale + head, bs, static_cast<int64_t>(num_kv_heads) * bs};
+}
+
 // Whether every block of slots [first, last] of a paged row is in the pool (threads tid <
 // nthreads each check a share; combine their answers). True for contiguous caches.
 template <typename C, int HEAD_DIM>

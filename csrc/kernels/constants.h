@@ -57,6 +57,8 @@ constexpr int kSimtWarps = 4;
 constexpr int kSimtThreads = 128;
 // largest finite e4m3 value: fp8 caches and outputs saturate to +-FP8_MAX
 constexpr int kFp8Max = 448;
+// an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V
+constexpr int kTokenScaleBytes = 512;
 // nodes of a tree step at most: a node's ancestors are one 64-bit mask
 constexpr int kMaxTreeNodes = 64;
 // status flag: a length outside the cache (nothing written, NaN output)
@@ -85,12 +87,14 @@ constexpr int kTileSourceTma = 2;
 constexpr bool v_whole_lines(int head_dim, int elem_bytes) {
   return (((head_dim * elem_bytes) % 128) == 0);
 }
-// shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each), 1024-byte aligned
-constexpr int tile_stage_bytes(int head_dim, int elem_bytes) {
+// shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each, and an int8 cache's
+// token scales), 1024-byte aligned
+constexpr int tile_stage_bytes(int head_dim, int elem_bytes, bool token_scales) {
   const int k = ((kTileKeys * head_dim) * elem_bytes);
   const int pitch = (v_whole_lines(head_dim, elem_bytes) ? head_dim : (head_dim + (16 / elem_bytes)));
   const int v = ((kTileKeys * pitch) * elem_bytes);
-  return ((((k + v) + 1023) / 1024) * 1024);
+  const int scales = (token_scales ? kTokenScaleBytes : 0);
+  return (((((k + v) + scales) + 1023) / 1024) * 1024);
 }
 // a bound on the tile kernel's static shared memory at qb query columns per item (elem_bytes: the
 // activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB against
@@ -106,8 +110,8 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   return ((qb == kWideColumns) ? wide : narrow);
 }
 // dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes
-constexpr int tile_smem_bytes(int head_dim, int elem_bytes, int stages) {
-  return ((stages * tile_stage_bytes(head_dim, elem_bytes)) + 1024);
+constexpr int tile_smem_bytes(int head_dim, int elem_bytes, bool token_scales, int stages) {
+  return ((stages * tile_stage_bytes(head_dim, elem_bytes, token_scales)) + 1024);
 }
 // workspace counters (int32 units): merge arrivals [B * T * Hq] first, then the tile loop's work counter [2]
 // at this offset

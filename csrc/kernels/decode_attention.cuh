@@ -35,11 +35,14 @@ namespace mmha {
 
 // The main loop: the tile loop (tensor cores, attend_tiles.cuh) for fp16 / bf16 / fp8 caches,
 // the CUDA-core loop (attend_simt.cuh) for fp32 caches. Mirrored by uses_tensor_cores() in
-// mmha/dispatch.py. T is the element of qkv and out, C the cache's (T, or e4m3 with 16-bit T).
+// mmha/dispatch.py. T is the element of qkv and out, C the cache's (T, or e4m3 / s8 with 16-bit T).
 template <typename T>
 constexpr bool kTiles = !std::is_same_v<T, float>;
 template <typename C>
 constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+// int8 caches: codes with a scale per token and kv head (one-token steps on narrow items).
+template <typename C>
+constexpr bool kInt8 = std::is_same_v<C, s8>;
 
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
@@ -73,6 +76,52 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
   return {nullptr, row + (p.num_heads + kvh) * HEAD_DIM, row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
 }
 
+// The larger of two absolute values, NaN if either is (as torch's amax): a token with a NaN
+// value gets a NaN scale.
+__device__ __forceinline__ float absmax_nan(float a, float b) { return a > b || a != a ? a : b; }
+
+// An int8 cache's new token (one-token steps): its k and v values (k_at(d), v_at(d): fp32, after
+// bias, norm and rotary) quantised per kv head as mmha.quant.quantize does it: scale = amax / 127,
+// codes rint(x / scale) into s_new_k / s_new_v, the scales into s_new_scales[0] (k) and [1] (v).
+// Two passes over the values, with a barrier of the nthreads threads (sync) between for the
+// maxima. A scale that is not finite (a non-finite value) flags the row (kStatusScale): its
+// output is NaN and check() raises, as for fp8's bad scales.
+template <int HEAD_DIM, typename KAt, typename VAt, typename Sync>
+__device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const WorkItem& w, KAt k_at, VAt v_at,
+                                                      s8 (&s_new_k)[HEAD_DIM], s8 (&s_new_v)[HEAD_DIM],
+                                                      float* s_new_scales, int tid, int nthreads, Sync sync) {
+  __shared__ float s_absmax[2][kTileThreads / 32];  // each warp's k and v maxima
+  float km = 0.f, vm = 0.f;
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    km = absmax_nan(km, fabsf(k_at(d)));
+    vm = absmax_nan(vm, fabsf(v_at(d)));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
+    vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
+  }
+  if (tid % 32 == 0) {
+    s_absmax[0][tid / 32] = km;
+    s_absmax[1][tid / 32] = vm;
+  }
+  sync();
+  for (int i = 0; i < nthreads / 32; ++i) {
+    km = absmax_nan(km, s_absmax[0][i]);
+    vm = absmax_nan(vm, s_absmax[1][i]);
+  }
+  const float ks = int8_scale(km), vs = int8_scale(vm);
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    s_new_k[d] = quantize_s8(k_at(d), ks);
+    s_new_v[d] = quantize_s8(v_at(d), vs);
+  }
+  if (tid == 0) {
+    s_new_scales[0] = ks;
+    s_new_scales[1] = vs;
+    if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + w.b, kStatusScale);
+  }
+}
+
 // The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
 // s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
 // the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
@@ -85,8 +134,8 @@ template <typename T, typename C, int HEAD_DIM, int QB, bool NORM, typename Sync
 __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
-                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
-                                                         int nthreads, Sync sync) {
+                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
+                                                         float* s_new_scales, int tid, int nthreads, Sync sync) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
@@ -156,9 +205,15 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =
         NORM && qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
-    for (int d = tid; d < HEAD_DIM; d += nthreads) {
-      s_new_k[d] = to_cache<C>(rotated<T, NORM>(rows.k, k_bias, d, pos, rot, k_norm), k_scale);
-      s_new_v[d] = to_cache<C>(biased(rows.v, v_bias, d), v_scale);
+    const auto k_at = [&](int d) { return rotated<T, NORM>(rows.k, k_bias, d, pos, rot, k_norm); };
+    const auto v_at = [&](int d) { return biased(rows.v, v_bias, d); };
+    if constexpr (std::is_same_v<C, s8>) {
+      quantize_new_token_s8<HEAD_DIM>(p, w, k_at, v_at, s_new_k, s_new_v, s_new_scales, tid, nthreads, sync);
+    } else {
+      for (int d = tid; d < HEAD_DIM; d += nthreads) {
+        s_new_k[d] = to_cache<C>(k_at(d), k_scale);
+        s_new_v[d] = to_cache<C>(v_at(d), v_scale);
+      }
     }
   }
 }
@@ -168,14 +223,14 @@ template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
-                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM], int tid,
-                                                         int nthreads, Sync sync) {
+                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
+                                                         float* s_new_scales, int tid, int nthreads, Sync sync) {
   if (p.qk_norm.q_weight != nullptr || p.qk_norm.k_weight != nullptr) {
     build_query_and_new_token<T, C, HEAD_DIM, QB, true>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k, s_new_v,
-                                                        tid, nthreads, sync);
+                                                        s_new_scales, tid, nthreads, sync);
   } else {
     build_query_and_new_token<T, C, HEAD_DIM, QB, false>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k,
-                                                         s_new_v, tid, nthreads, sync);
+                                                         s_new_v, s_new_scales, tid, nthreads, sync);
   }
 }
 
@@ -185,7 +240,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
 // row's block of slot pos was checked by the item's producer (a refused item appends nothing).
 template <typename C, int HEAD_DIM>
 __device__ __forceinline__ void append_new_token(const MmhaParams& p, const WorkItem& w, const C (&s_new_k)[HEAD_DIM],
-                                                 const C (&s_new_v)[HEAD_DIM], int tid, int nthreads) {
+                                                 const C (&s_new_v)[HEAD_DIM], int tid, int nthreads,
+                                                 const float* s_new_scales = nullptr) {
   constexpr int VEC = kVec<C>;
   if (!w.owner() || w.qg != 0) return;
   const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
@@ -193,6 +249,12 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
   for (int d = tid; d < HEAD_DIM; d += nthreads) {
     slots.k[slots.k_at(blk, w.pos, d / VEC) + d % VEC] = s_new_k[d];
     slots.v[slots.v_at(blk, w.pos) + d] = s_new_v[d];
+  }
+  if constexpr (std::is_same_v<C, s8>) {  // the token's scales beside its codes
+    if (tid < 2) {
+      const TokenScales ts = token_scales(p.cache, p.num_kv_heads, w.b, w.kvh);
+      (tid == 0 ? ts.k : ts.v)[ts.at(blk, w.pos)] = s_new_scales[tid];
+    }
   }
 }
 
@@ -674,6 +736,10 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
+      if constexpr (kInt8<C>) {
+        stage_token_scales<HEAD_DIM>(ta, token_scales(p.cache, p.num_kv_heads, w.b, w.kvh), pages,
+                                     stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      }
       if (i + 1 < nt) pages = ahead.checked(p.cache.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
       if (first_early && i == 0) take();  // the same item (the stager decides it alike): its q is staged now
@@ -734,15 +800,16 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // Two consecutive tiles of an item in one softmax update, where the ring is deep enough for a
-  // consumer to hold two stages (p.sched.stages >= 4): fp8 caches (consumer-bound; 4 or more stages
-  // unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one item per SM;
-  // head dim 128 spills with it).
-  constexpr bool kPairTiles = std::is_same_v<C, e4m3> || HEAD_DIM <= 96;
+  // consumer to hold two stages (p.sched.stages >= 4): one-byte caches (fp8, int8: consumer-bound;
+  // 4 or more stages unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one
+  // item per SM; head dim 128 spills with it).
+  constexpr bool kPairTiles = kFp8<C> || kInt8<C> || HEAD_DIM <= 96;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
   __shared__ __align__(16) C s_new_k[HEAD_DIM];
   __shared__ __align__(16) C s_new_v[HEAD_DIM];
+  __shared__ float s_new_scales[2];  // int8: the new token's k and v scales
   __shared__ float s_m[kConsumerWarps][QB];
   __shared__ float s_l[kConsumerWarps][QB];
   __shared__ float s_f[kConsumerWarps][QB];
@@ -810,7 +877,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
-                                                   tid, CONSUMERS, sync);
+                                                   s_new_scales, tid, CONSUMERS, sync);
       sync();
       mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
@@ -824,7 +891,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const int it = h.k0 + key0;
     const auto patch_if = [&](unsigned char* st, int t) {
       if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane);
+        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane,
+                                             s_new_scales);
       }
     };
     int flags = h.flags;
@@ -861,6 +929,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     cur.next(p.sched.stages);
     if (flags & kLastTile) {
       if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
+      c.finish();
       if constexpr (kWarpBuffers) {
         c.stash(s_m, s_l, s_acc, warp, lane);
       } else {
@@ -889,7 +958,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
                                                                                 CONSUMERS, &s_pre);
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
-        append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS);
+        append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
       if (p.sched.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
@@ -1062,7 +1131,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const HeadSlots<T, HEAD_DIM> slots = head_slots<T, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
   load_query_and_new_token<T, T, HEAD_DIM, QB>(
       p, w, global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0}), global_rows<T, HEAD_DIM>(p, w.b, w.kvh), 1.f, 1.f, s_q,
-      s_new_k, s_new_v, tid, nthreads, [] { __syncthreads(); });
+      s_new_k, s_new_v, nullptr, tid, nthreads, [] { __syncthreads(); });
   // A paged row: the blocks of the item's keys (and, for the item that appends, of the row's keys
   // before them) must be in the pool, or the item is refused (NaN, no append, kStatusPages).
   const int first = w.owner() ? w.lo : max(w.lo, w.start);
@@ -1135,7 +1204,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), stages);
+    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages);
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -1148,7 +1217,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>);
     if (err != cudaSuccess) return err;
-    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kMaxStages);
+    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);

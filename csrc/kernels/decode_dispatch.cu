@@ -14,8 +14,9 @@ namespace mmha {
 namespace {
 
 // Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
+// (int8 caches: one-token steps only, so narrow items.)
 template <typename C, int HEAD_DIM>
-constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadDim;
+constexpr bool kHasWide = !std::is_same_v<C, float> && !std::is_same_v<C, s8> && HEAD_DIM <= kWideMaxHeadDim;
 
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
@@ -72,28 +73,37 @@ int occupancy_head_dim(int head_dim, int q_group_block, int stages, TileSource s
 int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_group_block, int stages,
                          TileSource source) {
   const bool fp8 = cache_dtype == DType::kFloat8E4M3;
-  if (!fp8 && cache_dtype != dtype) return 0;
+  const bool int8 = cache_dtype == DType::kInt8;
+  if (!fp8 && !int8 && cache_dtype != dtype) return 0;
   switch (dtype) {
     case DType::kFloat16:
-      return fp8 ? occupancy_head_dim<__half, e4m3>(head_dim, q_group_block, stages, source)
-                 : occupancy_head_dim<__half, __half>(head_dim, q_group_block, stages, source);
+      return fp8    ? occupancy_head_dim<__half, e4m3>(head_dim, q_group_block, stages, source)
+             : int8 ? occupancy_head_dim<__half, s8>(head_dim, q_group_block, stages, source)
+                    : occupancy_head_dim<__half, __half>(head_dim, q_group_block, stages, source);
     case DType::kBFloat16:
-      return fp8 ? occupancy_head_dim<__nv_bfloat16, e4m3>(head_dim, q_group_block, stages, source)
-                 : occupancy_head_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, q_group_block, stages, source);
-    case DType::kFloat32: return fp8 ? 0 : occupancy_head_dim<float, float>(head_dim, q_group_block, stages, source);
+      return fp8    ? occupancy_head_dim<__nv_bfloat16, e4m3>(head_dim, q_group_block, stages, source)
+             : int8 ? occupancy_head_dim<__nv_bfloat16, s8>(head_dim, q_group_block, stages, source)
+                    : occupancy_head_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, q_group_block, stages, source);
+    case DType::kFloat32:
+      return fp8 || int8 ? 0 : occupancy_head_dim<float, float>(head_dim, q_group_block, stages, source);
     default: return 0;
   }
 }
 
 cudaError_t run_decode_attention(const MmhaParams& p, cudaStream_t stream) {
   const bool fp8 = p.cache.dtype == DType::kFloat8E4M3;
-  if (!fp8 && p.cache.dtype != p.dtype) return cudaErrorInvalidValue;
+  const bool int8 = p.cache.dtype == DType::kInt8;
+  if (!fp8 && !int8 && p.cache.dtype != p.dtype) return cudaErrorInvalidValue;
   switch (p.dtype) {
-    case DType::kFloat16: return fp8 ? dispatch_head_dim<__half, e4m3>(p, stream) : dispatch_head_dim<__half, __half>(p, stream);
+    case DType::kFloat16:
+      return fp8    ? dispatch_head_dim<__half, e4m3>(p, stream)
+             : int8 ? dispatch_head_dim<__half, s8>(p, stream)
+                    : dispatch_head_dim<__half, __half>(p, stream);
     case DType::kBFloat16:
-      return fp8 ? dispatch_head_dim<__nv_bfloat16, e4m3>(p, stream)
-                 : dispatch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, stream);
-    case DType::kFloat32: return fp8 ? cudaErrorInvalidValue : dispatch_head_dim<float, float>(p, stream);
+      return fp8    ? dispatch_head_dim<__nv_bfloat16, e4m3>(p, stream)
+             : int8 ? dispatch_head_dim<__nv_bfloat16, s8>(p, stream)
+                    : dispatch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, stream);
+    case DType::kFloat32: return fp8 || int8 ? cudaErrorInvalidValue : dispatch_head_dim<float, float>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -143,7 +143,7 @@ def render_instantiations() -> dict[Path, str]:
         for head_dim in c["SUPPORTED_HEAD_DIMS"]:
             blocks = list(c["Q_GROUP_BLOCKS"])
             files = [(f"decode_{name}_hd{head_dim}.cu", blocks)]
-            if cache != "float" and head_dim <= c["WIDE_MAX_HEAD_DIM"]:
+            if cache not in table.NO_WIDE and head_dim <= c["WIDE_MAX_HEAD_DIM"]:
                 files.append((f"decode_wide_{name}_hd{head_dim}.cu", [c["WIDE_COLUMNS"]]))
             for file, qbs in files:
                 lines = "\n".join(

@@ -9,10 +9,12 @@
 
 namespace mmha {
 
-enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3 };
+enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3, kInt8 = 4 };
 
 // Bytes of one cache element.
-constexpr int elem_bytes(DType t) { return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 ? 1 : 2; }
+constexpr int elem_bytes(DType t) {
+  return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 || t == DType::kInt8 ? 1 : 2;
+}
 
 // Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
 enum class TileSource : int32_t {
@@ -64,12 +66,14 @@ struct CacheParams {
   void* v;                      // [B, Hkv, S_max, D]
   const float* k_scale;         // fp8 caches: [Hkv], stored k = quantise(k / k_scale[h]); else nullptr
   const float* v_scale;         // fp8 caches: [Hkv], likewise for v
+  float* k_token_scale;         // int8 caches: [B, Hkv, S_max] (paged [num_blocks, Hkv, bs]): a scale
+  float* v_token_scale;         //   per token, k = code * scale (written with the token); else nullptr
   const int32_t* block_tables;  // paged: [B, max_blocks]; nullptr: contiguous
   int32_t max_seq_len;          // S_max
   int32_t max_blocks;
   int32_t num_blocks;
   int32_t block_shift;
-  DType dtype;                  // the caches' elements: qkv's dtype, or kFloat8E4M3 (under fp16 / bf16)
+  DType dtype;                  // the caches' elements: qkv's dtype, or kFloat8E4M3 / kInt8 (under fp16 / bf16)
 };
 
 // The rows of a step, and the flags the device-side guard raises for rows it refuses (nothing read

@@ -36,6 +36,13 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
+// The same with a predicate: when !valid nothing is read and the 4 destination bytes are zeroed.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
 // Waits for every cp.async the calling thread issued.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
@@ -196,6 +203,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // counted in the barrier's expected count: .noinc).
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// The calling thread's earlier cp.async copies hold bar's current phase until they land, without
+// changing its expected count (without .noinc the barrier's pending count is raised by one now
+// and the copies' arrival takes it back).
+__device__ __forceinline__ void cp_async_hold(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -67,6 +67,11 @@ CONSTANTS = [
     ("SIMT_WARPS", 4, "the CUDA-core loop (fp32 caches): warps of a block, each walking its own keys"),
     ("SIMT_THREADS", "SIMT_WARPS * 32", "the CUDA-core loop's block"),
     ("FP8_MAX", 448, "largest finite e4m3 value: fp8 caches and outputs saturate to +-FP8_MAX"),
+    (
+        "TOKEN_SCALE_BYTES",
+        "2 * TILE_KEYS * 4",
+        "an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V",
+    ),
     ("MAX_TREE_NODES", 64, "nodes of a tree step at most: a node's ancestors are one 64-bit mask"),
     ("STATUS_LENGTH", 1, "status flag: a length outside the cache (nothing written, NaN output)"),
     ("STATUS_SCALE", 2, "status flag: an fp8 scale not finite and positive"),
@@ -99,16 +104,17 @@ FUNCTIONS = [
     ),
     (
         "tile_stage_bytes",
-        [("head_dim", "int"), ("elem_bytes", "int")],
+        [("head_dim", "int"), ("elem_bytes", "int"), ("token_scales", "bool")],
         "int",
         [
             ("k", "TILE_KEYS * head_dim * elem_bytes"),
             ("pitch", "head_dim if v_whole_lines(head_dim, elem_bytes) else head_dim + 16 // elem_bytes"),
             ("v", "TILE_KEYS * pitch * elem_bytes"),
+            ("scales", "TOKEN_SCALE_BYTES if token_scales else 0"),
         ],
-        "(k + v + 1023) // 1024 * 1024",
-        "shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each), "
-        "1024-byte aligned",
+        "(k + v + scales + 1023) // 1024 * 1024",
+        "shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each, and an int8 "
+        "cache's token scales), 1024-byte aligned",
     ),
     (
         "tile_static_smem",
@@ -142,10 +148,10 @@ FUNCTIONS = [
     ),
     (
         "tile_smem_bytes",
-        [("head_dim", "int"), ("elem_bytes", "int"), ("stages", "int")],
+        [("head_dim", "int"), ("elem_bytes", "int"), ("token_scales", "bool"), ("stages", "int")],
         "int",
         [],
-        "stages * tile_stage_bytes(head_dim, elem_bytes) + 1024",
+        "stages * tile_stage_bytes(head_dim, elem_bytes, token_scales) + 1024",
         "dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes",
     ),
     (
@@ -211,4 +217,8 @@ DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
     ("fp16_e4m3", "__half", "e4m3"),
     ("bf16_e4m3", "__nv_bfloat16", "e4m3"),
+    ("fp16_s8", "__half", "s8"),
+    ("bf16_s8", "__nv_bfloat16", "s8"),
 ]
+# Cache types without the wide items of tree steps (int8: one-token steps only, for now).
+NO_WIDE = ("float", "s8")

@@ -1,5 +1,5 @@
 // Shared-memory layout of one stage of the tile ring: K and V of kTileKeys consecutive keys of
-// one (row, kv head), in cache elements T (16-bit, or e4m3 bytes). Written by a tile source (tile_source.cuh), read by the consumer warps
+// one (row, kv head), in cache elements T (16-bit, or e4m3 / int8 bytes; int8 with its keys' scales). Written by a tile source (tile_source.cuh), read by the consumer warps
 // (attend_tiles.cuh). Torch-free.
 #pragma once
 
@@ -41,8 +41,12 @@ struct TileLayout {
   static constexpr int V_LINES = HEAD_DIM * static_cast<int>(sizeof(T)) / V_LINE_BYTES;
   static constexpr int V_PITCH = V_SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC;  // elements per V row
   static constexpr int V_BYTES = KEYS * V_PITCH * static_cast<int>(sizeof(T));
-  static constexpr int STAGE_BYTES = tile_stage_bytes(HEAD_DIM, static_cast<int>(sizeof(T)));
-  static_assert(STAGE_BYTES >= K_BYTES + V_BYTES, "stage too small");
+  // An int8 cache's stage also holds its keys' scales (fp32): K's [KEYS] at SCALE_OFF, then V's.
+  static constexpr bool TOKEN_SCALES = std::is_same_v<T, s8>;
+  static constexpr int SCALE_OFF = K_BYTES + V_BYTES;
+  static constexpr int STAGE_BYTES = tile_stage_bytes(HEAD_DIM, static_cast<int>(sizeof(T)), TOKEN_SCALES);
+  static_assert(STAGE_BYTES >= SCALE_OFF + (TOKEN_SCALES ? kTokenScaleBytes : 0), "stage too small");
+  static_assert(SCALE_OFF % 16 == 0, "scales 16-byte aligned");
   static_assert(K_BYTES % 1024 == 0, "V lines must start 1024-byte aligned (128-byte swizzle atom)");
 
   // Byte offset of chunk c of tile key k in the K part, in groups of 2^kg keys (G: int, or

@@ -1,6 +1,7 @@
 // How the tile loop's consumer warps read a stage's K and V as tensor-core fragments: 16-bit
-// caches as cached (ldmatrix), fp8 e4m3 caches widened to fp16 in registers after the same
-// ldmatrix (no dequantised copy anywhere; the scales are applied to q and to the output).
+// caches as cached (ldmatrix), fp8 e4m3 and int8 caches widened to fp16 in registers after the
+// same ldmatrix (no dequantised copy anywhere; fp8's scales are applied to q and to the output,
+// int8's per-token scales to the scores and the probabilities: attend_tiles.cuh).
 // Torch-free.
 //
 // An operand reader provides, for cache elements C and head dim HEAD_DIM:
@@ -60,11 +61,12 @@ struct TileOperands {
   }
 };
 
-// fp8 e4m3: a 16-byte chunk is 16 dims of one key. One ldmatrix (b16 view) covers two K steps
-// (or M tiles); each lane's 4 bytes are widened to two half2 (cvt.rn.f16x2.e4m3x2).
-template <int HEAD_DIM>
-struct TileOperands<e4m3, HEAD_DIM> {
-  using L = TileLayout<e4m3, HEAD_DIM>;
+// One-byte caches (fp8 e4m3, int8 codes): a 16-byte chunk is 16 dims of one key. One ldmatrix
+// (b16 view) covers two K steps (or M tiles); each lane's 4 bytes are widened to two half2
+// exactly (byte4_to_half2x2: cvt.rn.f16x2.e4m3x2, or the int8 codes' byte-permute and subtract).
+template <typename C, int HEAD_DIM>
+struct ByteTileOperands {
+  using L = TileLayout<C, HEAD_DIM>;
   using M = __half;
   static constexpr int KSTEPS = HEAD_DIM / 16;
 
@@ -89,8 +91,8 @@ struct TileOperands<e4m3, HEAD_DIM> {
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      e4m3x4_to_half2x2(r[2 * u], a[u][0], a[u][2]);      // key g: dims 4tq, 4tq + 1 | 4tq + 2, 4tq + 3
-      e4m3x4_to_half2x2(r[2 * u + 1], a[u][1], a[u][3]);  // key g + 8
+      byte4_to_half2x2(C{}, r[2 * u], a[u][0], a[u][2]);      // key g: dims 4tq, 4tq + 1 | 4tq + 2, 4tq + 3
+      byte4_to_half2x2(C{}, r[2 * u + 1], a[u][1], a[u][3]);  // key g + 8
     }
   }
 
@@ -111,10 +113,15 @@ struct TileOperands<e4m3, HEAD_DIM> {
     for (int u = 0; u < 2; ++u) {
       const uint32_t lo = __byte_perm(r[2 * u], 0, 0x3120);      // keys 2tq, 2tq + 1
       const uint32_t hi = __byte_perm(r[2 * u + 1], 0, 0x3120);  // keys 2tq + 8, 2tq + 9
-      e4m3x4_to_half2x2(lo, a[u][0], a[u][1]);  // dim 2g | dim 2g + 1
-      e4m3x4_to_half2x2(hi, a[u][2], a[u][3]);
+      byte4_to_half2x2(C{}, lo, a[u][0], a[u][1]);  // dim 2g | dim 2g + 1
+      byte4_to_half2x2(C{}, hi, a[u][2], a[u][3]);
     }
   }
 };
+
+template <int HEAD_DIM>
+struct TileOperands<e4m3, HEAD_DIM> : ByteTileOperands<e4m3, HEAD_DIM> {};
+template <int HEAD_DIM>
+struct TileOperands<s8, HEAD_DIM> : ByteTileOperands<s8, HEAD_DIM> {};
 
 }  // namespace mmha

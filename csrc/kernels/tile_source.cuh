@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cache_slots.cuh"
 #include "ptx.cuh"
 #include "tile_layout.cuh"
 
@@ -258,5 +259,28 @@ struct TmaTiles {
     if (lane == 0) mbar_arrive(full);
   }
 };
+
+// An int8 cache's token scales of a tile (TileLayout::SCALE_OFF: its keys' K scales, then their
+// V scales), whatever the tile's source: a 4-byte cp.async per scale by the 32 producer lanes,
+// those of keys outside [lo, end) and of the new token's slot zero-filled without being read (the
+// consumers patch the new token's in; a zero V scale keeps a stray V row out of the output). The
+// copies hold the stage's full barrier until they land (cp_async_hold: its count unchanged), and
+// the warp reconverges before the tile's commit may complete it.
+template <int HEAD_DIM>
+__device__ __forceinline__ void stage_token_scales(const TileArgs<s8>& a, const TokenScales& ts, const TilePages& pg,
+                                                   unsigned char* stage, int k0, uint64_t* full, int lane) {
+  float* dst = reinterpret_cast<float*>(stage + TileLayout<s8, HEAD_DIM>::SCALE_OFF);
+#pragma unroll
+  for (int j = 0; j < 2 * kTileKeys / 32; ++j) {
+    const int i = lane + 32 * j;  // K's scales, then V's
+    const int t = k0 + i % kTileKeys;
+    const bool ok = t >= a.lo && t < a.end && t != a.pos;
+    const float* base = i < kTileKeys ? ts.k : ts.v;
+    const int blk = a.table != nullptr ? pg.of(t, k0, a.shift) : 0;
+    cp_async4(dst + i, ok ? base + ts.at(blk, t) : base, ok);
+  }
+  cp_async_hold(full);
+  __syncwarp();
+}
 
 }  // namespace mmha

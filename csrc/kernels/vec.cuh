@@ -59,6 +59,43 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t four, uint32_t& lo, u
 #endif
 }
 
+// One element of an int8 cache: a code in [-127, 127]; the value is code * the token's scale
+// (per token and kv head, CacheParams::k_token_scale / v_token_scale).
+struct s8 {
+  int8_t code;
+};
+constexpr float kInt8Max = 127.f;
+
+// A token's int8 scale from the absolute maximum of its D values (mmha.quant.quantize): amax / 127.
+__device__ __forceinline__ float int8_scale(float amax) { return __fdiv_rn(amax, kInt8Max); }
+
+// value / scale rounded half to even and clamped to +-127, as mmha.quant.quantize: a scale that
+// is not positive (zero, or NaN) divides by 1, a NaN result is code 0, an infinite one saturates.
+__device__ __forceinline__ s8 quantize_s8(float value, float scale) {
+  const float q = rintf(__fdiv_rn(value, scale > 0.f ? scale : 1.f));
+  return s8{static_cast<int8_t>(isnan(q) ? 0.f : fminf(fmaxf(q, -kInt8Max), kInt8Max))};
+}
+
+// The four int8 codes of `four` as two half2, exactly: bytes 0, 1 in lo, bytes 2, 3 in hi (as
+// e4m3x4_to_half2x2 orders them). Flipping a byte's sign bit gives code + 128 in [0, 255], which
+// as the low byte of 0x64xx is the half 1024 + code + 128; 1152 less is the code.
+__device__ __forceinline__ void s8x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = four ^ 0x80808080u;
+  const uint32_t bias = 0x64806480u;  // 1152 in both halves
+  const uint32_t l = __byte_perm(u, 0x64646464u, 0x5140);
+  const uint32_t h = __byte_perm(u, 0x64646464u, 0x7362);
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(l), "r"(bias));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(h), "r"(bias));
+}
+
+// A one-byte cache element's four values in `four` as two half2 (e4m3 or int8 codes).
+__device__ __forceinline__ void byte4_to_half2x2(e4m3, uint32_t four, uint32_t& lo, uint32_t& hi) {
+  e4m3x4_to_half2x2(four, lo, hi);
+}
+__device__ __forceinline__ void byte4_to_half2x2(s8, uint32_t four, uint32_t& lo, uint32_t& hi) {
+  s8x4_to_half2x2(four, lo, hi);
+}
+
 // How the step stores a new token's k or v value (fp32, after bias and rotary) in a cache of C:
 // rounded to C, or for fp8 divided by the kv head's scale and quantised.
 template <typename C>
@@ -68,6 +105,10 @@ __device__ __forceinline__ C to_cache(float value, float /*scale*/) {
 template <>
 __device__ __forceinline__ e4m3 to_cache<e4m3>(float value, float scale) {
   return quantize_e4m3(value, scale);
+}
+template <>
+__device__ __forceinline__ s8 to_cache<s8>(float value, float scale) {
+  return quantize_s8(value, scale);
 }
 
 // Elements of T in one 16-byte load: the "x" of the K cache layout.

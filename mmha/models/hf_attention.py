@@ -178,7 +178,7 @@ class MmhaCache(Cache):
     ``past_key_values``; prompts must be left-padded (``generate``'s way for decoder-only models).
     Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
     fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``);
-    ``torch.int8``: codes with a scale per token (the reference path only, for now).
+    ``torch.int8``: codes with a scale per token.
 
     Any rotary variant works (transformers applies it); sliding windows, logit soft-caps and
     sinks (Mistral, Gemma 2, gpt-oss) are each layer's ``AttentionSpec``: the kernel applies them
