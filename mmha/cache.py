@@ -529,7 +529,13 @@ class KVCache:
         capture, and a captured step reads them from the device each replay. A paged cache gives
         each active row the blocks of its node slots first (all or nothing; inside capture they
         must be there already: ``reserve_slots``); free rows take no part (zero output). The
-        layer's spec may hold rotary, a scale and an epilogue, no score modifiers."""
+        layer's spec may hold rotary, a scale and an epilogue, no score modifiers. An int8 cache
+        takes tree steps on the reference path only (the kernel's int8 caches take one-token steps)."""
+        if self.int8 and self.use_kernel:
+            raise ValueError(
+                "step_tree: an int8 cache on a GPU takes one-token steps only (the kernel's tree steps do "
+                "not take int8 caches yet); use kv_dtype=torch.float8_e4m3fn or the activations' dtype"
+            )
         return self.trees.step_tree(
             layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source
         )

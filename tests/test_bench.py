@@ -122,6 +122,30 @@ def test_fp8_rows_follow_their_16bit_twins_and_the_fp8_bar():
     assert "best 16-bit peer" in misses[0] and "16-bit time > 0.55" in misses[1] and "< 95 %" in misses[2]
 
 
+def test_int8_rows_follow_their_16bit_twins_and_the_int8_bar():
+    cfgs = build_configs("canonical", ["fp16"], extras=False, fp8=True, int8=True)
+    assert len(cfgs) == 3 * len(CANONICAL)
+    assert [c.kv for c in cfgs[:3]] == ["", "fp8", "int8"] and cfgs[2].same_shape() == cfgs[0]
+    # int8: a byte a value and a 4-byte scale per token and kv head, K and V.
+    assert cfgs[2].kv_bytes == cfgs[1].kv_bytes + 2 * 1 * 32 * 1024 * 4 and "kv=int8" in cfgs[2].label
+    big16 = Config("MHA b16", 16, 32, 32, 128, 8192, "fp16")
+    small16 = Config("MHA b16", 16, 32, 32, 128, 512, "fp16")
+    rows = [
+        report.summarize(fake_result(big16, 480.0, {"sdpa_cudnn": 470.0}, 460.0), 4000.0),
+        report.summarize(fake_result(big16.same_shape("int8"), 260.0, {"sdpa_cudnn": 470.0}, 240.0), 4000.0),
+        report.summarize(fake_result(small16, 20.0, {"sdpa_cudnn": 19.0}, 15.0), 4000.0),
+        report.summarize(fake_result(small16.same_shape("int8"), 15.0, {"sdpa_cudnn": 19.0}, 8.0), 4000.0),
+    ]
+    big, small = report.int8_rows(rows)
+    assert big["mmha_16bit_us"] == 480.0 and big["int8_speedup_ratio"] == pytest.approx(260 / 480)
+    assert report.int8_bar(rows) == []  # 0.54x on the 2.1 GB row; the 134 MB row is under the bar's size
+    rows[1] = report.summarize(
+        fake_result(big16.same_shape("int8"), 300.0, {"sdpa_cudnn": 470.0}, 240.0), 4000.0
+    )
+    (miss,) = report.int8_bar(rows)
+    assert "0.625x mmha's 16-bit time > 0.55" in miss
+
+
 def test_rounds_alternate_and_cancel_a_linear_drift(monkeypatch):
     from mmha.bench import timing
 

@@ -237,3 +237,11 @@ def test_kvcache_int8_steps_match_reference_and_graph_replay(dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_kvcache_int8_tree_step_is_refused_by_name():
+    cache = KVCache(1, 2, 64, 8, 2, 64, torch.float16, "cuda", kv_dtype=torch.int8)
+    parents = torch.tensor([[-1, 0], [-1, 0]], dtype=torch.int32)
+    qkv = torch.randn(2, 2, (8 + 4) * 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="an int8 cache on a GPU takes one-token steps only"):
+        cache.step_tree(0, qkv, parents)

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# Cache dtypes other than the activations': fp8 e4m3 (mmha only; the peers run the same shape
-# with caches of the activations' dtype).
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}
+# Cache dtypes other than the activations': fp8 e4m3 and int8 (mmha only; the peers run the same
+# shape with caches of the activations' dtype).
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # Scale of the benchmark's fp8 caches: N(0, 1) values up to ~5.5 within e4m3's +-448.
 FP8_BENCH_SCALE = 5.5 / 448
+# The benchmark's int8 caches: uniform codes in [-127, 127], every token's scale this (values up
+# to ~4.5).
+INT8_BENCH_SCALE = 4.5 / 127
 
 # (group, B, Hkv, S) of shared/BENCHMARK.md; Hq = 32, D = 128.
 CANONICAL = [
@@ -56,7 +59,7 @@ class Config:
     head_dim: int
     seq_len: int
     dtype: str
-    kv: str = ""  # "" (the caches hold dtype) or "fp8"
+    kv: str = ""  # "" (the caches hold dtype), "fp8" or "int8"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -76,8 +79,9 @@ class Config:
 
     @property
     def kv_bytes(self) -> int:
-        """mmha's cache bytes (fp8 rows: e4m3)."""
-        return 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * self.kv_elem
+        """mmha's cache bytes (fp8 rows: e4m3; int8 rows: the codes and their fp32 token scales)."""
+        per_token = self.head_dim * self.kv_elem + (4 if self.kv == "int8" else 0)
+        return 2 * self.batch * self.num_kv_heads * self.seq_len * per_token
 
     def same_shape(self, kv: str = "") -> Config:
         """This row with caches of another dtype."""
@@ -125,7 +129,9 @@ class Problem:
         self.scale = 1.0 / math.sqrt(d)
         self.qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(dt)
         self.k_scale = self.v_scale = None
-        if kind == "mmha" and cfg.kv:
+        if kind == "mmha" and cfg.kv == "int8":
+            self._int8_caches(cfg, g, lengths)
+        elif kind == "mmha" and cfg.kv:
             kv_dt = cfg.kv_torch_dtype
             self.k_scale = torch.full((hkv,), FP8_BENCH_SCALE, device=dev)
             self.v_scale = torch.full((hkv,), FP8_BENCH_SCALE, device=dev)
@@ -153,7 +159,7 @@ class Problem:
             self.k[:, :, s - 1] = self.qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
             self.v[:, :, s - 1] = self.qkv[:, (hq + hkv) * d :].view(b, hkv, d)
             self.k8 = self.v8 = None
-            if cfg.kv:  # fp8 peers (FlashInfer): e4m3 copies, and K/V as they dequantise
+            if cfg.kv == "fp8":  # fp8 peers (FlashInfer): e4m3 copies, and K/V as they dequantise
                 kv_dt, sc = cfg.kv_torch_dtype, FP8_BENCH_SCALE
                 self.k8 = (self.k.float() / sc).clamp(-448, 448).to(kv_dt)
                 self.v8 = (self.v.float() / sc).clamp(-448, 448).to(kv_dt)
@@ -161,6 +167,22 @@ class Problem:
                 self.v = (self.v8.float() * sc).to(dt)
         else:
             raise ValueError(f"kind must be 'mmha' or 'sdpa', got {kind!r}")
+
+    def _int8_caches(self, cfg: Config, g: torch.Generator, lengths: torch.Tensor | None) -> None:
+        """An int8 row's caches: uniform codes, every token's scale INT8_BENCH_SCALE (the planes
+        ``k_scale`` / ``v_scale`` ``[B, Hkv, S]``)."""
+        from .. import layout
+
+        b, hkv, d, s, dev = cfg.batch, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, "cuda"
+        shape = layout.k_cache_shape(b, hkv, s, d, torch.int8)
+        self.k_cache = torch.randint(-127, 128, shape, generator=g, device=dev, dtype=torch.int8)
+        self.v_cache = torch.randint(-127, 128, layout.v_cache_shape(b, hkv, s, d), generator=g, device=dev,
+                                     dtype=torch.int8)  # fmt: skip
+        self.k_scale = torch.full((b, hkv, s), INT8_BENCH_SCALE, device=dev)
+        self.v_scale = torch.full((b, hkv, s), INT8_BENCH_SCALE, device=dev)
+        self.lengths = (
+            lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
+        )
 
     def kv_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]``, k and v ``[n, Hkv, S, D]`` of the given rows, as the call sees them
@@ -177,7 +199,14 @@ class Problem:
         v = layout.unpack_v(self.v_cache[rows], layout="bhsd").float()
         k_new = self.qkv[rows, hq * d : (hq + hkv) * d].view(len(rows), hkv, d).float()
         v_new = self.qkv[rows, (hq + hkv) * d :].view(len(rows), hkv, d).float()
-        if self.k_scale is not None:  # fp8: dequantised, the new token as the cache stores it
+        if self.cfg.kv == "int8":  # dequantised, the new token as the step stores it (per token)
+            from .. import quant
+
+            k = k * self.k_scale[rows][..., None]
+            v = v * self.v_scale[rows][..., None]
+            k_new = quant.dequantize(*quant.quantize(k_new, 8))
+            v_new = quant.dequantize(*quant.quantize(v_new, 8))
+        elif self.k_scale is not None:  # fp8: dequantised, the new token as the cache stores it
             ks, vs = self.k_scale.view(1, hkv, 1, 1), self.v_scale.view(1, hkv, 1, 1)
             k, v = k * ks, v * vs
             k_new = quantize_fp8(k_new, self.k_scale).float() * ks[..., 0]
@@ -209,19 +238,22 @@ def layer_problems(cfg: Config, kind: str) -> list[Problem]:
 
 
 def build_configs(
-    grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None, fp8: bool = False
-) -> list[Config]:
+    grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None, fp8: bool = False,
+    int8: bool = False,
+) -> list[Config]:  # fmt: skip
     """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
-    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8``: each fp16 /
-    bf16 row of head dim 128 (custom: every 16-bit row) also with an fp8 cache, after it."""
+    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8`` / ``int8``:
+    each fp16 / bf16 row of head dim 128 (custom: every 16-bit row) also with an fp8 / int8 cache,
+    after it."""
     cfgs = _grid_configs(grid, dtypes, extras, custom)
-    if not fp8:
+    kinds = [k for k, on in (("fp8", fp8), ("int8", int8)) if on]
+    if not kinds:
         return cfgs
     out = []
     for c in cfgs:
         out.append(c)
         if c.dtype != "fp32" and (grid == "custom" or c.head_dim == 128):
-            out.append(c.same_shape("fp8"))
+            out += [c.same_shape(k) for k in kinds]
     return out
 
 

@@ -23,6 +23,10 @@ GQA_POINTS = 3.0
 FP8_BIG_BYTES = 256e6
 FP8_RATIO = 0.55
 FP8_PCT_FLOOR = 95.0
+# int8 caches (issue bar): on rows of at least INT8_BIG_BYTES in 16 bits, at most INT8_RATIO of
+# mmha's 16-bit time on the same shape.
+INT8_BIG_BYTES = 256e6
+INT8_RATIO = 0.55
 
 
 def summarize(res: dict, ceiling_gbs: float) -> dict:
@@ -107,6 +111,33 @@ def fp8_bar(rows: list[dict]) -> list[str]:
                 misses.append(
                     f"{label}: {r['pct_floor']:.1f} % of the fp8 read floor < {FP8_PCT_FLOOR:.0f} %"
                 )
+    return misses
+
+
+def int8_rows(rows: list[dict]) -> list[dict]:
+    """Each int8 row with its 16-bit twin's mmha time and cache size (``mmha_16bit_us``,
+    ``kv_mb_16bit``) and ``int8_speedup_ratio`` (int8 time / 16-bit time), where the run has the
+    twin."""
+    twins = {shape_key(r): r for r in rows if not r.get("kv")}
+    out = []
+    for r in rows:
+        if r.get("kv") != "int8":
+            continue
+        t = twins.get(shape_key(r))
+        t16, mb16 = (t["mmha_decode_us"], t["kv_mb"]) if t else (NAN, NAN)
+        out.append(
+            {**r, "mmha_16bit_us": t16, "kv_mb_16bit": mb16, "int8_speedup_ratio": r["mmha_decode_us"] / t16}
+        )
+    return out
+
+
+def int8_bar(rows: list[dict]) -> list[str]:
+    """Where the int8 rows miss their bar (at most INT8_RATIO of mmha's 16-bit time on rows of at
+    least INT8_BIG_BYTES in 16 bits), one line each (empty: it holds)."""
+    misses = []
+    for r in int8_rows(rows):
+        if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r["int8_speedup_ratio"] <= INT8_RATIO:
+            misses.append(f"{row_label(r)}: {r['int8_speedup_ratio']:.3f}x mmha's 16-bit time > {INT8_RATIO}")
     return misses
 
 

@@ -68,12 +68,12 @@ def run_config(
 ) -> dict:
     """Every method's timings on one configuration, and the read floor of its K/V bytes (kept in
     ``floors`` by size, so rows of one cache size share one measurement). ``twin``: the result of
-    the same shape with 16-bit caches, whose peer timings an fp8 row takes over (the peers have no
-    fp8 cache)."""
+    the same shape with 16-bit caches, whose peer timings an fp8 or int8 row takes over (the peers
+    have no such cache)."""
     floors = {} if floors is None else floors
     res = {"config": cfg, "decode": {}, "errors": {}, "skipped": {}, "cold": {}, "graph": {}}
-    if twin is not None:  # 16-bit peers from the twin; FlashInfer runs its fp8 decode on the row
-        fp8_peers = tuple(m for m in peers if m == "flashinfer")
+    if twin is not None:  # 16-bit peers from the twin; FlashInfer runs its fp8 decode on an fp8 row
+        fp8_peers = tuple(m for m in peers if m == "flashinfer" and cfg.kv == "fp8")
         for key in ("decode", "errors", "skipped", "cold", "graph"):
             res[key].update(
                 {
