@@ -281,6 +281,17 @@ def test_int8_kv_teacher_forced_no_decisive_mismatch(family):
     assert res["decisive_mismatches"] == 0 and res["max_logit_diff"] < 0.1 * res["logit_scale"]
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_int8_kv_teacher_forced_no_decisive_mismatch(dtype):
+    """The same on the kernel: HFDecoder's CUDA graphs over an int8 cache against a 16-bit one."""
+    from mmha.models.hf import compare_kv_dtypes
+
+    model = build("llama", "cuda", dtype)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), 128, torch.int8)
+    assert res["decisive_mismatches"] == 0
+
+
 class _AlwaysWrongDraft(HFDecoder):
     """A draft that never proposes its model's top token (with the target's own weights, it is
     always wrong)."""
