@@ -11,6 +11,7 @@ same GPU and run (rows with ``old_decode_us``). --step: the table ``python -m mm
 printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's check).
 --fp8: a ``python -m mmha.bench --grid canonical --fp8`` bench.json (copied to
 docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
+--int8: a ``python -m mmha.bench --grid canonical --int8`` bench.json (docs/data/bench_int8_<gpu>.json).
 --hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
 docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
 GPU model (copied to docs/data/bench_mods_<gpu>.json). --tree: a ``python -m mmha.bench --tree``
@@ -199,6 +200,26 @@ def fp8_section(data: dict, name: str) -> list[str]:
     ]  # fmt: skip
 
 
+def int8_section(data: dict, name: str) -> list[str]:
+    from tabulate import tabulate
+
+    h = data["header"]
+    rows = report.int8_rows(data["rows"])
+    body = [[report.row_label(r), report.fmt(r["kv_mb_16bit"]), report.fmt(r["kv_mb"]), r["plan"],
+             report.fmt(r["mmha_decode_us"]), report.fmt(r["mmha_16bit_us"]),
+             report.fmt(r["int8_speedup_ratio"], 3), report.fmt(r["pct_floor"])] for r in rows]  # fmt: skip
+    misses = report.int8_bar(data["rows"])
+    return [
+        f"### {h['gpu']} ({name}), {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
+        tabulate(body, headers=["row", "16-bit KV MB", "int8 KV MB", "plan", "mmha int8 us",
+                                "mmha 16-bit us", "int8 / 16-bit", "% int8 floor"],
+                 tablefmt="github", disable_numparse=True), "",
+        "int8 bar (`mmha.bench.report.int8_bar`): "
+        + ("holds on every row." if not misses else f"{len(misses)} misses:"), "",
+        *[f"- {m}" for m in misses], "",
+    ]  # fmt: skip
+
+
 def fp8_accuracy_section(acc: dict) -> list[str]:
     from tabulate import tabulate
 
@@ -343,6 +364,7 @@ def main() -> None:
     ap.add_argument("--sweep", type=Path, action="append", help="sweep.json, one per run (SWEEP_RUNS)")
     ap.add_argument("--fp8", type=Path, action="append", default=[])
     ap.add_argument("--fp8-accuracy", type=Path)
+    ap.add_argument("--int8", type=Path, action="append", default=[])
     ap.add_argument("--hf", type=Path, action="append", default=[])
     ap.add_argument("--ab", type=Path, action="append", default=[])
     ap.add_argument("--mods", type=Path, action="append", default=[])
@@ -422,6 +444,19 @@ def main() -> None:
             lines += fp8_accuracy_section(
                 json.loads(keep(args.fp8_accuracy, args.fp8_accuracy.name).read_text())
             )
+    if args.int8:
+        lines += [
+            "## int8 caches", "",
+            "`python -m mmha.bench --grid canonical --dtype fp16 --no-extras --int8 --peers sdpa_cudnn"
+            " --no-secondary`: each canonical row again with an int8 cache (codes with a scale per token"
+            " and kv head; the int8 bytes count both), beside mmha's 16-bit time from the same run. The"
+            " bar: on rows of >= 256 MB in 16 bits at most 0.55x mmha's 16-bit time.", "",
+        ]  # fmt: skip
+        for path in args.int8:
+            data = json.loads(path.read_text())
+            name = slug(data["header"]["gpu"])
+            keep(path, f"bench_int8_{name}.json")
+            lines += int8_section(data, name)
     if args.mods:
         from mmha.bench import mods
 

@@ -340,3 +340,28 @@ def test_hf_bench_times_one_decode_step_inside_generate(monkeypatch):
     row = {"batch": 16, "context": 1024, "method": "mmha_native", "decode_tok_s": 2000.0, "step_ms": 8.0,
            "forward_ms": 6.5, "loop_ms": 1.5, "vs_hf_static_compile": 1.8}  # fmt: skip
     assert "| 6.500 " in hf.table([row])
+
+
+def test_benchmarks_page_int8_section_from_a_run():
+    """bench/make_docs.py's int8 section: each int8 row beside its 16-bit twin and the bar's line."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "make_docs.py"
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("make_docs", path)
+    make_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_docs)
+    big16 = Config("MHA b16", 16, 32, 32, 128, 8192, "fp16")
+    rows = [
+        report.summarize(fake_result(big16, 480.0, {"sdpa_cudnn": 470.0}, 460.0), 4000.0),
+        report.summarize(fake_result(big16.same_shape("int8"), 300.0, {"sdpa_cudnn": 470.0}, 240.0), 4000.0),
+    ]
+    data = {
+        "header": {"gpu": "NVIDIA H100", "date": "2026-11-27", "torch": "2.11", "cuda": "13.0"},
+        "rows": rows,
+    }
+    text = "\n".join(make_docs.int8_section(data, "h100"))
+    assert "| fp16 kv=int8 B=16 Hq=32 Hkv=32 D=128 S=8192 | 2147.5 " in text and "| 0.625 " in text
+    assert "int8 bar (`mmha.bench.report.int8_bar`): 1 misses:" in text
