@@ -98,6 +98,23 @@ def test_rotary_and_bias(interleaved, dtype):
     check_int8(case, ks, vs, rotary=True)
 
 
+@pytest.mark.parametrize("splits", [1, 5])
+def test_lengths_around_tiles(splits):
+    """Rows ending around the 64-key tiles and the 16-key slices (RELIABILITY rows 1-2)."""
+    lengths = [1, 2, 5, 15, 16, 17, 63, 64, 65, 97, 127, 239]
+    case, ks, vs = int8_case(len(lengths), 8, 2, 128, lengths, 256, torch.bfloat16, seed=splits, bias=True)
+    check_int8(case, ks, vs, num_splits=splits)
+
+
+@pytest.mark.parametrize("value_scale", [1e-3, 1e3])
+def test_activations_far_from_one(value_scale):
+    """q, k and v far from 1 in bf16 (RELIABILITY row 18): the scales follow the values, q is
+    brought to range by a power of two."""
+    case, ks, vs = int8_case(2, 4, 2, 128, [40, 300], 320, torch.bfloat16, seed=5, value_scale=value_scale)
+    case.qkv[:, : 4 * 128] *= 1e3  # q only
+    check_int8(case, ks, vs)
+
+
 @pytest.mark.parametrize("spread", [3.0, 6.0])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_v_scales_over_orders_of_magnitude(spread, splits):
