@@ -4,6 +4,9 @@
 # Exits non-zero when a test fails or a sanitizer reports anything (racecheck: any hazard, with
 # --racecheck-report all, warnings included).
 # Usage: bash tests/gpu_suite.sh [extra pytest args]
+# TESTS: the test paths (default: tests), e.g. TESTS="tests/test_int8_gpu.py tests/test_fp8_gpu.py";
+# CASES: one case set of tests/sanitize_cases.py for the sanitizers (e.g. int8, qk_norm; default:
+# all of them, and the row norm's pass).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,7 +28,8 @@ echo "build: ok in $(($(date +%s) - start)) s" | tee -a "$summary"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # A hung kernel must not eat the whole device call: every test gets TEST_TIMEOUT seconds.
-  python -m pytest tests -q -rfEs -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
+  # shellcheck disable=SC2086
+  python -m pytest ${TESTS:-tests} -q -rfEs -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" \
     --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
   echo "pytest: $(tail -n 1 "$OUT/pytest.log")" >>"$summary"
@@ -54,16 +58,19 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   # memcheck without torch's caching allocator; initcheck unfiltered: torch's fill kernels must be
   # instrumented for their writes to count as initialisation (with a kernel filter it reports
   # false positives).
+  read -r -a cases <<<"${CASES:-}"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitize "sanitizer memcheck" sanitizer_memcheck.log memcheck \
-    --kernel-name kns=decode_attention python tests/sanitize_cases.py
+    --kernel-name kns=decode_attention python tests/sanitize_cases.py ${cases[@]+"${cases[@]}"}
   sanitize "sanitizer racecheck" sanitizer_racecheck.log racecheck --kernel-name kns=decode_attention \
-    python tests/sanitize_cases.py
-  sanitize "sanitizer initcheck" sanitizer_initcheck.log initcheck python tests/sanitize_cases.py
+    python tests/sanitize_cases.py ${cases[@]+"${cases[@]}"}
+  sanitize "sanitizer initcheck" sanitizer_initcheck.log initcheck python tests/sanitize_cases.py ${cases[@]+"${cases[@]}"}
   # The row norm's kernel, which the decode filter above leaves out (initcheck ran it unfiltered).
-  for tool in memcheck racecheck; do
-    sanitize "sanitizer $tool (row norm)" "sanitizer_${tool}_norms.log" "$tool" --kernel-name kns=row_norm \
-      python tests/sanitize_cases.py norms
-  done
+  if [ -z "${CASES:-}" ]; then
+    for tool in memcheck racecheck; do
+      sanitize "sanitizer $tool (row norm)" "sanitizer_${tool}_norms.log" "$tool" --kernel-name kns=row_norm \
+        python tests/sanitize_cases.py norms
+    done
+  fi
 fi
 echo "suite: $([ "$failed" -eq 0 ] && echo passed || echo FAILED)" | tee -a "$summary"
 cat "$summary"
