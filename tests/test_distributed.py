@@ -74,10 +74,22 @@ def test_merge_partials_equals_attention_over_the_union():
         (3, dict(mode="sequence", block=8)),
         (2, dict(mode="sequence", output="heads", mods=True)),
         (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)),
+        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.int8)),
         (2, dict(mode="heads")),
         (2, dict(mode="heads", output="full", mods=True)),
+        (2, dict(mode="heads", dtype=torch.float16, kv_dtype=torch.int8)),
     ],
-    ids=["seq", "seq-block1", "seq-world3", "seq-heads-out-mods", "seq-fp8", "heads", "heads-full-mods"],
+    ids=[
+        "seq",
+        "seq-block1",
+        "seq-world3",
+        "seq-heads-out-mods",
+        "seq-fp8",
+        "seq-int8",
+        "heads",
+        "heads-full-mods",
+        "heads-int8",
+    ],  # fmt: skip
 )
 def test_decode_matches_single_cache(world, kw):
     run_ranks("decode_matches_single", world, **kw)
