@@ -200,6 +200,17 @@ def fp8_section(data: dict, name: str) -> list[str]:
     ]  # fmt: skip
 
 
+def kv_sections(paths: list[Path], kv: str, section) -> list[str]:
+    """Each GPU's run with ``kv`` caches: kept as docs/data/bench_<kv>_<gpu>.json, its section."""
+    lines = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        name = slug(data["header"]["gpu"])
+        keep(path, f"bench_{kv}_{name}.json")
+        lines += section(data, name)
+    return lines
+
+
 def int8_section(data: dict, name: str) -> list[str]:
     from tabulate import tabulate
 
@@ -435,11 +446,7 @@ def main() -> None:
             " The bar: faster than every 16-bit peer on every row; on caches of >= 256 MB of fp8 bytes at"
             " most 0.55x mmha's 16-bit time and >= 95 % of the fp8 read floor.", "",
         ]  # fmt: skip
-        for path in args.fp8:
-            data = json.loads(path.read_text())
-            name = slug(data["header"]["gpu"])
-            keep(path, f"bench_fp8_{name}.json")
-            lines += fp8_section(data, name)
+        lines += kv_sections(args.fp8, "fp8", fp8_section)
         if args.fp8_accuracy:
             lines += fp8_accuracy_section(
                 json.loads(keep(args.fp8_accuracy, args.fp8_accuracy.name).read_text())
@@ -452,11 +459,7 @@ def main() -> None:
             " and kv head; the int8 bytes count both), beside mmha's 16-bit time from the same run. The"
             " bar: on rows of >= 256 MB in 16 bits at most 0.55x mmha's 16-bit time.", "",
         ]  # fmt: skip
-        for path in args.int8:
-            data = json.loads(path.read_text())
-            name = slug(data["header"]["gpu"])
-            keep(path, f"bench_int8_{name}.json")
-            lines += int8_section(data, name)
+        lines += kv_sections(args.int8, "int8", int8_section)
     if args.mods:
         from mmha.bench import mods
 

@@ -83,18 +83,25 @@ def shape_key(r: dict) -> tuple:
     return (r["dtype"], r["batch"], r["num_heads"], r["num_kv_heads"], r["head_dim"], r["seq_len"])
 
 
-def fp8_rows(rows: list[dict]) -> list[dict]:
-    """Each fp8 row with its 16-bit twin's mmha time (``mmha_16bit_us``) and ``fp8_speedup_ratio``
-    (fp8 time / 16-bit time), where the run has the twin."""
+def twin_rows(rows: list[dict], kv: str) -> list[dict]:
+    """Each row with caches of ``kv`` ("fp8", "int8") beside its 16-bit twin: the twin's mmha time
+    and cache size (``mmha_16bit_us``, ``kv_mb_16bit``; NaN where the run has no twin) and
+    ``{kv}_speedup_ratio`` (the row's time / the twin's)."""
     twins = {shape_key(r): r for r in rows if not r.get("kv")}
     out = []
     for r in rows:
-        if r.get("kv") != "fp8":
+        if r.get("kv") != kv:
             continue
         t = twins.get(shape_key(r))
-        t16 = t["mmha_decode_us"] if t else NAN
-        out.append({**r, "mmha_16bit_us": t16, "fp8_speedup_ratio": r["mmha_decode_us"] / t16})
+        t16, mb16 = (t["mmha_decode_us"], t["kv_mb"]) if t else (NAN, NAN)
+        ratio = r["mmha_decode_us"] / t16
+        out.append({**r, "mmha_16bit_us": t16, "kv_mb_16bit": mb16, f"{kv}_speedup_ratio": ratio})
     return out
+
+
+def fp8_rows(rows: list[dict]) -> list[dict]:
+    """Each fp8 row beside its 16-bit twin (``twin_rows``)."""
+    return twin_rows(rows, "fp8")
 
 
 def fp8_bar(rows: list[dict]) -> list[str]:
@@ -115,20 +122,8 @@ def fp8_bar(rows: list[dict]) -> list[str]:
 
 
 def int8_rows(rows: list[dict]) -> list[dict]:
-    """Each int8 row with its 16-bit twin's mmha time and cache size (``mmha_16bit_us``,
-    ``kv_mb_16bit``) and ``int8_speedup_ratio`` (int8 time / 16-bit time), where the run has the
-    twin."""
-    twins = {shape_key(r): r for r in rows if not r.get("kv")}
-    out = []
-    for r in rows:
-        if r.get("kv") != "int8":
-            continue
-        t = twins.get(shape_key(r))
-        t16, mb16 = (t["mmha_decode_us"], t["kv_mb"]) if t else (NAN, NAN)
-        out.append(
-            {**r, "mmha_16bit_us": t16, "kv_mb_16bit": mb16, "int8_speedup_ratio": r["mmha_decode_us"] / t16}
-        )
-    return out
+    """Each int8 row beside its 16-bit twin (``twin_rows``)."""
+    return twin_rows(rows, "int8")
 
 
 def int8_bar(rows: list[dict]) -> list[str]:
