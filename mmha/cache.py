@@ -60,8 +60,8 @@ class KVCache:
     kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (under fp16 / bf16
         activations), with one fp32 scale per layer and kv head for K and one for V (``k_scales``,
         ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8``: each token's K and V codes with
-        a scale per token and kv head beside its slot (``mmha.quant``; under fp16 / bf16 activations
-        on a GPU; one-token steps: tree and speculative steps refuse it).
+        a scale per token and kv head beside its slot (``mmha.quant``; on a GPU under fp16 / bf16
+        activations and in one-token steps only: tree and speculative steps refuse it there).
     paged, block_size, num_blocks : a paged cache (``mmha.paging``): each layer's K/V in one pool of
         ``num_blocks`` blocks of ``block_size`` slots (16, 32, 64 or 128; default enough for every
         row at ``max_seq_len``); ``k_caches[layer]`` is then ``k_pages [num_blocks, Hkv, D/x,
