@@ -1276,8 +1276,13 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   }
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
   // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
-  // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
-  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+  // blocks finish and wait for its end (grid_dependency_wait) before they read anything. int8
+  // caches take one-token steps only (the host refuses their tree steps; no tree append for them).
+  if constexpr (kInt8<C>) {
+    return cudaErrorInvalidValue;
+  } else {
+    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+  }
   if (err != cudaSuccess) return err;
   int device = 0, major = 0;
   err = cudaGetDevice(&device);

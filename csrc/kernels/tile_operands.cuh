@@ -5,7 +5,7 @@
 // Torch-free.
 //
 // An operand reader provides, for cache elements C and head dim HEAD_DIM:
-//   M                          the mma element type (C, or __half for e4m3)
+//   M                          the mma element type (C, or __half for e4m3 and int8)
 //   q_dim(j, tq, h)            the head-dim index of q's B-fragment register h (0: b0, 1: b1) of
 //                              lane quad tq at K step j; elements d and d + 1 go in its halves
 //   out_dim(i, g, h)           the head-dim index of O^T's accumulator row g (h = 0) or g + 8

@@ -106,10 +106,6 @@ template <>
 __device__ __forceinline__ e4m3 to_cache<e4m3>(float value, float scale) {
   return quantize_e4m3(value, scale);
 }
-template <>
-__device__ __forceinline__ s8 to_cache<s8>(float value, float scale) {
-  return quantize_s8(value, scale);
-}
 
 // Elements of T in one 16-byte load: the "x" of the K cache layout.
 template <typename T>
