@@ -1,10 +1,11 @@
 """Launch mmha (or a peer) on a few benchmark rows, as dispatched, for Nsight Compute
 (bench/profile.sh).
 
-Each row: B,Hq,Hkv,D,S (fp16), optionally with @SPLITSxSTAGES to force a plan. Every row is
-checked against the fp32 reference first, then launched ``--iters`` times inside an NVTX range
-named "mmha" (or "peer" with ``--peer NAME``, an SDPA peer of mmha.bench such as sdpa_cudnn), so
-``ncu --nvtx --nvtx-include mmha/`` catches only those launches. ``--mod window|softcap|alibi|sinks``
+Each row: B,Hq,Hkv,D,S (fp16; ``--kv fp8|int8`` for those caches), optionally with @SPLITSxSTAGES
+to force a plan. Every row is checked against the fp32 reference first, then launched ``--iters``
+times inside an NVTX range named "mmha" (or "peer" with ``--peer NAME``, an SDPA peer of
+mmha.bench such as sdpa_cudnn), so ``ncu --nvtx --nvtx-include mmha/`` catches only those
+launches. ``--mod window|softcap|alibi|sinks``
 runs mmha with that score modifier as ``python -m mmha.bench --mods`` does (Hq 32, D 128, the
 dispatcher's plan; checked against ``mmha.reference.attend``). ``--epilogue`` runs each row with
 the int8 output epilogue of ``python -m mmha.bench --epilogue`` (its plan, checked against the
@@ -26,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
     p.add_argument("--dtype", default="fp16")
+    p.add_argument("--kv", default="", choices=["", "fp8", "int8"], help="the caches' format")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--peer", default=None, help="run this peer instead (sdpa_cudnn, ...)")
     p.add_argument("--mod", default=None, choices=["window", "softcap", "alibi", "sinks"])
@@ -34,7 +36,7 @@ def main() -> None:
     if args.mod:
         return with_modifier(args)
     for spec in args.rows:
-        cfg, plan, forced = row_of_spec(spec, args.dtype, "profile")
+        cfg, plan, forced = row_of_spec(spec, args.dtype, "profile", args.kv)
         method = args.peer or "mmha"
         with method_context(method):
             prob = Problem(cfg, "sdpa" if args.peer else "mmha")

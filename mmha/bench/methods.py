@@ -31,13 +31,16 @@ def plan_str(plan: dispatch.Plan) -> str:
     return f"{plan.num_splits}x{plan.stages}"
 
 
-def row_of_spec(spec: str, dtype: str = "fp16", group: str = "row") -> tuple[Config, dispatch.Plan, bool]:
-    """A row named ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (the diagnostic tools' rows): its config, the
-    dispatcher's plan or the one forced after ``@``, and whether one was forced."""
+def row_of_spec(
+    spec: str, dtype: str = "fp16", group: str = "row", kv: str = ""
+) -> tuple[Config, dispatch.Plan, bool]:
+    """A row named ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (the diagnostic tools' rows; ``kv``: "" for
+    caches of ``dtype``, "fp8" or "int8"): its config, the dispatcher's plan or the one forced
+    after ``@``, and whether one was forced."""
     shape, _, forced = spec.partition("@")
     b, hq, hkv, d, s = (int(x) for x in shape.split(","))
-    cfg = Config(group, b, hq, hkv, d, s, dtype)
-    plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype)
+    cfg = Config(group, b, hq, hkv, d, s, dtype, kv)
+    plan = ops.plan_for("cuda", b, hq, hkv, d, s, cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype)
     if forced:
         splits, stages = (int(x) for x in forced.split("x"))
         plan = dispatch.Plan("single_pass" if splits == 1 else "split", splits, stages, plan.blocks_per_sm)
