@@ -101,6 +101,13 @@ struct TileConsumer {
   // and acc is in units of v_unit: acc is rescaled when v_unit grows, and finish() multiplies it
   // back.
   float v_unit;
+  // int8: the mmas see 1152 + code (kInt8Bias, tile_operands.cuh). A score is then its dot product
+  // plus 1152 times the sum of the head's fp16 q parts: k_bias (heads 2tq, 2tq + 1), taken off
+  // before the K scale. acc gains 1152 times the sum of the fp16 P^T values fed to the V mma:
+  // p_sum, this lane's part (heads 2tq, 2tq + 1, its keys g and g + 8), rescaled with acc, summed
+  // over the lanes and taken off in finish().
+  float k_bias[2];
+  float p_sum[2];
   ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
   TreeMask<2> tree;                        // a tree step: this lane's two columns' root paths
 
@@ -157,6 +164,22 @@ struct TileConsumer {
     for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) split_pack<M>(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit, qh[j][h], ql[j][h]);
+    }
+    if constexpr (kInt8) {
+      float q_sum = 0.f;  // head g's fp16 parts of this lane, then (over tq) of all its dims
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qh[j][h]));
+          q_sum += f.x + f.y;
+        }
+      }
+      q_sum += __shfl_xor_sync(kFullMask, q_sum, 1);
+      q_sum += __shfl_xor_sync(kFullMask, q_sum, 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) k_bias[h] = kInt8Bias * __shfl_sync(kFullMask, q_sum, 4 * (2 * tq + h));
+      p_sum[0] = p_sum[1] = 0.f;
     }
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -241,10 +264,10 @@ struct TileConsumer {
       if constexpr (kInt8) {  // key g's and key g + 8's K scales
         const float* k_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + key0 + g;
         const float u0 = s_unit * k_scales[0], u1 = s_unit * k_scales[8];
-        s[n][0] = (s[n][0] + s_lo[0]) * u0;
-        s[n][1] = (s[n][1] + s_lo[1]) * u0;
-        s[n][2] = (s[n][2] + s_lo[2]) * u1;
-        s[n][3] = (s[n][3] + s_lo[3]) * u1;
+        s[n][0] = (s[n][0] + s_lo[0] - k_bias[0]) * u0;
+        s[n][1] = (s[n][1] + s_lo[1] - k_bias[1]) * u0;
+        s[n][2] = (s[n][2] + s_lo[2] - k_bias[0]) * u1;
+        s[n][3] = (s[n][3] + s_lo[3] - k_bias[1]) * u1;
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
@@ -293,6 +316,10 @@ struct TileConsumer {
         acc[i][2] *= alpha[0];
         acc[i][3] *= alpha[1];
       }
+      if constexpr (kInt8) {
+        p_sum[0] *= alpha[0];
+        p_sum[1] *= alpha[1];
+      }
     }
     // int8: the V scales of keys g and g + 8 of each stage, over v_unit (raised first, if one of
     // the warp's keys outgrew it: acc is rescaled to the new unit).
@@ -315,6 +342,8 @@ struct TileConsumer {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][e] *= r;
         }
+        p_sum[0] *= r;
+        p_sum[1] *= r;
         v_unit = vmax;
       }
       const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
@@ -342,6 +371,12 @@ struct TileConsumer {
       uint32_t ph0, pl0, ph1, pl1;
       split_pack<M>(s[n][0], s[n][1], ph0, pl0);
       split_pack<M>(s[n][2], s[n][3], ph1, pl1);
+      if constexpr (kInt8) {  // the fp16 values the V mma takes
+        const float2 f0 = __half22float2(*reinterpret_cast<const __half2*>(&ph0));
+        const float2 f1 = __half22float2(*reinterpret_cast<const __half2*>(&ph1));
+        p_sum[0] += f0.x + f1.x;
+        p_sum[1] += f0.y + f1.y;
+      }
       ph0 = movmatrix_trans(ph0);
       ph1 = movmatrix_trans(ph1);
       if constexpr (kSplit) {
@@ -365,13 +400,19 @@ struct TileConsumer {
     }
   }
 
-  // At an item's end, before its combine: an int8 cache's acc back from units of v_unit.
+  // At an item's end, before its combine: an int8 cache's acc without the codes' bias, back
+  // from units of v_unit.
   __device__ __forceinline__ void finish() {
     if constexpr (kInt8) {
 #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int off = 4; off < 32; off *= 2) p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], off);
+      }
+#pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] *= v_unit;
+        for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(-kInt8Bias, p_sum[e & 1], acc[i][e]) * v_unit;
       }
     }
   }

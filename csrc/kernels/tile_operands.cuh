@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ptx.cuh"
 #include "tile_layout.cuh"
@@ -63,12 +64,14 @@ struct TileOperands {
 
 // One-byte caches (fp8 e4m3, int8 codes): a 16-byte chunk is 16 dims of one key. One ldmatrix
 // (b16 view) covers two K steps (or M tiles); each lane's 4 bytes are widened to two half2
-// exactly (byte4_to_half2x2: cvt.rn.f16x2.e4m3x2, or the int8 codes' byte-permute and subtract).
+// exactly: e4m3 by cvt.rn.f16x2.e4m3x2 to its value, an int8 code by a byte permute to 1152 +
+// code (kInt8Bias; the consumer takes the bias out of its sums).
 template <typename C, int HEAD_DIM>
 struct ByteTileOperands {
   using L = TileLayout<C, HEAD_DIM>;
   using M = __half;
   static constexpr int KSTEPS = HEAD_DIM / 16;
+  static constexpr bool kInt8 = std::is_same_v<C, s8>;
 
   // K: lane (g, tq) receives bytes 4tq .. 4tq + 3 of key g's chunk, i.e. dims 4tq, 4tq + 1 (the
   // fragment's columns 2tq, 2tq + 1) and 4tq + 2, 4tq + 3 (columns 2tq + 8, 2tq + 9).
@@ -91,8 +94,13 @@ struct ByteTileOperands {
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      byte4_to_half2x2(C{}, r[2 * u], a[u][0], a[u][2]);      // key g: dims 4tq, 4tq + 1 | 4tq + 2, 4tq + 3
-      byte4_to_half2x2(C{}, r[2 * u + 1], a[u][1], a[u][3]);  // key g + 8
+      if constexpr (kInt8) {
+        s8x4_to_biased_half2x2(r[2 * u], a[u][0], a[u][2]);
+        s8x4_to_biased_half2x2(r[2 * u + 1], a[u][1], a[u][3]);
+      } else {
+        e4m3x4_to_half2x2(r[2 * u], a[u][0], a[u][2]);      // key g: dims 4tq, 4tq + 1 | 4tq + 2, 4tq + 3
+        e4m3x4_to_half2x2(r[2 * u + 1], a[u][1], a[u][3]);  // key g + 8
+      }
     }
   }
 
@@ -111,10 +119,15 @@ struct ByteTileOperands {
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const uint32_t lo = __byte_perm(r[2 * u], 0, 0x3120);      // keys 2tq, 2tq + 1
-      const uint32_t hi = __byte_perm(r[2 * u + 1], 0, 0x3120);  // keys 2tq + 8, 2tq + 9
-      byte4_to_half2x2(C{}, lo, a[u][0], a[u][1]);  // dim 2g | dim 2g + 1
-      byte4_to_half2x2(C{}, hi, a[u][2], a[u][3]);
+      if constexpr (kInt8) {  // the permute folded into the widening's byte selectors
+        s8x4_to_biased_half2x2_across(r[2 * u], a[u][0], a[u][1]);
+        s8x4_to_biased_half2x2_across(r[2 * u + 1], a[u][2], a[u][3]);
+      } else {
+        const uint32_t lo = __byte_perm(r[2 * u], 0, 0x3120);      // keys 2tq, 2tq + 1
+        const uint32_t hi = __byte_perm(r[2 * u + 1], 0, 0x3120);  // keys 2tq + 8, 2tq + 9
+        e4m3x4_to_half2x2(lo, a[u][0], a[u][1]);  // dim 2g | dim 2g + 1
+        e4m3x4_to_half2x2(hi, a[u][2], a[u][3]);
+      }
     }
   }
 };

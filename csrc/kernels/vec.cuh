@@ -76,24 +76,33 @@ __device__ __forceinline__ s8 quantize_s8(float value, float scale) {
   return s8{static_cast<int8_t>(isnan(q) ? 0.f : fminf(fmaxf(q, -kInt8Max), kInt8Max))};
 }
 
-// The four int8 codes of `four` as two half2, exactly: bytes 0, 1 in lo, bytes 2, 3 in hi (as
-// e4m3x4_to_half2x2 orders them). Flipping a byte's sign bit gives code + 128 in [0, 255], which
-// as the low byte of 0x64xx is the half 1024 + code + 128; 1152 less is the code.
-__device__ __forceinline__ void s8x4_to_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
-  const uint32_t u = four ^ 0x80808080u;
-  const uint32_t bias = 0x64806480u;  // 1152 in both halves
-  const uint32_t l = __byte_perm(u, 0x64646464u, 0x5140);
-  const uint32_t h = __byte_perm(u, 0x64646464u, 0x7362);
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(l), "r"(bias));
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(h), "r"(bias));
+// int8 codes reach the tensor cores as the halves 1152 + code (kInt8Bias), exact: flipping a
+// code's sign bit gives code + 128 in [0, 255], which as the low byte of 0x64xx is the half
+// 1024 + code + 128. The consumer takes the bias out of the sums (attend_tiles.cuh), which spares
+// a subtract per two codes in the tile loop.
+constexpr float kInt8Bias = 1152.f;
+
+// Two of the four biased halves of the codes in `four`: bytes SEL_LO and SEL_HI (0-3) of `four`
+// as the low and high half.
+template <int SEL_LO, int SEL_HI>
+__device__ __forceinline__ uint32_t s8_pair_biased(uint32_t flipped) {
+  return __byte_perm(flipped, 0x64646464u, SEL_LO | 4 << 4 | SEL_HI << 8 | 5 << 12);
 }
 
-// A one-byte cache element's four values in `four` as two half2 (e4m3 or int8 codes).
-__device__ __forceinline__ void byte4_to_half2x2(e4m3, uint32_t four, uint32_t& lo, uint32_t& hi) {
-  e4m3x4_to_half2x2(four, lo, hi);
+// The four codes of `four` as two half2 of 1152 + code: bytes 0, 1 in lo, bytes 2, 3 in hi (as
+// e4m3x4_to_half2x2 orders them).
+__device__ __forceinline__ void s8x4_to_biased_half2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = four ^ 0x80808080u;
+  lo = s8_pair_biased<0, 1>(u);
+  hi = s8_pair_biased<2, 3>(u);
 }
-__device__ __forceinline__ void byte4_to_half2x2(s8, uint32_t four, uint32_t& lo, uint32_t& hi) {
-  s8x4_to_half2x2(four, lo, hi);
+
+// The same with the bytes taken across: bytes 0, 2 in lo, bytes 1, 3 in hi (a transposed V
+// fragment's two keys of one dim each, without a byte permute first).
+__device__ __forceinline__ void s8x4_to_biased_half2x2_across(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = four ^ 0x80808080u;
+  lo = s8_pair_biased<0, 2>(u);
+  hi = s8_pair_biased<1, 3>(u);
 }
 
 // How the step stores a new token's k or v value (fp32, after bias and rotary) in a cache of C:
