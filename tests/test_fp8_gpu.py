@@ -176,7 +176,9 @@ def test_argument_checks_name_the_argument():
         call(k_scale=ks.double())
     with pytest.raises(RuntimeError, match="v_scale must be a CUDA tensor"):
         call(v_scale=vs.cpu())
-    with pytest.raises(ValueError, match="qkv must have dtype float16 or bfloat16 with a torch.float8_e4m3fn"):
+    with pytest.raises(
+        ValueError, match="qkv must have dtype float16 or bfloat16 with a torch.float8_e4m3fn"
+    ):
         call(qkv=case.qkv.float())
     assert_bits_equal(case.k_cache, k0, "k_cache")
     assert_bits_equal(case.v_cache, v0, "v_cache")
