@@ -264,10 +264,12 @@ struct TileConsumer {
       if constexpr (kInt8) {  // key g's and key g + 8's K scales
         const float* k_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + key0 + g;
         const float u0 = s_unit * k_scales[0], u1 = s_unit * k_scales[8];
-        s[n][0] = (s[n][0] + s_lo[0] - k_bias[0]) * u0;
-        s[n][1] = (s[n][1] + s_lo[1] - k_bias[1]) * u0;
-        s[n][2] = (s[n][2] + s_lo[2] - k_bias[0]) * u1;
-        s[n][3] = (s[n][3] + s_lo[3] - k_bias[1]) * u1;
+        // sum * u - bias * u, not (sum - bias) * u: an infinite scale (a non-finite token, whose
+        // codes are all 0) gives inf - inf = NaN, as the reference's 0 * inf, not +-inf.
+        s[n][0] = fmaf(s[n][0] + s_lo[0], u0, -k_bias[0] * u0);
+        s[n][1] = fmaf(s[n][1] + s_lo[1], u0, -k_bias[1] * u0);
+        s[n][2] = fmaf(s[n][2] + s_lo[2], u1, -k_bias[0] * u1);
+        s[n][3] = fmaf(s[n][3] + s_lo[3], u1, -k_bias[1] * u1);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
