@@ -128,11 +128,13 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     return "\n".join(lines)
 
 
-def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_size: int = 0) -> dict:
+def run_row(
+    spec: str, dtype: str, replays: int, epilogue: bool = False, block_size: int = 0, kv: str = ""
+) -> dict:
     """One row's launches; with ``epilogue``, the int8 epilogue of ``python -m mmha.bench
     --epilogue`` fused into each call (its output checked against the epilogue applied to the
     plain call's, one step allowed); with ``block_size``, the caches as pages of that many slots
-    scattered through a pool (``mmha.bench.paged.to_pages``)."""
+    scattered through a pool (``mmha.bench.paged.to_pages``); ``kv``: "fp8" or "int8" caches."""
     from mmha._ext import _C
 
     from . import timing
@@ -140,7 +142,7 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_s
     from .methods import mmha_fn, row_of_spec
     from .problems import TOLERANCE, layer_problems
 
-    cfg, plan, _ = row_of_spec(spec, dtype, "timeline")
+    cfg, plan, _ = row_of_spec(spec, dtype, "timeline", kv)
     probs = layer_problems(cfg, "mmha")
     bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
     pages = [None] * len(probs)
@@ -189,8 +191,8 @@ def run_row(spec: str, dtype: str, replays: int, epilogue: bool = False, block_s
     summary = row_summary(launches)
     summary["replay"] = replay_summary(launches, times[-1])
     summary["replay_median_us"] = statistics.median(times)
-    summary.update(row=spec, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us, epilogue=epilogue,
-                   block_size=block_size)  # fmt: skip
+    summary.update(row=spec, kv=kv, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us,
+                   epilogue=epilogue, block_size=block_size)  # fmt: skip
     return summary
 
 
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--paged", type=int, default=0, metavar="BLOCK", help="each row also over pages of BLOCK slots"
     )
+    p.add_argument("--kv", default="", choices=["", "fp8", "int8"], help="the caches' format")
     p.add_argument("--json", type=Path, default=None, help="write the summaries here")
     args = p.parse_args(argv)
     from mmha._ext import _C
@@ -217,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(False, 0)] + [(True, 0)] * args.epilogue + [(False, args.paged)] * bool(args.paged)
     for spec in args.rows:
         for epi, bs in variants:
-            s = run_row(spec, args.dtype, args.replays, epi, bs)
+            s = run_row(spec, args.dtype, args.replays, epi, bs, args.kv)
             out.append(s)
-            name = spec + (" int8 epilogue" if epi else "") + (f" pages of {bs}" if bs else "")
+            name = spec + (f" kv={args.kv}" if args.kv else "")
+            name += (" int8 epilogue" if epi else "") + (f" pages of {bs}" if bs else "")
             print(format_row(name, s["plan"], s["decode_us"], s), flush=True)
             torch.cuda.empty_cache()
     if args.json:
