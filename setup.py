@@ -12,6 +12,10 @@ Environment:
                         compiler's front end to unoptimised PTX for each architecture, no SASS, the
                         host code whole; its operators refuse to launch kernels (.ci/ptxas_check
                         assembles representative instantiations fully)
+  MMHA_KERNELS=SETS     a diagnostic build with only these kernel sets (comma-separated, of
+                        KERNEL_SETS: activations, then the cache type where it differs, e.g.
+                        "fp16" or "fp16,fp16_e4m3"): a fraction of the full build's time for A/B
+                        timing; a step of another set is refused by name
 No GPU is needed to build: nothing here asks torch.cuda.is_available().
 """
 
@@ -24,6 +28,23 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a"
+# The decode kernels' sets: qkv type, then the cache type where it is not the same (the names of
+# csrc/kernels/instantiations/decode[_wide]_<set>_hd<D>.cu; decode_dispatch.cu's kCompiled).
+KERNEL_SETS = ("fp16", "bf16", "fp32", "fp16_e4m3", "bf16_e4m3", "fp16_s8", "bf16_s8")
+
+
+def kernel_set_of(path: Path) -> str:
+    """The kernel set of an instantiation file: decode_fp16_e4m3_hd128.cu -> "fp16_e4m3"."""
+    return path.stem.removeprefix("decode_").removeprefix("wide_").rsplit("_hd", 1)[0]
+
+
+def chosen_kernel_sets(value: str) -> tuple[str, ...]:
+    """The sets MMHA_KERNELS names (all of them when it is empty)."""
+    chosen = tuple(k.strip() for k in value.split(",") if k.strip())
+    unknown = [k for k in chosen if k not in KERNEL_SETS]
+    if unknown:
+        raise ValueError(f"MMHA_KERNELS: unknown kernel sets {unknown}; choose from {', '.join(KERNEL_SETS)}")
+    return chosen or KERNEL_SETS
 
 
 def find_cuda_home() -> str | None:
@@ -73,7 +94,13 @@ def extension_modules() -> tuple[list, dict]:
         "csrc/norm_ops.cpp", "csrc/tma_maps.cpp", "csrc/kernels/decode_dispatch.cu",
         "csrc/kernels/shard_merge.cu", "csrc/kernels/row_norm.cu",
     ]  # fmt: skip
-    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc/kernels/instantiations").glob("*.cu"))
+    kernel_sets = chosen_kernel_sets(os.environ.get("MMHA_KERNELS", ""))
+    instantiations = sorted((ROOT / "csrc/kernels/instantiations").glob("*.cu"))
+    sources += [str(p.relative_to(ROOT)) for p in instantiations if kernel_set_of(p) in kernel_sets]
+    # decode_dispatch.cu and decode_op.cpp leave out the sets not built (MMHA_WITHOUT_<SET>).
+    without = [f"-DMMHA_WITHOUT_{k.upper()}" for k in KERNEL_SETS if k not in kernel_sets]
+    if without:
+        print(f"[mmha] MMHA_KERNELS: only the kernel sets {', '.join(kernel_sets)} (a diagnostic build)")
     timeline = ["-DMMHA_TIMELINE"] if os.environ.get("MMHA_TIMELINE", "0") == "1" else []
     check = []
     if os.environ.get("MMHA_BUILD_CHECK", "0") == "1":
@@ -95,9 +122,9 @@ def extension_modules() -> tuple[list, dict]:
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={
-            "cxx": ["-O3", *timeline, *check[:1]],
+            "cxx": ["-O3", *timeline, *check[:1], *without],
             # No --use_fast_math: rotary angles need accurate sincosf/powf to match the reference.
-            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *timeline, *check],
+            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *timeline, *check, *without],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -6,6 +6,8 @@
 # so that drift shows, and prints per-row mmha times of both and their ratio.
 # HOST=1 also times an eager KVCache.step's host overhead with each build (bench/host_step_time.py),
 # SOAK=1 runs each build's GPU soak (tests/test_soak.py; MMHA_SOAK_STEPS steps), before the grid.
+# MMHA_KERNELS=fp16 (setup.py) builds only the kernel sets the grid runs, in a fraction of the time
+# (a BASE from before that option builds whole).
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
 #        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
 #        BASE=.base bash bench/ab.sh --paged --rows 1 3 13       (paged rows, by canonical index)

@@ -72,6 +72,8 @@ PYBIND11_MODULE(_C, m) {
       "Query columns per work item for `columns` columns per (row, kv head)");
   m.def("build_check", &mmha::build_check,
         "Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX, its operators launch nothing)");
+  m.def("kernel_sets", &mmha::kernel_sets,
+        "The decode kernel sets this build holds (all but where MMHA_KERNELS chose some at build time)");
   m.def("timeline_built", &mmha::timeline_built,
         "Whether this build stamps the tile loop's per-block events (MMHA_TIMELINE=1 at build time)");
   m.def("set_timeline", &mmha::set_timeline, pybind11::arg("buffer"),

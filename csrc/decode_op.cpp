@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -100,8 +101,18 @@ void choose_tile_source(MmhaParams& p, int64_t tile_source, const c10::Device& d
   if (map_err == cudaSuccess) p.sched.tile_source = TileSource::kTma;
 }
 
+// The name of a kernel set (setup.py's KERNEL_SETS): "fp16", "bf16_e4m3", ...
+std::string kernel_set_name(DType dtype, DType cache_dtype) {
+  const char* act = dtype == DType::kFloat16 ? "fp16" : dtype == DType::kBFloat16 ? "bf16" : "fp32";
+  const char* cache = cache_dtype == DType::kFloat8E4M3 ? "_e4m3" : cache_dtype == DType::kInt8 ? "_s8" : "";
+  return std::string(act) + cache;
+}
+
 cudaError_t launch(const MmhaParams& p, const c10::Device& device, cudaStream_t stream) {
   refuse_build_check();
+  MMHA_CHECK(decode_kernels_compiled(p.dtype, p.cache.dtype), "this build of mmha leaves out the kernel set ",
+             kernel_set_name(p.dtype, p.cache.dtype), " (a diagnostic build: MMHA_KERNELS); rebuild without "
+             "MMHA_KERNELS for every set");
   const cudaError_t err = run_decode_attention(p, stream);
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     int major = 0, minor = 0;
@@ -122,6 +133,17 @@ bool build_check() {
 #else
   return false;
 #endif
+}
+
+std::vector<std::string> kernel_sets() {
+  const DType acts[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
+  std::vector<std::string> sets;
+  for (const DType act : acts) {
+    for (const DType cache : {act, DType::kFloat8E4M3, DType::kInt8}) {
+      if (decode_kernels_compiled(act, cache)) sets.push_back(kernel_set_name(act, cache));
+    }
+  }
+  return sets;
 }
 
 bool timeline_built() {

@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace mmha {
 
@@ -89,5 +91,8 @@ void set_timeline(const std::optional<at::Tensor>& buffer);
 bool timeline_built();
 // Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX; its operators launch nothing).
 bool build_check();
+// The decode kernel sets this build holds ("fp16", "fp16_e4m3", ...; all of setup.py's KERNEL_SETS
+// unless it was built with MMHA_KERNELS).
+std::vector<std::string> kernel_sets();
 
 }  // namespace mmha

@@ -28,6 +28,8 @@ def info() -> dict:
         "extension_error": None if IMPORT_ERROR is None else str(IMPORT_ERROR),
         "compiled_archs": _archs(_C.compiled_cuda_archs()) if _C is not None else [],
         "build_check": bool(getattr(_C, "build_check", lambda: False)()) if _C is not None else False,
+        # the decode kernel sets held (a diagnostic build with MMHA_KERNELS holds some only)
+        "kernel_sets": list(getattr(_C, "kernel_sets", lambda: [])()) if _C is not None else [],
         "supported_head_dims": list(dispatch.SUPPORTED_HEAD_DIMS),
         "gpu": None,
         "gpu_capability": None,
@@ -71,6 +73,7 @@ def format_info(d: dict | None = None) -> str:
             else f"missing: {d['extension_error']}",
         ),
         ("compiled archs", ", ".join(d["compiled_archs"]) or "-"),
+        ("kernel sets", ", ".join(d.get("kernel_sets", [])) or "-"),
         ("head dims", ", ".join(map(str, d["supported_head_dims"]))),
         ("GPU", f"{d['gpu']} (sm {d['gpu_capability']})" if d["gpu"] else "none"),
     ]

@@ -3,8 +3,11 @@ mmha/_constants.py and the kernel instantiations are what csrc/kernels/generate.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 from mmha import _constants, dispatch, tree
 
@@ -46,3 +49,38 @@ def test_formulas_read_the_same_in_both_languages():
     assert "#define MMHA_FOR_EACH_HEAD_DIM(X) X(32) X(64) X(80) X(96) X(128) X(256)" in header
     assert _constants.tile_stage_bytes(128, 2, False) == 32 * 1024  # K and V of 64 keys of 128 fp16 values
     assert _constants.tile_stage_bytes(80, 2, False) == 21 * 1024  # V rows padded by 16 bytes, then aligned
+
+
+def _setup_names():
+    """setup.py's KERNEL_SETS, kernel_set_of and chosen_kernel_sets (its module level runs setup(),
+    so they are taken out of its source)."""
+    tree_ = ast.parse((ROOT / "setup.py").read_text())
+    keep = [
+        n
+        for n in tree_.body
+        if (isinstance(n, ast.FunctionDef) and n.name in ("kernel_set_of", "chosen_kernel_sets"))
+        or (isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "KERNEL_SETS")
+    ]
+    names: dict = {"Path": Path}
+    exec(compile(ast.Module(keep, []), "setup.py", "exec"), names)
+    return names
+
+
+def test_kernel_sets_name_the_instantiations_and_the_dispatch():
+    """MMHA_KERNELS's sets: every instantiation file belongs to one, every set has files, and the
+    dispatch can leave out each of them (an MMHA_WITHOUT_<SET> in decode_dispatch.cu)."""
+    s = _setup_names()
+    files = list((ROOT / "csrc" / "kernels" / "instantiations").glob("*.cu"))
+    of_files = {s["kernel_set_of"](p) for p in files}
+    assert of_files == set(s["KERNEL_SETS"])
+    dispatch_src = (ROOT / "csrc" / "kernels" / "decode_dispatch.cu").read_text()
+    for k in s["KERNEL_SETS"]:
+        assert f"#ifdef MMHA_WITHOUT_{k.upper()}\n" in dispatch_src, k
+
+
+def test_kernel_sets_choice():
+    s = _setup_names()
+    assert s["chosen_kernel_sets"]("") == s["KERNEL_SETS"]
+    assert s["chosen_kernel_sets"]("fp16, fp16_e4m3") == ("fp16", "fp16_e4m3")
+    with pytest.raises(ValueError, match="MMHA_KERNELS: unknown kernel sets"):
+        s["chosen_kernel_sets"]("fp16,int4")

@@ -13,6 +13,40 @@
 namespace mmha {
 namespace {
 
+// The kernel sets this build holds (setup.py's KERNEL_SETS; a diagnostic build with MMHA_KERNELS
+// leaves some out and defines MMHA_WITHOUT_<SET>): a set left out dispatches to nothing, so its
+// instantiations are not referenced.
+template <typename T, typename C>
+constexpr bool kCompiled = true;
+#ifdef MMHA_WITHOUT_FP16
+template <>
+constexpr bool kCompiled<__half, __half> = false;
+#endif
+#ifdef MMHA_WITHOUT_BF16
+template <>
+constexpr bool kCompiled<__nv_bfloat16, __nv_bfloat16> = false;
+#endif
+#ifdef MMHA_WITHOUT_FP32
+template <>
+constexpr bool kCompiled<float, float> = false;
+#endif
+#ifdef MMHA_WITHOUT_FP16_E4M3
+template <>
+constexpr bool kCompiled<__half, e4m3> = false;
+#endif
+#ifdef MMHA_WITHOUT_BF16_E4M3
+template <>
+constexpr bool kCompiled<__nv_bfloat16, e4m3> = false;
+#endif
+#ifdef MMHA_WITHOUT_FP16_S8
+template <>
+constexpr bool kCompiled<__half, s8> = false;
+#endif
+#ifdef MMHA_WITHOUT_BF16_S8
+template <>
+constexpr bool kCompiled<__nv_bfloat16, s8> = false;
+#endif
+
 // Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
 // (int8 caches: one-token steps only, so narrow items.)
 template <typename C, int HEAD_DIM>
@@ -34,12 +68,16 @@ cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
 
 template <typename T, typename C>
 cudaError_t dispatch_head_dim(const MmhaParams& p, cudaStream_t stream) {
+  if constexpr (!kCompiled<T, C>) {
+    return cudaErrorNotSupported;
+  } else {
 #define MMHA_CASE(D) \
   case D: return dispatch_q_group_block<T, C, D>(p, stream);
-  switch (p.head_dim) {
-    MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
+    switch (p.head_dim) {
+      MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
 #undef MMHA_CASE
-    default: return cudaErrorInvalidValue;
+      default: return cudaErrorInvalidValue;
+    }
   }
 }
 
@@ -59,13 +97,23 @@ int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
 
 template <typename T, typename C>
 int occupancy_head_dim(int head_dim, int q_group_block, int stages, TileSource source) {
+  if constexpr (!kCompiled<T, C>) {
+    return 0;
+  } else {
 #define MMHA_CASE(D) \
   case D: return occupancy_q_group_block<T, C, D>(q_group_block, stages, source);
-  switch (head_dim) {
-    MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
+    switch (head_dim) {
+      MMHA_FOR_EACH_HEAD_DIM(MMHA_CASE)
 #undef MMHA_CASE
-    default: return 0;
+      default: return 0;
+    }
   }
+}
+
+// Whether this build holds the kernels of activations T over caches C.
+template <typename T, typename C>
+bool compiled_set() {
+  return kCompiled<T, C>;
 }
 
 }  // namespace
@@ -87,6 +135,22 @@ int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_gro
     case DType::kFloat32:
       return fp8 || int8 ? 0 : occupancy_head_dim<float, float>(head_dim, q_group_block, stages, source);
     default: return 0;
+  }
+}
+
+bool decode_kernels_compiled(DType dtype, DType cache_dtype) {
+  const bool fp8 = cache_dtype == DType::kFloat8E4M3;
+  const bool int8 = cache_dtype == DType::kInt8;
+  if (!fp8 && !int8 && cache_dtype != dtype) return false;
+  switch (dtype) {
+    case DType::kFloat16:
+      return fp8 ? compiled_set<__half, e4m3>() : int8 ? compiled_set<__half, s8>() : compiled_set<__half, __half>();
+    case DType::kBFloat16:
+      return fp8    ? compiled_set<__nv_bfloat16, e4m3>()
+             : int8 ? compiled_set<__nv_bfloat16, s8>()
+                    : compiled_set<__nv_bfloat16, __nv_bfloat16>();
+    case DType::kFloat32: return !fp8 && !int8 && compiled_set<float, float>();
+    default: return false;
   }
 }
 

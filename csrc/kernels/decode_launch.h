@@ -23,8 +23,13 @@ int decode_attention_blocks_per_sm(int stages, TileSource source);
 int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_group_block, int stages,
                          TileSource source);
 
+// Whether this build holds the kernels of `dtype` activations over `cache_dtype` caches (a
+// diagnostic build with MMHA_KERNELS holds some sets only; setup.py).
+bool decode_kernels_compiled(DType dtype, DType cache_dtype);
+
 // Dispatches on params.dtype, params.cache_dtype, params.head_dim and params.q_group_block.
-// Returns cudaErrorInvalidValue for an unsupported combination (the op validates before).
+// Returns cudaErrorInvalidValue for an unsupported combination (the op validates before),
+// cudaErrorNotSupported for a kernel set this build left out.
 cudaError_t run_decode_attention(const MmhaParams& params, cudaStream_t stream);
 
 // Space-separated list of the SM architectures this library holds device code for, e.g. "80 90".
