@@ -7,7 +7,7 @@
 # HOST=1 also times an eager KVCache.step's host overhead with each build (bench/host_step_time.py),
 # SOAK=1 runs each build's GPU soak (tests/test_soak.py; MMHA_SOAK_STEPS steps), before the grid.
 # MMHA_KERNELS=fp16 (setup.py) builds only the kernel sets the grid runs, in a fraction of the time
-# (a BASE from before that option builds whole).
+# (the BASE copy is slimmed by bench/slim_tree.py, so a tree from before that option takes it too).
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
 #        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
 #        BASE=.base bash bench/ab.sh --paged --rows 1 3 13       (paged rows, by canonical index)
@@ -15,6 +15,11 @@ source "$(dirname "$0")/device_env.sh"
 BASE=${BASE:?set BASE to the earlier tree}
 if [ ! -f /tmp/mmha_base/.built ]; then
   rm -rf /tmp/mmha_base && cp -r "$BASE" /tmp/mmha_base
+  # MMHA_KERNELS: the base builds those kernel sets only too, whatever its age (bench/slim_tree.py).
+  if [ -n "${MMHA_KERNELS:-}" ]; then
+    # shellcheck disable=SC2086
+    python bench/slim_tree.py /tmp/mmha_base --keep ${MMHA_KERNELS//,/ } || exit 1
+  fi
   (cd /tmp/mmha_base && python setup.py build_ext --inplace >"$OUT/build_base.log" 2>&1) || {
     grep -E "error" "$OUT/build_base.log" | head -20
     exit 1

@@ -84,3 +84,37 @@ def test_kernel_sets_choice():
     assert s["chosen_kernel_sets"]("fp16, fp16_e4m3") == ("fp16", "fp16_e4m3")
     with pytest.raises(ValueError, match="MMHA_KERNELS: unknown kernel sets"):
         s["chosen_kernel_sets"]("fp16,int4")
+
+
+def _slim_tree():
+    spec = importlib.util.spec_from_file_location("slim_tree", ROOT / "bench" / "slim_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_slim_tree_stubs_the_sets_left_out(tmp_path):
+    """bench/slim_tree.py (quick diagnostic builds of any tree): each left-out file's explicit
+    instantiations become specializations that launch nothing; kept files stay as they are."""
+    slim, s = _slim_tree(), _setup_names()
+    src = ROOT / "csrc" / "kernels" / "instantiations"
+    dst = tmp_path / "csrc" / "kernels" / "instantiations"
+    dst.mkdir(parents=True)
+    for p in src.glob("*.cu"):
+        assert slim.kernel_set_of(p) == s["kernel_set_of"](p)
+        (dst / p.name).write_text(p.read_text())
+    stubbed = slim.slim(tmp_path, ["fp16", "fp16_e4m3"])
+    assert {p.name for p in stubbed} == {
+        p.name for p in src.glob("*.cu") if s["kernel_set_of"](p) not in ("fp16", "fp16_e4m3")
+    }
+    for p in dst.glob("*.cu"):
+        text, original = p.read_text(), (src / p.name).read_text()
+        if p not in stubbed:
+            assert text == original
+            continue
+        wanted = [line for line in original.splitlines() if line.startswith("template ")]
+        assert text.count("template <>\n") == len(wanted) > 0
+        assert text.count("return cudaErrorNotSupported;") == sum("cudaError_t" in w for w in wanted)
+        assert text.count("return 0;") == sum(w.startswith("template int ") for w in wanted)
+    with pytest.raises(ValueError, match="--keep: no kernel sets"):
+        slim.slim(tmp_path, ["fp8"])
