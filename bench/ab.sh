@@ -58,7 +58,7 @@ PAGED = (out / "ab_base_1" / "bench_paged.json").exists()
 NAME = "bench_mods.json" if MODS else "bench_paged.json" if PAGED else "bench.json"
 KEY = ("modifier", "batch", "num_kv_heads", "seq_len") if MODS else (
     "batch", "num_kv_heads", "seq_len", "block_size") if PAGED else (
-    "dtype", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
+    "dtype", "kv", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")  # kv: "", "fp8", "int8"
 
 
 def times(name, field="mmha_decode_us"):
@@ -66,7 +66,7 @@ def times(name, field="mmha_decode_us"):
     for r in (1, 2):
         for row in json.loads((out / f"{name}_{r}" / NAME).read_text())["rows"]:
             if field in row:
-                t.setdefault(tuple(row[k] for k in KEY), []).append(row[field])
+                t.setdefault(tuple(row.get(k, "") for k in KEY), []).append(row[field])
     return t
 
 
