@@ -110,66 +110,51 @@ int occupancy_head_dim(int head_dim, int q_group_block, int stages, TileSource s
   }
 }
 
-// Whether this build holds the kernels of activations T over caches C.
-template <typename T, typename C>
-bool compiled_set() {
-  return kCompiled<T, C>;
+template <typename X>
+struct Type {
+  using type = X;
+};
+
+// f(Type<T>{}, Type<C>{}) for the qkv element type T and cache element type C of `dtype` over
+// `cache_dtype` (the one mapping of the three entry points below); `none` for a pair with no kernels.
+template <typename R, typename F>
+R with_types(DType dtype, DType cache_dtype, R none, F f) {
+  const bool fp8 = cache_dtype == DType::kFloat8E4M3;
+  const bool int8 = cache_dtype == DType::kInt8;
+  if (!fp8 && !int8 && cache_dtype != dtype) return none;
+  switch (dtype) {
+    case DType::kFloat16:
+      return fp8    ? f(Type<__half>{}, Type<e4m3>{})
+             : int8 ? f(Type<__half>{}, Type<s8>{})
+                    : f(Type<__half>{}, Type<__half>{});
+    case DType::kBFloat16:
+      return fp8    ? f(Type<__nv_bfloat16>{}, Type<e4m3>{})
+             : int8 ? f(Type<__nv_bfloat16>{}, Type<s8>{})
+                    : f(Type<__nv_bfloat16>{}, Type<__nv_bfloat16>{});
+    case DType::kFloat32: return fp8 || int8 ? none : f(Type<float>{}, Type<float>{});
+    default: return none;
+  }
 }
 
 }  // namespace
 
 int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int q_group_block, int stages,
                          TileSource source) {
-  const bool fp8 = cache_dtype == DType::kFloat8E4M3;
-  const bool int8 = cache_dtype == DType::kInt8;
-  if (!fp8 && !int8 && cache_dtype != dtype) return 0;
-  switch (dtype) {
-    case DType::kFloat16:
-      return fp8    ? occupancy_head_dim<__half, e4m3>(head_dim, q_group_block, stages, source)
-             : int8 ? occupancy_head_dim<__half, s8>(head_dim, q_group_block, stages, source)
-                    : occupancy_head_dim<__half, __half>(head_dim, q_group_block, stages, source);
-    case DType::kBFloat16:
-      return fp8    ? occupancy_head_dim<__nv_bfloat16, e4m3>(head_dim, q_group_block, stages, source)
-             : int8 ? occupancy_head_dim<__nv_bfloat16, s8>(head_dim, q_group_block, stages, source)
-                    : occupancy_head_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, q_group_block, stages, source);
-    case DType::kFloat32:
-      return fp8 || int8 ? 0 : occupancy_head_dim<float, float>(head_dim, q_group_block, stages, source);
-    default: return 0;
-  }
+  return with_types(dtype, cache_dtype, 0, [&](auto t, auto c) {
+    return occupancy_head_dim<typename decltype(t)::type, typename decltype(c)::type>(head_dim, q_group_block,
+                                                                                       stages, source);
+  });
 }
 
 bool decode_kernels_compiled(DType dtype, DType cache_dtype) {
-  const bool fp8 = cache_dtype == DType::kFloat8E4M3;
-  const bool int8 = cache_dtype == DType::kInt8;
-  if (!fp8 && !int8 && cache_dtype != dtype) return false;
-  switch (dtype) {
-    case DType::kFloat16:
-      return fp8 ? compiled_set<__half, e4m3>() : int8 ? compiled_set<__half, s8>() : compiled_set<__half, __half>();
-    case DType::kBFloat16:
-      return fp8    ? compiled_set<__nv_bfloat16, e4m3>()
-             : int8 ? compiled_set<__nv_bfloat16, s8>()
-                    : compiled_set<__nv_bfloat16, __nv_bfloat16>();
-    case DType::kFloat32: return !fp8 && !int8 && compiled_set<float, float>();
-    default: return false;
-  }
+  return with_types(dtype, cache_dtype, false,
+                    [](auto t, auto c) { return kCompiled<typename decltype(t)::type, typename decltype(c)::type>; });
 }
 
 cudaError_t run_decode_attention(const MmhaParams& p, cudaStream_t stream) {
-  const bool fp8 = p.cache.dtype == DType::kFloat8E4M3;
-  const bool int8 = p.cache.dtype == DType::kInt8;
-  if (!fp8 && !int8 && p.cache.dtype != p.dtype) return cudaErrorInvalidValue;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return fp8    ? dispatch_head_dim<__half, e4m3>(p, stream)
-             : int8 ? dispatch_head_dim<__half, s8>(p, stream)
-                    : dispatch_head_dim<__half, __half>(p, stream);
-    case DType::kBFloat16:
-      return fp8    ? dispatch_head_dim<__nv_bfloat16, e4m3>(p, stream)
-             : int8 ? dispatch_head_dim<__nv_bfloat16, s8>(p, stream)
-                    : dispatch_head_dim<__nv_bfloat16, __nv_bfloat16>(p, stream);
-    case DType::kFloat32: return fp8 || int8 ? cudaErrorInvalidValue : dispatch_head_dim<float, float>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_types(p.dtype, p.cache.dtype, cudaErrorInvalidValue, [&](auto t, auto c) {
+    return dispatch_head_dim<typename decltype(t)::type, typename decltype(c)::type>(p, stream);
+  });
 }
 
 const char* compiled_cuda_archs() {
