@@ -245,6 +245,9 @@ def int8_cases() -> None:
                 assert torch.isfinite(
                     run(case, (8, 2), head_dim, splits, source, stages, scales=(ks, vs))
                 ).all()
+    for max_seq_len in (129, 131, 132):  # scales a chunk at a time (132) or one by one, rows to the end
+        case, ks, vs = int8_case(3, 8, 2, 128, [0, 61, max_seq_len - 1], max_seq_len, torch.float16, seed=1)
+        assert torch.isfinite(run(case, (8, 2), 128, 1, "auto", 2, scales=(ks, vs))).all()
     for block_size in (16, 64):
         case, ks, vs = int8_case(5, 8, 2, 128, lengths, 256, torch.float16, seed=block_size)
         kp, vp, ksp, vsp, tables = to_pages(case, ks, vs, block_size, block_size)

@@ -106,6 +106,17 @@ def test_lengths_around_tiles(splits):
     check_int8(case, ks, vs, num_splits=splits)
 
 
+@pytest.mark.parametrize("max_seq_len", [130, 131, 132])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_both_scale_copies(max_seq_len, splits):
+    """The tiles' scales come in 16-byte chunks where the row's scale planes are 16-byte aligned
+    (S_max a multiple of 4: 132), else a scale at a time (130, 131: rows misaligned, and a last
+    chunk that would run past the row); rows ending inside a chunk, unused slots NaN."""
+    lengths = [0, 1, 2, 3, 61, 127, max_seq_len - 1]
+    case, ks, vs = int8_case(len(lengths), 8, 2, 128, lengths, max_seq_len, torch.float16, seed=max_seq_len)
+    check_int8(case, ks, vs, num_splits=splits)
+
+
 @pytest.mark.parametrize("value_scale", [1e-3, 1e3])
 def test_activations_far_from_one(value_scale):
     """q, k and v far from 1 in bf16 (RELIABILITY row 18): the scales follow the values, q is

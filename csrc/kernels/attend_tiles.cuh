@@ -330,9 +330,11 @@ struct TileConsumer {
       float vmax = 0.f;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
+        // Keys masked above (outside [lo, end): scores -inf, so P = 0) take no V scale: their
+        // copies may be strays, which must reach neither v_unit nor P' (NaN * 0).
         const float* v_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + L::KEYS + key0 + g;
-        v_w[n][0] = v_scales[0];
-        v_w[n][1] = v_scales[8];
+        v_w[n][0] = s[n][0] == -INFINITY ? 0.f : v_scales[0];
+        v_w[n][1] = s[n][2] == -INFINITY ? 0.f : v_scales[8];
         vmax = fmaxf(vmax, fmaxf(v_w[n][0], v_w[n][1]));
       }
 #pragma unroll

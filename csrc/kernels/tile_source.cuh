@@ -261,23 +261,40 @@ struct TmaTiles {
 };
 
 // An int8 cache's token scales of a tile (TileLayout::SCALE_OFF: its keys' K scales, then their
-// V scales), whatever the tile's source: a 4-byte cp.async per scale by the 32 producer lanes,
-// those of keys outside [lo, end) and of the new token's slot zero-filled without being read (the
-// consumers patch the new token's in; a zero V scale keeps a stray V row out of the output). The
-// copies hold the stage's full barrier until they land (cp_async_hold: its count unchanged), and
-// the warp reconverges before the tile's commit may complete it.
+// V scales), whatever the tile's source. Where the row's scale planes are 16-byte aligned (a
+// contiguous cache whose S_max is a multiple of 4, any paged one: its blocks hold a multiple of 4
+// slots) a lane copies 4 keys' scales with one 16-byte cp.async (lanes 0-15 K's, 16-31 V's), a
+// chunk without a key in [lo, end) zero-filled unread; else a 4-byte cp.async per scale, those of
+// keys outside [lo, end) and of the new token's slot zero-filled. Either way the consumers zero
+// the V scales of keys outside [lo, end) and patch the new token's in (a stray V row stays out of
+// the output). The copies hold the stage's full barrier until they land (cp_async_hold: its count
+// unchanged), and the warp reconverges before the tile's commit may complete it.
 template <int HEAD_DIM>
 __device__ __forceinline__ void stage_token_scales(const TileArgs<s8>& a, const TokenScales& ts, const TilePages& pg,
                                                    unsigned char* stage, int k0, uint64_t* full, int lane) {
   float* dst = reinterpret_cast<float*>(stage + TileLayout<s8, HEAD_DIM>::SCALE_OFF);
-#pragma unroll
-  for (int j = 0; j < 2 * kTileKeys / 32; ++j) {
-    const int i = lane + 32 * j;  // K's scales, then V's
-    const int t = k0 + i % kTileKeys;
-    const bool ok = t >= a.lo && t < a.end && t != a.pos;
-    const float* base = i < kTileKeys ? ts.k : ts.v;
+  // (A contiguous row's last chunk must end inside its S_max slots, not in the next row's or past
+  // the tensor: S_max a multiple of 4, checked apart from the pointers' alignment.)
+  const bool chunks = ((reinterpret_cast<uintptr_t>(ts.k) | reinterpret_cast<uintptr_t>(ts.v)) & 15) == 0 &&
+                      (ts.block_stride != 0 || ts.pitch % 4 == 0);
+  if (chunks) {  // uniform: the item's planes
+    static_assert(2 * kTileKeys == 4 * 32, "one 16-byte chunk of scales per producer lane");
+    const int i = 4 * (lane % 16);
+    const int t = k0 + i;
+    const bool ok = t < a.end && t + 4 > a.lo;
+    const float* base = lane < 16 ? ts.k : ts.v;
     const int blk = a.table != nullptr ? pg.of(t, k0, a.shift) : 0;
-    cp_async4(dst + i, ok ? base + ts.at(blk, t) : base, ok);
+    cp_async16(dst + (lane < 16 ? 0 : kTileKeys) + i, ok ? base + ts.at(blk, t) : base, ok);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2 * kTileKeys / 32; ++j) {
+      const int i = lane + 32 * j;  // K's scales, then V's
+      const int t = k0 + i % kTileKeys;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
+      const float* base = i < kTileKeys ? ts.k : ts.v;
+      const int blk = a.table != nullptr ? pg.of(t, k0, a.shift) : 0;
+      cp_async4(dst + i, ok ? base + ts.at(blk, t) : base, ok);
+    }
   }
   cp_async_hold(full);
   __syncwarp();
