@@ -152,7 +152,7 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     return global_q<T, HEAD_DIM>(p, c);
   };
   __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
-  if constexpr (NORM) {
+  if (NORM && (qn.q_weight != nullptr || qn.k_weight != nullptr)) {
     const int lane = tid % 32, warps = nthreads / 32;
     for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
       float inv = 1.f;
@@ -225,13 +225,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
                                                          float* s_new_scales, int tid, int nthreads, Sync sync) {
-  if (p.qk_norm.q_weight != nullptr || p.qk_norm.k_weight != nullptr) {
-    build_query_and_new_token<T, C, HEAD_DIM, QB, true>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k, s_new_v,
-                                                        s_new_scales, tid, nthreads, sync);
-  } else {
-    build_query_and_new_token<T, C, HEAD_DIM, QB, false>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k,
-                                                         s_new_v, s_new_scales, tid, nthreads, sync);
-  }
+  build_query_and_new_token<T, C, HEAD_DIM, QB, true>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k, s_new_v,
+                                                      s_new_scales, tid, nthreads, sync);
 }
 
 // The append of a one-token step: the item holding the new token's slot writes its K/V (from
