@@ -365,3 +365,34 @@ def test_benchmarks_page_int8_section_from_a_run():
     text = "\n".join(make_docs.int8_section(data, "h100"))
     assert "| fp16 kv=int8 B=16 Hq=32 Hkv=32 D=128 S=8192 | 2147.5 " in text and "| 0.625 " in text
     assert "int8 bar (`mmha.bench.report.int8_bar`): 1 misses:" in text
+
+
+def test_ab_table_sets_each_build_beside_the_first(tmp_path):
+    """bench/ab_table.py: two runs per build, each build's mean over the first build's, rows every
+    build timed twice only, and the ratios' median and range."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ab_table.py"
+    spec = importlib.util.spec_from_file_location("ab_table", path)
+    ab_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_table)
+    shape = {"dtype": "fp16", "batch": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    times = {"old": [(10.0, 20.0), (10.0, 20.0)], "new": [(9.0, 22.0), (11.0, 22.0)]}
+    for name, runs in times.items():
+        for run, (short, long) in enumerate(runs, 1):
+            rows = [{**shape, "seq_len": 4096, "mmha_decode_us": short},
+                    {**shape, "seq_len": 65536, "mmha_decode_us": long},
+                    {**shape, "seq_len": 1024, "skipped": "no"}]  # fmt: skip
+            if name == "old" and run == 1:
+                rows.append({**shape, "seq_len": 512, "mmha_decode_us": 5.0})  # timed once: left out
+            (tmp_path / f"{name}_{run}").mkdir()
+            (tmp_path / f"{name}_{run}" / "bench.json").write_text(json.dumps({"rows": rows}))
+    text = ab_table.table(tmp_path, "caption", [("old", "A"), ("new", "B")])
+    lines = text.splitlines()
+    assert lines[0] == "caption" and "| A us (2 runs) | B us (2 runs) | B / A |" in lines[1]
+    assert "| fp16 | - | 1 | 32 | 8 | 128 | 4096 | 10.0, 10.0 | 9.0, 11.0 | 1.000 |" in lines
+    assert "| fp16 | - | 1 | 32 | 8 | 128 | 65536 | 20.0, 20.0 | 22.0, 22.0 | 1.100 |" in lines
+    assert not any("| 512 |" in line or "| 1024 |" in line for line in lines)
+    assert lines[-1] == "B / A: median 1.050, range 1.000-1.100"

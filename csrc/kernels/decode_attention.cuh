@@ -129,9 +129,11 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
 // kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v (append_new_token writes them to
 // the caches once the item knows it may). With q/k norms (p.qk_norm) a warp per row first reduces
 // its squares, then `sync` (a barrier of the nthreads threads, a multiple of 32). Threads tid <
-// nthreads take part.
-template <typename T, typename C, int HEAD_DIM, int QB, bool NORM, typename Sync>
-__device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
+// nthreads take part. The norm is a runtime branch of one instance: a second, norm-free instance
+// of this function made the kernels a fifth larger and the short rows up to 1.5 us slower
+// (docs/experiments.md, 2026-11-28).
+template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
@@ -152,7 +154,7 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     return global_q<T, HEAD_DIM>(p, c);
   };
   __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
-  if (NORM && (qn.q_weight != nullptr || qn.k_weight != nullptr)) {
+  if (qn.q_weight != nullptr || qn.k_weight != nullptr) {
     const int lane = tid % 32, warps = nthreads / 32;
     for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
       float inv = 1.f;
@@ -168,13 +170,13 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     sync();
   }
   const auto q_norm = [&](int g) {
-    return NORM && qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_inv[g], qn.cast_first} : HeadNorm{};
+    return qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_inv[g], qn.cast_first} : HeadNorm{};
   };
   if (!tree_step(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
-      s_q[g][d] = g < w.nh ? rotated<T, NORM>(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr,
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr,
                                               d, rpos, rot, q_norm(g))
                            : 0.f;
     }
@@ -204,8 +206,8 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =
-        NORM && qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
-    const auto k_at = [&](int d) { return rotated<T, NORM>(rows.k, k_bias, d, pos, rot, k_norm); };
+        qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
+    const auto k_at = [&](int d) { return rotated(rows.k, k_bias, d, pos, rot, k_norm); };
     const auto v_at = [&](int d) { return biased(rows.v, v_bias, d); };
     if constexpr (std::is_same_v<C, s8>) {
       quantize_new_token_s8<HEAD_DIM>(p, w, k_at, v_at, s_new_k, s_new_v, s_new_scales, tid, nthreads, sync);
@@ -216,17 +218,6 @@ __device__ __forceinline__ void build_query_and_new_token(const MmhaParams& p, c
       }
     }
   }
-}
-
-// build_query_and_new_token with the q/k norms' code only where the step has them.
-template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
-__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
-                                                         const TokenRows<T>& rows, float k_scale, float v_scale,
-                                                         float (&s_q)[QB][HEAD_DIM],
-                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
-                                                         float* s_new_scales, int tid, int nthreads, Sync sync) {
-  build_query_and_new_token<T, C, HEAD_DIM, QB, true>(p, w, q_rows, rows, k_scale, v_scale, s_q, s_new_k, s_new_v,
-                                                      s_new_scales, tid, nthreads, sync);
 }
 
 // The append of a one-token step: the item holding the new token's slot writes its K/V (from

@@ -71,12 +71,12 @@ __device__ __forceinline__ float pair_frequency(int i, const RotaryParams& r) {
   return 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(r.dim));
 }
 
-// Element d after bias, norm n (NORM only: head_inv_rms, prepared) and rotary embedding at
-// position pos. Without NORM the code of a step with no norm, whatever the compiler inlines.
-template <typename T, bool NORM = false>
+// Element d after bias, norm n (none where n.w is nullptr: prepared) and rotary embedding at
+// position pos.
+template <typename T>
 __device__ float rotated(const T* row, const T* bias, int d, int pos, const RotaryParams& r,
                          const HeadNorm& n = HeadNorm{}) {
-  const auto value = [&](int i) { return NORM ? prepared(row, bias, i, n) : biased(row, bias, i); };
+  const auto value = [&](int i) { return prepared(row, bias, i, n); };
   const float x = value(d);
   const int rd = r.dim;
   if (d >= rd) return x;
