@@ -130,17 +130,23 @@ def attend(
     return torch.einsum("hl,hld->hd", torch.exp(scores - lse[:, None]), v), lse
 
 
+def project_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, act_dtype):
+    """Step 2 for tokens ``x [N, W]`` (bias added, compute dtype; qkv of ``act_dtype``) at
+    positions ``pos [N]``: q ``[N, Hq, D]``, k and v ``[N, Hkv, D]`` in the compute dtype, after
+    the q/k norm and rotary, before any rounding to a cache's format."""
+    q, k, v = split_qkv(x, num_heads, num_kv_heads, head_dim)
+    if attention.qk_norm is not None:
+        q = attention.qk_norm.apply(q, "q", act_dtype)
+        k = attention.qk_norm.apply(k, "k", act_dtype)
+    return apply_rotary(q, pos, attention.rotary), apply_rotary(k, pos, attention.rotary), v
+
+
 def new_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, k_cache, k_scale, v_scale, act_dtype):
     """Steps 2-3 for tokens ``x [N, W]`` (bias added, compute dtype; qkv of ``act_dtype``) at
     positions ``pos [N]``: q ``[N, Hq, D]`` in the compute dtype, k and v ``[N, Hkv, D]`` as the
     caches store them, and for an int8 cache their scales ``(k [N, Hkv], v [N, Hkv])`` fp32
     (else None)."""
-    q, k, v = split_qkv(x, num_heads, num_kv_heads, head_dim)
-    if attention.qk_norm is not None:
-        q = attention.qk_norm.apply(q, "q", act_dtype)
-        k = attention.qk_norm.apply(k, "k", act_dtype)
-    q = apply_rotary(q, pos, attention.rotary)
-    k = apply_rotary(k, pos, attention.rotary)
+    q, k, v = project_tokens(x, pos, num_heads, num_kv_heads, head_dim, attention, act_dtype)
     if k_cache.dtype == FP8:
         return q, quantize_fp8(k, k_scale), quantize_fp8(v, v_scale), None
     if k_cache.dtype == torch.int8:
@@ -175,12 +181,12 @@ def cached_kv(k_cache, v_cache, row: int, n: int, k_scale, v_scale, compute_dtyp
     return keys.to(compute_dtype), values.to(compute_dtype)
 
 
-def _finish(out: torch.Tensor, dtype: torch.dtype, attention: AttentionSpec) -> torch.Tensor:
+def finish(out: torch.Tensor, dtype: torch.dtype, attention: AttentionSpec) -> torch.Tensor:
     """The attention output as a step returns it: rounded to ``dtype``, or through the epilogue."""
     return out.to(dtype) if attention.epilogue is None else attention.epilogue.apply(out, dtype)
 
 
-def _step_positions(lengths, positions, modes, s_max, batch) -> tuple[list[int], list[int]]:
+def step_positions(lengths, positions, modes, s_max, batch) -> tuple[list[int], list[int]]:
     """Each row's slot (``lengths``, checked against the capacity per its mode) and rotary position."""
     pos_list = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos_list):
@@ -232,7 +238,7 @@ def decode_step(
         )
     checks.attention_spec(attention, num_heads, d, qkv.device)
     modes = checks.row_modes(row_active, b)
-    pos_list, rot_pos = _step_positions(lengths, positions, modes, s_max, b)
+    pos_list, rot_pos = step_positions(lengths, positions, modes, s_max, b)
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
         x = x + qkv_bias.to(compute_dtype)
@@ -255,7 +261,7 @@ def decode_step(
         o, lse = attend(q[row], keys, values, scale, attention, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
-    out = _finish(torch.stack(outs), qkv.dtype, attention)
+    out = finish(torch.stack(outs), qkv.dtype, attention)
     return (out, torch.stack(lses).float()) if return_lse else out
 
 
@@ -400,7 +406,7 @@ def decode_tree(
             x[row], p, rows[row], num_heads, num_kv_heads, attention, k_cache, v_cache, row, k_scale, v_scale,
             (compute_dtype, qkv.dtype),
         )  # fmt: skip
-    out = _finish(out, qkv.dtype, attention)
+    out = finish(out, qkv.dtype, attention)
     return (out, lse.float()) if return_lse else out
 
 
