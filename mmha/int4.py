@@ -8,23 +8,27 @@ The format (chosen by the accuracy numbers in ``docs/status.md``, "INT8 / INT4 c
   ``scale = (max - min) / 15``, ``zero = min``, read back as ``code * scale + zero``).
 - **K per channel over groups of ``GROUP`` (64) tokens**, asymmetric (KIVI): slots ``64 g .. 64 g
   + 63`` of a kv head share, per channel, one scale and one zero point over those 64 tokens, so an
-  outlier channel costs only its own range. A group is quantised once it is full, by the append
-  that writes its last slot; until then the row's partial group lives in a **residual** of
-  ``GROUP`` slots per (row, kv head), rounded to the activations' dtype, and attention reads those
-  slots from it. The group is quantised from the residual's values (so a kernel that quantises
-  from its 16-bit residual gives the same codes).
+  outlier channel costs only its own range. A group is quantised once it is full and committed:
+  by the one-token step that writes its last slot, or by the ``accept`` of a tree step whose kept
+  nodes reach it. Until then its keys live in a **residual** of ``RESIDUAL`` (two groups) slots
+  per (row, kv head), rounded to the activations' dtype: slot ``s`` at entry ``s % 128``, so the
+  row's partial group and a tree step's up to 64 nodes past it fit without moving anything.
+  Attention reads those slots from it. A group is quantised from the residual's values (so a
+  kernel that quantises from its 16-bit residual gives the same codes).
 - Codes two a byte, the even channel in the low nibble: V ``[B, Hkv, S_max, D / 2]``; K in the
   x-layout's 16-byte chunks, 32 channels a chunk: ``[B, Hkv, D / 32, S_max, 16]``.
 - Scales and zero points fp32 beside the slots: K ``[B, Hkv, S_max / 64, D]`` each, V ``[B, Hkv,
   S_max]`` each. Capacities are whole groups (``S_max`` a multiple of 64), head dims whole chunks
   (a multiple of 32).
 
-At every committed length ``L`` of a row: groups ``0 .. L // 64 - 1`` hold codes, the residual's
-first ``L % 64`` entries hold slots ``64 (L // 64) .. L - 1``. Non-finite K or V reads back
-non-finite (a non-finite value makes its scale non-finite, ``mmha.quant``); nothing saturates.
+At every committed length ``L`` of a row: groups ``0 .. L // 64 - 1`` hold codes, the residual
+holds slots ``64 (L // 64) .. L - 1`` (and a tree step's nodes, ``L ..``, until ``accept``).
+Non-finite K or V reads back non-finite (a non-finite value makes its scale non-finite,
+``mmha.quant``); nothing saturates.
 
-This module holds one-token steps over contiguous caches (``decode_step``) and the prompt's write
-(``Int4Cache.prefill``), equal to appending the prompt one token at a time.
+This module holds one-token steps (``decode_step``) and tree steps (``decode_tree``, then
+``Int4Cache.accept``) over contiguous caches, and the prompt's write (``Int4Cache.prefill``),
+equal to appending the prompt one token at a time.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checks, quant, reference
+from . import checks, quant, reference, tree
+from ._constants import MAX_TREE_NODES
 from .spec import PLAIN, ROW_IDLE, ROW_STEP, AttentionSpec
 
 GROUP = 64  # K tokens sharing a channel's scale and zero point (a tile of the kernel's loop)
+RESIDUAL = GROUP + MAX_TREE_NODES  # 16-bit K slots per (row, kv head): the partial group, a tree's nodes
 CHUNK = 32  # channels in one 16-byte chunk of the K layout
 LEVELS = 15  # the largest 4-bit code
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,7 +72,7 @@ class Int4Cache:
     k_zero: torch.Tensor  # fp32 [B, Hkv, S_max / 64, D]
     v_scale: torch.Tensor  # fp32 [B, Hkv, S_max]
     v_zero: torch.Tensor  # fp32 [B, Hkv, S_max]
-    k_residual: torch.Tensor  # [B, Hkv, 64, D] in the activations' dtype
+    k_residual: torch.Tensor  # [B, Hkv, 128, D] in the activations' dtype, slot s at s % 128
 
     @classmethod
     def empty(cls, batch: int, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
@@ -93,7 +99,7 @@ class Int4Cache:
             k_zero=torch.zeros(b, h, s // GROUP, d, **f32),
             v_scale=torch.zeros(b, h, s, **f32),
             v_zero=torch.zeros(b, h, s, **f32),
-            k_residual=torch.zeros(b, h, GROUP, d, dtype=dtype, device=device),
+            k_residual=torch.zeros(b, h, RESIDUAL, d, dtype=dtype, device=device),
         )
 
     @property
@@ -134,13 +140,39 @@ class Int4Cache:
         self.k_scale[row, :, group] = scale
         self.k_zero[row, :, group] = zero
 
-    def append(self, row: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, row: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """One token's ``k, v [Hkv, D]`` (after rotary, any float dtype) at ``slot`` of ``row``: V
-        quantised, K into the residual, and the group quantised when ``slot`` is its last."""
+        quantised, K into the residual (uncommitted: ``commit`` quantises its group)."""
         self.store_v(row, slice(slot, slot + 1), v[:, None, :])
-        self.k_residual[row, :, slot % GROUP] = k.to(self.dtype)
-        if slot % GROUP == GROUP - 1:
-            self.store_k_group(row, slot // GROUP, self.k_residual[row])
+        self.k_residual[row, :, slot % RESIDUAL] = k.to(self.dtype)
+
+    def commit(self, row: int, start: int, end: int) -> None:
+        """Slots ``start .. end - 1`` of ``row`` become part of its sequence (its length goes from
+        ``start`` to ``end``): every group whose last slot is among them is quantised from the
+        residual."""
+        for g in range(start // GROUP, end // GROUP):
+            first = g * GROUP % RESIDUAL
+            self.store_k_group(row, g, self.k_residual[row, :, first : first + GROUP])
+
+    def append(self, row: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A one-token step's append: ``write`` then ``commit`` of that slot (the group is quantised
+        when ``slot`` is its last)."""
+        self.write(row, slot, k, v)
+        self.commit(row, slot, slot + 1)
+
+    def accept(self, row: int, length: int, path: list[int]) -> None:
+        """After a tree step at ``length``: the nodes of ``path`` (increasing node indices, root
+        first, as a tree's root-to-leaf paths are) move to slots ``length .. length + len(path) -
+        1``, V's codes, scales and zero points and K's residual entries, then those slots are
+        committed. The row's length becomes ``length + len(path)`` (kept by the caller)."""
+        for j, t in enumerate(path):
+            if t < j:
+                raise ValueError(f"path must hold increasing node indices from the root, got {path}")
+            src, dst = length + t, length + j
+            for plane in (self.v_codes, self.v_scale, self.v_zero):
+                plane[row, :, dst] = plane[row, :, src]
+            self.k_residual[row, :, dst % RESIDUAL] = self.k_residual[row, :, src % RESIDUAL]
+        self.commit(row, length, length + len(path))
 
     def prefill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A prompt's ``k, v [Hkv, n, D]`` (after rotary) as slots ``0 .. n - 1`` of ``row``: the same
@@ -153,21 +185,25 @@ class Int4Cache:
         full = n // GROUP
         for g in range(full):
             self.store_k_group(row, g, rounded[:, g * GROUP : (g + 1) * GROUP])
-        self.k_residual[row, :, : n - full * GROUP] = rounded[:, full * GROUP :]
+        for s in range(full * GROUP, n):  # the partial group, at its ring entries
+            self.k_residual[row, :, s % RESIDUAL] = rounded[:, s]
 
-    def read(self, row: int, n: int, compute_dtype: torch.dtype = torch.float32):
+    def read(
+        self, row: int, n: int, compute_dtype: torch.dtype = torch.float32, committed: int | None = None
+    ):
         """Slots ``0 .. n - 1`` of ``row`` as attention reads them, ``(keys, values)`` ``[Hkv, n, D]``
-        in ``compute_dtype``: whole groups and V dequantised, the partial group from the residual."""
+        in ``compute_dtype``: V dequantised, K of the groups below ``committed`` (the row's length;
+        default ``n``) dequantised, the rest from the residual."""
         h, d = self.num_kv_heads, self.head_dim
-        full = n // GROUP * GROUP
+        full = (n if committed is None else committed) // GROUP * GROUP
         chunks = self.k_codes[row, :, :, :full, :]  # [Hkv, D / 32, full, 16]
         codes = unpack_nibbles(chunks.permute(0, 2, 1, 3).reshape(h, full, d // 2)).to(compute_dtype)
         groups = full // GROUP
         k_scale = self.k_scale[row, :, :groups].to(compute_dtype).repeat_interleave(GROUP, dim=1)
         k_zero = self.k_zero[row, :, :groups].to(compute_dtype).repeat_interleave(GROUP, dim=1)
-        keys = torch.cat(
-            (codes * k_scale + k_zero, self.k_residual[row, :, : n - full].to(compute_dtype)), dim=1
-        )
+        ring = torch.arange(full, n, device=self.k_residual.device) % RESIDUAL
+        recent = self.k_residual[row][:, ring].to(compute_dtype)
+        keys = torch.cat((codes * k_scale + k_zero, recent), dim=1)
         values = quant.dequantize(
             unpack_nibbles(self.v_codes[row, :, :n]), self.v_scale[row, :, :n], self.v_zero[row, :, :n],
             compute_dtype,
@@ -228,3 +264,62 @@ def decode_step(
         lses.append(lse)
     out = reference.finish(torch.stack(outs), qkv.dtype, attention)
     return (out, torch.stack(lses).float()) if return_lse else out
+
+
+def decode_tree(
+    qkv: torch.Tensor,
+    cache: Int4Cache,
+    lengths: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    attention: AttentionSpec = PLAIN,
+    node_counts: list[int] | None = None,
+    qkv_bias: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``mmha.reference.decode_tree`` over an int4 cache: node ``t`` of row ``b`` is written at slot
+    ``lengths[b] + t`` (``Int4Cache.write``: V quantised, K in the residual, nothing committed)
+    and attends to the committed slots and its ancestors' as ``Int4Cache.read`` gives them;
+    ``Int4Cache.accept`` then keeps a path. Arguments as there; every check runs before anything
+    is written."""
+    b, s_max, d = cache.batch, cache.max_seq_len, cache.head_dim
+    if num_kv_heads != cache.num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must equal the cache's kv heads ({cache.num_kv_heads})"
+        )
+    width = (num_heads + 2 * num_kv_heads) * d
+    if qkv.dim() != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
+        raise ValueError(f"qkv must have shape [{b}, T, {width}], got {tuple(qkv.shape)}")
+    if qkv.dtype != cache.dtype:
+        raise ValueError(f"qkv must have the cache's activation dtype {cache.dtype}, got {qkv.dtype}")
+    checks.attention_spec(attention, num_heads, d, qkv.device)
+    checks.tree_spec(attention)
+    rows = tree.check_parents(parents, b, node_counts)  # at most MAX_TREE_NODES: the residual holds them
+    if qkv.shape[1] != parents.shape[1]:
+        raise ValueError(f"qkv must have T = {parents.shape[1]} nodes (parents' width), got {qkv.shape[1]}")
+    pos_list = [int(p) for p in lengths.tolist()]
+    for row, p in enumerate(pos_list):
+        if not 0 <= p <= s_max - len(rows[row]):
+            raise ValueError(
+                f"lengths[{row}] + node count must fit the capacity: {p} + {len(rows[row])} > {s_max}"
+                if p >= 0 else f"lengths[{row}] must be >= 0, got {p}"
+            )  # fmt: skip
+    x = qkv.to(compute_dtype)
+    if qkv_bias is not None:
+        x = x + qkv_bias.to(compute_dtype)
+    out = torch.zeros(b, qkv.shape[1], num_heads * d, dtype=compute_dtype, device=qkv.device)
+    lse = torch.full((b, qkv.shape[1], num_heads), -math.inf, dtype=compute_dtype, device=qkv.device)
+    for row, p in enumerate(pos_list):
+        par = rows[row]
+        n = len(par)
+        pos = torch.tensor([p + depth for depth in tree.depths(par)], device=qkv.device)
+        q, k, v = reference.project_tokens(x[row, :n], pos, num_heads, num_kv_heads, d, attention, qkv.dtype)
+        for t in range(n):
+            cache.write(row, p + t, k[t], v[t])
+        keys, values = cache.read(row, p + n, compute_dtype, committed=p)
+        out[row, :n], lse[row, :n] = reference.tree_attend(q, keys, values, p, par, attention.scale_for(d))
+    out = reference.finish(out, qkv.dtype, attention)
+    return (out, lse.float()) if return_lse else out

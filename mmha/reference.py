@@ -340,10 +340,18 @@ def _tree_row(x, p, par, num_heads, num_kv_heads, attention, k_cache, v_cache, r
         node_scales = None if tok is None else (tok[0][t], tok[1][t])
         store_token(k_cache, v_cache, (k_scale, v_scale), row, p + t, k_new[t], v_new[t], node_scales)
     keys, values = cached_kv(k_cache, v_cache, row, p + n, k_scale, v_scale, dtype)
-    group = num_heads // num_kv_heads
+    return tree_attend(q, keys, values, p, par, attention.scale_for(d))
+
+
+def tree_attend(q, keys, values, p: int, par: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's tree nodes ``q [n, Hq, D]`` against slots ``0 .. p + n - 1`` (``keys, values [Hkv,
+    p + n, D]``): node ``t`` sees the ``p`` cached slots and its ancestors' slots ``p + a``, itself
+    included. Returns out ``[n, Hq * D]`` and lse ``[n, Hq]``."""
+    n = len(par)
+    group = q.shape[1] // keys.shape[0]
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    scores = torch.einsum("thd,hld->thl", q, keys) * attention.scale_for(d)  # [n, Hq, p + n]
-    mask = torch.zeros(n, p + n, dtype=torch.bool, device=x.device)
+    scores = torch.einsum("thd,hld->thl", q, keys) * scale  # [n, Hq, p + n]
+    mask = torch.zeros(n, p + n, dtype=torch.bool, device=q.device)
     mask[:, :p] = True
     for t, anc in enumerate(tree.ancestors(par)):
         mask[t, [p + a for a in anc]] = True

@@ -22,7 +22,7 @@ def test_empty_cache_shapes_and_bad_sizes():
     c = int4.Int4Cache.empty(2, 3, 128, 64, torch.float16)
     assert c.k_codes.shape == (2, 3, 2, 128, 16) and c.v_codes.shape == (2, 3, 128, 32)
     assert c.k_scale.shape == c.k_zero.shape == (2, 3, 2, 64) and c.v_scale.shape == (2, 3, 128)
-    assert c.k_residual.shape == (2, 3, 64, 64) and c.k_residual.dtype == torch.float16
+    assert c.k_residual.shape == (2, 3, 128, 64) and c.k_residual.dtype == torch.float16
     with pytest.raises(ValueError, match="max_seq_len must be a multiple of 64"):
         int4.Int4Cache.empty(1, 1, 100, 64, torch.float16)
     with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):
@@ -80,7 +80,8 @@ def test_prefill_equals_appending_the_prompt_token_by_token(n):
         b.append(1, t, k[:, t], v[:, t])
     for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert torch.equal(a.k_residual[:, :, : n % 64], b.k_residual[:, :, : n % 64])
+    ring = [s % 128 for s in range(n // 64 * 64, n)]  # the partial group's residual entries
+    assert torch.equal(a.k_residual[:, :, ring], b.k_residual[:, :, ring])
     assert torch.equal(a.read(1, n)[0], b.read(1, n)[0])
     with pytest.raises(ValueError, match="does not fit max_seq_len 192"):
         a.prefill(0, *_tokens(200))
@@ -199,3 +200,105 @@ def test_non_finite_values_read_back_non_finite():
     assert not torch.isfinite(c.v_scale[0, :, 7]).all() and not torch.isfinite(c.k_scale[1, 0, 0, 5])
     out = int4.decode_step(qkv, c, torch.tensor([64, 64]), num_heads=8, num_kv_heads=2)
     assert not torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).all()
+
+
+def _tree_case(p, nodes, b=2, seed=0, dtype=torch.float16):
+    qkv, c = _step_case(b=b, s_max=256, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    tree_qkv = torch.randn(b, nodes, qkv.shape[1], generator=g).to(dtype)
+    for row in range(b):
+        c.prefill(row, *_tokens(p, seed=row))
+    return tree_qkv, c
+
+
+SPEC = AttentionSpec(rotary=Rotary(dim=64, theta=10000.0))
+
+
+@pytest.mark.parametrize("p", [5, 64, 100])
+def test_a_chain_tree_equals_one_token_steps(p):
+    """A chain (each node the previous one's child) that completes no group: each node's output is
+    the one-token step's at its slot, and after accept the cache is the steps' cache."""
+    nodes = 6
+    tree_qkv, a = _tree_case(p, nodes)
+    b = int4.Int4Cache(**{k: t.clone() for k, t in vars(a).items()})
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4]] * 2)
+    out = int4.decode_tree(
+        tree_qkv, a, torch.tensor([p, p]), parents, num_heads=8, num_kv_heads=2, attention=SPEC
+    )
+    for t in range(nodes):
+        step = int4.decode_step(tree_qkv[:, t], b, torch.tensor([p + t] * 2), num_heads=8, num_kv_heads=2,
+                                attention=SPEC)  # fmt: skip
+        torch.testing.assert_close(out[:, t], step)  # the masked sum's order: an ulp at most
+    for row in range(2):
+        a.accept(row, p, list(range(nodes)))
+    for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(a.read(1, p + nodes), b.read(1, p + nodes), rtol=0, atol=0)
+
+
+def test_accept_across_a_group_end_commits_the_group():
+    """Nodes past a group's last slot stay in the residual during the tree step (the group holds no
+    codes yet); the accept that keeps them quantises the group, as one-token steps along the path
+    would have."""
+    p, nodes = 60, 8
+    tree_qkv, a = _tree_case(p, nodes, seed=7)
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 4, 5, 6]] * 2)  # node 2 off the path 0-1-3-4-5-6-7
+    int4.decode_tree(tree_qkv, a, torch.tensor([p, p]), parents, num_heads=8, num_kv_heads=2, attention=SPEC)
+    assert a.k_scale[:, :, 0].count_nonzero() == 0  # group 0 (slots 0-63) not committed yet
+    path = [0, 1, 3, 4, 5, 6, 7]
+    b = _tree_case(p, nodes, seed=7)[1]
+    for j, t in enumerate(path):  # the path as one-token steps
+        int4.decode_step(
+            tree_qkv[:, t], b, torch.tensor([p + j] * 2), num_heads=8, num_kv_heads=2, attention=SPEC
+        )
+    a.accept(0, p, path)
+    for name in ("k_codes", "k_scale", "k_zero"):
+        assert torch.equal(getattr(a, name)[0], getattr(b, name)[0]), name
+    for name in ("v_codes", "v_scale", "v_zero"):  # the row's slots (past them: the tree's leftovers)
+        assert torch.equal(getattr(a, name)[0, :, : p + 7], getattr(b, name)[0, :, : p + 7]), name
+    assert a.k_scale[1, :, 0].count_nonzero() == 0  # row 1 kept nothing yet
+    torch.testing.assert_close(a.read(0, p + 7), b.read(0, p + 7), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="path must hold increasing node indices"):
+        a.accept(1, p, [0, 2, 1])
+
+
+def test_tree_nodes_attend_to_their_ancestors_only():
+    """Against mmha.reference.decode_tree over unquantised caches holding what the int4 cache reads
+    back: the tree's mask, rotary at each node's depth and the node counts agree."""
+    p = 70
+    tree_qkv, c = _tree_case(p, 5, dtype=torch.float32, seed=3)
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, -1, -1]])
+    out, lse = int4.decode_tree(tree_qkv, c, torch.tensor([p, p]), parents, num_heads=8, num_kv_heads=2,
+                                attention=SPEC, node_counts=[5, 3], return_lse=True)  # fmt: skip
+    from mmha import layout
+
+    keys, values = zip(*(c.read(row, p + 5, committed=p) for row in range(2)), strict=True)
+    kc = layout.pack_k(torch.stack(keys)[:, :, :p], 256, layout="bhsd")
+    vc = torch.zeros(2, 2, 256, 64)
+    vc[:, :, :p] = torch.stack(values)[:, :, :p]
+    want, want_lse = reference.decode_tree(tree_qkv, kc, vc, torch.tensor([p, p]), parents, num_heads=8,
+                                           num_kv_heads=2, attention=SPEC, node_counts=[5, 3], return_lse=True)  # fmt: skip
+    # the nodes' own K/V: 16-bit-rounded keys (fp32 here: exact) and int4 values on our side
+    torch.testing.assert_close(out, want, rtol=0.15, atol=0.05)
+    assert torch.equal(out[1, 3:], torch.zeros_like(out[1, 3:])) and torch.isinf(lse[1, 3:]).all()
+    assert torch.isfinite(want_lse[:, :3]).all()
+
+
+def test_tree_bad_input_writes_nothing():
+    tree_qkv, c = _tree_case(200, 4)
+    before = {k: t.clone() for k, t in vars(c).items()}
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    cases = [
+        (
+            (tree_qkv, c, torch.tensor([200, 253]), parents),
+            r"lengths\[1\] \+ node count must fit the capacity",
+        ),
+        ((tree_qkv, c, torch.tensor([200, -1]), parents), r"lengths\[1\] must be >= 0"),
+        ((tree_qkv[:, :3], c, torch.tensor([200, 200]), parents), "qkv must have T = 4 nodes"),
+        ((tree_qkv, c, torch.tensor([200, 200]), torch.tensor([[-1, 0, 1, 5]] * 2)), "parents"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            int4.decode_tree(*args, num_heads=8, num_kv_heads=2)
+        for name, t in vars(c).items():
+            assert torch.equal(t, before[name]), (message, name)
