@@ -211,6 +211,24 @@ class Int4Cache:
         return keys, values
 
 
+def check_step(qkv, batch: int, cache_heads: int, head_dim: int, dtype, num_heads: int, num_kv_heads: int,
+               attention: AttentionSpec, row_active) -> list[int]:  # fmt: skip
+    """A one-token step's checks of its arguments against a cache of ``batch`` rows, ``cache_heads``
+    kv heads, ``head_dim`` and activation ``dtype``: raises ValueError naming the argument; returns
+    the row modes."""
+    if num_kv_heads != cache_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must equal the cache's kv heads ({cache_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.shape != (batch, width):
+        raise ValueError(f"qkv must have shape [{batch}, {width}], got {tuple(qkv.shape)}")
+    if qkv.dtype != dtype:
+        raise ValueError(f"qkv must have the cache's activation dtype {dtype}, got {qkv.dtype}")
+    checks.attention_spec(attention, num_heads, head_dim, qkv.device)
+    return checks.row_modes(row_active, batch)
+
+
 def decode_step(
     qkv: torch.Tensor,
     cache: Int4Cache,
@@ -229,19 +247,10 @@ def decode_step(
     ``lengths[b]`` (``Int4Cache.append``) and attend to slots ``0 .. lengths[b]`` as
     ``Int4Cache.read`` gives them. Arguments and row modes as there; every check runs before
     anything is written."""
-    b, hkv, s_max, d = cache.batch, cache.num_kv_heads, cache.max_seq_len, cache.head_dim
-    if num_kv_heads != hkv:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) must equal the cache's kv heads ({hkv})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
-        raise ValueError(
-            f"qkv must have shape [{b}, {(num_heads + 2 * num_kv_heads) * d}], got {tuple(qkv.shape)}"
-        )
-    if qkv.dtype != cache.dtype:
-        raise ValueError(f"qkv must have the cache's activation dtype {cache.dtype}, got {qkv.dtype}")
-    checks.attention_spec(attention, num_heads, d, qkv.device)
-    modes = checks.row_modes(row_active, b)
+    b, s_max, d = cache.batch, cache.max_seq_len, cache.head_dim
+    modes = check_step(
+        qkv, b, cache.num_kv_heads, d, cache.dtype, num_heads, num_kv_heads, attention, row_active
+    )
     pos_list, rot_pos = reference.step_positions(lengths, positions, modes, s_max, b)
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
