@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops, reference
+from . import int4, int4_pages, ops, reference
 from .spec import AttentionSpec
 
 
@@ -101,6 +101,8 @@ class ReferenceBackend:
     def step(self, c: StepCall):
         kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
                   qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
+        if isinstance(c.k, (int4.Int4Cache, int4_pages.Int4Pages)):
+            return self._step_int4(c, kw)
         if c.block_tables is None:
             return reference.decode_step(
                 c.qkv, c.k, c.v, c.lengths, return_lse=c.return_lse, row_active=c.row_active,
@@ -116,6 +118,40 @@ class ReferenceBackend:
             )
         return (out, lse) if c.return_lse else out
 
+    def _step_int4(self, c: StepCall, kw: dict):
+        """An int4 cache's step (``mmha.int4``; a pool's active rows only, as below)."""
+        if c.block_tables is None:
+            return int4.decode_step(c.qkv, c.k, c.lengths, return_lse=c.return_lse, row_active=c.row_active,
+                                    positions=c.positions, **kw)  # fmt: skip
+        batch, dev = c.qkv.shape[0], c.qkv.device
+        out = _zeros((batch, self.num_heads * c.k.k_residual.shape[-1]), c.qkv.dtype, dev, c.attention)
+        lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=dev)
+        if c.active_rows:
+            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
+            out[idx], lse[idx] = int4_pages.decode_step_paged(
+                c.qkv[idx],
+                c.k,
+                c.block_tables[idx],
+                c.lengths[idx],
+                return_lse=True,
+                rows=c.active_rows,
+                **kw,
+            )
+        return (out, lse) if c.return_lse else out
+
+    def _tree_int4(self, c: TreeCall, kw: dict):
+        if c.block_tables is None:
+            return int4.decode_tree(c.qkv, c.k, c.lengths, c.parents, node_counts=c.node_counts, **kw)
+        batch, nodes, dev = c.qkv.shape[0], c.qkv.shape[1], c.qkv.device
+        out = _zeros((batch, nodes, self.num_heads * c.k.k_residual.shape[-1]), c.qkv.dtype, dev, c.attention)
+        if c.active_rows:
+            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
+            out[idx] = int4_pages.decode_tree_paged(
+                c.qkv[idx], c.k, c.block_tables[idx], c.lengths[idx], c.parents[idx], rows=c.active_rows,
+                node_counts=[c.node_counts[r] for r in c.active_rows], **kw,
+            )  # fmt: skip
+        return out
+
     def tree(self, c: TreeCall):
         if c.return_lse:  # refused before anything is written
             raise ValueError(
@@ -123,6 +159,8 @@ class ReferenceBackend:
             )
         kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
                   qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
+        if isinstance(c.k, (int4.Int4Cache, int4_pages.Int4Pages)):
+            return self._tree_int4(c, kw)
         if c.block_tables is None:
             return reference.decode_tree(
                 c.qkv, c.k, c.v, c.lengths, c.parents, node_counts=c.node_counts, **kw

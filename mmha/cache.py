@@ -22,11 +22,13 @@ import torch
 from . import checks, dispatch, quant
 from ._ext import extension_available
 from .backends import KernelBackend, ReferenceBackend, StepCall
+from .int4 import INT4
+from .int4_storage import make_storage
 from .rows import RowTable, capturing
 from .scales import Fp8Scales, amax_of, check_margin
 from .spec import FP8, AttentionSpec, Rotary, layer_specs
 from .step_plan import StepPlanner
-from .storage import CAPACITY_ALIGN, ContiguousStorage, PagedStorage  # noqa: F401  (CAPACITY_ALIGN: API)
+from .storage import CAPACITY_ALIGN  # noqa: F401  (CAPACITY_ALIGN: API)
 from .tree_steps import TreeSteps
 
 _warned_reference = False
@@ -41,6 +43,27 @@ def _warn_reference_once(reason: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _checked_kv_dtype(dtype: torch.dtype, kv_dtype) -> torch.dtype | str:
+    """The caches' format: ``dtype`` when ``kv_dtype`` is None, else ``kv_dtype`` checked."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if isinstance(kv_dtype, str) and kv_dtype != INT4:
+        raise ValueError(f'kv_dtype must be a torch dtype or "{INT4}", got {kv_dtype!r}')
+    if kv_dtype != INT4:
+        dispatch.check_kv_dtype(dtype, kv_dtype)
+    return kv_dtype
+
+
+def _check_kernel_takes(dtype: torch.dtype, kv_dtype) -> None:
+    """The formats the GPU kernel does not take (a GPU cache refuses them by name)."""
+    if kv_dtype == INT4:
+        raise ValueError(
+            'kv_dtype="int4" runs on the reference path only (a CPU cache) until the kernel takes it; '
+            "use torch.int8 or torch.float8_e4m3fn on a GPU"
+        )
+    if kv_dtype == torch.int8 and dtype not in dispatch.FP8_ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16 with an int8 cache on a GPU, got {dtype}")
 
 
 class KVCache:
@@ -61,7 +84,10 @@ class KVCache:
         activations), with one fp32 scale per layer and kv head for K and one for V (``k_scales``,
         ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8``: each token's K and V codes with
         a scale per token and kv head beside its slot (``mmha.quant``; on a GPU under fp16 / bf16
-        activations and in one-token steps only: tree and speculative steps refuse it there).
+        activations and in one-token steps only: tree and speculative steps refuse it there), or
+        ``"int4"`` (``mmha.int4``: V per token and K per channel over 64-token groups, with zero
+        points; the reference path only, so a CPU cache; paged blocks of 64 or 128 slots; ``accept``
+        takes list paths).
     paged, block_size, num_blocks : a paged cache (``mmha.paging``): each layer's K/V in one pool of
         ``num_blocks`` blocks of ``block_size`` slots (16, 32, 64 or 128; default enough for every
         row at ``max_seq_len``); ``k_caches[layer]`` is then ``k_pages [num_blocks, Hkv, D/x,
@@ -95,7 +121,7 @@ class KVCache:
         rotary_interleaved: bool = False,
         scale: float | None = None,
         dispatch_on: str = "length",
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         paged: bool = False,
         block_size: int = 16,
         num_blocks: int | None = None,
@@ -108,8 +134,7 @@ class KVCache:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
         if dtype not in dispatch.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {dispatch.SUPPORTED_DTYPES}, got {dtype}")
-        kv_dtype = dtype if kv_dtype is None else kv_dtype
-        dispatch.check_kv_dtype(dtype, kv_dtype)
+        kv_dtype = _checked_kv_dtype(dtype, kv_dtype)
         if dispatch_on not in ("length", "capacity"):
             raise ValueError(f"dispatch_on must be 'length' or 'capacity', got {dispatch_on!r}")
         self.device = torch.device(device)
@@ -124,11 +149,11 @@ class KVCache:
         self.num_layers, self.max_batch, self.max_seq_len = num_layers, max_batch, max_seq_len
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.kv_dtype, self.fp8 = dtype, kv_dtype, kv_dtype == FP8
-        self.int8 = kv_dtype == torch.int8
+        self.int8, self.int4 = kv_dtype == torch.int8, kv_dtype == INT4
         self.dispatch_on = dispatch_on
         self.use_kernel = self.device.type == "cuda" and extension_available()
-        if self.use_kernel and self.int8 and dtype not in dispatch.FP8_ACTIVATION_DTYPES:
-            raise ValueError(f"dtype must be float16 or bfloat16 with an int8 cache on a GPU, got {dtype}")
+        if self.use_kernel:
+            _check_kernel_takes(dtype, kv_dtype)
         if self.use_kernel:  # theta's frequency tables made now, before any step is captured in a graph
             for spec in self.attention:
                 spec.rotary.kernel_table(self.device)
@@ -136,10 +161,7 @@ class KVCache:
             raise ValueError(f"Unsupported head_dim: {head_dim} (supported: {dispatch.SUPPORTED_HEAD_DIMS})")
         workspace_bytes = (max_batch * num_heads + 2 + max_batch) * 4  # counters, status; partials grow later
         shape = (num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, kv_dtype, self.device)
-        if paged:
-            self.storage = PagedStorage(*shape, block_size, num_blocks, extra_bytes=workspace_bytes)
-        else:
-            self.storage = ContiguousStorage(*shape, extra_bytes=workspace_bytes)
+        self.storage = make_storage(shape, dtype, paged, block_size, num_blocks, workspace_bytes)
         self.rows = RowTable(max_batch, max_seq_len, self.device)
         self.scales = Fp8Scales(num_layers, num_kv_heads, self.device) if self.fp8 else None
         self.planner = StepPlanner(

@@ -42,6 +42,7 @@ from . import checks, quant, reference, tree
 from ._constants import MAX_TREE_NODES
 from .spec import PLAIN, ROW_IDLE, ROW_STEP, AttentionSpec
 
+INT4 = "int4"  # the name a cache takes it by: KVCache(kv_dtype="int4")
 GROUP = 64  # K tokens sharing a channel's scale and zero point (a tile of the kernel's loop)
 RESIDUAL = GROUP + MAX_TREE_NODES  # 16-bit K slots per (row, kv head): the partial group, a tree's nodes
 CHUNK = 32  # channels in one 16-byte chunk of the K layout

@@ -100,42 +100,48 @@ def accept(pages: Int4Pages, row: int, blocks: list[int], length: int, path: lis
     pages.scatter(row, blocks, c)
 
 
+def _residual_rows(rows, batch: int, pool_rows: int) -> list[int]:
+    """The pool's residual row of each of the step's ``batch`` rows (``rows``, default ``0 ..``)."""
+    rows = list(range(batch)) if rows is None else [int(r) for r in rows]
+    if len(rows) != batch or any(not 0 <= r < pool_rows for r in rows):
+        raise ValueError(f"rows must name {batch} of the pool's {pool_rows} residual rows, got {rows}")
+    return rows
+
+
 def _rows(block_tables, lengths: list[int], pages: Int4Pages, need: list[int]) -> list[list[int]]:
     """Each row's blocks of slots ``0 .. need[b]``, after ``checks.block_tables``."""
     checks.block_tables(block_tables, need, pages.num_blocks, pages.block_size)
-    if block_tables.shape[0] > pages.k_residual.shape[0]:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, more than the pool's residuals "
-                         f"({pages.k_residual.shape[0]})")  # fmt: skip
     tables = block_tables.tolist()
     return [tables[b][: n // pages.block_size + 1] for b, n in enumerate(need)]
 
 
 def decode_step_paged(qkv, pages: Int4Pages, block_tables, lengths, *, num_heads: int, num_kv_heads: int,
-                      return_lse: bool = False, row_active=None, positions=None, **kwargs):  # fmt: skip
+                      return_lse: bool = False, row_active=None, positions=None, rows=None,
+                      **kwargs):  # fmt: skip
     """``int4.decode_step`` over a paged int4 cache (row ``b``'s slot ``t`` as in the module
-    docstring); every check runs before anything is written."""
+    docstring; its residual is the pool's row ``rows[b]``, default ``b``); every check runs before
+    anything is written."""
     b = qkv.shape[0]
     pos = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos):
         if p < 0:
             raise ValueError(f"lengths[{row}] must be >= 0, got {p}")
     res = pages.k_residual
-    if b > res.shape[0]:
-        raise ValueError(f"qkv has {b} rows, more than the pool's residuals ({res.shape[0]} rows)")
+    rows = _residual_rows(rows, b, res.shape[0])
     modes = int4.check_step(qkv, b, res.shape[1], res.shape[-1], res.dtype, num_heads, num_kv_heads,
                             kwargs.get("attention", PLAIN), row_active)  # fmt: skip
     reference.step_positions(lengths, positions, modes, 1 << 62, b)  # positions' shape
     blocks = _rows(block_tables, pos, pages, pos)
     outs, lses = [], []
     for row in range(b):
-        c = pages.gather(row, blocks[row])
+        c = pages.gather(rows[row], blocks[row])
         one = slice(row, row + 1)
         out, lse = int4.decode_step(
             qkv[one], c, lengths[one], num_heads=num_heads, num_kv_heads=num_kv_heads, return_lse=True,
             row_active=None if row_active is None else row_active[one],
             positions=None if positions is None else positions[one], **kwargs,
         )  # fmt: skip
-        pages.scatter(row, blocks[row], c)
+        pages.scatter(rows[row], blocks[row], c)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs)
@@ -144,9 +150,11 @@ def decode_step_paged(qkv, pages: Int4Pages, block_tables, lengths, *, num_heads
 
 def decode_tree_paged(qkv, pages: Int4Pages, block_tables, lengths, parents, *, num_heads: int,
                       num_kv_heads: int, node_counts: list[int] | None = None, return_lse: bool = False,
-                      **kwargs):  # fmt: skip
+                      rows=None, **kwargs):  # fmt: skip
     """``int4.decode_tree`` over a paged int4 cache: row ``b``'s table holds the blocks of slots
-    ``0 .. lengths[b] + count - 1``; every check runs before anything is written."""
+    ``0 .. lengths[b] + count - 1``, its residual is the pool's row ``rows[b]`` (default ``b``);
+    every check runs before anything is written."""
+    residual_rows = _residual_rows(rows, qkv.shape[0], pages.k_residual.shape[0])
     rows = tree.check_parents(parents, qkv.shape[0], node_counts)
     pos = [int(p) for p in lengths.tolist()]
     for row, p in enumerate(pos):
@@ -155,13 +163,13 @@ def decode_tree_paged(qkv, pages: Int4Pages, block_tables, lengths, parents, *, 
     blocks = _rows(block_tables, pos, pages, [p + len(r) - 1 for p, r in zip(pos, rows, strict=True)])
     outs, lses = [], []
     for row in range(qkv.shape[0]):
-        c = pages.gather(row, blocks[row])
+        c = pages.gather(residual_rows[row], blocks[row])
         one = slice(row, row + 1)
         o, lse = int4.decode_tree(
             qkv[one], c, lengths[one], parents[one], num_heads=num_heads, num_kv_heads=num_kv_heads,
             node_counts=[len(rows[row])], return_lse=True, **kwargs,
         )  # fmt: skip
-        pages.scatter(row, blocks[row], c)
+        pages.scatter(residual_rows[row], blocks[row], c)
         outs.append(o)
         lses.append(lse)
     return (torch.cat(outs), torch.cat(lses)) if return_lse else torch.cat(outs)

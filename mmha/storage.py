@@ -69,6 +69,12 @@ class _Planes:
         rows = slice(None) if self.paged else slice(0, batch)
         return dict(k_scale=self.k_scales[layer][rows], v_scale=self.v_scales[layer][rows])
 
+    def accept_path(self, row: int, length: int, path: list[int]) -> None:
+        """A tree step's kept ``path`` (node indices) moved to slots ``length .. length + len(path) -
+        1`` of ``row`` in every layer (``move``; nothing to do when it is already in place)."""
+        if path and path != list(range(len(path))):
+            self.move(row, [length + t for t in path], list(range(length, length + len(path))))
+
     def copy_slots(self, src: tuple, dst: tuple) -> None:
         """Slots at ``dst = (row or block [R, W], offset [R, W])`` take those at ``src`` (device
         indices, ``slots``), in every layer and plane."""

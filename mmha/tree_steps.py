@@ -131,6 +131,10 @@ class TreeSteps:
     def accept(self, rows: Sequence[int], paths: Sequence[Sequence[int]] | torch.Tensor) -> None:
         """``KVCache.accept`` (its docstring)."""
         if isinstance(paths, torch.Tensor):
+            if self.cache.int4:
+                raise ValueError(
+                    "paths: an int4 cache takes paths as lists (its accept commits K groups on the host)"
+                )
             return self._accept_tensor(rows, paths)
         c = self.cache
         rows = c.rows.check(rows)
@@ -138,9 +142,7 @@ class TreeSteps:
         grown = [c.rows.host[r] + len(p) for r, p in zip(rows, checked, strict=True)]
         c.storage.check_room(rows, grown, "accept")
         for r, path in zip(rows, checked, strict=True):
-            n = c.rows.host[r]
-            if path and path != list(range(len(path))):  # else already in place
-                c.storage.move(r, [n + t for t in path], list(range(n, n + len(path))))
+            c.storage.accept_path(r, c.rows.host[r], path)
         c.rows.set_lengths(rows, grown)
         c.storage.reserve(rows, c.rows.next_slot_lengths(rows), "accept")
 
