@@ -281,6 +281,18 @@ def test_int8_kv_teacher_forced_no_decisive_mismatch(family):
     assert res["decisive_mismatches"] == 0 and res["max_logit_diff"] < 0.1 * res["logit_scale"]
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_int4_kv_teacher_forced_no_decisive_mismatch(family):
+    """The same with an int4 cache (mmha.int4; the reference path): a coarser format (the logits
+    move by about a fifth of their scale on these random-weight models) but no decisive mismatch."""
+    from mmha.bench.families import build_family
+    from mmha.models.hf import compare_kv_dtypes
+
+    model = build_family(family, "cpu", torch.float32)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), 24, "int4")
+    assert res["decisive_mismatches"] == 0 and res["max_logit_diff"] < 0.35 * res["logit_scale"]
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_int8_kv_teacher_forced_no_decisive_mismatch(dtype):

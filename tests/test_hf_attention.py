@@ -221,6 +221,11 @@ def test_int8_cache_teacher_forced_on_the_cpu():
     _teacher_forced("cpu", torch.float32, torch.int8, 16)
 
 
+def test_int4_cache_teacher_forced_on_the_cpu():
+    """The same with an int4 MmhaCache (mmha.int4; the reference path) against an fp32 one."""
+    _teacher_forced("cpu", torch.float32, "int4", 16)
+
+
 def _teacher_forced(device, dtype, kv_dtype, steps: int) -> None:
     model = mmha_model("llama", device, dtype)
     ps = prompts(model.config.vocab_size)

@@ -129,9 +129,9 @@ class HFDecoder:
 
     def __init__(
         self, model, max_batch: int, max_seq_len: int, *, graphs: bool | None = None,
-        dispatch_on: str | None = None, kv_dtype: torch.dtype | None = None, kv_scale_margin: float = 1.0,
-        paged: bool = False, block_size: int = 16, num_blocks: int | None = None,
-        prefill_tokens: int = 32768, fuse_norms: bool | None = None,
+        dispatch_on: str | None = None, kv_dtype: torch.dtype | str | None = None,
+        kv_scale_margin: float = 1.0, paged: bool = False, block_size: int = 16,
+        num_blocks: int | None = None, prefill_tokens: int = 32768, fuse_norms: bool | None = None,
     ):  # fmt: skip
         """``graphs``: decode steps of ``generate`` as CUDA graphs (default: on a GPU with the
         extension built, except mixture-of-experts models, whose expert routing has data-dependent
@@ -139,13 +139,13 @@ class HFDecoder:
         graphs, else ``"length"``). ``kv_dtype``: the caches' dtype (default the model's);
         ``torch.float8_e4m3fn`` stores K/V in fp8 with per-layer, per-kv-head scales taken from
         the first prompts' absolute maxima times ``kv_scale_margin`` (``KVCache.prefill``) or set by
-        ``self.cache.set_scales`` first; ``torch.int8``: per-token scales (no speculative steps). ``paged``,
-        ``block_size``, ``num_blocks``: a paged cache (``KVCache(paged=True)``; eager steps).
-        ``prefill_tokens``: prompts are prefilled together, right-padded, in groups of at most
-        this many (padded) tokens. ``fuse_norms`` (default: on a GPU with the extension built):
-        decode steps run the model's RMSNorms (each layer's, the final one, the q/k norms) as one
-        launch each (``mmha.models.hf_norms``), where the module computes a form the row norm has;
-        per-head q/k norms inside the kernel's q/k build (the layers' ``AttentionSpec.qk_norm``)."""
+        ``self.cache.set_scales`` first; ``torch.int8``: per-token scales (no speculative steps);
+        ``"int4"``: ``mmha.int4`` (CPU only). ``paged``, ``block_size``, ``num_blocks``: a paged
+        cache (``KVCache(paged=True)``; eager steps). ``prefill_tokens``: prompts are prefilled
+        together, right-padded, in groups of at most this many (padded) tokens. ``fuse_norms``
+        (default: on a GPU with the extension built): decode steps run the model's RMSNorms (each
+        layer's, the final one, the q/k norms) as one launch each (``mmha.models.hf_norms``) where
+        the module's form allows; per-head q/k norms in the kernel's q/k build (``AttentionSpec.qk_norm``)."""
         config = model.config
         attns = attention_modules(model)
         self.model = model

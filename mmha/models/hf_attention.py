@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import ops, reference
+from .. import int4, ops, reference
 from ..cache import KVCache
 from ..spec import AttentionSpec
 from .hf_layers import attention_modules, check_attention_kinds, layer_mods
@@ -178,7 +178,8 @@ class MmhaCache(Cache):
     ``past_key_values``; prompts must be left-padded (``generate``'s way for decoder-only models).
     Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
     fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``);
-    ``torch.int8``: codes with a scale per token.
+    ``torch.int8``: codes with a scale per token; ``"int4"``: ``mmha.int4``'s format (the reference
+    path only, so a CPU cache).
 
     Any rotary variant works (transformers applies it); sliding windows, logit soft-caps and
     sinks (Mistral, Gemma 2, gpt-oss) are each layer's ``AttentionSpec``: the kernel applies them
@@ -192,7 +193,7 @@ class MmhaCache(Cache):
         max_batch_size: int,
         max_cache_len: int,
         *,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         kv_scale_margin: float = 1.0,
     ):
         config = model.config
@@ -285,6 +286,8 @@ class MmhaCache(Cache):
                 qkv, kc, vc, lengths, num_splits=splits, stages=stages, workspace=self._workspace,
                 validate_lengths=False, **kw,
             )  # fmt: skip
+        elif kv.int4:  # the format's own reference step over its storage's view (mmha.int4)
+            out = int4.decode_step(qkv, kv.storage.view(layer, b)[0], lengths, **kw)
         else:
             out = reference.decode_step(qkv, kc, vc, lengths, **kw)
         if layer == kv.num_layers - 1:
