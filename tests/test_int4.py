@@ -302,3 +302,14 @@ def test_tree_bad_input_writes_nothing():
             int4.decode_tree(*args, num_heads=8, num_kv_heads=2)
         for name, t in vars(c).items():
             assert torch.equal(t, before[name]), (message, name)
+
+
+def test_the_accuracy_study_measured_this_format():
+    """mmha.bench.kv_accuracy's "int4 channels" keys and "int4 asym" values (quant.roundtrip_channels,
+    quant.roundtrip) are what the cache reads back, so its numbers are this format's."""
+    k, v = _tokens(150, outliers=True, seed=9)
+    c = int4.Int4Cache.empty(1, 2, 192, 64, torch.float32)
+    c.prefill(0, k, v)
+    keys, values = c.read(0, 150)
+    assert torch.equal(keys, quant.roundtrip_channels(k.transpose(0, 1), 4, 64).transpose(0, 1))
+    assert torch.equal(values, quant.roundtrip(v, 4, symmetric=False))
