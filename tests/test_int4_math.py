@@ -1,0 +1,116 @@
+"""The planned int4 consumer's math, modelled in torch before the kernel (docs/status.md, "INT8 /
+INT4 caches"): over a tile of 64 keys (one K group), K's per-channel scale folds into q (``q'_c =
+fp16(q_c s_c)``, the codes the mma's other operand as 1024 + code) and its zero point into one
+bias per tile and column (``q . z``, fp32); V's per-token scale goes on the probability over the
+largest V scale so far (``v_unit``, as for int8) and its zero point adds ``sum_j p_j z_j`` to every
+output channel. Equal to attention over what ``mmha.int4.Int4Cache`` reads back within fp16's
+rounding of q' and of the probabilities, whatever the scales' spread."""
+
+import math
+
+import pytest
+import torch
+
+from mmha import int4
+
+GROUP = 64
+BIAS = 1024.0  # the halves 0x6400 | code: 1024 + code, exact in fp16
+
+
+def consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
+    """One head over a row of whole groups: ``q [D]`` fp32 (log2 domain), codes ``[S, D]`` (0..15),
+    K's ``scale`` / ``zero`` ``[S / 64, D]``, V's ``[S]``, ``valid [S]`` (masked keys: score -inf,
+    their V scale and zero point zeroed as for int8). Returns the output ``[D]`` (float64), as the
+    kernel's accumulators would give it: fp32 products of fp16 operands, fp32 running sums."""
+    m, total, unit = -math.inf, 0.0, 0.0
+    acc = torch.zeros(v_codes.shape[1], dtype=torch.float32)
+    p_sum = torch.zeros((), dtype=torch.float32)  # the fp16 P' values' sum: the codes' bias comes off acc
+    z_sum = torch.zeros((), dtype=torch.float64)  # sum_j p_j z_j in value units (fp32 in the kernel)
+    for g0 in range(0, k_codes.shape[0], GROUP):
+        sl, g = slice(g0, g0 + GROUP), g0 // GROUP
+        qp = (q * k_scale[g]).to(torch.float16).float()  # q' for this tile
+        tile_bias = (q.double() * k_zero[g].double()).sum()  # q . z, one per tile and column
+        raw = (k_codes[sl].float() + BIAS) @ qp  # the mma: fp32 sums of fp16 products
+        s = (raw - BIAS * qp.sum()).double() + tile_bias
+        s = torch.where(valid[sl], s, torch.full_like(s, -math.inf))
+        mx = s.max().item()
+        if mx > m:
+            alpha = 1.0 if m == -math.inf else 2.0 ** (m - mx)
+            total, acc, p_sum, z_sum, m = total * alpha, acc * alpha, p_sum * alpha, z_sum * alpha, mx
+        vs = torch.where(valid[sl], v_scale[sl].double(), torch.zeros(GROUP, dtype=torch.float64))
+        vz = torch.where(valid[sl], v_zero[sl].double(), torch.zeros(GROUP, dtype=torch.float64))
+        vmax = vs.max().item()
+        if vmax > unit:
+            acc, p_sum = acc * (unit / vmax), p_sum * (unit / vmax)
+            unit = vmax
+        p = torch.exp2(s - m)
+        total += p.sum().item()
+        p16 = (p * vs / unit if unit > 0 else torch.zeros_like(p)).to(torch.float16).float()
+        acc = acc + p16 @ (v_codes[sl].float() + BIAS)
+        p_sum = p_sum + p16.sum()
+        z_sum = z_sum + (p * vz).sum()
+    out = (acc - BIAS * p_sum).double() * unit + z_sum
+    return out / total
+
+
+def case(seed, s, d, spread):
+    """A cache of ``s`` slots (whole groups) written through ``Int4Cache`` from K/V whose tokens'
+    magnitudes spread over ``10^±spread``, and a query; returns the cache's planes for one head
+    and the oracle's attention (float64, over what the cache reads back)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, s, d, generator=g, dtype=torch.float64)
+    out_ch = [5, d // 2 + 5]
+    k[..., out_ch] = k[..., out_ch] * 20 + 3  # outlier channels with an offset
+    mag = 10.0 ** ((torch.rand(s, generator=g, dtype=torch.float64) * 2 - 1) * spread)
+    v = torch.randn(1, s, d, generator=g, dtype=torch.float64) * mag[None, :, None] + 0.5
+    c = int4.Int4Cache.empty(1, 1, s, d, torch.float32)
+    c.prefill(0, k.float(), v.float())
+    q = (torch.randn(d, generator=g) * 0.2).float()
+    codes_k = int4.unpack_nibbles(c.k_codes[0, 0].permute(1, 0, 2).reshape(s, d // 2)).long()
+    codes_v = int4.unpack_nibbles(c.v_codes[0, 0]).long()
+    planes = (codes_k, c.k_scale[0, 0], c.k_zero[0, 0], codes_v, c.v_scale[0, 0], c.v_zero[0, 0])
+    return q, planes, c
+
+
+def oracle(q, c, s, valid):
+    keys, values = c.read(0, s, torch.float64)
+    scores = keys[0] @ q.double()
+    p = torch.softmax(torch.where(valid, scores, torch.full_like(scores, -math.inf)) * math.log(2), 0)
+    return p @ values[0], p, values[0]
+
+
+@pytest.mark.parametrize("spread", [0.0, 2.0, 6.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_folded_scales_and_zero_points_equal_attention_over_the_format(spread, seed):
+    s, d = 512, 64
+    q, planes, c = case(seed, s, d, spread)
+    valid = torch.ones(s, dtype=torch.bool)
+    valid[-9:] = False  # the last tile's keys past the row's end
+    got = consumer(q, *planes, valid)
+    want, p, values = oracle(q, c, s, valid)
+    # q' in fp16 moves each score by 2^-11 of sum |q_c s_c code|; P' in fp16 each probability by
+    # 2^-11 of its V term: bound the output by both shares (scores: through the softmax, e * dS).
+    codes_k, k_scale = planes[0], planes[1]
+    score_err = 2.0**-11 * ((q.abs().double() * k_scale.double().repeat_interleave(GROUP, 0)) * codes_k).sum(
+        1
+    )
+    v_terms = (p[:, None] * values.abs()).sum(0)
+    bound = (2.0**-11 * v_terms + (p * score_err * math.log(2))[:, None].mul(values.abs()).sum(0) * 2).max()
+    err = (got - want).abs().max().item()
+    assert err <= bound.item() + 1e-9, f"error {err:.3e} > {bound.item():.3e}"
+    assert torch.isfinite(got).all()
+
+
+def test_all_zero_tokens_and_masked_keys_add_nothing():
+    """A token of all-zero V (scale 0: codes 0, zero point 0) and masked keys with finite planes."""
+    s, d = 128, 32
+    q, planes, c = case(11, s, d, 1.0)
+    codes_k, ks, kz, codes_v, vs, vz = planes
+    vs, vz, codes_v = vs.clone(), vz.clone(), codes_v.clone()
+    vs[3], vz[3], codes_v[3] = 0.0, 0.0, 0
+    c.v_scale[0, 0, 3], c.v_zero[0, 0, 3], c.v_codes[0, 0, 3] = 0.0, 0.0, 0
+    valid = torch.ones(s, dtype=torch.bool)
+    valid[100:] = False
+    got = consumer(q, codes_k, ks, kz, codes_v, vs, vz, valid)
+    want, _, _ = oracle(q, c, s, valid)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
