@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A/B of several source trees in one device call (bench/ab.sh does two): each tree of TREES
+# ("label:path", the first the baseline; "." is the working tree, others e.g. `git archive REV csrc
+# mmha setup.py tests bench pyproject.toml | tar -x -C .tREV`, carried along) is copied to
+# /tmp/ab_<label> and built once per machine, all side by side (MAX_JOBS split between them); with
+# MMHA_KERNELS only those kernel sets (older trees slimmed by bench/slim_tree.py). Then the same
+# `python -m mmha.bench` arguments run with each build in turn, twice (a, b, c, a, b, c), and
+# bench/ab_table.py prints each build's rows beside the first's ($OUT/ab.md, a caption line first;
+# the runs themselves in $OUT/ab_runs.tgz).
+# Usage: TREES="main:.t915 branch:." MMHA_KERNELS=fp16 bash bench/ab_trees.sh --grid canonical \
+#          --dtype fp16 --peers --no-secondary
+source "$(dirname "$0")/device_env.sh"
+TREES=${TREES:?set TREES to "label:path ..." (the first is the baseline)}
+read -r -a trees <<<"$TREES"
+jobs=$(( ${MAX_JOBS:-16} / ${#trees[@]} )); [ "$jobs" -ge 1 ] || jobs=1
+for t in "${trees[@]}"; do
+  label=${t%%:*} src=${t#*:} dst=/tmp/ab_${t%%:*}
+  [ -f "$dst/.built" ] && continue
+  (
+    rm -rf "$dst" && mkdir -p "$dst" && cp -r "$src"/. "$dst"/ && rm -rf "$dst"/.t* "$dst"/build
+    if [ -n "${MMHA_KERNELS:-}" ]; then
+      # shellcheck disable=SC2086
+      python bench/slim_tree.py "$dst" --keep ${MMHA_KERNELS//,/ } >/dev/null || exit 1
+    fi
+    (cd "$dst" && MAX_JOBS=$jobs python setup.py build_ext --inplace >"$OUT/build_$label.log" 2>&1) || {
+      grep -E "error" "$OUT/build_$label.log" | head -20
+      exit 1
+    }
+    touch "$dst/.built"
+  ) &
+done
+wait
+labels=()
+for t in "${trees[@]}"; do
+  label=${t%%:*}
+  [ -f "/tmp/ab_$label/.built" ] || { echo "build of $label failed"; exit 1; }
+  labels+=("$label:$label")
+done
+for round in 1 2; do
+  for t in "${trees[@]}"; do
+    label=${t%%:*}
+    (cd "/tmp/ab_$label" && PYTHONPATH="/tmp/ab_$label" python -m mmha.bench "$@" --out "$OUT/${label}_$round" \
+      >"$OUT/${label}_$round.txt" 2>&1) || tail -n 5 "$OUT/${label}_$round.txt"
+  done
+done
+caption="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date +%F): ${TREES}; python -m mmha.bench $*"
+python bench/ab_table.py "$OUT" "$caption" "${labels[@]}" | tee "$OUT/ab.md"
+# The runs' own files in one archive (few files come back from a device call).
+(cd "$OUT" && tar czf ab_runs.tgz ./*_[12] ./*_[12].txt && rm -rf ./*_[12] ./*_[12].txt)
