@@ -101,7 +101,8 @@ def decode_matches_single(rank, world, mode="sequence", device="cpu", dtype=torc
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     gen = torch.Generator().manual_seed(1234)
-    hq, hkv, d = 4, 2, 16 if device == "cpu" else 32  # the kernel's smallest head dim
+    # the kernel's smallest head dim, and int4's (whole 32-channel chunks)
+    hq, hkv, d = 4, 2, 16 if device == "cpu" and kv_dtype != "int4" else 32
     if mods:  # every head's settings: each rank takes its heads' sinks and epilogue channels; q/k norms
         g = torch.Generator().manual_seed(5)
         epilogue = OutEpilogue(shift=torch.randn(hq * d, generator=g).to(device),

@@ -78,6 +78,8 @@ def test_merge_partials_equals_attention_over_the_union():
         (2, dict(mode="heads")),
         (2, dict(mode="heads", output="full", mods=True)),
         (2, dict(mode="heads", dtype=torch.float16, kv_dtype=torch.int8)),
+        (2, dict(mode="heads", dtype=torch.float16, kv_dtype="int4")),
+        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype="int4", block=64)),  # whole K groups
     ],
     ids=[
         "seq",
@@ -89,6 +91,8 @@ def test_merge_partials_equals_attention_over_the_union():
         "heads",
         "heads-full-mods",
         "heads-int8",
+        "heads-int4",
+        "seq-int4",
     ],  # fmt: skip
 )
 def test_decode_matches_single_cache(world, kw):
