@@ -15,6 +15,8 @@ import torch
 from . import int4, int4_pages, ops, reference
 from .spec import AttentionSpec
 
+INT4_VIEWS = (int4.Int4Cache, int4_pages.Int4Pages)  # an int4 cache's view of a layer (mmha.int4_storage)
+
 
 @dataclass
 class StepCall:
@@ -101,56 +103,21 @@ class ReferenceBackend:
     def step(self, c: StepCall):
         kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
                   qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
-        if isinstance(c.k, (int4.Int4Cache, int4_pages.Int4Pages)):
-            return self._step_int4(c, kw)
+        four = isinstance(c.k, INT4_VIEWS)
         if c.block_tables is None:
-            return reference.decode_step(
-                c.qkv, c.k, c.v, c.lengths, return_lse=c.return_lse, row_active=c.row_active,
-                positions=c.positions, **kw,
-            )  # fmt: skip
-        batch, dev = c.qkv.shape[0], c.qkv.device
-        out = _zeros((batch, self.num_heads * c.v.shape[-1]), c.qkv.dtype, dev, c.attention)
-        lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=dev)
-        if c.active_rows:
-            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
-            out[idx], lse[idx] = reference.decode_step_paged(
-                c.qkv[idx], c.k, c.v, c.block_tables[idx], c.lengths[idx], return_lse=True, **kw
-            )
-        return (out, lse) if c.return_lse else out
+            step_kw = dict(return_lse=c.return_lse, row_active=c.row_active, positions=c.positions, **kw)
+            if four:
+                return int4.decode_step(c.qkv, c.k, c.lengths, **step_kw)
+            return reference.decode_step(c.qkv, c.k, c.v, c.lengths, **step_kw)
 
-    def _step_int4(self, c: StepCall, kw: dict):
-        """An int4 cache's step (``mmha.int4``; a pool's active rows only, as below)."""
-        if c.block_tables is None:
-            return int4.decode_step(c.qkv, c.k, c.lengths, return_lse=c.return_lse, row_active=c.row_active,
-                                    positions=c.positions, **kw)  # fmt: skip
-        batch, dev = c.qkv.shape[0], c.qkv.device
-        out = _zeros((batch, self.num_heads * c.k.k_residual.shape[-1]), c.qkv.dtype, dev, c.attention)
-        lse = torch.full((batch, self.num_heads), float("-inf"), dtype=torch.float32, device=dev)
-        if c.active_rows:
-            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
-            out[idx], lse[idx] = int4_pages.decode_step_paged(
-                c.qkv[idx],
-                c.k,
-                c.block_tables[idx],
-                c.lengths[idx],
-                return_lse=True,
-                rows=c.active_rows,
-                **kw,
-            )
-        return (out, lse) if c.return_lse else out
+        def run(idx):
+            args = (c.qkv[idx], c.k, c.block_tables[idx], c.lengths[idx])
+            if four:
+                return int4_pages.decode_step_paged(*args, return_lse=True, rows=c.active_rows, **kw)
+            return reference.decode_step_paged(*args[:2], c.v, *args[2:], return_lse=True, **kw)
 
-    def _tree_int4(self, c: TreeCall, kw: dict):
-        if c.block_tables is None:
-            return int4.decode_tree(c.qkv, c.k, c.lengths, c.parents, node_counts=c.node_counts, **kw)
-        batch, nodes, dev = c.qkv.shape[0], c.qkv.shape[1], c.qkv.device
-        out = _zeros((batch, nodes, self.num_heads * c.k.k_residual.shape[-1]), c.qkv.dtype, dev, c.attention)
-        if c.active_rows:
-            idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
-            out[idx] = int4_pages.decode_tree_paged(
-                c.qkv[idx], c.k, c.block_tables[idx], c.lengths[idx], c.parents[idx], rows=c.active_rows,
-                node_counts=[c.node_counts[r] for r in c.active_rows], **kw,
-            )  # fmt: skip
-        return out
+        out, lse = self._active_rows(c, (c.qkv.shape[0],), run)
+        return (out, lse) if c.return_lse else out
 
     def tree(self, c: TreeCall):
         if c.return_lse:  # refused before anything is written
@@ -159,18 +126,34 @@ class ReferenceBackend:
             )
         kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
                   qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
-        if isinstance(c.k, (int4.Int4Cache, int4_pages.Int4Pages)):
-            return self._tree_int4(c, kw)
+        four = isinstance(c.k, INT4_VIEWS)
         if c.block_tables is None:
+            if four:
+                return int4.decode_tree(c.qkv, c.k, c.lengths, c.parents, node_counts=c.node_counts, **kw)
             return reference.decode_tree(
                 c.qkv, c.k, c.v, c.lengths, c.parents, node_counts=c.node_counts, **kw
             )
-        batch, nodes, dev = c.qkv.shape[0], c.qkv.shape[1], c.qkv.device
-        out = _zeros((batch, nodes, self.num_heads * c.v.shape[-1]), c.qkv.dtype, dev, c.attention)
+
+        def run(idx):
+            args = (c.qkv[idx], c.k, c.block_tables[idx], c.lengths[idx], c.parents[idx])
+            counts = [c.node_counts[r] for r in c.active_rows]
+            if four:
+                return int4_pages.decode_tree_paged(*args, node_counts=counts, rows=c.active_rows, **kw), None
+            return reference.decode_tree_paged(*args[:2], c.v, *args[2:], node_counts=counts, **kw), None
+
+        return self._active_rows(c, c.qkv.shape[:2], run)[0]
+
+    def _active_rows(self, c, lead: tuple, run):
+        """A paged cache's step over its active rows only (``run(idx)`` gives their out and lse,
+        or None); the other rows get the output of rows that take no part (zeros, lse -inf)."""
+        dev = c.qkv.device
+        head_dim = c.k.k_residual.shape[-1] if isinstance(c.k, INT4_VIEWS) else c.v.shape[-1]
+        out = _zeros((*lead, self.num_heads * head_dim), c.qkv.dtype, dev, c.attention)
+        lse = torch.full((*lead, self.num_heads), float("-inf"), dtype=torch.float32, device=dev)
         if c.active_rows:
             idx = torch.tensor(c.active_rows, dtype=torch.long, device=dev)
-            out[idx] = reference.decode_tree_paged(
-                c.qkv[idx], c.k, c.v, c.block_tables[idx], c.lengths[idx], c.parents[idx],
-                node_counts=[c.node_counts[r] for r in c.active_rows], **kw,
-            )  # fmt: skip
-        return out
+            o, lse_rows = run(idx)
+            out[idx] = o
+            if lse_rows is not None:
+                lse[idx] = lse_rows
+        return out, lse
