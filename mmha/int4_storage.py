@@ -16,7 +16,7 @@ import torch
 from . import int4_pages, paging
 from .int4 import GROUP, INT4, Int4Cache
 from .int4_pages import Int4Pages
-from .storage import ContiguousStorage, PagedStorage
+from .storage import ContiguousStorage, PagedStorage, pool_size
 
 
 def _check_free(nbytes: int, device: torch.device) -> None:
@@ -95,17 +95,10 @@ class Int4PagedStorage(PagedStorage):
         self, num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, dtype, device, block_size,
         num_blocks=None, extra_bytes=0,
     ):  # fmt: skip
-        paging.check_block_size(block_size)
+        max_blocks, num_blocks = pool_size(max_batch, max_seq_len, block_size, num_blocks)
         if block_size % GROUP:
             raise ValueError(
                 f"block_size must be 64 or 128 for an int4 cache (whole K groups), got {block_size}"
-            )
-        max_blocks = -(-max_seq_len // block_size)
-        num_blocks = max_batch * max_blocks if num_blocks is None else num_blocks
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < max_batch:
-            raise ValueError(
-                f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
-                f"next token, got {num_blocks!r}"
             )
         self.pages = [
             Int4Pages.empty(num_blocks, block_size, max_batch, num_kv_heads, head_dim, dtype, device)

@@ -153,6 +153,20 @@ class ContiguousStorage(_Planes):
         return rows[:, None].expand_as(slots), slots
 
 
+def pool_size(max_batch: int, max_seq_len: int, block_size: int, num_blocks) -> tuple[int, int]:
+    """``(blocks a row may hold, blocks in the pool)``: ``num_blocks`` checked (default: every row
+    at ``max_seq_len``), after ``block_size``."""
+    paging.check_block_size(block_size)
+    max_blocks = -(-max_seq_len // block_size)
+    num_blocks = max_batch * max_blocks if num_blocks is None else num_blocks
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < max_batch:
+        raise ValueError(
+            f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
+            f"next token, got {num_blocks!r}"
+        )
+    return max_blocks, num_blocks
+
+
 class PagedStorage(_Planes):
     """Pages of one pool per layer (``mmha.paging``); ``pool`` allocates their blocks to rows."""
 
@@ -162,14 +176,7 @@ class PagedStorage(_Planes):
         self, num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, kv_dtype, device, block_size,
         num_blocks=None, extra_bytes=0,
     ):  # fmt: skip
-        paging.check_block_size(block_size)
-        max_blocks = -(-max_seq_len // block_size)
-        num_blocks = max_batch * max_blocks if num_blocks is None else num_blocks
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < max_batch:
-            raise ValueError(
-                f"num_blocks must be an int >= max_batch ({max_batch}): every row holds the block of its "
-                f"next token, got {num_blocks!r}"
-            )
+        max_blocks, num_blocks = pool_size(max_batch, max_seq_len, block_size, num_blocks)
         k_shape = layout.k_pages_shape(num_blocks, num_kv_heads, block_size, head_dim, kv_dtype)
         v_shape = layout.v_pages_shape(num_blocks, num_kv_heads, block_size, head_dim)
         self.k_caches, self.v_caches, self.nbytes = _allocate(
