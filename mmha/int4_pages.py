@@ -44,9 +44,12 @@ class Int4Pages:
         if block_size % GROUP:
             raise ValueError(f"block_size must be a multiple of {GROUP} for an int4 cache (whole K groups "
                              f"per block), got {block_size}")  # fmt: skip
-        rows = Int4Cache.empty(max_batch, num_kv_heads, GROUP, head_dim, dtype, device)  # checks the rest
-        pool = Int4Cache.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
-        return cls(**{**vars(pool), "k_residual": rows.k_residual})
+        checks.positive_int("max_batch", max_batch)
+        pool = Int4Cache.empty(
+            num_blocks, num_kv_heads, block_size, head_dim, dtype, device
+        )  # checks the rest
+        residual = torch.zeros(max_batch, num_kv_heads, RESIDUAL, head_dim, dtype=dtype, device=device)
+        return cls(**{**vars(pool), "k_residual": residual})
 
     @property
     def block_size(self) -> int:
