@@ -166,9 +166,9 @@ class Int4Cache:
         first, as a tree's root-to-leaf paths are) move to slots ``length .. length + len(path) -
         1``, V's codes, scales and zero points and K's residual entries, then those slots are
         committed. The row's length becomes ``length + len(path)`` (kept by the caller)."""
+        if any(t < j for j, t in enumerate(path)):  # checked before anything moves
+            raise ValueError(f"path must hold increasing node indices from the root, got {path}")
         for j, t in enumerate(path):
-            if t < j:
-                raise ValueError(f"path must hold increasing node indices from the root, got {path}")
             src, dst = length + t, length + j
             for plane in (self.v_codes, self.v_scale, self.v_zero):
                 plane[row, :, dst] = plane[row, :, src]

@@ -258,8 +258,11 @@ def test_accept_across_a_group_end_commits_the_group():
         assert torch.equal(getattr(a, name)[0, :, : p + 7], getattr(b, name)[0, :, : p + 7]), name
     assert a.k_scale[1, :, 0].count_nonzero() == 0  # row 1 kept nothing yet
     torch.testing.assert_close(a.read(0, p + 7), b.read(0, p + 7), rtol=0, atol=0)
+    before = {k: t.clone() for k, t in vars(a).items()}
     with pytest.raises(ValueError, match="path must hold increasing node indices"):
         a.accept(1, p, [0, 2, 1])
+    for name, t in vars(a).items():  # refused before anything moved
+        assert torch.equal(t, before[name]), name
 
 
 def test_tree_nodes_attend_to_their_ancestors_only():
