@@ -40,7 +40,7 @@ import torch
 
 from . import checks, quant, reference, tree
 from ._constants import MAX_TREE_NODES
-from .spec import PLAIN, ROW_IDLE, ROW_STEP, AttentionSpec
+from .spec import PLAIN, AttentionSpec
 
 INT4 = "int4"  # the name a cache takes it by: KVCache(kv_dtype="int4")
 GROUP = 64  # K tokens sharing a channel's scale and zero point (a tile of the kernel's loop)
@@ -258,22 +258,12 @@ def decode_step(
         x = x + qkv_bias.to(compute_dtype)
     pos = torch.tensor(rot_pos, device=qkv.device)
     q, k, v = reference.project_tokens(x, pos, num_heads, num_kv_heads, d, attention, qkv.dtype)
-    scale = attention.scale_for(d)
-    outs, lses = [], []
-    for row, p in enumerate(pos_list):
-        keys_end = p + 1 if modes[row] == ROW_STEP else p
-        if modes[row] == ROW_IDLE or keys_end <= attention.first_slot(p):  # takes no part
-            outs.append(torch.zeros(num_heads * d, dtype=compute_dtype, device=qkv.device))
-            lses.append(torch.full((num_heads,), -math.inf, dtype=compute_dtype, device=qkv.device))
-            continue
-        if modes[row] == ROW_STEP:
-            cache.append(row, p, k[row], v[row])
-        keys, values = cache.read(row, keys_end, compute_dtype)
-        o, lse = reference.attend(q[row], keys, values, scale, attention, p)
-        outs.append(o.reshape(-1))
-        lses.append(lse)
-    out = reference.finish(torch.stack(outs), qkv.dtype, attention)
-    return (out, torch.stack(lses).float()) if return_lse else out
+    out, lse = reference.step_rows(
+        q, pos_list, modes, attention, lambda row, p: cache.append(row, p, k[row], v[row]),
+        lambda row, n: cache.read(row, n, compute_dtype),
+    )  # fmt: skip
+    out = reference.finish(out, qkv.dtype, attention)
+    return (out, lse.float()) if return_lse else out
 
 
 def decode_tree(

@@ -30,13 +30,24 @@ def _nbytes(parts) -> int:
     return sum(t.numel() * t.element_size() for p in parts for t in vars(p).values())
 
 
-class Int4ContiguousStorage:
-    """Row ``b`` of a layer is row ``b`` of ``caches[layer]``; capacities are whole K groups
-    (``max_seq_len`` rounded up to a multiple of 64; slots past ``max_seq_len`` are never used)."""
+class _Int4Slots:
+    """What both int4 storages share: no per-token scale planes, and slots that move only through
+    ``accept_path`` (a move elsewhere would skip the K groups' commit)."""
 
-    paged = False
-    pool = None
-    block_tables = None
+    def scales_view(self, layer: int, batch: int) -> dict:
+        return {}
+
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        raise ValueError("an int4 cache moves slots only through accept_path (its K groups commit there)")
+
+    def copy_slots(self, src: tuple, dst: tuple) -> None:
+        raise ValueError("an int4 cache moves slots only through accept_path (its K groups commit there)")
+
+
+class Int4ContiguousStorage(_Int4Slots, ContiguousStorage):
+    """Row ``b`` of a layer is row ``b`` of ``caches[layer]``; capacities are whole K groups
+    (``max_seq_len`` rounded up to a multiple of 64; slots past ``max_seq_len`` are never used).
+    ``ContiguousStorage``'s bookkeeping (a contiguous cache owns every slot already)."""
 
     def __init__(
         self, num_layers, max_batch, max_seq_len, num_kv_heads, head_dim, dtype, device, extra_bytes=0
@@ -57,12 +68,6 @@ class Int4ContiguousStorage:
         """Rows ``0 .. batch - 1`` of ``layer`` (views: a step writes through them)."""
         return Int4Cache(**{name: t[:batch] for name, t in vars(self.caches[layer]).items()}), None
 
-    def tables(self, batch: int) -> None:
-        return None
-
-    def scales_view(self, layer: int, batch: int) -> dict:
-        return {}
-
     def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, scales=None) -> None:
         """Slots ``0 .. n - 1`` of ``row`` get the prompt ``k, v [1, n, Hkv, D]`` (after rotary),
         quantised as appends would leave them."""
@@ -73,20 +78,8 @@ class Int4ContiguousStorage:
         for c in self.caches:
             c.accept(row, length, path)
 
-    def check_room(self, rows, lengths, what: str) -> None:
-        pass
 
-    def reserve(self, rows, lengths, what: str) -> None:
-        pass
-
-    def assign(self, rows, lengths, what: str) -> None:
-        pass
-
-    def release(self, rows) -> None:
-        pass
-
-
-class Int4PagedStorage(PagedStorage):
+class Int4PagedStorage(_Int4Slots, PagedStorage):
     """One ``Int4Pages`` pool per layer; ``pool`` allocates blocks to rows as for the other formats
     (``PagedStorage``'s bookkeeping: tables, room, reserve, assign, release). Blocks hold whole K
     groups (``block_size`` 64 or 128)."""
@@ -118,9 +111,6 @@ class Int4PagedStorage(PagedStorage):
     def view(self, layer: int, batch: int) -> tuple[Int4Pages, None]:
         return self.pages[layer], None
 
-    def scales_view(self, layer: int, batch: int) -> dict:
-        return {}
-
     def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, scales=None) -> None:
         n = k.shape[1]
         blocks = self.pool.rows[row][: -(-n // self.block_size)]
@@ -142,12 +132,6 @@ class Int4PagedStorage(PagedStorage):
         blocks = self.pool.table(row)  # the row's blocks, those of the tree's nodes included
         for p in self.pages:
             int4_pages.accept(p, row, blocks, length, path)
-
-    def move(self, row: int, src: list[int], dst: list[int]) -> None:
-        raise ValueError("an int4 cache moves slots only through accept_path (its K groups commit there)")
-
-    def copy_slots(self, src: tuple, dst: tuple) -> None:
-        raise ValueError("an int4 cache moves slots only through accept_path (its K groups commit there)")
 
 
 def make_storage(shape: tuple, dtype, paged: bool, block_size: int, num_blocks, extra_bytes: int):

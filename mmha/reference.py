@@ -246,23 +246,40 @@ def decode_step(
     q, k_new, v_new, tok = new_tokens(
         x, pos, num_heads, num_kv_heads, d, attention, k_cache, k_scale, v_scale, qkv.dtype
     )
+
+    def append(row: int, p: int) -> None:
+        row_scales = None if tok is None else (tok[0][row], tok[1][row])
+        store_token(k_cache, v_cache, (k_scale, v_scale), row, p, k_new[row], v_new[row], row_scales)
+
+    def read(row: int, n: int):
+        return cached_kv(k_cache, v_cache, row, n, k_scale, v_scale, compute_dtype)
+
+    out, lse = step_rows(q, pos_list, modes, attention, append, read)
+    out = finish(out, qkv.dtype, attention)
+    return (out, lse.float()) if return_lse else out
+
+
+def step_rows(q, pos_list: list[int], modes: list[int], attention: AttentionSpec, append, read):
+    """Step 4 of every row: a stepping row appends its token (``append(row, pos)``), then each
+    row that takes part attends over its slots (``read(row, n)``: keys and values ``[Hkv, n, D]``);
+    the others give zeros and an lse of -inf. ``q [B, Hq, D]``. Returns out ``[B, Hq * D]`` and
+    lse ``[B, Hq]`` in q's dtype."""
+    num_heads, d = q.shape[1], q.shape[2]
     scale = attention.scale_for(d)
     outs, lses = [], []
     for row, p in enumerate(pos_list):
         keys_end = p + 1 if modes[row] == ROW_STEP else p
         if modes[row] == ROW_IDLE or keys_end <= attention.first_slot(p):  # takes no part
-            outs.append(torch.zeros(num_heads * d, dtype=compute_dtype, device=qkv.device))
-            lses.append(torch.full((num_heads,), -math.inf, dtype=compute_dtype, device=qkv.device))
+            outs.append(torch.zeros(num_heads * d, dtype=q.dtype, device=q.device))
+            lses.append(torch.full((num_heads,), -math.inf, dtype=q.dtype, device=q.device))
             continue
         if modes[row] == ROW_STEP:
-            row_scales = None if tok is None else (tok[0][row], tok[1][row])
-            store_token(k_cache, v_cache, (k_scale, v_scale), row, p, k_new[row], v_new[row], row_scales)
-        keys, values = cached_kv(k_cache, v_cache, row, keys_end, k_scale, v_scale, compute_dtype)
+            append(row, p)
+        keys, values = read(row, keys_end)
         o, lse = attend(q[row], keys, values, scale, attention, p)
         outs.append(o.reshape(-1))
         lses.append(lse)
-    out = finish(torch.stack(outs), qkv.dtype, attention)
-    return (out, torch.stack(lses).float()) if return_lse else out
+    return torch.stack(outs), torch.stack(lses)
 
 
 def decode_step_paged(
