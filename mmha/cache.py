@@ -46,10 +46,11 @@ def _warn_reference_once(reason: str) -> None:
 
 
 def _checked_kv_dtype(dtype: torch.dtype, kv_dtype) -> torch.dtype | str:
-    """The caches' format: ``dtype`` when ``kv_dtype`` is None, else ``kv_dtype`` checked."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    """The caches' format: ``dtype`` when ``kv_dtype`` is None, else ``kv_dtype`` checked (the
+    names ``"int8"`` and ``"fp8"`` stand for ``torch.int8`` and ``torch.float8_e4m3fn``)."""
+    kv_dtype = dtype if kv_dtype is None else {"int8": torch.int8, "fp8": FP8}.get(kv_dtype, kv_dtype)
     if isinstance(kv_dtype, str) and kv_dtype != INT4:
-        raise ValueError(f'kv_dtype must be a torch dtype or "{INT4}", got {kv_dtype!r}')
+        raise ValueError(f'kv_dtype must be a torch dtype, "int8", "fp8" or "{INT4}", got {kv_dtype!r}')
     if kv_dtype != INT4:
         dispatch.check_kv_dtype(dtype, kv_dtype)
     return kv_dtype
@@ -80,10 +81,11 @@ class KVCache:
         interleaved = GPT-J pairs, else GPT-NeoX halves) and ``scale`` (default ``1 / sqrt(D)``).
     dispatch_on : ``"length"`` plans for the longest current row (eager decoding); ``"capacity"``
         for ``max_seq_len``, so a captured CUDA graph stays right as rows grow.
-    kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (under fp16 / bf16
-        activations), with one fp32 scale per layer and kv head for K and one for V (``k_scales``,
-        ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8``: each token's K and V codes with
-        a scale per token and kv head beside its slot (``mmha.quant``; on a GPU under fp16 / bf16
+    kv_dtype : the caches' dtype: ``dtype`` (default) or ``torch.float8_e4m3fn`` (``"fp8"``; under
+        fp16 / bf16 activations), with one fp32 scale per layer and kv head for K and one for V
+        (``k_scales``, ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8`` (``"int8"``):
+        each token's K and V codes with a scale per token and kv head beside its slot
+        (``mmha.quant``; on a GPU under fp16 / bf16
         activations and in one-token steps only: tree and speculative steps refuse it there), or
         ``"int4"`` (``mmha.int4``: V per token and K per channel over 64-token groups, with zero
         points; the reference path only, so a CPU cache; paged blocks of 64 or 128 slots; ``accept``

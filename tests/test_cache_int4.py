@@ -132,8 +132,10 @@ def test_fork_continues_like_its_source():
 
 
 def test_refusals_name_the_argument_and_change_nothing():
-    with pytest.raises(ValueError, match='kv_dtype must be a torch dtype or "int4"'):
+    with pytest.raises(ValueError, match='kv_dtype must be a torch dtype, "int8", "fp8" or "int4"'):
         KVCache(1, 1, 64, HQ, HKV, D, torch.float16, "cpu", kv_dtype="int3")
+    for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):  # the formats by name
+        assert KVCache(1, 1, 64, HQ, HKV, D, torch.float16, "cpu", kv_dtype=name).kv_dtype == dtype
     with pytest.raises(ValueError, match="block_size must be 64 or 128 for an int4 cache"):
         _cache(paged=True).__class__(1, 1, 64, HQ, HKV, D, torch.float16, "cpu", kv_dtype="int4", paged=True)
     c = _cache()
