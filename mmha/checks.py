@@ -98,3 +98,17 @@ def tree_spec(attention: AttentionSpec, name: str = "attention") -> None:
         raise ValueError(
             f"{name} must have no score modifiers for a tree step (tree steps take no {', '.join(mods)})"
         )
+
+
+def step_args(
+    qkv, batch: int, head_dim: int, num_heads: int, num_kv_heads: int, attention, row_active
+) -> list[int]:
+    """A one-token step's head counts, ``qkv [batch, (Hq + 2 Hkv) D]``, spec and row modes
+    (``row_modes``, returned), whatever the cache's format."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.shape != (batch, width):
+        raise ValueError(f"qkv must have shape [{batch}, {width}], got {tuple(qkv.shape)}")
+    attention_spec(attention, num_heads, head_dim, qkv.device)
+    return row_modes(row_active, batch)

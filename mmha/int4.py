@@ -219,15 +219,9 @@ def check_step(qkv, batch: int, cache_heads: int, head_dim: int, dtype, num_head
     the row modes."""
     if num_kv_heads != cache_heads:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must equal the cache's kv heads ({cache_heads})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.shape != (batch, width):
-        raise ValueError(f"qkv must have shape [{batch}, {width}], got {tuple(qkv.shape)}")
     if qkv.dtype != dtype:
         raise ValueError(f"qkv must have the cache's activation dtype {dtype}, got {qkv.dtype}")
-    checks.attention_spec(attention, num_heads, head_dim, qkv.device)
-    return checks.row_modes(row_active, batch)
+    return checks.step_args(qkv, batch, head_dim, num_heads, num_kv_heads, attention, row_active)
 
 
 def decode_step(

@@ -230,14 +230,7 @@ def decode_step(
     """
     b, hkv, s_max, d = v_cache.shape
     checks.cache_scales(k_cache, v_cache, k_scale, v_scale)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    if qkv.shape != (b, (num_heads + 2 * num_kv_heads) * d):
-        raise ValueError(
-            f"qkv must have shape [{b}, {(num_heads + 2 * num_kv_heads) * d}], got {tuple(qkv.shape)}"
-        )
-    checks.attention_spec(attention, num_heads, d, qkv.device)
-    modes = checks.row_modes(row_active, b)
+    modes = checks.step_args(qkv, b, d, num_heads, num_kv_heads, attention, row_active)
     pos_list, rot_pos = step_positions(lengths, positions, modes, s_max, b)
     x = qkv.to(compute_dtype)
     if qkv_bias is not None:
