@@ -6,7 +6,8 @@
 # Usage: bash tests/gpu_suite.sh [extra pytest args]
 # TESTS: the test paths (default: tests), e.g. TESTS="tests/test_int8_gpu.py tests/test_fp8_gpu.py";
 # CASES: one case set of tests/sanitize_cases.py for the sanitizers (e.g. int8, qk_norm; default:
-# all of them, and the row norm's pass).
+# all of them, and the row norm's pass); SKIP_BUILD=1 uses the extension already built in place (so
+# a sanitizer run and a parallel pytest, `-n 8`, can share one build); SKIP_TESTS / SKIP_SANITIZER.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -19,12 +20,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$summary"
 
 start=$(date +%s)
-if ! python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  echo "build: skipped (SKIP_BUILD=1)" | tee -a "$summary"
+elif ! python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   grep -E "error|Error" "$OUT/build.log" | head -40
   echo "build: FAILED" | tee -a "$summary"
   exit 1
+else
+  echo "build: ok in $(($(date +%s) - start)) s" | tee -a "$summary"
 fi
-echo "build: ok in $(($(date +%s) - start)) s" | tee -a "$summary"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # A hung kernel must not eat the whole device call: every test gets TEST_TIMEOUT seconds.
