@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import int4, int4_pages, ops, reference
+from ._constants import ROW_STEP
 from .spec import AttentionSpec
 
 INT4_VIEWS = (int4.Int4Cache, int4_pages.Int4Pages)  # an int4 cache's view of a layer (mmha.int4_storage)
@@ -99,8 +100,52 @@ class ReferenceBackend:
 
     def __init__(self, num_heads: int, num_kv_heads: int):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.scale_rows: set[int] = set()  # check()'s flags: rows that appended a non-finite token
+
+    def check(self) -> None:
+        """The kernel's device-side guard on this path: ``ScaleError`` naming the rows of an int8 or
+        int4 cache that appended a token with a value that is not finite since the last check (its
+        scale is stored non-finite and the row's output is NaN, as on the GPU); flags cleared."""
+        rows, self.scale_rows = sorted(self.scale_rows), set()
+        if rows:
+            raise ops.ScaleError(
+                f"rows {rows}: a quantised cache's new token had a value that is not finite (its scale is "
+                "stored non-finite; the output is NaN)"
+            )
+
+    def _flag(self, c, qkv: torch.Tensor, counts: list[int]) -> None:
+        """Rows of an int8 / int4 cache that appended a new k or v (bias added) that is not finite:
+        ``qkv [B, T, W]``, ``counts[b]`` the tokens row b appended (0 for rows that append none)."""
+        if not (isinstance(c.k, INT4_VIEWS) or c.k.dtype == torch.int8):
+            return
+        x = qkv.float()
+        if c.qkv_bias is not None:
+            x = x + c.qkv_bias.float()
+        d = x.shape[-1] // (self.num_heads + 2 * self.num_kv_heads)
+        bad = (~torch.isfinite(x[..., self.num_heads * d :])).any(-1)  # [B, T]
+        for row, n in enumerate(counts):
+            if n and bad[row, :n].any():
+                self.scale_rows.add(row)
+
+    def _appending(self, c, batch: int) -> list[bool]:
+        """Which rows append this step: stepping rows (row modes) that take part."""
+        modes = c.row_active.tolist() if c.row_active is not None else [ROW_STEP] * batch
+        taking = set(range(batch)) if c.active_rows is None else set(c.active_rows)
+        return [modes[r] == ROW_STEP and r in taking for r in range(batch)]
 
     def step(self, c: StepCall):
+        out = self._step(c)
+        self._flag(c, c.qkv[:, None], [int(a) for a in self._appending(c, c.qkv.shape[0])])
+        return out
+
+    def tree(self, c: TreeCall):
+        out = self._tree(c)
+        appending = self._appending(c, c.qkv.shape[0])
+        counts = [n if a else 0 for n, a in zip(c.node_counts, appending, strict=True)]
+        self._flag(c, c.qkv, counts)
+        return out
+
+    def _step(self, c: StepCall):
         kw = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, attention=c.attention,
                   qkv_bias=c.qkv_bias, **c.scales)  # fmt: skip
         four = isinstance(c.k, INT4_VIEWS)
@@ -119,7 +164,7 @@ class ReferenceBackend:
         out, lse = self._active_rows(c, (c.qkv.shape[0],), run)
         return (out, lse) if c.return_lse else out
 
-    def tree(self, c: TreeCall):
+    def _tree(self, c: TreeCall):
         if c.return_lse:  # refused before anything is written
             raise ValueError(
                 "return_lse needs the GPU kernel (the cache's reference tree step returns out only)"

@@ -316,8 +316,12 @@ class KVCache:
         length was outside ``[0, max_seq_len - 1]`` (lengths changed behind the cache's back, or a
         replayed graph ran past the capacity): such a row wrote nothing and its output was NaN;
         ``ScaleError``, ``TreeError`` or ``PageError`` for rows refused for their fp8 scales, tree
-        or block table. The kernel raises a per-row flag instead of failing; this reads the flags
-        (one device synchronisation, never inside a step) and clears them."""
+        or block table, or for an int8 / int4 cache's new token that was not finite (its scale is
+        stored non-finite). The kernel raises a per-row flag instead of failing; this reads the
+        flags (one device synchronisation, never inside a step) and clears them. The reference
+        path (a CPU cache) keeps the same flags for quantised caches' non-finite tokens."""
+        if not self.use_kernel:
+            self.backend.check()
         if self.planner.workspace is not None:
             self.planner.workspace.check()
 

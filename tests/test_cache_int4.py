@@ -4,7 +4,7 @@ pools and fork against the format's oracle (mmha.int4), and what it refuses."""
 import pytest
 import torch
 
-from mmha import KVCache, int4
+from mmha import KVCache, int4, ops
 from mmha.spec import AttentionSpec, Rotary
 
 pytestmark = pytest.mark.filterwarnings("ignore:mmha. no CUDA device")
@@ -146,3 +146,20 @@ def test_refusals_name_the_argument_and_change_nothing():
         c.step(0, _qkv(3, 1)[:, :-2])
     for name, t in vars(c.storage.caches[0]).items():
         assert torch.equal(t, before[name]), name
+
+
+def test_non_finite_new_token_is_flagged_as_on_the_gpu():
+    """As an int8 cache's: a row that appends a NaN value reads back NaN and check() raises
+    ScaleError naming it, then clears; paged pools too."""
+    for paged in (False, True):
+        c = _cache(paged=paged)
+        k, v = _prompts([30, 63])
+        for layer in range(2):
+            c.prefill(layer, k, v, lengths=[30, 63])
+        qkv = _qkv(2, 5)
+        qkv[0, (HQ + HKV) * D + 1] = float("nan")  # row 0's v
+        out = c.step(0, qkv)
+        assert not torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+        with pytest.raises(ops.ScaleError, match=r"rows \[0\]"):
+            c.check()
+        c.check()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import gpu
 
-from mmha import KVCache, layout, quant
+from mmha import KVCache, layout, ops, quant
 
 L, B, S, HQ, HKV, D = 2, 2, 64, 4, 2, 32
 
@@ -97,3 +97,32 @@ def test_int8_takes_any_activation_dtype_and_counts_its_scales():
 def test_a_gpu_cache_refuses_int8_under_fp32_by_name():
     with pytest.raises(ValueError, match=r"dtype must be float16 or bfloat16 with an int8 cache on a GPU"):
         KVCache(L, B, S, HQ, HKV, D, torch.float32, "cuda", kv_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("part", ["k", "v"])
+def test_non_finite_new_token_is_flagged_as_on_the_gpu(part):
+    """The reference path keeps the kernel's guard: a row that appends a token with a NaN k or v
+    gets a non-finite scale and NaN output, and check() raises ScaleError naming it (then clears);
+    the other row is unaffected. A tree step's non-finite node is flagged the same way."""
+    c = _cache(dtype=torch.float16)
+    k, v = _prompts()
+    for layer in range(L):
+        c.prefill(layer, k.half(), v.half(), [12, 5])
+    qkv = torch.randn(B, (HQ + 2 * HKV) * D).half()
+    qkv[1, (HQ + (HKV if part == "v" else 0)) * D + 3] = float("nan")
+    out = c.step(0, qkv)
+    assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).all()
+    scales = c.storage.scales_view(0, B)[f"{part}_scale"]
+    assert not torch.isfinite(scales[1, 0, 5]) and torch.isfinite(scales[0, :, 12]).all()
+    with pytest.raises(ops.ScaleError, match=r"rows \[1\]"):
+        c.check()
+    c.check()  # cleared
+    nodes = torch.randn(B, 3, (HQ + 2 * HKV) * D).half()
+    nodes[0, 2, HQ * D] = float("inf")
+    c.step_tree(1, nodes, torch.tensor([[-1, 0, 1], [-1, 0, 0]], dtype=torch.int32), node_counts=[3, 2])
+    with pytest.raises(ops.ScaleError, match=r"rows \[0\]"):
+        c.check()
+    nodes[0, 2, HQ * D] = 0.0
+    nodes[1, 2, HQ * D] = float("nan")  # past row 1's count: not appended, not flagged
+    c.step_tree(1, nodes, torch.tensor([[-1, 0, 1], [-1, 0, 0]], dtype=torch.int32), node_counts=[3, 2])
+    c.check()
