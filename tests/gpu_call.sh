@@ -38,7 +38,7 @@ cd "$work" || exit 1
 san_pid=
 san_start=$(date +%s)
 if [ "${SAN:-1}" != 0 ]; then
-  # In its own session, so its deadline stops compute-sanitizer and the python under it.
+  # Under a new SID (setsid), so its deadline stops compute-sanitizer and the python under it.
   setsid bash -c "OUT=$logs/san SKIP_BUILD=1 SKIP_TESTS=1 CASES='${CASES:-}' bash tests/gpu_suite.sh \
     >$logs/sanitizers.txt 2>&1" &
   san_pid=$!
@@ -61,7 +61,7 @@ if [ -n "$san_pid" ]; then
   deadline=$((san_start + ${SAN_BUDGET:-300}))
   while kill -0 "$san_pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done
   if kill -0 "$san_pid" 2>/dev/null; then
-    # Its whole session: `timeout` gives compute-sanitizer a process group of its own.
+    # Every process of that SID: `timeout` gives compute-sanitizer a process group of its own.
     pkill -KILL -s "$san_pid" 2>/dev/null || kill -- -"$san_pid" 2>/dev/null
     echo "sanitizers: cut off" >>"$summary"
   fi
