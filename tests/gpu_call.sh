@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The whole GPU check in one device call of a bounded length: build once in a /tmp copy of the
-# tree (skipped when that copy's build is there already), then compute-sanitizer on
+# The whole GPU check in one device call of a bounded length: the tree copied to /tmp and built
+# there (the build skipped when csrc/ and setup.py are those of the last build on this machine:
+# a later call re-runs tests, changed or not, without rebuilding), then compute-sanitizer on
 # tests/sanitize_cases.py beside a parallel pytest (`-n WORKERS -v`, so a run cut off still names
-# each test's result), each stopped at its own deadline; the logs and a summary land in
-# $OUT/gpu_call.tgz whatever happens, and the summary is printed.
-# Usage: [WORKERS=12] [TEST_BUDGET=400] [SAN_BUDGET=300] [CASES=int8] bash tests/gpu_call.sh [pytest args]
+# each test's result), both stopped CALL_BUDGET seconds after the script began (the build's time
+# included); the logs and a summary land in $OUT/gpu_call.tgz whatever happens, and the summary
+# is printed.
+# Usage: [WORKERS=12] [CALL_BUDGET=560] [CASES=int8] bash tests/gpu_call.sh [pytest args]
 # (default pytest args: tests -k "not cpu": the CPU-only tests, which CI runs, are the slowest under
 # 12 workers). TESTS=0 / SAN=0 skip a part.
 set -uo pipefail
@@ -21,22 +23,24 @@ trap pack EXIT
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1
 start=$(date +%s)
-if [ ! -f "$work/.built" ]; then
-  rm -rf "$work" && mkdir -p "$work" && cp -r "$src"/. "$work"/ && rm -rf "$work"/build "$work"/out
+stamp=$(cd "$src" && find csrc setup.py -type f | sort | xargs cat | md5sum | cut -c1-32)
+mkdir -p "$work" && cp -r "$src"/. "$work"/ && rm -rf "$work"/out  # sources anew; the build stays
+if [ "$(cat "$work/.built" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$work"/build
   if ! (cd "$work" && python setup.py build_ext --inplace >"$logs/build.log" 2>&1); then
     grep -E "error" "$logs/build.log" | head -20 | tee -a "$summary"
     echo "build: FAILED" >>"$summary"
     exit 1
   fi
-  touch "$work/.built"
+  echo "$stamp" >"$work/.built"
   echo "build: ok in $(($(date +%s) - start)) s" >>"$summary"
 else
-  echo "build: reused $work" >>"$summary"
+  echo "build: reused $work (csrc/ and setup.py unchanged)" >>"$summary"
 fi
 cd "$work" || exit 1
 
 san_pid=
-san_start=$(date +%s)
+deadline=$((start + ${CALL_BUDGET:-560}))
 if [ "${SAN:-1}" != 0 ]; then
   # Under a new SID (setsid), so its deadline stops compute-sanitizer and the python under it.
   setsid bash -c "OUT=$logs/san SKIP_BUILD=1 SKIP_TESTS=1 CASES='${CASES:-}' bash tests/gpu_suite.sh \
@@ -44,21 +48,24 @@ if [ "${SAN:-1}" != 0 ]; then
   san_pid=$!
 fi
 rc=0
-if [ "${TESTS:-1}" != 0 ]; then
+left=$((deadline - 15 - $(date +%s)))
+if [ "${TESTS:-1}" != 0 ] && [ "$left" -lt 30 ]; then
+  echo "pytest: not run (${left} s left of CALL_BUDGET after the build)" >>"$summary"
+  rc=1
+elif [ "${TESTS:-1}" != 0 ]; then
   args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(tests -k "not cpu")
-  timeout -s INT "${TEST_BUDGET:-400}" python -m pytest "${args[@]}" -n "${WORKERS:-12}" -v -p no:cacheprovider \
+  timeout -s INT "$left" python -m pytest "${args[@]}" -n "${WORKERS:-12}" -v -p no:cacheprovider \
     --timeout "${TEST_TIMEOUT:-300}" -rfE >"$logs/pytest.log" 2>&1
   rc=$?
   {
-    echo "pytest: rc=$rc after $(($(date +%s) - start)) s (124/130: cut off at TEST_BUDGET)"
+    echo "pytest: rc=$rc after $(($(date +%s) - start)) s (124: cut off at CALL_BUDGET)"
     echo "pytest: $(grep -c ' PASSED ' "$logs/pytest.log") passed, $(grep -c ' SKIPPED ' "$logs/pytest.log") skipped"
     grep -E '^(FAILED|ERROR) ' "$logs/pytest.log" | head -40
     tail -n 1 "$logs/pytest.log"
   } >>"$summary"
 fi
 if [ -n "$san_pid" ]; then
-  deadline=$((san_start + ${SAN_BUDGET:-300}))
   while kill -0 "$san_pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done
   if kill -0 "$san_pid" 2>/dev/null; then
     # Every process of that SID: `timeout` gives compute-sanitizer a process group of its own.
