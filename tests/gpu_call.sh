@@ -7,10 +7,17 @@
 # included); the logs and a summary land in $OUT/gpu_call.tgz whatever happens, and the summary
 # is printed.
 # Usage: [WORKERS=12] [CALL_BUDGET=560] [CASES=int8] bash tests/gpu_call.sh [pytest args]
+#        bash tests/gpu_call.sh --stamp   (prints the build's stamp of these sources)
 # (default pytest args: tests -k "not cpu": the CPU-only tests, which CI runs, are the slowest under
 # 12 workers). TESTS=0 / SAN=0 skip a part.
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
+# The sources a build depends on, as one digest.
+stamp=$(cd "$src" && find csrc setup.py -type f -not -path '*/__pycache__/*' | sort | xargs cat | md5sum | cut -c1-32)
+if [ "${1:-}" = --stamp ]; then
+  echo "$stamp"
+  exit 0
+fi
 OUT=${OUT:-$src/out}
 work=${WORK:-/tmp/mmha_call}
 logs=/tmp/mmha_call_logs
@@ -23,7 +30,6 @@ trap pack EXIT
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1
 start=$(date +%s)
-stamp=$(cd "$src" && find csrc setup.py -type f | sort | xargs cat | md5sum | cut -c1-32)
 mkdir -p "$work" && cp -r "$src"/. "$work"/ && rm -rf "$work"/out  # sources anew; the build stays
 if [ "$(cat "$work/.built" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$work"/build

@@ -1,0 +1,65 @@
+"""tests/gpu_call.sh's orchestration, with stand-ins for nvidia-smi and compute-sanitizer: a build
+whose sources did not change is reused, the sanitizers' summary lines and pytest's outcome reach
+the summary, a sanitizer run past the call's deadline is stopped (its processes too), and the
+logs are packed either way."""
+
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.skipif(shutil.which("md5sum") is None or shutil.which("setsid") is None,
+                                reason="needs md5sum and setsid")  # fmt: skip
+
+
+def _stamp() -> str:
+    run = subprocess.run(["bash", "tests/gpu_call.sh", "--stamp"], cwd=ROOT, capture_output=True, text=True)
+    return run.stdout.strip()
+
+
+def _call(tmp_path: Path, sanitizer_sleep: int, budget: int) -> tuple[subprocess.CompletedProcess, Path]:
+    bin_dir, work, out = tmp_path / "bin", tmp_path / "work", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Stand-in GPU, 0, 0 MiB'\n")
+    (bin_dir / "compute-sanitizer").write_text(
+        f"#!/bin/sh\nsleep {sanitizer_sleep}\necho '========= ERROR SUMMARY: 0 errors'\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    work.mkdir()
+    (work / ".built").write_text(_stamp() + "\n")  # as if this machine had built these sources
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work), "OUT": str(out),
+           "CALL_BUDGET": str(budget)}  # fmt: skip
+    run = subprocess.run(
+        ["bash", "tests/gpu_call.sh", "tests/test_layout.py", "-p", "no:xdist"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=budget + 60,
+    )  # fmt: skip
+    return run, out / "gpu_call.tgz"
+
+
+def _members(tgz: Path) -> set[str]:
+    with tarfile.open(tgz) as t:
+        return {m.name.lstrip("./") for m in t.getmembers()}
+
+
+def test_a_reused_build_runs_tests_and_sanitizers(tmp_path):
+    run, tgz = _call(tmp_path, 0, 120)
+    assert "build: reused" in run.stdout
+    assert "sanitizer memcheck: rc=0" in run.stdout and "suite: passed" in run.stdout
+    assert "pytest: rc=" in run.stdout
+    assert {"summary.txt", "pytest.log", "san/summary.txt"} <= _members(tgz)
+
+
+def test_sanitizers_past_the_deadline_are_stopped(tmp_path):
+    start = time.time()
+    run, tgz = _call(tmp_path, 600, 25)
+    assert time.time() - start < 120
+    assert "sanitizers: cut off" in run.stdout
+    assert "summary.txt" in _members(tgz)
+    busy = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True).stdout.split()
+    assert not busy, "a stand-in sanitizer outlived the call"
