@@ -122,10 +122,8 @@ class ReferenceBackend:
         if c.qkv_bias is not None:
             x = x + c.qkv_bias.float()
         d = x.shape[-1] // (self.num_heads + 2 * self.num_kv_heads)
-        bad = (~torch.isfinite(x[..., self.num_heads * d :])).any(-1)  # [B, T]
-        for row, n in enumerate(counts):
-            if n and bad[row, :n].any():
-                self.scale_rows.add(row)
+        bad = (~torch.isfinite(x[..., self.num_heads * d :])).any(-1).tolist()  # [B][T], one read
+        self.scale_rows.update(row for row, n in enumerate(counts) if any(bad[row][:n]))
 
     def _appending(self, c, batch: int) -> list[bool]:
         """Which rows append this step: stepping rows (row modes) that take part."""
