@@ -122,7 +122,6 @@ void check_devices_and_dtypes(const DecodeArgs& a) {
     check_scale(a.k_scale, "k_scale", a.num_kv_heads, device);
     check_scale(a.v_scale, "v_scale", a.num_kv_heads, device);
   } else if (int8) {
-    MMHA_CHECK(!a.tree(), "int8 caches take one-token steps only, got parents (a tree step)");
     check_token_scales(a.k_scale, "k_scale", a.v_cache, a.paged(), device);
     check_token_scales(a.v_scale, "v_scale", a.v_cache, a.paged(), device);
   } else {
@@ -435,7 +434,8 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block
   // (a tree step's many columns: wide items).
   const int64_t columns = heads / a.num_kv_heads * nodes;
-  const int qb = columns_block(columns, tree && nodes > 1, tiles, p.head_dim, batch * a.num_kv_heads, a.epilogue());
+  const bool wide = tree && nodes > 1 && cache_dtype != DType::kInt8;  // int8 trees: narrow items (kHasWide)
+  const int qb = columns_block(columns, wide, tiles, p.head_dim, batch * a.num_kv_heads, a.epilogue());
   int max_stages = kMaxStages;
   if (tiles) {
     int optin = 0;

@@ -85,8 +85,7 @@ class KVCache:
         fp16 / bf16 activations), with one fp32 scale per layer and kv head for K and one for V
         (``k_scales``, ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8`` (``"int8"``):
         each token's K and V codes with a scale per token and kv head beside its slot
-        (``mmha.quant``; on a GPU under fp16 / bf16
-        activations and in one-token steps only: tree and speculative steps refuse it there), or
+        (``mmha.quant``; on a GPU under fp16 / bf16 activations; tree steps on narrow items), or
         ``"int4"`` (``mmha.int4``: V per token and K per channel over 64-token groups, with zero
         points; the reference path only, so a CPU cache; paged blocks of 64 or 128 slots; ``accept``
         takes list paths).
@@ -557,13 +556,8 @@ class KVCache:
         capture, and a captured step reads them from the device each replay. A paged cache gives
         each active row the blocks of its node slots first (all or nothing; inside capture they
         must be there already: ``reserve_slots``); free rows take no part (zero output). The
-        layer's spec may hold rotary, a scale and an epilogue, no score modifiers. An int8 cache
-        takes tree steps on the reference path only (the kernel's int8 caches take one-token steps)."""
-        if self.int8 and self.use_kernel:
-            raise ValueError(
-                "step_tree: an int8 cache on a GPU takes one-token steps only (the kernel's tree steps do "
-                "not take int8 caches yet); use kv_dtype=torch.float8_e4m3fn or the activations' dtype"
-            )
+        layer's spec may hold rotary, a scale and an epilogue, no score modifiers. An int8 cache's
+        nodes are quantised per token and kv head as one-token steps' new tokens are."""
         return self.trees.step_tree(
             layer, qkv, parents, node_counts, qkv_bias, return_lse, num_splits, stages, tile_source
         )

@@ -272,7 +272,7 @@ def _cache(dtype=torch.float16, kv_dtype=None, batch=3, s_max=256):
     return KVCache(2, batch, s_max, 8, 2, 64, dtype, "cuda", rotary_dim=64, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("kv_dtype", [None, FP8, torch.int8], ids=str)
 def test_accept_after_a_gpu_tree_step_equals_one_token_steps(kv_dtype):
     g = torch.Generator().manual_seed(8)
     dtype = torch.float16
@@ -293,7 +293,7 @@ def test_accept_after_a_gpu_tree_step_equals_one_token_steps(kv_dtype):
     for r in range(3):  # each row alone, one-token steps over its accepted path
         solo = _cache(dtype, kv_dtype, batch=1)
         for layer in range(2):
-            if kv_dtype is not None:
+            if kv_dtype == FP8:
                 solo.set_scales(layer, a.k_scales[layer], a.v_scales[layer])
         for layer in range(2):
             solo.prefill(layer, k[r : r + 1], k[r : r + 1], [lengths[r]])
@@ -307,6 +307,10 @@ def test_accept_after_a_gpu_tree_step_equals_one_token_steps(kv_dtype):
                 a.k_caches[layer][r, :, :, :n], solo.k_caches[layer][0, :, :, :n], f"k {layer} {r}"
             )
             assert_bits_equal(a.v_caches[layer][r, :, :n], solo.v_caches[layer][0, :, :n], f"v {layer} {r}")
+            if kv_dtype == torch.int8:  # the token scales moved with their codes
+                got, want = a.scales_of(layer, 3), solo.scales_of(layer, 1)
+                for name in ("k_scale", "v_scale"):
+                    assert_bits_equal(got[name][r, :, :n], want[name][0, :, :n], f"{name} {layer} {r}")
 
 
 def test_tree_step_in_a_cuda_graph_replays_with_new_trees():

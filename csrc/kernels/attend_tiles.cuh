@@ -330,11 +330,13 @@ struct TileConsumer {
       float vmax = 0.f;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        // Keys masked above (outside [lo, end): scores -inf, so P = 0) take no V scale: their
-        // copies may be strays, which must reach neither v_unit nor P' (NaN * 0).
+        // Keys outside [lo, end) (masked above: P = 0) take no V scale: their copies may be
+        // strays, which must reach neither v_unit nor P' (NaN * 0). By position, not by score: a
+        // tree step's node may be hidden from one column of the lane and seen by the other.
         const float* v_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + L::KEYS + key0 + g;
-        v_w[n][0] = s[n][0] == -INFINITY ? 0.f : v_scales[0];
-        v_w[n][1] = s[n][2] == -INFINITY ? 0.f : v_scales[8];
+        const int t = its[n] + g;
+        v_w[n][0] = t >= end || t < lo ? 0.f : v_scales[0];
+        v_w[n][1] = t + 8 >= end || t + 8 < lo ? 0.f : v_scales[8];
         vmax = fmaxf(vmax, fmaxf(v_w[n][0], v_w[n][1]));
       }
 #pragma unroll

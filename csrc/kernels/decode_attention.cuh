@@ -76,10 +76,6 @@ __device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, 
   return {nullptr, row + (p.num_heads + kvh) * HEAD_DIM, row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
 }
 
-// The larger of two absolute values, NaN if either is (as torch's amax): a token with a NaN
-// value gets a NaN scale.
-__device__ __forceinline__ float absmax_nan(float a, float b) { return a > b || a != a ? a : b; }
-
 // An int8 cache's new token (one-token steps): its k and v values (k_at(d), v_at(d): fp32, after
 // bias, norm and rotary) quantised per kv head as mmha.quant.quantize does it: scale = amax / 127,
 // codes rint(x / scale) into s_new_k / s_new_v, the scales into s_new_scales[0] (k) and [1] (v).
@@ -1262,13 +1258,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   }
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
   // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
-  // blocks finish and wait for its end (grid_dependency_wait) before they read anything. int8
-  // caches take one-token steps only (the host refuses their tree steps; no tree append for them).
-  if constexpr (kInt8<C>) {
-    return cudaErrorInvalidValue;
-  } else {
-    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
-  }
+  // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
+  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
   if (err != cudaSuccess) return err;
   int device = 0, major = 0;
   err = cudaGetDevice(&device);

@@ -11,7 +11,9 @@
 // start .. length + n - 1; kStatusPages: the attention kernel then reads only blocks this check
 // passed).
 // An fp8 scale that is not finite and positive writes nothing either; the attention kernel
-// refuses the step for it (kStatusScale), as for one-token steps.
+// refuses the step for it (kStatusScale), as for one-token steps. int8 caches: each node's k and
+// v quantised per kv head as a one-token step's new token (append_node_s8); a node with a value
+// that is not finite gets that scale and raises kStatusScale (check() raises).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,6 +33,60 @@ namespace mmha {
 constexpr int kTreePrepareThreads = 128;
 // Nodes whose K/V one block appends (a row's blocks along y each derive the whole tree).
 constexpr int kTreeNodesPerBlock = 8;
+
+// An int8 cache's node: its k (bias, norm, rotary at angle_pos) and v (bias) quantised per kv
+// head as a one-token step's new token (quantize_new_token_s8): a warp per node, each lane its
+// rotation pairs kept in registers, the absolute maxima by shuffles; codes and the node's scales
+// (amax / 127) at slot. A scale that is not finite flags the row (kStatusScale).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSlots<s8, HEAD_DIM>& hs,
+                                               const TokenScales& ts, const T* k_row, const T* v_row,
+                                               const T* k_bias, const T* v_bias, const HeadNorm& k_norm, int slot,
+                                               int angle_pos, int b, int lane) {
+  constexpr int VEC = kVec<s8>;
+  constexpr int PAIRS = HEAD_DIM / 2;
+  constexpr int PER_LANE = (PAIRS + 31) / 32;
+  float k[PER_LANE][2], v[PER_LANE][2];
+  float km = 0.f, vm = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int pair = lane + 32 * j;
+    k[j][0] = k[j][1] = v[j][0] = v[j][1] = 0.f;
+    if (pair < PAIRS) {
+      const RotaryPair rp = rotary_pair(pair, p.rotary);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(angle_pos) * rp.inv_freq, &sn, &cs);
+      rotate_pair(k_row, k_bias, rp, sn, cs, k[j][0], k[j][1], k_norm);
+      v[j][0] = biased(v_row, v_bias, rp.d0);
+      v[j][1] = biased(v_row, v_bias, rp.d1);
+      km = absmax_nan(km, absmax_nan(fabsf(k[j][0]), fabsf(k[j][1])));
+      vm = absmax_nan(vm, absmax_nan(fabsf(v[j][0]), fabsf(v[j][1])));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
+    vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
+  }
+  const float ks = int8_scale(km), vs = int8_scale(vm);
+  const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked by the caller
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int pair = lane + 32 * j;
+    if (pair < PAIRS) {
+      const RotaryPair rp = rotary_pair(pair, p.rotary);
+      hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = quantize_s8(k[j][0], ks);
+      hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = quantize_s8(k[j][1], ks);
+      hs.v[hs.v_at(blk, slot) + rp.d0] = quantize_s8(v[j][0], vs);
+      hs.v[hs.v_at(blk, slot) + rp.d1] = quantize_s8(v[j][1], vs);
+    }
+  }
+  if (lane == 0) {
+    ts.k[ts.at(blk, slot)] = ks;
+    ts.v[ts.at(blk, slot)] = vs;
+    if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + b, kStatusScale);
+  }
+}
 
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
@@ -146,7 +202,8 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
-  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims.
+  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims (int8
+  // caches: a warp per node, append_node_s8).
   constexpr int PAIRS = HEAD_DIM / 2;
   const int t0 = blockIdx.y * kTreeNodesPerBlock;
   const int t1 = min(n, t0 + kTreeNodesPerBlock);
@@ -162,24 +219,36 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     }
     __syncthreads();
   }
-  for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
-    const int t = t0 + idx / PAIRS;
-    const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-    const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
-    const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
-    const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
-    const int slot = len + t;
-    const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked above
-    float sn = 0.f, cs = 1.f;
-    if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
-    float k0, k1;
-    const HeadNorm k_norm =
-        qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{};
-    rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1, k_norm);
-    hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
-    hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
-    hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-    hs.v[hs.v_at(blk, slot) + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+  if constexpr (std::is_same_v<C, s8>) {
+    const TokenScales ts = token_scales(p.cache, p.num_kv_heads, b, kvh);
+    for (int t = t0 + tid / 32; t < t1; t += kTreePrepareThreads / 32) {  // warp-uniform
+      const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
+      const HeadNorm k_norm =
+          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{};
+      append_node_s8<T, HEAD_DIM>(p, hs, ts, row + (p.num_heads + kvh) * HEAD_DIM,
+                                  row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM, k_bias, v_bias, k_norm,
+                                  len + t, len + s_depth[t], b, tid % 32);
+    }
+  } else {
+    for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
+      const int t = t0 + idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
+      const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
+      const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
+      const int slot = len + t;
+      const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked above
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
+      float k0, k1;
+      const HeadNorm k_norm =
+          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{};
+      rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1, k_norm);
+      hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
+      hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
+      hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+      hs.v[hs.v_at(blk, slot) + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+    }
   }
   // The attention grid may launch once every block got here or returned; it still waits for this
   // grid's end (grid_dependency_wait) before it reads. Triggered at the start instead, its blocks

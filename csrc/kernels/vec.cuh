@@ -69,6 +69,10 @@ constexpr float kInt8Max = 127.f;
 // A token's int8 scale from the absolute maximum of its D values (mmha.quant.quantize): amax / 127.
 __device__ __forceinline__ float int8_scale(float amax) { return __fdiv_rn(amax, kInt8Max); }
 
+// The larger of two absolute values, NaN if either is (as torch's amax): a token with a NaN
+// value gets a NaN scale.
+__device__ __forceinline__ float absmax_nan(float a, float b) { return a > b || a != a ? a : b; }
+
 // value / scale rounded half to even and clamped to +-127, as mmha.quant.quantize: a scale that
 // is not positive (zero, or NaN) divides by 1, a NaN result is code 0, an infinite one saturates.
 __device__ __forceinline__ s8 quantize_s8(float value, float scale) {

@@ -1,0 +1,162 @@
+"""Tree steps over int8 caches on the GPU (``mmha.ops.decode_tree``, ``KVCache.step_tree``): each
+node's K and V quantised per token and kv head as a one-token step's new token, the attention on
+narrow items. The kernel against ``mmha.reference.decode_tree``'s int8 path (ragged rows, every
+head dim, single pass and split, both tile sources, trees that would take wide items in 16 bits),
+the appended codes and scales as the reference stores them with every other slot untouched, pages
+against the contiguous cache, a node with a non-finite value flagged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import FLOOR, assert_bits_equal, gpu
+from int8_cases import int8_case, to_pages
+from test_int8_gpu import assert_caches_as_reference
+from test_tree import random_tree
+
+from mmha import dispatch, layout, ops, reference
+
+pytestmark = gpu
+
+
+def int8_tree_case(batch, hq, hkv, d, lengths, s_max, dtype, nodes, kind="random", *, seed=0, counts=None,
+                   rotary=True):  # fmt: skip
+    """An int8 case (unused slots: stray codes, NaN scales), qkv [B, T, W], parents, counts."""
+    case, ks, vs = int8_case(
+        batch, hq, hkv, d, lengths, s_max, dtype, seed=seed, rotary_dim=d if rotary else 0
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(batch, nodes, (hq + 2 * hkv) * d, generator=g).to(dtype).cuda()
+    rng = random.Random(seed)
+    parents = torch.tensor([random_tree(rng, nodes, kind) for _ in range(batch)], dtype=torch.int32).cuda()
+    counts = counts if counts is not None else [nodes] * batch
+    return case, ks, vs, qkv, parents, counts
+
+
+def kernel_tree(case, ks, vs, qkv, parents, counts, **kw):
+    kc, vc = case.clone_caches()
+    ks, vs = ks.clone(), vs.clone()
+    out, lse = ops.decode_tree(
+        qkv, kc, vc, case.lengths, parents, node_counts=torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        return_lse=True, k_scale=ks, v_scale=vs, **case.kwargs(), **kw,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out, lse, (kc, vc, ks, vs)
+
+
+def reference_tree(case, ks, vs, qkv, parents, counts, compute_dtype):
+    kc, vc = case.clone_caches()
+    ks, vs = ks.clone(), vs.clone()
+    out, lse = reference.decode_tree(
+        qkv, kc, vc, case.lengths, parents, node_counts=counts, compute_dtype=compute_dtype, return_lse=True,
+        k_scale=ks, v_scale=vs, **case.kwargs(),
+    )  # fmt: skip
+    return out, lse, (kc, vc, ks, vs)
+
+
+def check_int8_tree(case, ks, vs, qkv, parents, counts, **kw):
+    """Per row: out and lse within twice the reference's own error in the activations' dtype plus
+    the fp16-operand floor (tests/helpers.py), zeros and lse -inf past the count; the caches as
+    the reference stores them."""
+    out, lse, got = kernel_tree(case, ks, vs, qkv, parents, counts, **kw)
+    ref, ref_lse, want = reference_tree(case, ks, vs, qkv, parents, counts, torch.float64)
+    low, low_lse, _ = reference_tree(case, ks, vs, qkv, parents, counts, qkv.dtype)
+    for b, n in enumerate(counts):
+        if n < qkv.shape[1]:
+            assert out[b, n:].abs().max().item() == 0, f"row {b}: nodes past the count"
+            assert torch.isneginf(lse[b, n:]).all(), f"row {b}: lse of nodes past the count"
+        o, r, lo = out[b, :n].double(), ref[b, :n].double(), low[b, :n].double()
+        assert torch.isfinite(o).all(), f"row {b}: non-finite output"
+        tol = 2 * (lo - r).abs().max().item() + FLOOR[qkv.dtype] * max(1.0, r.abs().max().item())
+        err = (o - r).abs().max().item()
+        assert err <= tol, f"row {b}: max error {err:.3e} > tolerance {tol:.3e}"
+        e, r, lo = lse[b, :n].double(), ref_lse[b, :n].double(), low_lse[b, :n].double()
+        tol = 2 * (lo - r).abs().max().item() + 1e-3 * max(1.0, r.abs().max().item())
+        assert (e - r).abs().max().item() <= tol, f"row {b}: lse error {(e - r).abs().max().item():.3e}"
+    assert_caches_as_reference(got, want, case.rotary)
+    return out, lse, got
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("nodes", [9, 33])  # 36 and 132 columns per kv head (wide items in 16 bits)
+def test_int8_tree_matches_reference(dtype, head_dim, splits, nodes):
+    lengths = [0, 70, 320 - nodes]  # an empty row, one filling the cache to S_max
+    counts = [nodes, 5, nodes]
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        3, 8, 2, head_dim, lengths, 320, dtype, nodes, seed=head_dim + nodes + splits, counts=counts
+    )
+    check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=splits)
+
+
+@pytest.mark.parametrize("kind", ["chain", "star", "roots", "random"])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_int8_tree_shapes_and_sources(kind, source):
+    nodes = 13
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        4, 8, 2, 128, [1, 63, 64, 500], 640, torch.float16, nodes, kind, seed=len(kind), counts=[nodes, 1, 7, nodes],
+    )  # fmt: skip
+    check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2, tile_source=source)
+
+
+def test_int8_tree_without_rotary_appends_bit_for_bit():
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        2, 16, 4, 64, [10, 200], 256, torch.float16, 20, seed=3, rotary=False
+    )
+    check_int8_tree(case, ks, vs, qkv, parents, counts)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_int8_tree_over_pages_equals_contiguous(block_size):
+    """The same step over pages: the output bit for bit, and each row's gathered pages (codes and
+    scales) equal to the contiguous cache after the step."""
+    lengths = [5, 100, 190]
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        3, 8, 2, 128, lengths, 256, torch.float16, 11, seed=block_size, counts=[11, 4, 11]
+    )
+    flat_out, flat_lse, (kc, vc, kcs, vcs) = kernel_tree(
+        case, ks, vs, qkv, parents, counts, num_splits=2, tile_source="cp_async"
+    )
+    kp, vp, ksp, vsp, tables = to_pages(case, ks, vs, block_size, seed=block_size)
+    out, lse = ops.decode_tree(
+        qkv, kp, vp, case.lengths, parents, node_counts=torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        return_lse=True, k_scale=ksp, v_scale=vsp, block_tables=tables, num_splits=2, tile_source="cp_async",
+        **case.kwargs(),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(out, flat_out) and torch.equal(lse, flat_lse)
+    for row, n in enumerate(lengths):
+        end = n + counts[row]
+        blocks = tables[row].tolist()
+        gk, gv = layout.gather_k(kp, blocks), layout.gather_v(vp, blocks)
+        gks = ksp[tables[row].long()].permute(1, 0, 2).reshape(ks.shape[1], -1)
+        gvs = vsp[tables[row].long()].permute(1, 0, 2).reshape(vs.shape[1], -1)
+        assert_bits_equal(gk[0, :, :, :end], kc[row, :, :, :end], "k pages")
+        assert_bits_equal(gv[0, :, :end], vc[row, :, :end], "v pages")
+        assert_bits_equal(gks[:, :end], kcs[row, :, :end], "k scale pages")
+        assert_bits_equal(gvs[:, :end], vcs[row, :, :end], "v scale pages")
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_non_finite_node_is_flagged(which):
+    """A node whose k (or v) holds NaN: its scale is stored non-finite, the row's status says so
+    (the workspace's check raises naming it); the other row's nodes match the reference."""
+    hq, hkv, d, nodes = 8, 2, 64, 6
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        2, hq, hkv, d, [10, 40], 128, torch.float16, nodes, seed=9
+    )
+    col = (hq + (hkv if which == "v" else 0)) * d + 3
+    qkv[1, 2, col] = float("nan")
+    ws = ops.Workspace.allocate("cuda", 2, hq, 128, dispatch.MAX_SPLITS, nodes=nodes)
+    out, _, got = kernel_tree(case, ks, vs, qkv, parents, counts, workspace=ws)
+    ref, _, _ = reference_tree(case, ks, vs, qkv, parents, counts, torch.float64)
+    stored = (got[2] if which == "k" else got[3])[1, 0, 40 + 2]
+    assert not torch.isfinite(stored), "the node's scale says it is not finite"
+    assert torch.isfinite(out[0]).all()
+    err = (out[0].double() - ref[0].double()).abs().max().item()
+    assert err <= 2e-2 * max(1.0, ref[0].double().abs().max().item())
+    with pytest.raises(ops.ScaleError, match=r"rows \[1\]"):
+        ws.check()
