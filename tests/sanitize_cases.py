@@ -230,7 +230,8 @@ def qk_norm_cases() -> None:
 def int8_cases() -> None:
     """int8 caches (codes, a scale per token and kv head): both tile sources, split and not, a ring
     deep enough for paired tiles, pages of 16 and 64 slots, a non-finite new token (flagged), and
-    out-of-range lengths with validation off; unused slots hold stray codes and NaN scales."""
+    out-of-range lengths with validation off; tree steps (contiguous and paged, a NaN node
+    flagged); unused slots hold stray codes and NaN scales."""
     from int8_cases import int8_case, to_pages
 
     lengths = [0, 1, 17, 127, 255]
@@ -266,6 +267,28 @@ def int8_cases() -> None:
     out = run(case, (8, 2), 128, 3, "auto", 2, validate=False, workspace=ws, scales=(ks, vs))
     torch.cuda.synchronize()
     assert ws.status.tolist() == [1, 1, 2, 1, 1], ws.status.tolist()
+    # Tree steps: ragged rows (one to S_max), 1 and 3 splits, pages, a NaN node (flagged).
+    g = torch.Generator().manual_seed(4)
+    for nodes, splits in ((5, 1), (33, 3)):
+        case, ks, vs = int8_case(3, 8, 2, 128, [0, 61, 256 - nodes], 256, torch.float16, seed=nodes,
+                                 rotary_dim=128)  # fmt: skip
+        qkv = torch.randn(3, nodes, 12 * 128, generator=g).half().cuda()
+        parents = torch.tensor([[t - 1 if t % 3 else -1 for t in range(nodes)]] * 3, dtype=torch.int32).cuda()
+        counts = torch.tensor([nodes, 2, nodes], dtype=torch.int32).cuda()
+        kc, vc = case.clone_caches()
+        out = ops.decode_tree(qkv, kc, vc, case.lengths, parents, node_counts=counts, num_splits=splits,
+                              k_scale=ks.clone(), v_scale=vs.clone(), **case.kwargs())  # fmt: skip
+        assert torch.isfinite(out).all()
+        kp, vp, ksp, vsp, tables = to_pages(case, ks, vs, 16, nodes)
+        out = ops.decode_tree(qkv, kp, vp, case.lengths, parents, node_counts=counts, num_splits=splits,
+                              k_scale=ksp, v_scale=vsp, block_tables=tables, **case.kwargs())  # fmt: skip
+        assert torch.isfinite(out).all()
+    qkv[1, 1, 8 * 128 + 3] = float("nan")  # row 1's node 1's k
+    ws = ops.Workspace.allocate("cuda", 3, 8, 128, 3, nodes=33)
+    ops.decode_tree(qkv, kc, vc, case.lengths, parents, node_counts=counts, num_splits=3, workspace=ws,
+                    k_scale=ks.clone(), v_scale=vs.clone(), **case.kwargs())  # fmt: skip
+    torch.cuda.synchronize()
+    assert ws.status.tolist() == [0, 2, 0], ws.status.tolist()
 
 
 def norm_cases() -> None:
