@@ -233,6 +233,26 @@ def test_tree_targets_name_the_tflops_they_need():
     assert f"{need / 2:.0f} TFLOP/s" in lines[1] and lines[-1] == ""
 
 
+def test_tree_int8_rows_follow_their_16_bit_twins():
+    from mmha.bench import tree
+
+    plain, both = tree.rows(), tree.rows(int8=True)
+    llama = [r for r in plain if r.num_heads == 32]
+    assert len(both) == len(plain) + len(llama)
+    for r in llama:
+        i = both.index(r)
+        twin = both[i + 1]
+        assert twin.kv == "int8" and twin.context == r.context and twin.nodes == r.nodes
+        # codes (a byte a value) and one fp32 scale per token and kv head, for K and V
+        assert twin.kv_bytes == 2 * r.batch * r.num_kv_heads * (r.context + r.nodes) * (r.head_dim + 4)
+        assert twin.layers >= r.layers
+    assert all(r.kv == "" for r in both if r.num_heads == 1)
+    assert [r.kv for r in tree.rows(quick=True, int8=True)] == ["", "", "int8", "", "int8"]
+    old = {**{f: getattr(llama[0], f) for f in ("batch", "num_heads", "num_kv_heads", "head_dim")},
+           "context": 4096, "nodes": 64, "shape": "binary", "mmha_single_token_us": 50.0}  # fmt: skip
+    assert tree.target_tflops(old) is not None  # a kept JSON's row without "kv"
+
+
 def test_mods_rows_time_as_many_layers_as_their_reads_need():
     from mmha.bench import mods
     from mmha.bench.problems import MAX_LAYERS, MIN_LAYERS

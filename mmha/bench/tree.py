@@ -15,7 +15,10 @@ mask). Every method but the sequential one is checked against ``mmha.reference.d
 The header measures what compute-bound attention meets on this GPU in the same run: a dense fp16
 matrix product (``floor.read_gemm_tflops``) and dense attention through SDPA's fastest backend
 (``floor.read_attention_tflops``); a T = 64 row's miss of its 1.3x target names the TFLOP/s it
-would need against them. Writes bench_tree.json and bench_tree.md to ``--out``.
+would need against them. ``--int8``: each Llama-shaped row again over an int8 cache (codes with a
+scale per token and kv head, ``kv`` = "int8"; its bytes count codes and scales); the peers attend
+over the dequantised K/V in fp16, as a user without an int8 kernel would. Writes bench_tree.json
+and bench_tree.md to ``--out``.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch, layout, ops, reference, tree
+from .. import dispatch, layout, ops, quant, reference, tree
 from . import floor
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .runner import print_report
@@ -53,10 +56,12 @@ class Row:
     context: int
     nodes: int
     shape: str  # "binary", "chain" or "random"
+    kv: str = ""  # "" (the activations' fp16) or "int8"
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.num_kv_heads * (self.context + self.nodes) * self.head_dim * 2
+        per_token = self.head_dim + 4 if self.kv == "int8" else self.head_dim * 2  # int8: codes + scale
+        return 2 * self.batch * self.num_kv_heads * (self.context + self.nodes) * per_token
 
     @property
     def flops(self) -> int:
@@ -68,14 +73,17 @@ class Row:
         return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
 
 
-def rows(quick: bool = False) -> list[Row]:
+def rows(quick: bool = False, int8: bool = False) -> list[Row]:
+    """The rows; with ``int8`` each Llama-shaped row is followed by its int8 twin."""
     out = [Row(4, 1, 1, 64, ctx, 54, "random") for ctx in (10, 1024, 16384)]
     for b in (1, 16):
         for ctx in (1024, 4096, 16384):
             out += [Row(b, 32, 8, 128, ctx, t, "binary") for t in (4, 16, 64)]
             out.append(Row(b, 32, 8, 128, ctx, 64, "chain"))
     if quick:
-        return [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
+        out = [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
+    if int8:
+        out = [x for r in out for x in ([r, replace(r, kv="int8")] if r.num_heads == 32 else [r])]
     return out
 
 
@@ -106,19 +114,27 @@ class Layer:
         k = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
         v = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
         self.qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g, device="cuda", dtype=torch.float16)
-        self.kc, self.vc = layout.pack_k(k), layout.pack_v(v)
+        self.scales = {}
+        if row.kv == "int8":  # per token and kv head (mmha.quant), as a step appends
+            (kq, ks, _), (vq, vs, _) = (quant.quantize(x.transpose(1, 2), 8) for x in (k, v))
+            self.kc, self.vc = layout.pack_k(kq, layout="bhsd"), vq.contiguous()
+            self.scales = dict(k_scale=ks.contiguous(), v_scale=vs.contiguous())
+        else:
+            self.kc, self.vc = layout.pack_k(k), layout.pack_v(v)
         self.lengths = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         self.one_token = self.qkv[:, 0].contiguous()
         par = [parents_of(row.shape, t, seed + r) for r in range(b)]
         self.parents_host = par
         self.parents = torch.tensor(par, dtype=torch.int32, device="cuda")
         # The nodes' own K/V written by one mmha tree step (what the peers attend over).
-        ops.decode_tree(
-            self.qkv, self.kc, self.vc, self.lengths, self.parents, num_heads=hq, num_kv_heads=hkv
-        )
-        kk = layout.unpack_k(self.kc)  # [B, S, Hkv, D]
-        self.kt = kk[:, : ctx + t].transpose(1, 2).contiguous()
-        self.vt = self.vc[:, :, : ctx + t].contiguous()
+        kw = dict(num_heads=hq, num_kv_heads=hkv, **self.scales)
+        ops.decode_tree(self.qkv, self.kc, self.vc, self.lengths, self.parents, **kw)
+        kk = layout.unpack_k(self.kc, ctx + t, layout="bhsd")  # [B, Hkv, S, D]
+        vv = self.vc[:, :, : ctx + t]
+        if self.scales:  # the peers' K/V: the codes dequantised to fp16
+            kk = (kk.float() * self.scales["k_scale"][:, :, : ctx + t, None]).half()
+            vv = (vv.float() * self.scales["v_scale"][:, :, : ctx + t, None]).half()
+        self.kt, self.vt = kk.contiguous(), vv.contiguous()
         self.q = self.qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2).contiguous()  # [B, Hq, T, D]
         mask = torch.zeros(b, t, ctx + t, dtype=torch.bool, device="cuda")
         mask[:, :, :ctx] = True
@@ -138,7 +154,7 @@ def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = No
     return lambda: ops.decode_tree(
         layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
-        num_splits=num_splits, stages=stages,
+        num_splits=num_splits, stages=stages, **layer.scales,
     )  # fmt: skip
 
 
@@ -148,6 +164,7 @@ def single_fn(layer: Layer):
     return lambda: ops.decode_attention(
         layer.one_token, layer.kc, layer.vc, layer.lengths, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate_lengths=False, max_len=row.context + 1,
+        **layer.scales,
     )  # fmt: skip
 
 
@@ -193,8 +210,9 @@ def reference_out(layer: Layer) -> torch.Tensor:
     """mmha.reference.decode_tree in fp32 on copies of the caches (the step appends)."""
     row = layer.row
     kc, vc = layer.kc.clone(), layer.vc.clone()
+    scales = {k: v.clone() for k, v in layer.scales.items()}
     return reference.decode_tree(layer.qkv, kc, vc, layer.lengths, layer.parents, num_heads=row.num_heads,
-                                 num_kv_heads=row.num_kv_heads)  # fmt: skip
+                                 num_kv_heads=row.num_kv_heads, **scales)  # fmt: skip
 
 
 def run_row(row: Row, peers: tuple[str, ...]) -> dict:
@@ -242,7 +260,7 @@ def target_tflops(r: dict) -> float | None:
     took ``TARGET_VS_SINGLE`` x the one-token step; None for rows without that target."""
     if r["nodes"] != 64 or r["context"] < 4096 or "mmha_single_token_us" not in r:
         return None
-    row = Row(**{f.name: r[f.name] for f in fields(Row)})
+    row = Row(**{f.name: r[f.name] for f in fields(Row) if f.name in r})
     return row.flops / (TARGET_VS_SINGLE * r["mmha_single_token_us"]) / 1e6
 
 
@@ -266,8 +284,9 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
     h = header or {}
     out = []
     for r in results:
+        kv = f" kv={r['kv']}" if r.get("kv") else ""
         label = (f"B={r['batch']} Hq={r['num_heads']} Hkv={r['num_kv_heads']} ctx={r['context']} "
-                 f"T={r['nodes']} {r['shape']}")  # fmt: skip
+                 f"T={r['nodes']} {r['shape']}{kv}")  # fmt: skip
         if "mmha_decode_us" not in r:
             out.append(f"{label}: mmha not timed ({r['skipped'].get('mmha', '')})")
             continue
@@ -294,14 +313,14 @@ def table(results: list[dict]) -> str:
         return f"{r[k]:.1f}" if k in r else "-"
 
     body = [[r["batch"], r["num_heads"], r["num_kv_heads"], r["head_dim"], r["context"], r["nodes"],
-             r["shape"],
+             r["shape"], r.get("kv") or "fp16",
              us(r, "mmha_decode_us"), us(r, "mmha_single_token_us"),
              f"{r['vs_single_token']:.2f}" if "vs_single_token" in r else "-",
              *[us(r, f"{p}_decode_us") for p in PEERS], f"{r['ratio']:.3f}" if "ratio" in r else "-",
              f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else "-",
              f"{r['tflop_per_s']:.1f}" if "tflop_per_s" in r else "-",
              "-" if target_tflops(r) is None else f"{target_tflops(r):.0f}"] for r in results]  # fmt: skip
-    cols = ["B", "Hq", "Hkv", "D", "context", "T", "tree", "mmha us", "one-token us", "mmha/one-token",
+    cols = ["B", "Hq", "Hkv", "D", "context", "T", "tree", "kv", "mmha us", "one-token us", "mmha/one-token",
             *[f"{p} us" for p in PEERS], "mmha/best peer", "GB/s", "TFLOP/s",
             f"TFLOP/s at {TARGET_VS_SINGLE}x one-token"]  # fmt: skip
     return tabulate(body, headers=cols, tablefmt="github", disable_numparse=True)
@@ -311,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mmha.bench --tree", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
+    ap.add_argument("--int8", action="store_true", help="each Llama-shaped row again over an int8 cache")
     ap.add_argument("--out", type=Path, default=Path("bench_tree"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -325,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     header["attention_tflops"], header["attention_how"] = floor.read_attention_tflops()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for row in rows(args.quick):
+    for row in rows(args.quick, args.int8):
         results.append(run_row(row, tuple(args.peers)))
         torch._dynamo.reset()
         gc.collect()
