@@ -434,8 +434,7 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   // Columns of a (row, kv head): its group's heads of every query row, in blocks of q_group_block
   // (a tree step's many columns: wide items).
   const int64_t columns = heads / a.num_kv_heads * nodes;
-  const bool wide = tree && nodes > 1 && cache_dtype != DType::kInt8;  // int8 trees: narrow items (kHasWide)
-  const int qb = columns_block(columns, wide, tiles, p.head_dim, batch * a.num_kv_heads, a.epilogue());
+  const int qb = columns_block(columns, tree && nodes > 1, tiles, p.head_dim, batch * a.num_kv_heads, a.epilogue());
   int max_stages = kMaxStages;
   if (tiles) {
     int optin = 0;

@@ -338,17 +338,15 @@ def choose_variant(
     ``variant`` forces ``"single_pass"`` (1 split) or ``"split"`` (at least 2 splits);
     ``kv_dtype``: the caches' dtype (default ``dtype``); ``tree``: a tree step of two or more
     nodes, whose ``num_heads`` counts (node, head) columns (``Hq * T``; wide items from
-    ``WIDE_MIN_COLUMNS`` columns per kv head, ``columns_block``, except over int8 caches);
-    ``epilogue``: the step has an output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or
-    ``EPILOGUE_COLUMNS`` columns).
+    ``WIDE_MIN_COLUMNS`` columns per kv head, ``columns_block``); ``epilogue``: the step has an
+    output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or ``EPILOGUE_COLUMNS`` columns).
     """
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
     tiles = uses_tensor_cores(kv_dtype)
-    wide = tree and kv_dtype != torch.int8  # int8 trees take narrow items (no wide int8 kernels)
-    qb = columns_block(num_heads // num_kv_heads, wide, tiles, head_dim, batch * num_kv_heads, epilogue)
+    qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     if tiles:

@@ -1,7 +1,8 @@
 """Tree steps over int8 caches on the GPU (``mmha.ops.decode_tree``, ``KVCache.step_tree``): each
 node's K and V quantised per token and kv head as a one-token step's new token, the attention on
-narrow items. The kernel against ``mmha.reference.decode_tree``'s int8 path (ragged rows, every
-head dim, single pass and split, both tile sources, trees that would take wide items in 16 bits),
+narrow and wide items. The kernel against ``mmha.reference.decode_tree``'s int8 path (ragged rows,
+every head dim, single pass and split, both tile sources, narrow and wide items, V scales over
+orders of magnitude, large logits),
 the appended codes and scales as the reference stores them with every other slot untouched, pages
 against the contiguous cache, a node with a non-finite value flagged."""
 
@@ -82,7 +83,7 @@ def check_int8_tree(case, ks, vs, qkv, parents, counts, **kw):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("nodes", [9, 33])  # 36 and 132 columns per kv head (wide items in 16 bits)
+@pytest.mark.parametrize("nodes", [9, 33])  # 36 and 132 columns per kv head: narrow, wide (head dim <= 128)
 def test_int8_tree_matches_reference(dtype, head_dim, splits, nodes):
     lengths = [0, 70, 320 - nodes]  # an empty row, one filling the cache to S_max
     counts = [nodes, 5, nodes]
@@ -100,6 +101,33 @@ def test_int8_tree_shapes_and_sources(kind, source):
         4, 8, 2, 128, [1, 63, 64, 500], 640, torch.float16, nodes, kind, seed=len(kind), counts=[nodes, 1, 7, nodes],
     )  # fmt: skip
     check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2, tile_source=source)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_int8_wide_items_over_tile_and_split_edges(splits, source):
+    """Wide items (40 nodes x group 4 = 160 columns per kv head: 64 + 64 + 32) where rows end on,
+    before and after tile boundaries, V scales spread over four orders of magnitude (v_unit raised
+    mid-item)."""
+    assert dispatch.columns_block(160, True, True, 128, 4 * 2) == dispatch.WIDE_COLUMNS
+    lengths = [0, 24, 64 - 40 + 64, 300]
+    case, ks, vs = int8_case(4, 8, 2, 128, lengths, 384, torch.float16, seed=splits, v_spread=2.0,
+                             rotary_dim=128)  # fmt: skip
+    g = torch.Generator().manual_seed(splits)
+    qkv = torch.randn(4, 40, 12 * 128, generator=g).half().cuda()
+    rng = random.Random(splits)
+    parents = torch.tensor([random_tree(rng, 40, "random") for _ in range(4)], dtype=torch.int32).cuda()
+    check_int8_tree(case, ks, vs, qkv, parents, [40, 40, 17, 40], num_splits=splits, tile_source=source)
+
+
+def test_int8_wide_items_with_large_logits():
+    """q x 30: scores far past the rescale slack, so the running maxima move often."""
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        2, 16, 2, 64, [100, 900], 1024, torch.float16, 20, seed=5
+    )
+    qkv = qkv.clone()
+    qkv[..., : 16 * 64] *= 30
+    check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2)
 
 
 def test_int8_tree_without_rotary_appends_bit_for_bit():

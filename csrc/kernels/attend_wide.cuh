@@ -13,7 +13,11 @@
 // are those of FlashAttention in the cache's type, with fp32 accumulators. A warp's results are
 // complete after its item's last tile: no block combine. fp8 caches as in the narrow consumer:
 // K / V widened in registers, q brought to [2^7, 2^8) by a power of two undone on the scores, the
-// k scale folded into q and the v scale into the output.
+// k scale folded into q and the v scale into the output. int8 caches likewise widened (to the
+// biased halves 1152 + code), with the narrow consumer's per-key scales: a score is (its product
+// - 1152 x the column's q sum) x the key's K scale; P goes to the V mma as P x the key's V scale /
+// v_unit (the warp's largest V scale so far), and finish() takes 1152 x the sum of those P values
+// off O and multiplies it by v_unit. Their scales beside the scores halve the softmax step.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,18 +44,25 @@ struct WideConsumer {
   using Ops = TileOperands<C, HEAD_DIM>;
   using M = typename Ops::M;
   static constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+  static constexpr bool kInt8 = std::is_same_v<C, s8>;
+  static constexpr bool kBytes = kFp8 || kInt8;     // one-byte caches (ByteTileOperands)
   static constexpr int KSTEPS = HEAD_DIM / 16;      // K steps of S, M tiles of V^T
   static constexpr int KBLOCKS = kTileKeys / 16;    // 16-key blocks of a tile
-  static constexpr int PART_BLOCKS = 4;              // 16-key blocks per online-softmax step
+  // 16-key blocks per online-softmax step (int8: 2, its scales and sums beside the scores spilled
+  // 188-252 bytes at 4, docs/experiments.md).
+  static constexpr int PART_BLOCKS = kInt8 ? 2 : 4;
   static constexpr float kRescaleSlack = 8.f;       // as in TileConsumer
   // sm_90a, 16-bit caches with swizzled V lines: the four warps multiply as one warpgroup (wgmma),
   // q and the tile's K and V read from shared memory where they lie; else mma.sync per warp.
-  static constexpr bool kWg = kWgmma && !kFp8 && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128);
+  static constexpr bool kWg = kWgmma && !kBytes && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128);
 
   const M* sq;             // the warp's q (staging area), read as A fragments at every tile
   float m[2], l[2];        // columns g, g + 8 of the warp's 16
   float acc[KSTEPS][2][4]; // O: M tile i of V^T, its dims 8 hh .. 8 hh + 7; [0, 1] column g, [2, 3] g + 8
-  float s_unit;            // fp8: scores are the mma's times this power of two
+  float s_unit;            // one-byte caches: scores are the mma's times this power of two
+  float k_bias[2];         // int8: 1152 x the q sum of columns g, g + 8 (as the mma takes q)
+  float p_sum[2];          // int8: this lane's sum of the P values fed to the V mma (columns g, g + 8)
+  float v_unit;            // int8: the largest V scale of the warp's keys so far
   bool busy;               // the warp holds columns of the item (warp-uniform)
   TreeMask<2> tree;
 
@@ -72,9 +83,9 @@ struct WideConsumer {
   static_assert(!kWg || 64 * HEAD_DIM * 2 <= 4 * Q_STAGE_BYTES, "wgmma q area: the four warps' staging areas");
 
   // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches; for
-  // fp8, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are columns 2tq + 8h + e).
+  // one-byte caches, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are columns 2tq + 8h + e).
   __device__ __forceinline__ static int q_column(int d) {
-    if constexpr (kFp8) {
+    if constexpr (kBytes) {
       const int j = d / 16, r = d % 16;
       return 16 * j + 2 * (r / 4) + 8 * ((r / 2) % 2) + r % 2;
     } else {
@@ -98,6 +109,8 @@ struct WideConsumer {
       tree.anc[h] = tree.on && cw < w.nh ? p.tree.anc[column_of(p, w, cw).qrow] : 0;
     }
     s_unit = 1.f;
+    v_unit = 0.f;
+    k_bias[0] = k_bias[1] = p_sum[0] = p_sum[1] = 0.f;
     sq = s_q;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -130,13 +143,13 @@ struct WideConsumer {
     }
     const int n0 = (w.c0 + first) / group;
     const int n1 = (w.c0 + last - 1) / group;
-    // pass 0 (fp8 only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
+    // pass 0 (one-byte caches only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
     // Lane k holds node n0 + k's position (at most 16 nodes per warp): one load for all of them.
     const int my_col = max(first, (n0 + lane) * group - w.c0);
     const int my_pos = n0 + lane <= n1 ? query_position(p, w, column_of(p, w, my_col)) : 0;
     float q_unit = 1.f;
     float qmax = 0.f;
-    for (int pass = kFp8 ? 0 : 1; pass < 2; ++pass) {
+    for (int pass = kBytes ? 0 : 1; pass < 2; ++pass) {
       for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffles below
         const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
         const bool on = i0 + lane < HEAD_DIM / 2;
@@ -169,7 +182,7 @@ struct WideConsumer {
           }
         }
       }
-      if constexpr (kFp8) {
+      if constexpr (kBytes) {
         if (pass == 0) {
 #pragma unroll
           for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
@@ -189,6 +202,17 @@ struct WideConsumer {
     }
     if constexpr (kWg) fence_proxy_async_smem();  // read by the copy engine's proxy (wgmma)
     __syncwarp();
+    if constexpr (kInt8) {  // the quad's lanes sum a quarter of each row's dims each
+      const int g = lane / 4, tq = lane % 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = 0.f;
+        for (int col = tq; col < HEAD_DIM; col += 4) sum += to_float(s_q[q_at(warp, g + 8 * h, col)]);
+        sum += __shfl_xor_sync(kFullMask, sum, 1);
+        sum += __shfl_xor_sync(kFullMask, sum, 2);
+        k_bias[h] = kInt8Bias * sum;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
@@ -206,7 +230,7 @@ struct WideConsumer {
   // takes it; fp8 widens TileOperands' fragments into fresh registers anyway.
   __device__ __forceinline__ static void k_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int j,
                                                  int lane) {
-    if constexpr (kFp8) {
+    if constexpr (kBytes) {
       uint32_t a[2][4];
       Ops::k_pair(a, stage, key0, j, lane, WholeTile{});  // wide items' stages: whole-tile groups
 #pragma unroll
@@ -233,7 +257,7 @@ struct WideConsumer {
   // ldmatrix.trans with lanes 0-15 on keys 0-15 of chunk 2 i, 16-31 of chunk 2 i + 1.
   __device__ __forceinline__ static void v_frags(uint32_t (&b)[2][2][2], const unsigned char* stage, int key0, int i,
                                                  int lane) {
-    if constexpr (kFp8) {
+    if constexpr (kBytes) {
       uint32_t a[2][4];
       Ops::v_pair(a, stage, key0, i, lane, WholeTile{});
 #pragma unroll
@@ -356,6 +380,22 @@ struct WideConsumer {
           for (int e = 0; e < 4; ++e) s[kb][n][e] *= s_unit;
         }
       }
+    } else if constexpr (kInt8) {
+      // Keys 2tq, 2tq + 1 of each 8-key half: their K scales. sum * u - bias * u, as the narrow
+      // consumer: an infinite scale (a non-finite token, codes 0) gives NaN, as the reference.
+      const float* k_scales = reinterpret_cast<const float*>(stage + L::SCALE_OFF) + key0 + 2 * tq;
+#pragma unroll
+      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float2 ks = *reinterpret_cast<const float2*>(k_scales + 16 * kb + 8 * n);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float u = s_unit * (e & 1 ? ks.y : ks.x);
+            s[kb][n][e] = fmaf(s[kb][n][e], u, -k_bias[e >> 1] * u);
+          }
+        }
+      }
     }
     if (edge || in_tree) {  // warp-uniform: most tiles skip the masks
 #pragma unroll
@@ -407,6 +447,10 @@ struct WideConsumer {
           acc[i][hh][3] *= alpha[1];
         }
       }
+      if constexpr (kInt8) {
+        p_sum[0] *= alpha[0];
+        p_sum[1] *= alpha[1];
+      }
     }
     const float m_ref[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
 #pragma unroll
@@ -420,6 +464,7 @@ struct WideConsumer {
         }
       }
     }
+    if constexpr (kInt8) weigh_by_v_scales(s, stage, key0, it, lo, end, lane);
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
     if constexpr (kWg) {
@@ -450,6 +495,13 @@ struct WideConsumer {
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
         const uint32_t pa[4] = {pack_rn<M>(s[kb][0][0], s[kb][0][1]), pack_rn<M>(s[kb][0][2], s[kb][0][3]),
                                 pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
+        if constexpr (kInt8) {  // the fp16 values the V mma takes: rows g (pa 0, 2) and g + 8 (1, 3)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pa[r]));
+            p_sum[r & 1] += f.x + f.y;
+          }
+        }
 #pragma unroll
         for (int i = 0; i < KSTEPS; i += 2) {
           uint32_t v[2][2][2];
@@ -466,12 +518,73 @@ struct WideConsumer {
     }
   }
 
-  // The item's sums over the quad (every lane of a quad then holds its columns' l).
+  // int8: P of keys 2tq, 2tq + 1 of each 8-key half times the key's V scale over v_unit (raised
+  // first, if one of the warp's keys outgrew it: acc and p_sum rescaled to the new unit). Keys
+  // outside [lo, end) take no V scale (their copies may be strays: NaN x 0). The scales are read
+  // from shared memory twice (for the maximum, then for P) rather than held beside the scores.
+  __device__ __forceinline__ void weigh_by_v_scales(float (&s)[PART_BLOCKS][2][4], const unsigned char* stage, int key0,
+                                                    int it, int lo, int end, int lane) {
+    const int tq = lane % 4;
+    const float* v_scales = reinterpret_cast<const float*>(stage + L::SCALE_OFF) + L::KEYS + key0 + 2 * tq;
+    const auto scale_of = [&](int kb, int n, int k) {
+      const int key = it + 16 * kb + 8 * n + 2 * tq + k;
+      return key >= end || key < lo ? 0.f : v_scales[16 * kb + 8 * n + k];
+    };
+    float vmax = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) vmax = fmaxf(vmax, fmaxf(scale_of(kb, n, 0), scale_of(kb, n, 1)));
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
+    if (vmax > v_unit) {  // warp-uniform
+      const float r = v_unit / vmax;
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= r;
+        }
+      }
+      p_sum[0] *= r;
+      p_sum[1] *= r;
+      v_unit = vmax;
+    }
+    const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[kb][n][e] *= scale_of(kb, n, e & 1) * inv;
+      }
+    }
+  }
+
+  // The item's sums over the quad (every lane of a quad then holds its columns' l); int8: O
+  // without the codes' bias, back from units of v_unit.
   __device__ __forceinline__ void finish() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
       l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+    }
+    if constexpr (kInt8) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 1);
+        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 2);
+      }
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][hh][e] = fmaf(-kInt8Bias, p_sum[e >> 1], acc[i][hh][e]) * v_unit;
+        }
+      }
     }
   }
 
@@ -487,7 +600,7 @@ struct WideConsumer {
     for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        if constexpr (kFp8) {  // out_dim(i, g, h) = 16 i + 2 g + h: the pair is h = 0, 1
+        if constexpr (kBytes) {  // out_dim(i, g, h) = 16 i + 2 g + h: the pair is h = 0, 1
           pair(Ops::out_dim(i, 2 * tq + k, 0), acc[i][0][2 * r + k], acc[i][1][2 * r + k]);
         } else {  // out_dim(i, g, h) = 16 i + g + 8 h: the pair is g = 2 tq, 2 tq + 1
           pair(Ops::out_dim(i, 2 * tq, k), acc[i][k][2 * r], acc[i][k][2 * r + 1]);

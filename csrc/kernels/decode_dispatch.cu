@@ -48,9 +48,8 @@ constexpr bool kCompiled<__nv_bfloat16, s8> = false;
 #endif
 
 // Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
-// (int8 caches: tree steps on narrow items: decode_params.cpp, mmha.dispatch.plan.)
 template <typename C, int HEAD_DIM>
-constexpr bool kHasWide = !std::is_same_v<C, float> && !std::is_same_v<C, s8> && HEAD_DIM <= kWideMaxHeadDim;
+constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadDim;
 
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {

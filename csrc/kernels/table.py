@@ -220,5 +220,5 @@ KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
     ("fp16_s8", "__half", "s8"),
     ("bf16_s8", "__nv_bfloat16", "s8"),
 ]
-# Cache types without the wide items of tree steps (int8: tree steps on narrow items).
-NO_WIDE = ("float", "s8")
+# Cache types without the wide items of tree steps (fp32: the CUDA-core loop).
+NO_WIDE = ("float",)
