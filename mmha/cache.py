@@ -85,7 +85,7 @@ class KVCache:
         fp16 / bf16 activations), with one fp32 scale per layer and kv head for K and one for V
         (``k_scales``, ``v_scales``; ``set_scales``, ``prefill``), or ``torch.int8`` (``"int8"``):
         each token's K and V codes with a scale per token and kv head beside its slot
-        (``mmha.quant``; on a GPU under fp16 / bf16 activations; tree steps on narrow items), or
+        (``mmha.quant``; on a GPU under fp16 / bf16 activations, one-token and tree steps), or
         ``"int4"`` (``mmha.int4``: V per token and K per channel over 64-token groups, with zero
         points; the reference path only, so a CPU cache; paged blocks of 64 or 128 slots; ``accept``
         takes list paths).
