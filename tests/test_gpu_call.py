@@ -17,8 +17,13 @@ pytestmark = pytest.mark.skipif(shutil.which("md5sum") is None or shutil.which("
                                 reason="needs md5sum and setsid")  # fmt: skip
 
 
-def _stamp() -> str:
-    run = subprocess.run(["bash", "tests/gpu_call.sh", "--stamp"], cwd=ROOT, capture_output=True, text=True)
+def _stamp(kernels: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "MMHA_KERNELS"}
+    if kernels is not None:
+        env["MMHA_KERNELS"] = kernels
+    run = subprocess.run(
+        ["bash", "tests/gpu_call.sh", "--stamp"], cwd=ROOT, capture_output=True, text=True, env=env
+    )
     return run.stdout.strip()
 
 
@@ -33,7 +38,8 @@ def _call(tmp_path: Path, sanitizer_sleep: int, budget: int) -> tuple[subprocess
         f.chmod(0o755)
     work.mkdir()
     (work / ".built").write_text(_stamp() + "\n")  # as if this machine had built these sources
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work), "OUT": str(out),
+    base = {k: v for k, v in os.environ.items() if k != "MMHA_KERNELS"}  # as _stamp() stamped it
+    env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work), "OUT": str(out),
            "CALL_BUDGET": str(budget)}  # fmt: skip
     run = subprocess.run(
         ["bash", "tests/gpu_call.sh", "tests/test_layout.py", "-p", "no:xdist"], cwd=ROOT, env=env,
@@ -63,3 +69,11 @@ def test_sanitizers_past_the_deadline_are_stopped(tmp_path):
     assert "summary.txt" in _members(tgz)
     busy = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True).stdout.split()
     assert not busy, "a stand-in sanitizer outlived the call"
+
+
+def test_a_build_of_other_kernel_sets_is_not_reused():
+    """The stamp covers MMHA_KERNELS: a slim build is never taken for a whole one, nor one slim
+    build for another."""
+    whole, fp16, both = _stamp(), _stamp("fp16"), _stamp("fp16,fp16_s8")
+    assert len({whole, fp16, both}) == 3 and all(len(s) == 32 for s in (whole, fp16, both))
+    assert _stamp("fp16") == fp16
