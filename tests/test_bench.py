@@ -253,6 +253,20 @@ def test_tree_int8_rows_follow_their_16_bit_twins():
     assert tree.target_tflops(old) is not None  # a kept JSON's row without "kv"
 
 
+def test_tree_rows_chosen_by_batch_context_and_nodes():
+    from mmha.bench import tree
+
+    all_rows = tree.rows(int8=True)
+    assert tree.select(all_rows, None) == all_rows
+    picked = tree.select(all_rows, ["1,1024,4", "16,4096,64"])
+    assert {(r.batch, r.context, r.nodes) for r in picked} == {(1, 1024, 4), (16, 4096, 64)}
+    assert {r.kv for r in picked} == {"", "int8"} and {r.shape for r in picked} == {"binary", "chain"}
+    with pytest.raises(ValueError, match="three integers"):
+        tree.select(all_rows, ["1,1024"])
+    with pytest.raises(ValueError, match="matches no row"):
+        tree.select(all_rows, ["3,5,7"])
+
+
 def test_mods_rows_time_as_many_layers_as_their_reads_need():
     from mmha.bench import mods
     from mmha.bench.problems import MAX_LAYERS, MIN_LAYERS

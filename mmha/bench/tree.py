@@ -17,8 +17,9 @@ matrix product (``floor.read_gemm_tflops``) and dense attention through SDPA's f
 (``floor.read_attention_tflops``); a T = 64 row's miss of its 1.3x target names the TFLOP/s it
 would need against them. ``--int8``: each Llama-shaped row again over an int8 cache (codes with a
 scale per token and kv head, ``kv`` = "int8"; its bytes count codes and scales); the peers attend
-over the dequantised K/V in fp16, as a user without an int8 kernel would. Writes bench_tree.json
-and bench_tree.md to ``--out``.
+over the dequantised K/V in fp16, as a user without an int8 kernel would. ``--only B,CTX,T ...``
+keeps the rows of those batch sizes, contexts and node counts. Writes bench_tree.json and
+bench_tree.md to ``--out``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ def rows(quick: bool = False, int8: bool = False) -> list[Row]:
     if int8:
         out = [x for r in out for x in ([r, replace(r, kv="int8")] if r.num_heads == 32 else [r])]
     return out
+
+
+def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
+    """The rows whose (batch, context, nodes) is one of ``only``'s "B,CTX,T" (all of them without
+    ``only``); every shape and cache format of a match."""
+    if not only:
+        return rows_
+    keys = set()
+    for spec in only:
+        parts = spec.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--only takes B,CTX,T (three integers), got {spec!r}")
+        keys.add(tuple(int(p) for p in parts))
+    picked = [r for r in rows_ if (r.batch, r.context, r.nodes) in keys]
+    if not picked:
+        raise ValueError(f"--only {' '.join(only)} matches no row")
+    return picked
 
 
 def parents_of(shape: str, nodes: int, seed: int) -> list[int]:
@@ -331,8 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     ap.add_argument("--int8", action="store_true", help="each Llama-shaped row again over an int8 cache")
+    ap.add_argument("--only", nargs="+", metavar="B,CTX,T", help="rows of these batch, context, nodes")
     ap.add_argument("--out", type=Path, default=Path("bench_tree"))
     args = ap.parse_args(argv)
+    try:
+        chosen = select(rows(args.quick, args.int8), args.only)
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("python -m mmha.bench --tree needs a CUDA GPU")
         return 1
@@ -345,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     header["attention_tflops"], header["attention_how"] = floor.read_attention_tflops()
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for row in rows(args.quick, args.int8):
+    for row in chosen:
         results.append(run_row(row, tuple(args.peers)))
         torch._dynamo.reset()
         gc.collect()
