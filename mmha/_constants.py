@@ -56,6 +56,9 @@ FP8_MAX = 448
 TOKEN_SCALE_BYTES = 512
 # nodes of a tree step at most: a node's ancestors are one 64-bit mask
 MAX_TREE_NODES = 64
+# tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in the
+# attention kernel itself (one launch), where its node area leaves the blocks per SM as they are
+FUSED_TREE_NODES = 16
 # status flag: a length outside the cache (nothing written, NaN output)
 STATUS_LENGTH = 1
 # status flag: an fp8 scale not finite and positive

@@ -444,6 +444,35 @@ def test_tree_bad_block_refuses_the_row_and_writes_nothing(splits, where):
         ops.decode_tree(qkv, kp, vp, case.lengths, parents, block_tables=tables, **case.kwargs())
 
 
+@pytest.mark.parametrize("bad", ["first_split", "second_split"])
+def test_tree_nodes_across_splits_bad_block_writes_nothing(bad):
+    """A small tree (one launch) whose nodes lie in two splits' keys (slots 60 .. 65: tiles 0 and
+    1, one split each): a bad block under either split's nodes refuses the row in both, and
+    neither appends its nodes."""
+    from test_tree_gpu import tree_case
+
+    lengths = [60, 60]
+    case, qkv, parents, counts, scales = tree_case(
+        2, 8, 2, 128, lengths, 256, torch.float16, 6, "chain", seed=9
+    )
+    kp, vp, tables = to_pages(case.k_cache, case.v_cache, 16, seed=9)
+    bad_row = 1
+    tables[bad_row, 3 if bad == "first_split" else 4] = paging.NO_BLOCK  # slots 48 .. 63, or 64 .. 79
+    before = (bits(kp).clone(), bits(vp).clone())
+    ws = ops.Workspace.allocate("cuda", 2, 8, 128, 2, 6)
+    out = ops.decode_tree(
+        qkv, kp, vp, case.lengths, parents, block_tables=tables, num_splits=2, workspace=ws, validate=False,
+        **case.kwargs(),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert out[bad_row].isnan().all() and out[0].isfinite().all()
+    good = {int(tables[0, s // 16]) for s in range(60, 66)}
+    for pool, old in ((kp, before[0]), (vp, before[1])):
+        changed = (bits(pool) != old).nonzero()[:, 0].unique().tolist()
+        assert set(changed) <= good
+    assert ws.status.tolist() == [0, ops.STATUS_PAGES]
+
+
 def test_tree_rows_that_take_no_part():
     from test_tree_gpu import tree_case
 

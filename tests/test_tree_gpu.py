@@ -16,6 +16,7 @@ from test_generate import random_prompts
 from test_tree import random_tree
 
 from mmha import dispatch, ops, reference, spec
+from mmha._constants import FUSED_TREE_NODES
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -115,6 +116,82 @@ def test_tree_rotary_frequency_table(nodes):
     g = torch.Generator().manual_seed(nodes)
     case.rotary.update(inv_freq=(torch.rand(32, generator=g) ** 3).cuda(), attention_factor=1.2)
     check_tree(case, qkv, parents, counts, scales)
+
+
+def launched_kernels(fn):
+    """Names of the CUDA kernels `fn` launches (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
+@pytest.mark.parametrize("nodes", [2, 4, FUSED_TREE_NODES, FUSED_TREE_NODES + 1])
+def test_small_trees_run_in_one_launch(dtype, nodes):
+    """Trees of up to FUSED_TREE_NODES nodes on narrow items: the attention kernel checks and
+    appends them itself, no check-and-append launch before it; wider ones keep it. int8 caches
+    and wide items keep it too."""
+    kv = dtype if dtype == FP8 else None
+    case, qkv, parents, counts, scales = tree_case(
+        2, 32, 8, 128, [1000, 37], 1100, torch.float16, nodes, "random", seed=nodes, kv_dtype=kv
+    )  # fmt: skip
+    names = launched_kernels(lambda: run_tree(case, qkv, parents, counts, scales))
+    assert sum("decode_attention_kernel" in n for n in names) == 1, names
+    assert sum("tree_prepare_kernel" in n for n in names) == (0 if nodes <= FUSED_TREE_NODES else 1), names
+    check_tree(case, qkv, parents, counts, scales)
+
+
+def padded_tree(qkv, parents, width):
+    """The same tree in a wider step (nodes past it unused: parents -1, qkv zeros)."""
+    b, n, w = qkv.shape
+    wide_qkv = torch.zeros(b, width, w, dtype=qkv.dtype, device=qkv.device)
+    wide_qkv[:, :n] = qkv
+    wide_parents = torch.full((b, width), -1, dtype=torch.int32, device=parents.device)
+    wide_parents[:, :n] = parents
+    return wide_qkv, wide_parents
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, FP8], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_one_launch_equals_two_launches_bit_for_bit(dtype, splits, source):
+    """A small tree in one launch (the attention kernel builds, patches and appends the nodes)
+    against the same tree as the first nodes of a step too wide for it (the check-and-append
+    kernel first): outputs, lse and caches bit for bit. Rows start next to tile edges, so that
+    their nodes straddle tiles and splits."""
+    kv = dtype if dtype == FP8 else None
+    act = torch.float16 if dtype == FP8 else dtype
+    nodes = 7
+    lengths = [0, 60, 125, 190, 700]
+    counts = [7, 7, 3, 6, 1]
+    case, qkv, parents, counts, scales = tree_case(
+        5, 8, 2, 128, lengths, 1024, act, nodes, "random", seed=splits, counts=counts, kv_dtype=kv, bias=True
+    )  # fmt: skip
+    kw = dict(num_splits=splits, tile_source=source)
+    one, one_lse, k1, v1 = run_tree(case, qkv, parents, counts, scales, **kw)
+    wide_qkv, wide_parents = padded_tree(qkv, parents, FUSED_TREE_NODES + 1)
+    two, two_lse, k2, v2 = run_tree(case, wide_qkv, wide_parents, counts, scales, **kw)
+    assert_bits_equal(one, two[:, :nodes], "out")
+    assert torch.equal(one_lse, two_lse[:, :nodes])
+    assert_bits_equal(k1, k2, "k_cache")
+    assert_bits_equal(v1, v2, "v_cache")
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_nodes_across_split_edges(splits):
+    """A tree whose node slots lie in two splits' keys: each split builds, patches and appends its
+    own nodes (one launch), with a q/k norm."""
+    nodes = 12
+    lengths = [58, 122, 250 - nodes]
+    case, qkv, parents, counts, scales = tree_case(3, 8, 2, 64, lengths, 256, torch.float16, nodes, "random",
+                                                   seed=splits, bias=True)  # fmt: skip
+    from test_qk_norm_gpu import _norm
+
+    case.mods["qk_norm"] = _norm(64, splits)
+    check_tree(case, qkv, parents, counts, scales, num_splits=splits, tile_source="cp_async")
 
 
 @pytest.mark.parametrize("kind", KINDS)

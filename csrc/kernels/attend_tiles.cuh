@@ -117,10 +117,12 @@ struct TileConsumer {
   // fp16 parts also get a power of two that brings the item's largest |q| to [2^7, 2^8): in
   // range whatever the activations' size (bf16 q may exceed fp16's), undone on the scores.
   // column(i) is column i's Column (query row and head; work_items.cuh); a tree step (tree_on)
-  // masks the slots from tree_base on by each column's root path.
+  // masks the slots from tree_base on by each column's root path (a fused tree's from slot_anc,
+  // by node; else the workspace's).
   template <class ColumnOf>
   __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
-                                       const MmhaParams& p, ColumnOf column, bool tree_on, int tree_base) {
+                                       const MmhaParams& p, ColumnOf column, bool tree_on, int tree_base,
+                                       const uint64_t* slot_anc = nullptr) {
     const int g = lane / 4;
     const int tq = lane % 4;
     int heads[2];
@@ -131,7 +133,7 @@ struct TileConsumer {
       const bool used = 2 * tq + h < nh;
       const auto c = column(used ? 2 * tq + h : 0);
       heads[h] = used ? c.head : -1;
-      tree.anc[h] = tree_on && used ? p.tree.anc[c.qrow] : 0;
+      tree.anc[h] = !tree_on || !used ? 0 : slot_anc != nullptr ? slot_anc[c.node] : p.tree.anc[c.qrow];
     }
     mods.init(p.mods, heads);
     float qv[KSTEPS][2][2];
@@ -191,12 +193,13 @@ struct TileConsumer {
   }
 
   // Keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys, TileLayout::k_off) are the
-  // cache's keys [it, it + 16). The new token's slot
-  // (pos) takes its K/V from shared memory; V rows before lo (a window's start) or at or past end
+  // cache's keys [it, it + 16). The new slots pos .. pos + count - 1 (a one-token step's one, a
+  // fused tree's nodes) take their K/V from shared memory (slot pos + r: row r of s_new_k /
+  // s_new_v, HEAD_DIM apart); V rows before lo (a window's start) or at or past end
   // (an attend-only row's pos included) are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
   __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
-                                               int pos, const C* s_new_k, const C* s_new_v, int lane,
+                                               int pos, int count, const C* s_new_k, const C* s_new_v, int lane,
                                                const float* s_new_scales = nullptr) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
@@ -204,11 +207,12 @@ struct TileConsumer {
       const int t = it + kk;
       if (t >= end || t < lo) {  // first: an attend-only row's slot pos lies past its keys
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) = make_uint4(0, 0, 0, 0);
-      } else if (t == pos) {
+      } else if (t >= pos && t < pos + count) {
+        const int r = (t - pos) * HEAD_DIM;
         *reinterpret_cast<uint4*>(stage + L::k_off(key0 + kk, c, kg)) =
-            *reinterpret_cast<const uint4*>(s_new_k + c * L::VEC);
+            *reinterpret_cast<const uint4*>(s_new_k + r + c * L::VEC);
         *reinterpret_cast<uint4*>(stage + L::v_off(key0 + kk, c, kg)) =
-            *reinterpret_cast<const uint4*>(s_new_v + c * L::VEC);
+            *reinterpret_cast<const uint4*>(s_new_v + r + c * L::VEC);
       }
     }
     if constexpr (kInt8) {  // the new token's scales (the producer's copies left its slot zero)

@@ -44,6 +44,12 @@ constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 template <typename C>
 constexpr bool kInt8 = std::is_same_v<C, s8>;
 
+// Instances that run fused small tree steps (TreeParams::fused; tree_step.cuh's TreeNodes):
+// narrow tile-loop items of two or more columns over 16-bit or fp8 caches. (A tree of two or more
+// nodes has two or more columns; int8 trees quantise their nodes in tree_prepare_kernel.)
+template <typename T, typename C, int QB>
+constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C>;
+
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 // Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting): 12 warps, 3 per
@@ -128,12 +134,16 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
 // nthreads take part. The norm is a runtime branch of one instance: a second, norm-free instance
 // of this function made the kernels a fifth larger and the short rows up to 1.5 us slower
 // (docs/experiments.md, 2026-11-28).
+// A fused tree step (tn: its node area, slot: the item's slot there): the columns' depths from the
+// slot, and an item that holds node slots builds those nodes' K/V into tn as tree_prepare_kernel
+// appends them (bias, k norm, rotary at pos + depth, rounded or quantised with the fp8 scales).
 template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
-                                                         float* s_new_scales, int tid, int nthreads, Sync sync) {
+                                                         float* s_new_scales, int tid, int nthreads, Sync sync,
+                                                         TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
@@ -149,19 +159,42 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     q_bias = bias ? bias + c.head * HEAD_DIM : nullptr;
     return global_q<T, HEAD_DIM>(p, c);
   };
+  // A fused tree's nodes this item builds: [n0, n1) (none unless it holds node slots).
+  constexpr bool kNodes = kFusedTrees<T, C, QB>;
+  const bool fused = kNodes && tn != nullptr && fused_tree(p);
+  const int n0 = fused && w.owner() ? max(w.start - w.pos, 0) : 0;
+  const int n1 = fused && w.owner() ? min(w.end - w.pos, w.nodes) : 0;
+  const auto node_row = [&](int t) {
+    return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(w.b) * p.tree.nodes + t) * p.qkv_row_stride;
+  };
   __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
   if (qn.q_weight != nullptr || qn.k_weight != nullptr) {
     const int lane = tid % 32, warps = nthreads / 32;
-    for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
+    // Rows g <= QB as below; g > QB: a fused tree's node n0 + g - QB - 1 (its k, into tn->k_inv).
+    const int rows_n = QB + 1 + (n1 - n0);
+    for (int g = tid / 32; g < rows_n; g += warps) {  // warp-uniform: head_inv_rms shuffles
       float inv = 1.f;
       if (g < QB && g < w.nh && qn.q_weight != nullptr) {
         const T* q_bias;
         const T* q = q_of(g, q_bias);
         inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
-      } else if (g == QB && w.owner() && qn.k_weight != nullptr) {
+      } else if (g == QB && w.owner() && !(kNodes && tree_step(p)) && qn.k_weight != nullptr) {
         inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
+      } else if (g > QB && qn.k_weight != nullptr) {
+        inv = head_inv_rms<T, HEAD_DIM>(node_row(n0 + g - QB - 1) + (p.num_heads + w.kvh) * HEAD_DIM, k_bias,
+                                        qn.eps, lane);
       }
-      if (lane == 0) s_inv[g] = inv;
+      if (lane == 0) {
+        if constexpr (kNodes) {
+          if (g > QB) {
+            tn->k_inv[n0 + g - QB - 1] = inv;
+          } else {
+            s_inv[g] = inv;
+          }
+        } else {
+          s_inv[g] = inv;
+        }
+      }
     }
     sync();
   }
@@ -190,15 +223,37 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       if (g < w.nh) {
         const Column c = column_of(p, w, g);
         float sn = 0.f, cs = 1.f;
-        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c)) * rp.inv_freq, &sn, &cs);
+        const int* depth = fused ? tn->depth[slot] : nullptr;
+        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, depth)) * rp.inv_freq, &sn, &cs);
         rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1,
                     q_norm(g));
       }
       s_q[g][rp.d0] = x0;
       s_q[g][rp.d1] = x1;
     }
+    if constexpr (kNodes) {
+      // The nodes' K/V, a thread per (node, rotation pair) as tree_prepare_kernel builds them.
+      const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+#pragma unroll 1
+      for (int idx = n0 * PAIRS + tid; idx < n1 * PAIRS; idx += nthreads) {
+        const int t = idx / PAIRS;
+        const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+        const T* row = node_row(t);
+        float sn = 0.f, cs = 1.f;
+        if (rp.rotated) sincosf(static_cast<float>(w.pos + tn->depth[slot][t]) * rp.inv_freq, &sn, &cs);
+        float k0, k1;
+        const HeadNorm k_norm =
+            qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn->k_inv[t], qn.cast_first} : HeadNorm{};
+        rotate_pair(row + (p.num_heads + w.kvh) * HEAD_DIM, k_bias, rp, sn, cs, k0, k1, k_norm);
+        const T* v_row = row + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM;
+        tn->k[t][rp.d0] = to_cache<C>(k0, k_scale);
+        tn->k[t][rp.d1] = to_cache<C>(k1, k_scale);
+        tn->v[t][rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+        tn->v[t][rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+      }
+    }
   }
-  if (w.owner()) {
+  if (w.owner() && !(kNodes && tree_step(p))) {
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =
@@ -237,6 +292,30 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
       const TokenScales ts = token_scales(p.cache, p.num_kv_heads, w.b, w.kvh);
       (tid == 0 ? ts.k : ts.v)[ts.at(blk, w.pos)] = s_new_scales[tid];
     }
+  }
+}
+
+// The append of a fused tree step: an item holding node slots writes the nodes of its keys
+// ([start, end) within pos .. pos + nodes - 1) from its node area, a 16-byte chunk at a time,
+// column block 0 only. The item's producer and stager checked the row's every block (its own
+// tiles', and check_blocks_before's) before this runs; a refused item appends nothing.
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ void append_tree_nodes(const MmhaParams& p, const WorkItem& w,
+                                                  const TreeNodes<C, HEAD_DIM>& tn, int tid, int nthreads) {
+  constexpr int VEC = kVec<C>;
+  constexpr int CHUNKS = HEAD_DIM / VEC;
+  if (!w.owner() || w.qg != 0) return;
+  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
+  const int s0 = max(w.start, w.pos);
+  const int s1 = min(w.end, w.pos + w.nodes);
+  for (int idx = tid; idx < (s1 - s0) * CHUNKS; idx += nthreads) {
+    const int slot = s0 + idx / CHUNKS;
+    const int c = idx % CHUNKS;
+    const int t = slot - w.pos;
+    const int blk = slots.table != nullptr ? slots.block(slot) : 0;
+    *reinterpret_cast<uint4*>(slots.k + slots.k_at(blk, slot, c)) = *reinterpret_cast<const uint4*>(&tn.k[t][c * VEC]);
+    *reinterpret_cast<uint4*>(slots.v + slots.v_at(blk, slot) + c * VEC) =
+        *reinterpret_cast<const uint4*>(&tn.v[t][c * VEC]);
   }
 }
 
@@ -502,28 +581,36 @@ __device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) 
   mbar_init(&st.checked, 32);
 }
 
-// Whether item w of a paged row appends (it holds the new token's slot) after keys it does not
-// read ([lo, start): the earlier splits'): the blocks of those keys are checked too, so that a
-// row with any bad block writes nothing (the stager checks them, check_blocks_before).
+// Whether item w of a paged row appends (it holds the new token's slot, or a fused tree's node
+// slots) beside keys it does not read ([lo, start): the earlier splits'; [end, pos + nodes): a
+// fused tree's nodes in the next split): the blocks of those keys are checked too, so that a row
+// with any bad block writes nothing (the stager checks them, check_blocks_before).
+template <bool FUSED>
 __device__ __forceinline__ bool checks_before(const MmhaParams& p, const WorkItem& w) {
-  return p.cache.block_tables != nullptr && w.owner() && w.start > w.lo;
+  return p.cache.block_tables != nullptr && w.owner() && (w.start > w.lo || (FUSED && w.end < w.pos + w.nodes));
 }
 
-// The stager's check of a checks_before item's earlier blocks, while the item's tiles stream: all
+// The stager's check of the blocks of a checks_before item's keys it does not read (before its
+// start; a fused tree's nodes past its end), while the item's tiles stream: all
 // lanes load kBeforeLoads entries at a time, then check them; the verdict goes to st.before_bad
 // and st.checked, which the producer waits for at the item's last tile. (In the producer, a share
 // a tile held it ~0.1 us a tile behind the stream: H100, the B = 1 paged rows' appending splits.)
 constexpr int kBeforeLoads = 8;
-template <typename C, int HEAD_DIM, class Stage>
+template <typename C, int HEAD_DIM, bool FUSED, class Stage>
 __device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const WorkItem& w, Stage& st, int lane) {
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
+  // Table entries [e0, e1) (keys [lo, start)), then [e2, e3) (keys [end, pos + nodes)), as one run.
   const int e0 = w.lo >> hs.shift;
-  const int e1 = ((w.start - 1) >> hs.shift) + 1;
+  const int e1 = w.start > w.lo ? ((w.start - 1) >> hs.shift) + 1 : e0;
+  const int e2 = w.end >> hs.shift;
+  const int e3 = FUSED && w.end < w.pos + w.nodes ? ((w.pos + w.nodes - 1) >> hs.shift) + 1 : e2;
+  const int n = e1 - e0 + e3 - e2;
+  const auto entry = [&](int i) { return i < e1 - e0 ? e0 + i : e2 + i - (e1 - e0); };
   bool bad = false;
-  for (int e = e0 + lane; e < e1; e += 32 * kBeforeLoads) {
+  for (int i = lane; i < n; i += 32 * kBeforeLoads) {
     int ids[kBeforeLoads];
 #pragma unroll
-    for (int u = 0; u < kBeforeLoads; ++u) ids[u] = e + 32 * u < e1 ? __ldg(hs.table + e + 32 * u) : 0;
+    for (int u = 0; u < kBeforeLoads; ++u) ids[u] = i + 32 * u < n ? __ldg(hs.table + entry(i + 32 * u)) : 0;
 #pragma unroll
     for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p.cache, ids[u]);
   }
@@ -534,19 +621,32 @@ __device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const W
 
 // An item decided: its range (work_item_range) from its row's length, mode and node count, and
 // its kv head's fp8 scales; scales_ok is false where any kv head's scales are bad (fp8 refuses
-// the step).
+// the step). A fused tree step's row is derived here (derive_tree; its depths and root paths with
+// `paths`, lane t's node t's): a refused row's items are bad, tree_flags says why.
 struct DecidedItem {
   WorkItem w;
   float k_scale = 1.f, v_scale = 1.f;
   bool scales_ok = true;
+  int tree_flags = 0;
+  int depth = 0;
+  uint64_t anc = 0;
 };
 
-template <typename C, int QB>
-__device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int index, int lane) {
+template <typename C, int QB, bool FUSED>
+__device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int index, int lane, bool paths = false) {
   DecidedItem d;
   d.w = work_item_head<QB>(p, index);
   const int pos = p.rows.lengths[d.w.b];
-  const int nodes = row_nodes(p, d.w.b);
+  int nodes = 1;  // a fused tree's row that takes no part is idle (work_item_range)
+  if (!FUSED || !fused_tree(p)) {
+    nodes = row_nodes(p, d.w.b);
+  } else if (row_takes_part(p.rows, d.w.b)) {
+    const WarpTree t = derive_tree(p, d.w.b, pos, lane, paths);
+    nodes = t.flags == 0 ? t.n : -1;
+    d.tree_flags = t.flags;
+    d.depth = t.depth;
+    d.anc = t.anc;
+  }
   if constexpr (kFp8<C>) {
     // A bad scale of any kv head refuses the whole step: every item checks all of them.
     bool ok = true;
@@ -621,16 +721,17 @@ struct RawRows {
 // this warp only, so the producer issues tiles without waiting on global memory (H100, B=64
 // Hkv=32 S=256, ncu: the producer spent a quarter of its time on them when it did this itself).
 template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
-__device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB>& st, int items, int lane) {
+__device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB>& st, int items, int lane,
+                                            TreeNodes<C, HEAD_DIM>* tn = nullptr) {
   int index = blockIdx.x;
   int seq = 0;  // slots filled so far: item seq uses slot seq % 2
   while (index < items) {
     RawRows<T, HEAD_DIM, QB> raw;
     raw.load(p, index, lane);
-    DecidedItem d = decide_item<C, QB>(p, index, lane);
+    DecidedItem d = decide_item<C, QB, kFusedTrees<T, C, QB>>(p, index, lane, true);
     WorkItem& w = d.w;
-    if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
-      poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, lane, 32);
+    if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel, a fused one's here
+      poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? d.tree_flags : kStatusLength, lane, 32);
     } else if (w.idle) {
       poison_row<T, HEAD_DIM, EPI>(p, w, 0, lane, 32, true);
     } else if (!d.scales_ok) {
@@ -641,6 +742,10 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       const int slot = seq & 1;
       if (seq >= 2) mbar_wait(&st.empty[slot], ((seq >> 1) - 1) & 1);
       raw.store(st, slot, lane);
+      if (tn != nullptr && lane < kFusedTreeNodes) {  // a fused tree: lane t's node's depth and root path
+        tn->depth[slot][lane] = d.depth;
+        tn->anc[slot][lane] = d.anc;
+      }
       if (lane == 0) {
         st.item[slot] = w;
         st.index[slot] = index;
@@ -650,7 +755,8 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       mbar_arrive(&st.full[slot]);  // each lane's writes to the slot
       mbar_wait(&st.taken[slot], (seq >> 1) & 1);
       ++seq;
-      if (checks_before(p, w)) check_blocks_before<C, HEAD_DIM>(p, w, st, lane);
+      constexpr bool FUSED = kFusedTrees<T, C, QB>;
+      if (checks_before<FUSED>(p, w)) check_blocks_before<C, HEAD_DIM, FUSED>(p, w, st, lane);
     }
     const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.sched.work, 1) : 0;
     index = __shfl_sync(kFullMask, fetched, 0);
@@ -672,7 +778,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   RingCursor cur;
   // The block's first item, decided here too (as the stager decides it), so that its first tiles
   // go out before the stager has staged it; its header still waits for the slot (the q).
-  const DecidedItem first = decide_item<C, QB>(p, blockIdx.x, lane);
+  const DecidedItem first = decide_item<C, QB, kFusedTrees<T, C, QB>>(p, blockIdx.x, lane);
   const bool early = first.w.busy() && first.scales_ok;
   if (lane == 0) timeline_mark(p, kTlDecided);
   int checked_items = 0;  // checks_before items so far (st.checked's phases)
@@ -713,7 +819,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     TilePages pages = load_pages(ta, walk.key(0)).checked(p.cache.num_blocks, pages_bad);
     TilePages ahead{{0, 0, 0, 0}};
     if (nt > 1) ahead = load_pages(ta, walk.key(1));
-    const bool check_before = checks_before(p, w);
+    const bool check_before = checks_before<kFusedTrees<T, C, QB>>(p, w);
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
@@ -802,6 +908,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+  // A fused tree step's node area, after the stages (launch_kernel sizes it: kTreeNodeBytes).
+  TreeNodes<C, HEAD_DIM>* tn = nullptr;
+  if constexpr (kFusedTrees<T, C, QB>) {
+    if (fused_tree(p)) tn = reinterpret_cast<TreeNodes<C, HEAD_DIM>*>(stages + p.sched.stages * L::STAGE_BYTES);
+  }
   if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
     for (int s = 0; s < p.sched.stages; ++s) {
@@ -824,7 +935,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     return;
   }
   if (warp == kConsumerWarps + 1) {
-    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
+    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane, tn);
     return;
   }
 
@@ -849,7 +960,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
-      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) ? -1 : h.pos;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) && tn == nullptr ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) {
@@ -859,11 +970,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
       load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
-                                                   s_new_scales, tid, CONSUMERS, sync);
+                                                   s_new_scales, tid, CONSUMERS, sync, tn, h.slot);
       sync();
-      mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
-             tree_step(p), w.pos);
+             tree_step(p), w.pos, tn != nullptr ? tn->anc[h.slot] : nullptr);
+      mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the slot (q in s_q, a fused tree's paths read)
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     if (tid == 0 && first_item) {
@@ -871,10 +982,13 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
     }
     const int it = h.k0 + key0;
+    // The slots taken from shared memory: a one-token step's new token, a fused tree's nodes.
+    const int new_count = w.newslot < 0 ? 0 : tn != nullptr ? w.nodes : 1;
     const auto patch_if = [&](unsigned char* st, int t) {
-      if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, s_new_k, s_new_v, lane,
-                                             s_new_scales);
+      if ((t < w.newslot + new_count && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
+        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, new_count,
+                                             tn != nullptr ? &tn->k[0][0] : s_new_k,
+                                             tn != nullptr ? &tn->v[0][0] : s_new_v, lane, s_new_scales);
       }
     };
     int flags = h.flags;
@@ -940,7 +1054,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
                                                                                 CONSUMERS, &s_pre);
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
-        append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
+        if (tn != nullptr) {
+          append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);
+        } else {
+          append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
+        }
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
       if (p.sched.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
@@ -1176,9 +1294,14 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
   }
 }
 
+// A fused tree step's node area (TreeNodes, after the stages), 0 for kernels without fused trees.
+template <typename T, typename C, int HEAD_DIM, int QB>
+constexpr int kTreeNodeBytes = kFusedTrees<T, C, QB> ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) : 0;
+
 // Dynamic shared memory of one launch (the tile loop's stages; the CUDA-core loop has static
 // arrays only). Above the default 48 KB the kernel must opt in, once per device (the attribute
-// is per device), for the largest launch it may see: kMaxStages, or what the device allows.
+// is per device), for the largest launch it may see: kMaxStages and a node area, or what the
+// device allows.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
 cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
   if constexpr (!kTiles<T>) {
@@ -1199,7 +1322,8 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>);
     if (err != cudaSuccess) return err;
-    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages);
+    const int most =
+        tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) + kTreeNodeBytes<T, C, HEAD_DIM, QB>;
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
@@ -1255,6 +1379,26 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   if (p.tree.parents == nullptr) {
     decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
+  }
+  if constexpr (kFusedTrees<T, C, QB>) {
+    // A small tree: checked and appended by the attention kernel itself (one launch), where the
+    // node area after the stages leaves the grid as it is (the plan's blocks per SM).
+    if (p.tree.nodes <= kFusedTreeNodes) {
+      const int fused_bytes = smem_bytes + kTreeNodeBytes<T, C, HEAD_DIM, QB>;
+      int fused_blocks = 0;
+      err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, fused_bytes, fused_blocks);
+      if (err != cudaSuccess) return err;
+      int per_sm = 0;
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
+                                                          kBlockThreads<T>, fused_bytes);
+      if (err != cudaSuccess) return err;
+      if (per_sm > 0 && fused_blocks == blocks) {
+        MmhaParams fused = p;
+        fused.tree.fused = 1;
+        decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, fused_bytes, stream>>>(fused);
+        return cudaGetLastError();
+      }
+    }
   }
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
   // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's

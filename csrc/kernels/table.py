@@ -73,6 +73,12 @@ CONSTANTS = [
         "an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V",
     ),
     ("MAX_TREE_NODES", 64, "nodes of a tree step at most: a node's ancestors are one 64-bit mask"),
+    (
+        "FUSED_TREE_NODES",
+        16,
+        "tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in "
+        "the attention kernel itself (one launch), where its node area leaves the blocks per SM as they are",
+    ),
     ("STATUS_LENGTH", 1, "status flag: a length outside the cache (nothing written, NaN output)"),
     ("STATUS_SCALE", 2, "status flag: an fp8 scale not finite and positive"),
     ("STATUS_TREE", 4, "status flag: a tree step's parents or node count broke mmha.tree's rules"),

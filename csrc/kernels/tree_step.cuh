@@ -88,6 +88,67 @@ __device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSl
   }
 }
 
+// A small tree (fused: TreeParams::fused) derived by one warp of the attention kernel, lane t
+// holding node t (t < kFusedTreeNodes): the checks tree_prepare_kernel makes (node count,
+// parents' rules, the slots' range; a paged row's blocks are checked by the items that append),
+// then, with `paths`, pointer jumping by shuffles for the lane's node's depth and root path.
+// Every lane gets the row's node count and flags (0: accepted); a refused row's depths and paths
+// are 0.
+struct WarpTree {
+  int n;         // the row's node count
+  int flags;     // kStatusTree | kStatusLength, or 0
+  int depth;     // this lane's node: its depth
+  uint64_t anc;  // and its root path (bit j: node j)
+};
+
+__device__ __forceinline__ WarpTree derive_tree(const MmhaParams& p, int b, int len, int lane, bool paths) {
+  static_assert(kFusedTreeNodes <= 32, "a lane per node");
+  const int nodes = p.tree.nodes;
+  WarpTree t;
+  t.n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
+  const int parent = lane < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + lane] : -1;
+  const bool used = lane < t.n && lane < nodes;
+  int flags = 0;
+  if (t.n < 1 || t.n > nodes) flags |= kStatusTree;
+  if (len < 0 || len > p.cache.max_seq_len - max(t.n, 1)) flags |= kStatusLength;
+  if (__any_sync(kFullMask, used && !(parent >= -1 && parent < lane))) flags |= kStatusTree;
+  t.flags = flags;
+  int jump = used ? parent : -1;
+  t.depth = used && parent >= 0 ? 1 : 0;
+  t.anc = used ? uint64_t{1} << lane : 0;
+  if (paths && flags == 0) {
+    // After round r each node has folded in its 2^r nearest ancestors (all lanes read the
+    // round's old values: the shuffles are the barrier tree_prepare_kernel's rounds need).
+    const int rounds = nodes > 1 ? 32 - __clz(nodes - 1) : 0;
+    for (int round = 0; round < rounds; ++round) {
+      const int src = jump >= 0 ? jump : lane;
+      const int depth = __shfl_sync(kFullMask, t.depth, src);
+      const uint64_t anc = __shfl_sync(kFullMask, t.anc, src);
+      const int next = __shfl_sync(kFullMask, jump, src);
+      if (jump >= 0) {
+        t.depth += depth;
+        t.anc |= anc;
+        jump = next;
+      }
+    }
+  }
+  if (flags != 0) t.depth = 0, t.anc = 0;
+  return t;
+}
+
+// A fused tree step's node area, in dynamic shared memory after the tile loop's stages: the
+// nodes' K/V as the cache stores them (built by the items that hold their slots, patched into
+// their tiles, appended at the item's end), each node's k norm, and per item slot (the stager's
+// two) the nodes' depths and root paths.
+template <typename C, int HEAD_DIM>
+struct TreeNodes {
+  C k[kFusedTreeNodes][HEAD_DIM];
+  C v[kFusedTreeNodes][HEAD_DIM];
+  float k_inv[kFusedTreeNodes];
+  int depth[2][kFusedTreeNodes];
+  uint64_t anc[2][kFusedTreeNodes];
+};
+
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
   constexpr int VEC = kVec<C>;

@@ -25,7 +25,8 @@ struct WorkItem {
   int h0;            // one-token steps: the query head of column c0 (columns are consecutive heads)
   int pos;           // lengths[b]: the slot of the row's (first) new token
   int nodes;         // new tokens of the row: 1, or a tree's node count
-  int newslot;       // the slot whose K/V the consumers take from shared memory (pos), or -1 (tree, attend-only)
+  int newslot;       // the first slot whose K/V the consumers take from shared memory (pos: a one-token
+                     // step's, a fused tree's nodes pos .. pos + nodes - 1), or -1 (a tree, attend-only)
   bool bad;          // a refused row: nothing is read or written for it
   bool idle;         // a row that takes no part (row_active): zero output, nothing read or written
   int active;        // splits of this row that hold keys
@@ -33,7 +34,8 @@ struct WorkItem {
   int start, end;    // keys [start, end)
   int lo;            // the row's first attended slot (a window's start; else 0)
   __device__ __forceinline__ bool busy() const { return !bad && !idle && split < active; }
-  // Holds the new token's slot (one-token steps: its item appends it).
+  // Holds the new token's slot (one-token steps: its item appends it), or a fused tree's node
+  // slots up to its end (its items with end > pos append the nodes in their keys).
   __device__ __forceinline__ bool owner() const { return newslot >= 0 && newslot < end; }
   __device__ __forceinline__ int64_t kv_head(int num_kv_heads) const {
     return static_cast<int64_t>(b) * num_kv_heads + kvh;
@@ -45,6 +47,9 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
 }
 
 __device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.tree.parents != nullptr; }
+
+// A small tree step checked and appended by the attention kernel itself (TreeParams::fused).
+__device__ __forceinline__ bool fused_tree(const MmhaParams& p) { return p.tree.fused != 0; }
 
 // Which (row, kv head, column block, split) item `index` is; no memory is read.
 template <int QB>
@@ -97,7 +102,7 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   w.pos = pos;
   w.nodes = nodes;
   w.bad = pos < 0 || nodes < 1 || pos > p.cache.max_seq_len - added;
-  w.newslot = tree_step(p) || mode == kRowAttend ? -1 : pos;
+  w.newslot = (tree_step(p) && !fused_tree(p)) || mode == kRowAttend ? -1 : pos;
   const int len = w.bad ? 1 : pos + added;
   w.lo = w.bad ? 0 : window_start(p.mods, pos);
   if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
@@ -114,9 +119,12 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
 // The new tokens of row b: 1 for a one-token step, else the tree's node count (-1: refused).
 __device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step(p) ? p.tree.rows[b] : 1; }
 
-// The rotary position of column g's query: pos, or pos + its node's depth.
-__device__ __forceinline__ int query_position(const MmhaParams& p, const WorkItem& w, const Column& c) {
-  return tree_step(p) ? w.pos + p.tree.depth[c.qrow] : w.pos;
+// The rotary position of column g's query: pos, or pos + its node's depth (a fused tree's from
+// its item slot's depths, else from the workspace).
+__device__ __forceinline__ int query_position(const MmhaParams& p, const WorkItem& w, const Column& c,
+                                              const int* slot_depth = nullptr) {
+  if (!tree_step(p)) return w.pos;
+  return w.pos + (slot_depth != nullptr ? slot_depth[c.node] : p.tree.depth[c.qrow]);
 }
 
 }  // namespace mmha
