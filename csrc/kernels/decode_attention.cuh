@@ -44,11 +44,13 @@ constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 template <typename C>
 constexpr bool kInt8 = std::is_same_v<C, s8>;
 
-// Instances that run fused small tree steps (TreeParams::fused; tree_step.cuh's TreeNodes):
-// narrow tile-loop items of two or more columns over 16-bit or fp8 caches. (A tree of two or more
-// nodes has two or more columns; int8 trees quantise their nodes in tree_prepare_kernel.)
-template <typename T, typename C, int QB>
-constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C>;
+// Which instances have a twin for fused small tree steps (the kernels' FUSED parameter; tree_step.cuh's
+// TreeNodes): narrow tile-loop items of two or more columns over 16-bit or fp8 caches, without
+// the output epilogue. (A tree of two or more nodes has two or more columns; int8 trees quantise
+// their nodes in tree_prepare_kernel.) A twin of its own: the fused code inlined into the one-token
+// kernels made them slower (H200, 2026-11-28: B=1 Hkv=8 1K 11.1 -> 12.1 us).
+template <typename T, typename C, int QB, bool EPI>
+constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !EPI;
 
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
@@ -134,10 +136,9 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
 // nthreads take part. The norm is a runtime branch of one instance: a second, norm-free instance
 // of this function made the kernels a fifth larger and the short rows up to 1.5 us slower
 // (docs/experiments.md, 2026-11-28).
-// A fused tree step (tn: its node area, slot: the item's slot there): the columns' depths from the
-// slot, and an item that holds node slots builds those nodes' K/V into tn as tree_prepare_kernel
-// appends them (bias, k norm, rotary at pos + depth, rounded or quantised with the fp8 scales).
-template <typename T, typename C, int HEAD_DIM, int QB, typename Sync>
+// A fused tree step (tn: its node area, slot: the item's slot there) takes its columns' depths
+// from the slot (its nodes' K/V: build_tree_nodes).
+template <typename T, typename C, int HEAD_DIM, int QB, bool FUSED = false, typename Sync>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
                                                          float (&s_q)[QB][HEAD_DIM],
@@ -159,42 +160,21 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     q_bias = bias ? bias + c.head * HEAD_DIM : nullptr;
     return global_q<T, HEAD_DIM>(p, c);
   };
-  // A fused tree's nodes this item builds: [n0, n1) (none unless it holds node slots).
-  constexpr bool kNodes = kFusedTrees<T, C, QB>;
-  const bool fused = kNodes && tn != nullptr && fused_tree(p);
-  const int n0 = fused && w.owner() ? max(w.start - w.pos, 0) : 0;
-  const int n1 = fused && w.owner() ? min(w.end - w.pos, w.nodes) : 0;
-  const auto node_row = [&](int t) {
-    return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(w.b) * p.tree.nodes + t) * p.qkv_row_stride;
-  };
+  // A fused tree step's depths (its item slot's; else the workspace's).
+  const int* slot_depth = FUSED ? tn->depth[slot] : nullptr;
   __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
   if (qn.q_weight != nullptr || qn.k_weight != nullptr) {
     const int lane = tid % 32, warps = nthreads / 32;
-    // Rows g <= QB as below; g > QB: a fused tree's node n0 + g - QB - 1 (its k, into tn->k_inv).
-    const int rows_n = QB + 1 + (n1 - n0);
-    for (int g = tid / 32; g < rows_n; g += warps) {  // warp-uniform: head_inv_rms shuffles
+    for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
       float inv = 1.f;
       if (g < QB && g < w.nh && qn.q_weight != nullptr) {
         const T* q_bias;
         const T* q = q_of(g, q_bias);
         inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
-      } else if (g == QB && w.owner() && !(kNodes && tree_step(p)) && qn.k_weight != nullptr) {
+      } else if (g == QB && w.owner() && !(FUSED && tree_step(p)) && qn.k_weight != nullptr) {
         inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
-      } else if (g > QB && qn.k_weight != nullptr) {
-        inv = head_inv_rms<T, HEAD_DIM>(node_row(n0 + g - QB - 1) + (p.num_heads + w.kvh) * HEAD_DIM, k_bias,
-                                        qn.eps, lane);
       }
-      if (lane == 0) {
-        if constexpr (kNodes) {
-          if (g > QB) {
-            tn->k_inv[n0 + g - QB - 1] = inv;
-          } else {
-            s_inv[g] = inv;
-          }
-        } else {
-          s_inv[g] = inv;
-        }
-      }
+      if (lane == 0) s_inv[g] = inv;
     }
     sync();
   }
@@ -223,37 +203,15 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       if (g < w.nh) {
         const Column c = column_of(p, w, g);
         float sn = 0.f, cs = 1.f;
-        const int* depth = fused ? tn->depth[slot] : nullptr;
-        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, depth)) * rp.inv_freq, &sn, &cs);
+        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
         rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1,
                     q_norm(g));
       }
       s_q[g][rp.d0] = x0;
       s_q[g][rp.d1] = x1;
     }
-    if constexpr (kNodes) {
-      // The nodes' K/V, a thread per (node, rotation pair) as tree_prepare_kernel builds them.
-      const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
-#pragma unroll 1
-      for (int idx = n0 * PAIRS + tid; idx < n1 * PAIRS; idx += nthreads) {
-        const int t = idx / PAIRS;
-        const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-        const T* row = node_row(t);
-        float sn = 0.f, cs = 1.f;
-        if (rp.rotated) sincosf(static_cast<float>(w.pos + tn->depth[slot][t]) * rp.inv_freq, &sn, &cs);
-        float k0, k1;
-        const HeadNorm k_norm =
-            qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn->k_inv[t], qn.cast_first} : HeadNorm{};
-        rotate_pair(row + (p.num_heads + w.kvh) * HEAD_DIM, k_bias, rp, sn, cs, k0, k1, k_norm);
-        const T* v_row = row + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM;
-        tn->k[t][rp.d0] = to_cache<C>(k0, k_scale);
-        tn->k[t][rp.d1] = to_cache<C>(k1, k_scale);
-        tn->v[t][rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-        tn->v[t][rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
-      }
-    }
   }
-  if (w.owner() && !(kNodes && tree_step(p))) {
+  if (w.owner() && !(FUSED && tree_step(p))) {
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =
@@ -292,6 +250,48 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
       const TokenScales ts = token_scales(p.cache, p.num_kv_heads, w.b, w.kvh);
       (tid == 0 ? ts.k : ts.v)[ts.at(blk, w.pos)] = s_new_scales[tid];
     }
+  }
+}
+
+// A fused tree step's item that holds node slots: those nodes' K/V (the nodes of its keys [start,
+// end)) into its node area, as tree_prepare_kernel appends them: bias, k norm (a warp per node,
+// then a barrier of the nthreads threads), rotary at pos + depth, rounded or quantised with the
+// fp8 scales; a thread per (node, rotation pair).
+template <typename T, typename C, int HEAD_DIM>
+__device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const WorkItem& w, TreeNodes<C, HEAD_DIM>& tn,
+                                              int slot, float k_scale, float v_scale, int tid, int nthreads) {
+  constexpr int PAIRS = HEAD_DIM / 2;
+  const int n0 = max(w.start - w.pos, 0);
+  const int n1 = min(w.end - w.pos, w.nodes);
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
+  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+  const QKNormParams& qn = p.qk_norm;
+  const auto k_row = [&](int t) {
+    return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(w.b) * p.tree.nodes + t) * p.qkv_row_stride +
+           (p.num_heads + w.kvh) * HEAD_DIM;
+  };
+  if (qn.k_weight != nullptr) {
+    for (int t = n0 + tid / 32; t < n1; t += nthreads / 32) {  // warp-uniform: head_inv_rms shuffles
+      const float inv = head_inv_rms<T, HEAD_DIM>(k_row(t), k_bias, qn.eps, tid % 32);
+      if (tid % 32 == 0) tn.k_inv[t] = inv;
+    }
+    named_barrier(1, nthreads);
+  }
+#pragma unroll 1
+  for (int idx = n0 * PAIRS + tid; idx < n1 * PAIRS; idx += nthreads) {
+    const int t = idx / PAIRS;
+    const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+    float sn = 0.f, cs = 1.f;
+    if (rp.rotated) sincosf(static_cast<float>(w.pos + tn.depth[slot][t]) * rp.inv_freq, &sn, &cs);
+    float k0, k1;
+    const HeadNorm k_norm = qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
+    rotate_pair(k_row(t), k_bias, rp, sn, cs, k0, k1, k_norm);
+    const T* v_row = k_row(t) + p.num_kv_heads * HEAD_DIM;
+    tn.k[t][rp.d0] = to_cache<C>(k0, k_scale);
+    tn.k[t][rp.d1] = to_cache<C>(k1, k_scale);
+    tn.v[t][rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+    tn.v[t][rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
   }
 }
 
@@ -599,20 +599,31 @@ constexpr int kBeforeLoads = 8;
 template <typename C, int HEAD_DIM, bool FUSED, class Stage>
 __device__ __forceinline__ void check_blocks_before(const MmhaParams& p, const WorkItem& w, Stage& st, int lane) {
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
-  // Table entries [e0, e1) (keys [lo, start)), then [e2, e3) (keys [end, pos + nodes)), as one run.
   const int e0 = w.lo >> hs.shift;
-  const int e1 = w.start > w.lo ? ((w.start - 1) >> hs.shift) + 1 : e0;
-  const int e2 = w.end >> hs.shift;
-  const int e3 = FUSED && w.end < w.pos + w.nodes ? ((w.pos + w.nodes - 1) >> hs.shift) + 1 : e2;
-  const int n = e1 - e0 + e3 - e2;
-  const auto entry = [&](int i) { return i < e1 - e0 ? e0 + i : e2 + i - (e1 - e0); };
+  const int e1 = ((w.start - 1) >> hs.shift) + 1;
   bool bad = false;
-  for (int i = lane; i < n; i += 32 * kBeforeLoads) {
-    int ids[kBeforeLoads];
+  if constexpr (FUSED) {
+    // Entries [e0, e1) (keys [lo, start)), then [e2, e3) (a fused tree's nodes in [end, pos +
+    // nodes)), as one run.
+    const int e2 = w.end >> hs.shift;
+    const int e3 = w.end < w.pos + w.nodes ? ((w.pos + w.nodes - 1) >> hs.shift) + 1 : e2;
+    const int n = max(e1 - e0, 0) + e3 - e2;
+    const auto entry = [&](int i) { return i < e1 - e0 ? e0 + i : e2 + i - max(e1 - e0, 0); };
+    for (int i = lane; i < n; i += 32 * kBeforeLoads) {
+      int ids[kBeforeLoads];
 #pragma unroll
-    for (int u = 0; u < kBeforeLoads; ++u) ids[u] = i + 32 * u < n ? __ldg(hs.table + entry(i + 32 * u)) : 0;
+      for (int u = 0; u < kBeforeLoads; ++u) ids[u] = i + 32 * u < n ? __ldg(hs.table + entry(i + 32 * u)) : 0;
 #pragma unroll
-    for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p.cache, ids[u]);
+      for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p.cache, ids[u]);
+    }
+  } else {
+    for (int e = e0 + lane; e < e1; e += 32 * kBeforeLoads) {
+      int ids[kBeforeLoads];
+#pragma unroll
+      for (int u = 0; u < kBeforeLoads; ++u) ids[u] = e + 32 * u < e1 ? __ldg(hs.table + e + 32 * u) : 0;
+#pragma unroll
+      for (int u = 0; u < kBeforeLoads; ++u) bad = bad || !block_ok(p.cache, ids[u]);
+    }
   }
   bad = __any_sync(kFullMask, bad);
   if (lane == 0) st.before_bad = bad;
@@ -638,7 +649,7 @@ __device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int inde
   d.w = work_item_head<QB>(p, index);
   const int pos = p.rows.lengths[d.w.b];
   int nodes = 1;  // a fused tree's row that takes no part is idle (work_item_range)
-  if (!FUSED || !fused_tree(p)) {
+  if constexpr (!FUSED) {
     nodes = row_nodes(p, d.w.b);
   } else if (row_takes_part(p.rows, d.w.b)) {
     const WarpTree t = derive_tree(p, d.w.b, pos, lane, paths);
@@ -655,7 +666,7 @@ __device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int inde
     d.k_scale = p.cache.k_scale[d.w.kvh];
     d.v_scale = p.cache.v_scale[d.w.kvh];
   }
-  work_item_range(p, d.w, pos, nodes, kTileKeys);
+  work_item_range<FUSED>(p, d.w, pos, nodes, kTileKeys);
   return d;
 }
 
@@ -720,7 +731,7 @@ struct RawRows {
 // block's share of the items stays even to the end). Its loads and the counter's atomic stall
 // this warp only, so the producer issues tiles without waiting on global memory (H100, B=64
 // Hkv=32 S=256, ncu: the producer spent a quarter of its time on them when it did this itself).
-template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, bool EPI, bool FUSED = false>
 __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB>& st, int items, int lane,
                                             TreeNodes<C, HEAD_DIM>* tn = nullptr) {
   int index = blockIdx.x;
@@ -728,7 +739,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
   while (index < items) {
     RawRows<T, HEAD_DIM, QB> raw;
     raw.load(p, index, lane);
-    DecidedItem d = decide_item<C, QB, kFusedTrees<T, C, QB>>(p, index, lane, true);
+    DecidedItem d = decide_item<C, QB, FUSED>(p, index, lane, FUSED);
     WorkItem& w = d.w;
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel, a fused one's here
       poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? d.tree_flags : kStatusLength, lane, 32);
@@ -742,9 +753,11 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       const int slot = seq & 1;
       if (seq >= 2) mbar_wait(&st.empty[slot], ((seq >> 1) - 1) & 1);
       raw.store(st, slot, lane);
-      if (tn != nullptr && lane < kFusedTreeNodes) {  // a fused tree: lane t's node's depth and root path
-        tn->depth[slot][lane] = d.depth;
-        tn->anc[slot][lane] = d.anc;
+      if constexpr (FUSED) {  // lane t's node's depth and root path
+        if (lane < kFusedTreeNodes) {
+          tn->depth[slot][lane] = d.depth;
+          tn->anc[slot][lane] = d.anc;
+        }
       }
       if (lane == 0) {
         st.item[slot] = w;
@@ -755,7 +768,6 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       mbar_arrive(&st.full[slot]);  // each lane's writes to the slot
       mbar_wait(&st.taken[slot], (seq >> 1) & 1);
       ++seq;
-      constexpr bool FUSED = kFusedTrees<T, C, QB>;
       if (checks_before<FUSED>(p, w)) check_blocks_before<C, HEAD_DIM, FUSED>(p, w, st, lane);
     }
     const int fetched = lane == 0 ? static_cast<int>(gridDim.x) + atomicAdd(p.sched.work, 1) : 0;
@@ -770,7 +782,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
 // The producer warp of a tile-loop block: it takes the items the stager put into the item slots,
 // one after the other, issues each one's tiles into the ring and tags every tile with a header;
 // after the last item, a header that says so.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
 __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
                                               ItemStage<T, HEAD_DIM, QB>& st, unsigned char* stages, int lane) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
@@ -778,7 +790,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
   RingCursor cur;
   // The block's first item, decided here too (as the stager decides it), so that its first tiles
   // go out before the stager has staged it; its header still waits for the slot (the q).
-  const DecidedItem first = decide_item<C, QB, kFusedTrees<T, C, QB>>(p, blockIdx.x, lane);
+  const DecidedItem first = decide_item<C, QB, FUSED>(p, blockIdx.x, lane);
   const bool early = first.w.busy() && first.scales_ok;
   if (lane == 0) timeline_mark(p, kTlDecided);
   int checked_items = 0;  // checks_before items so far (st.checked's phases)
@@ -819,7 +831,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     TilePages pages = load_pages(ta, walk.key(0)).checked(p.cache.num_blocks, pages_bad);
     TilePages ahead{{0, 0, 0, 0}};
     if (nt > 1) ahead = load_pages(ta, walk.key(1));
-    const bool check_before = checks_before<kFusedTrees<T, C, QB>>(p, w);
+    const bool check_before = checks_before<FUSED>(p, w);
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
       if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
@@ -873,7 +885,8 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
 // named barrier 1 among themselves only, so the producer never waits for an item's epilogue.
 // Items are taken in any order, but each item's arithmetic and the merge order are fixed, so
 // results are bit-identical run to run.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+// FUSED (kFusedTrees): a small tree step checked and appended here (one launch; TreeNodes).
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED>
 __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
@@ -910,9 +923,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   // A fused tree step's node area, after the stages (launch_kernel sizes it: kTreeNodeBytes).
   TreeNodes<C, HEAD_DIM>* tn = nullptr;
-  if constexpr (kFusedTrees<T, C, QB>) {
-    if (fused_tree(p)) tn = reinterpret_cast<TreeNodes<C, HEAD_DIM>*>(stages + p.sched.stages * L::STAGE_BYTES);
-  }
+  if constexpr (FUSED) tn = reinterpret_cast<TreeNodes<C, HEAD_DIM>*>(stages + p.sched.stages * L::STAGE_BYTES);
   if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
     for (int s = 0; s < p.sched.stages; ++s) {
@@ -931,11 +942,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   if (tid == 0) timeline_mark(p, kTlStart);
 
   if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>(p, ring, s_hdr, s_item, stages, lane);
     return;
   }
   if (warp == kConsumerWarps + 1) {
-    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane, tn);
+    stage_items<T, C, HEAD_DIM, QB, EPI, FUSED>(p, s_item, items, lane, tn);
     return;
   }
 
@@ -960,7 +971,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.flags & kFirstTile) {
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
-      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) && tn == nullptr ? -1 : h.pos;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) && !FUSED ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) {
@@ -969,12 +980,16 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
-      load_query_and_new_token<T, C, HEAD_DIM, QB>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k, s_new_v,
-                                                   s_new_scales, tid, CONSUMERS, sync, tn, h.slot);
+      load_query_and_new_token<T, C, HEAD_DIM, QB, FUSED>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k,
+                                                          s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot);
+      if constexpr (FUSED) {
+        if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
+      }
       sync();
+      if constexpr (!FUSED) mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
-             tree_step(p), w.pos, tn != nullptr ? tn->anc[h.slot] : nullptr);
-      mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the slot (q in s_q, a fused tree's paths read)
+             tree_step(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);
+      if constexpr (FUSED) mbar_arrive(&s_item.empty[h.slot]);  // and with the slot's root paths
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     if (tid == 0 && first_item) {
@@ -983,12 +998,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     }
     const int it = h.k0 + key0;
     // The slots taken from shared memory: a one-token step's new token, a fused tree's nodes.
-    const int new_count = w.newslot < 0 ? 0 : tn != nullptr ? w.nodes : 1;
     const auto patch_if = [&](unsigned char* st, int t) {
-      if ((t < w.newslot + new_count && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
-        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, new_count,
-                                             tn != nullptr ? &tn->k[0][0] : s_new_k,
-                                             tn != nullptr ? &tn->v[0][0] : s_new_v, lane, s_new_scales);
+      if constexpr (FUSED) {
+        if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
+          TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, &tn->k[0][0],
+                                               &tn->v[0][0], lane);
+        }
+      } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
+        TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
+                                             s_new_scales);
       }
     };
     int flags = h.flags;
@@ -1054,7 +1072,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
                                                                                 CONSUMERS, &s_pre);
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
-        if (tn != nullptr) {
+        if constexpr (FUSED) {
           append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);
         } else {
           append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
@@ -1282,34 +1300,36 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
 
 // EPI: the output epilogue (output_epilogue.cuh) is compiled in; a kernel of its own, so that the
 // plain kernels' code and registers do not change (1 or kEpilogueColumns columns: columns_block).
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+// FUSED: the twin that checks and appends a small tree itself (kFusedTrees).
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
   if constexpr (QB == kWideColumns) {
     run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
-    run_tile_items<T, C, HEAD_DIM, QB, SRC, EPI>(p);
+    run_tile_items<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>(p);
   } else {
     run_simt_item<T, HEAD_DIM, QB, EPI>(p);
   }
 }
 
-// A fused tree step's node area (TreeNodes, after the stages), 0 for kernels without fused trees.
-template <typename T, typename C, int HEAD_DIM, int QB>
-constexpr int kTreeNodeBytes = kFusedTrees<T, C, QB> ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) : 0;
+// A fused tree step's node area (TreeNodes, after the stages); 0 for kernels other than the twins.
+template <typename C, int HEAD_DIM, bool FUSED>
+constexpr int kTreeNodeBytes = FUSED ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) : 0;
 
-// Dynamic shared memory of one launch (the tile loop's stages; the CUDA-core loop has static
-// arrays only). Above the default 48 KB the kernel must opt in, once per device (the attribute
-// is per device), for the largest launch it may see: kMaxStages and a node area, or what the
-// device allows.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+// Dynamic shared memory of one launch (the tile loop's stages, a fused tree's node area; the
+// CUDA-core loop has static arrays only). Above the default 48 KB the kernel must opt in, once per
+// device (the attribute is per device), for the largest launch it may see: kMaxStages, or what
+// the device allows.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
 cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
   if constexpr (!kTiles<T>) {
     smem_bytes = 0;
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages);
+    constexpr int kNodes = kTreeNodeBytes<C, HEAD_DIM, FUSED>;
+    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages) + kNodes;
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -1320,12 +1340,11 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>);
+    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>);
     if (err != cudaSuccess) return err;
-    const int most =
-        tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) + kTreeNodeBytes<T, C, HEAD_DIM, QB>;
+    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) + kNodes;
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
-    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
+    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
     if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
     return err;
@@ -1346,9 +1365,10 @@ int blocks_per_sm_of(int stages) {
 }
 
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
-// resident at once (its occupancy at p.sched.stages stages), at most one per item.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
-cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
+// resident at once (its occupancy at p.sched.stages stages; `resident`: SMs times that, 0 where
+// none fits), at most one per item.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
+cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_t* resident = nullptr) {
   const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
   blocks = static_cast<int>(items);
@@ -1357,14 +1377,37 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks) {
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
-                                                          kBlockThreads<T>, smem_bytes);
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>, kBlockThreads<T>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
-    const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-    blocks = static_cast<int>(items < resident ? items : resident);
+    if (resident != nullptr) *resident = static_cast<int64_t>(sms) * per_sm;
+    const int64_t fits = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+    blocks = static_cast<int>(items < fits ? items : fits);
   }
   return cudaSuccess;
+}
+
+// A small tree step in one launch (the FUSED twin), where it keeps the plan's grid: the node area
+// after the stages must leave the blocks that run at once as they are. Returns cudaErrorNotReady
+// (nothing launched) where it does not.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stream) {
+  if constexpr (!kFusedTrees<T, C, QB, EPI>) {
+    return cudaErrorNotReady;
+  } else {
+    if (p.tree.nodes > kFusedTreeNodes) return cudaErrorNotReady;
+    int smem_bytes = 0;
+    cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, true>(p.sched.stages, smem_bytes);
+    if (err != cudaSuccess) return err;
+    int fused_blocks = 0;
+    int64_t resident = 0;
+    err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI, true>(p, smem_bytes, fused_blocks, &resident);
+    if (err != cudaSuccess) return err;
+    if (resident == 0 || fused_blocks != blocks) return cudaErrorNotReady;
+    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, true><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+    return cudaGetLastError();
+  }
 }
 
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
@@ -1380,26 +1423,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
     decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
-  if constexpr (kFusedTrees<T, C, QB>) {
-    // A small tree: checked and appended by the attention kernel itself (one launch), where the
-    // node area after the stages leaves the grid as it is (the plan's blocks per SM).
-    if (p.tree.nodes <= kFusedTreeNodes) {
-      const int fused_bytes = smem_bytes + kTreeNodeBytes<T, C, HEAD_DIM, QB>;
-      int fused_blocks = 0;
-      err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, fused_bytes, fused_blocks);
-      if (err != cudaSuccess) return err;
-      int per_sm = 0;
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
-                                                          kBlockThreads<T>, fused_bytes);
-      if (err != cudaSuccess) return err;
-      if (per_sm > 0 && fused_blocks == blocks) {
-        MmhaParams fused = p;
-        fused.tree.fused = 1;
-        decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, fused_bytes, stream>>>(fused);
-        return cudaGetLastError();
-      }
-    }
-  }
+  err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
+  if (err != cudaErrorNotReady) return err;
   // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
   // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
   // blocks finish and wait for its end (grid_dependency_wait) before they read anything.

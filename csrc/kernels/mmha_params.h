@@ -131,10 +131,6 @@ struct TreeParams {
   int32_t* depth;              // [B * nodes] (workspace): node depth (rotary position length + depth)
   uint64_t* anc;               // [B * nodes] (workspace): bit j set: node j is on node t's root path
   int32_t nodes;
-  // Set at launch (launch_kernel): the attention kernel checks and appends the trees itself (at
-  // most kFusedTreeNodes nodes, narrow items; derive_tree, TreeNodes): no tree_prepare_kernel,
-  // and rows, depth and anc (workspace) are neither written nor read.
-  int32_t fused;
 };
 
 // Where the results go (output_epilogue.cuh; mmha.epilogue defines the epilogue), per output

@@ -88,7 +88,8 @@ __device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSl
   }
 }
 
-// A small tree (fused: TreeParams::fused) derived by one warp of the attention kernel, lane t
+// A small tree derived by one warp of the attention kernel's fused twin (decode_attention.cuh,
+// kFusedTrees; no tree_prepare_kernel launch, the workspace's rows, depth and anc unused), lane t
 // holding node t (t < kFusedTreeNodes): the checks tree_prepare_kernel makes (node count,
 // parents' rules, the slots' range; a paged row's blocks are checked by the items that append),
 // then, with `paths`, pointer jumping by shuffles for the lane's node's depth and root path.

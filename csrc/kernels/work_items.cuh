@@ -48,9 +48,6 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
 
 __device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.tree.parents != nullptr; }
 
-// A small tree step checked and appended by the attention kernel itself (TreeParams::fused).
-__device__ __forceinline__ bool fused_tree(const MmhaParams& p) { return p.tree.fused != 0; }
-
 // Which (row, kv head, column block, split) item `index` is; no memory is read.
 template <int QB>
 __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
@@ -94,6 +91,9 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 // capacity make the row bad; a row that takes no part (row_takes_part) is idle. An attend-only
 // row (kRowAttend) reads slots lo .. pos - 1: its new slot pos lies past the keys, so no item
 // owns (appends) it; with no slot in reach the row is idle.
+// FUSED: a small tree checked and appended by the attention kernel (its twin, kFusedTrees): its
+// items take the nodes' slots from shared memory (newslot pos).
+template <bool FUSED = false>
 __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w, int pos, int nodes, int grain) {
   const int32_t mode = row_mode(p.rows, w.b);
   w.idle = mode == kRowIdle;
@@ -102,7 +102,7 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   w.pos = pos;
   w.nodes = nodes;
   w.bad = pos < 0 || nodes < 1 || pos > p.cache.max_seq_len - added;
-  w.newslot = (tree_step(p) && !fused_tree(p)) || mode == kRowAttend ? -1 : pos;
+  w.newslot = (tree_step(p) && !FUSED) || mode == kRowAttend ? -1 : pos;
   const int len = w.bad ? 1 : pos + added;
   w.lo = w.bad ? 0 : window_start(p.mods, pos);
   if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
