@@ -288,10 +288,12 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
     const HeadNorm k_norm = qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
     rotate_pair(k_row(t), k_bias, rp, sn, cs, k0, k1, k_norm);
     const T* v_row = k_row(t) + p.num_kv_heads * HEAD_DIM;
-    tn.k[t][rp.d0] = to_cache<C>(k0, k_scale);
-    tn.k[t][rp.d1] = to_cache<C>(k1, k_scale);
-    tn.v[t][rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-    tn.v[t][rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+    C* k = tn.k(t);
+    C* v = tn.v(t, p.tree.nodes);
+    k[rp.d0] = to_cache<C>(k0, k_scale);
+    k[rp.d1] = to_cache<C>(k1, k_scale);
+    v[rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
+    v[rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
   }
 }
 
@@ -301,7 +303,7 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
 // tiles', and check_blocks_before's) before this runs; a refused item appends nothing.
 template <typename C, int HEAD_DIM>
 __device__ __forceinline__ void append_tree_nodes(const MmhaParams& p, const WorkItem& w,
-                                                  const TreeNodes<C, HEAD_DIM>& tn, int tid, int nthreads) {
+                                                  TreeNodes<C, HEAD_DIM>& tn, int tid, int nthreads) {
   constexpr int VEC = kVec<C>;
   constexpr int CHUNKS = HEAD_DIM / VEC;
   if (!w.owner() || w.qg != 0) return;
@@ -313,9 +315,9 @@ __device__ __forceinline__ void append_tree_nodes(const MmhaParams& p, const Wor
     const int c = idx % CHUNKS;
     const int t = slot - w.pos;
     const int blk = slots.table != nullptr ? slots.block(slot) : 0;
-    *reinterpret_cast<uint4*>(slots.k + slots.k_at(blk, slot, c)) = *reinterpret_cast<const uint4*>(&tn.k[t][c * VEC]);
+    *reinterpret_cast<uint4*>(slots.k + slots.k_at(blk, slot, c)) = *reinterpret_cast<const uint4*>(tn.k(t) + c * VEC);
     *reinterpret_cast<uint4*>(slots.v + slots.v_at(blk, slot) + c * VEC) =
-        *reinterpret_cast<const uint4*>(&tn.v[t][c * VEC]);
+        *reinterpret_cast<const uint4*>(tn.v(t, p.tree.nodes) + c * VEC);
   }
 }
 
@@ -551,10 +553,11 @@ __device__ __forceinline__ float folded_acc(const float (*s_f)[QB], const float 
 // one-token steps, its raw q and new token, then completes the slot's full barrier (32
 // arrivals). The producer takes the item (taken: its 32 lanes) and the consumers the q; each of
 // their threads releases the slot (empty). An item of index < 0 says the block has no more items.
-// Wide items (tree steps) read q from qkv in the consumers: no raw q.
-template <typename T, int HEAD_DIM, int QB>
+// Wide items and fused trees' twins (tree steps) read q from qkv in the consumers: no raw q
+// (STAGED false).
+template <typename T, int HEAD_DIM, int QB, bool STAGED = QB != kWideColumns>
 struct ItemStage {
-  static constexpr bool kStaged = QB != kWideColumns;
+  static constexpr bool kStaged = STAGED;
   static constexpr int QN = kStaged ? QB * HEAD_DIM : 1;
   static constexpr int KN = kStaged ? HEAD_DIM : 1;
   static constexpr int EMPTY_ARRIVALS = kConsumerWarps * 32 + 32;
@@ -571,12 +574,12 @@ struct ItemStage {
   uint64_t checked;              // 32 stager lanes: before_bad holds the next such item's verdict
 };
 
-template <typename T, int HEAD_DIM, int QB>
-__device__ __forceinline__ void init_item_stage(ItemStage<T, HEAD_DIM, QB>& st) {
+template <class Stage>
+__device__ __forceinline__ void init_item_stage(Stage& st) {
   for (int s = 0; s < 2; ++s) {
     mbar_init(&st.full[s], 32);
     mbar_init(&st.taken[s], 32);
-    mbar_init(&st.empty[s], ItemStage<T, HEAD_DIM, QB>::EMPTY_ARRIVALS);
+    mbar_init(&st.empty[s], Stage::EMPTY_ARRIVALS);
   }
   mbar_init(&st.checked, 32);
 }
@@ -672,9 +675,9 @@ __device__ __forceinline__ DecidedItem decide_item(const MmhaParams& p, int inde
 
 // A one-token item's raw q and new token in a stager lane's registers: loaded with the item's
 // length, so that both latencies pass together.
-template <typename T, int HEAD_DIM, int QB>
+template <typename T, int HEAD_DIM, int QB, bool STAGED = QB != kWideColumns>
 struct RawRows {
-  static constexpr bool kStaged = QB != kWideColumns;
+  static constexpr bool kStaged = STAGED;
   static constexpr int Q_PER_LANE = kStaged ? (QB * HEAD_DIM + 31) / 32 : 1;
   static constexpr int T_PER_LANE = kStaged ? (HEAD_DIM + 31) / 32 : 1;
   T q[Q_PER_LANE];
@@ -732,12 +735,12 @@ struct RawRows {
 // this warp only, so the producer issues tiles without waiting on global memory (H100, B=64
 // Hkv=32 S=256, ncu: the producer spent a quarter of its time on them when it did this itself).
 template <typename T, typename C, int HEAD_DIM, int QB, bool EPI, bool FUSED = false>
-__device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB>& st, int items, int lane,
-                                            TreeNodes<C, HEAD_DIM>* tn = nullptr) {
+__device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB, !FUSED && QB != kWideColumns>& st,
+                                            int items, int lane, TreeNodes<C, HEAD_DIM>* tn = nullptr) {
   int index = blockIdx.x;
   int seq = 0;  // slots filled so far: item seq uses slot seq % 2
   while (index < items) {
-    RawRows<T, HEAD_DIM, QB> raw;
+    RawRows<T, HEAD_DIM, QB, !FUSED && QB != kWideColumns> raw;
     raw.load(p, index, lane);
     DecidedItem d = decide_item<C, QB, FUSED>(p, index, lane, FUSED);
     WorkItem& w = d.w;
@@ -784,7 +787,8 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
 // after the last item, a header that says so.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
 __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& ring, TileHeader* s_hdr,
-                                              ItemStage<T, HEAD_DIM, QB>& st, unsigned char* stages, int lane) {
+                                              ItemStage<T, HEAD_DIM, QB, !FUSED && QB != kWideColumns>& st,
+                                              unsigned char* stages, int lane) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
   RingCursor cur;
@@ -918,10 +922,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ bool s_last;
   __shared__ TileRing ring;
   __shared__ TileHeader s_hdr[kMaxStages];
-  __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;
+  __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB, !FUSED> s_item;  // a fused tree's twin: no raw q
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
-  // A fused tree step's node area, after the stages (launch_kernel sizes it: kTreeNodeBytes).
+  // A fused tree step's node area, after the stages (launch_fused_tree sizes it: tree_node_bytes).
   TreeNodes<C, HEAD_DIM>* tn = nullptr;
   if constexpr (FUSED) tn = reinterpret_cast<TreeNodes<C, HEAD_DIM>*>(stages + p.sched.stages * L::STAGE_BYTES);
   if (tid == 0) timeline_mark(p, kTlEntered);
@@ -1001,8 +1005,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const auto patch_if = [&](unsigned char* st, int t) {
       if constexpr (FUSED) {
         if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
-          TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, &tn->k[0][0],
-                                               &tn->v[0][0], lane);
+          TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, tn->k(0),
+                                               tn->v(0, p.tree.nodes), lane);
         }
       } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
         TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
@@ -1313,23 +1317,27 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
   }
 }
 
-// A fused tree step's node area (TreeNodes, after the stages); 0 for kernels other than the twins.
+// A fused tree step's node area (TreeNodes and its nodes' K/V rows, after the stages) for a step of
+// `nodes` nodes; 0 for kernels other than the twins.
 template <typename C, int HEAD_DIM, bool FUSED>
-constexpr int kTreeNodeBytes = FUSED ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) : 0;
+constexpr int tree_node_bytes(int nodes) {
+  return FUSED ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) + 2 * nodes * HEAD_DIM * static_cast<int>(sizeof(C))
+               : 0;
+}
 
 // Dynamic shared memory of one launch (the tile loop's stages, a fused tree's node area; the
 // CUDA-core loop has static arrays only). Above the default 48 KB the kernel must opt in, once per
 // device (the attribute is per device), for the largest launch it may see: kMaxStages, or what
 // the device allows.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
-cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
+cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes = 0) {
   if constexpr (!kTiles<T>) {
     smem_bytes = 0;
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    constexpr int kNodes = kTreeNodeBytes<C, HEAD_DIM, FUSED>;
-    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages) + kNodes;
+    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages) +
+                 tree_node_bytes<C, HEAD_DIM, FUSED>(tree_nodes);
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -1342,7 +1350,8 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes) {
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>);
     if (err != cudaSuccess) return err;
-    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) + kNodes;
+    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) +
+                     tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
@@ -1398,7 +1407,8 @@ cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stre
   } else {
     if (p.tree.nodes > kFusedTreeNodes) return cudaErrorNotReady;
     int smem_bytes = 0;
-    cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, true>(p.sched.stages, smem_bytes);
+    cudaError_t err =
+        prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, true>(p.sched.stages, smem_bytes, p.tree.nodes);
     if (err != cudaSuccess) return err;
     int fused_blocks = 0;
     int64_t resident = 0;

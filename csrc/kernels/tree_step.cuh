@@ -137,18 +137,20 @@ __device__ __forceinline__ WarpTree derive_tree(const MmhaParams& p, int b, int 
   return t;
 }
 
-// A fused tree step's node area, in dynamic shared memory after the tile loop's stages: the
-// nodes' K/V as the cache stores them (built by the items that hold their slots, patched into
-// their tiles, appended at the item's end), each node's k norm, and per item slot (the stager's
-// two) the nodes' depths and root paths.
+// A fused tree step's node area, in dynamic shared memory after the tile loop's stages: each
+// node's k norm and, per item slot (the stager's two), the nodes' depths and root paths; then the
+// step's `nodes` K rows and V rows as the cache stores them (built by the items that hold their
+// slots, patched into their tiles, appended at the item's end), HEAD_DIM elements each.
 template <typename C, int HEAD_DIM>
 struct TreeNodes {
-  C k[kFusedTreeNodes][HEAD_DIM];
-  C v[kFusedTreeNodes][HEAD_DIM];
   float k_inv[kFusedTreeNodes];
   int depth[2][kFusedTreeNodes];
   uint64_t anc[2][kFusedTreeNodes];
+
+  __device__ __forceinline__ C* k(int t) { return reinterpret_cast<C*>(this + 1) + t * HEAD_DIM; }
+  __device__ __forceinline__ C* v(int t, int nodes) { return reinterpret_cast<C*>(this + 1) + (nodes + t) * HEAD_DIM; }
 };
+static_assert(sizeof(TreeNodes<float, 64>) % 16 == 0, "the K/V rows start 16-byte aligned");
 
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
