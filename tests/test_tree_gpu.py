@@ -134,7 +134,7 @@ def launched_kernels(fn):
 )  # fmt: skip
 def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
     """Trees of up to FUSED_TREE_NODES nodes on narrow items whose node area leaves the grid as
-    planned (at head dim 128 over fp16: up to 16 nodes beside three stages): the attention kernel
+    planned (at head dim 128 over fp16: 16 nodes would fit beside three stages): the attention kernel
     checks and appends them itself, no check-and-append launch before it. Wider trees and int8
     caches keep that launch."""
     if dtype == torch.int8:
@@ -198,7 +198,7 @@ def test_one_launch_equals_two_launches_bit_for_bit(dtype, splits, source):
 def test_nodes_across_split_edges(splits):
     """A tree whose node slots lie in two splits' keys: each split builds, patches and appends its
     own nodes (one launch), with a q/k norm."""
-    nodes = 12
+    nodes = FUSED_TREE_NODES
     lengths = [58, 122, 250 - nodes]
     case, qkv, parents, counts, scales = tree_case(3, 8, 2, 64, lengths, 256, torch.float16, nodes, "random",
                                                    seed=splits, bias=True)  # fmt: skip
