@@ -17,22 +17,34 @@ from pathlib import Path
 
 KEY = ("dtype", "kv", "batch", "num_heads", "num_kv_heads", "head_dim", "seq_len")
 HEAD = ("dtype", "kv", "B", "Hq", "Hkv", "D", "S")
+# python -m mmha.bench --tree (bench_tree.json)
+TREE_KEY = ("kv", "batch", "num_heads", "num_kv_heads", "head_dim", "context", "nodes", "shape")
+TREE_HEAD = ("kv", "B", "Hq", "Hkv", "D", "context", "T", "tree")
 
 
-def times(root: Path, name: str) -> dict[tuple, list[float]]:
+def bench_file(root: Path, name: str) -> Path:
+    """A run's results: bench.json, or the tree benchmark's bench_tree.json."""
+    run = root / f"{name}_1"
+    return Path("bench_tree.json") if (run / "bench_tree.json").exists() else Path("bench.json")
+
+
+def times(root: Path, name: str, key: tuple[str, ...] = KEY) -> dict[tuple, list[float]]:
     """Row key -> mmha_decode_us of runs 1 and 2 of build ``name``."""
     got: dict[tuple, list[float]] = {}
+    file = bench_file(root, name)
     for run in (1, 2):
-        for row in json.loads((root / f"{name}_{run}" / "bench.json").read_text())["rows"]:
+        for row in json.loads((root / f"{name}_{run}" / file).read_text())["rows"]:
             if "mmha_decode_us" in row:
-                got.setdefault(tuple(row.get(k, "") for k in KEY), []).append(row["mmha_decode_us"])
+                got.setdefault(tuple(row.get(k, "") for k in key), []).append(row["mmha_decode_us"])
     return got
 
 
 def table(root: Path, caption: str, builds: list[tuple[str, str]]) -> str:
-    runs = [times(root, name) for name, _ in builds]
+    tree = bench_file(root, builds[0][0]).name == "bench_tree.json"
+    runs = [times(root, name, TREE_KEY if tree else KEY) for name, _ in builds]
     labels = [label for _, label in builds]
-    cols = [*HEAD, *(f"{lb} us (2 runs)" for lb in labels), *(f"{lb} / {labels[0]}" for lb in labels[1:])]
+    head = TREE_HEAD if tree else HEAD
+    cols = [*head, *(f"{lb} us (2 runs)" for lb in labels), *(f"{lb} / {labels[0]}" for lb in labels[1:])]
     lines = [caption, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     ratios: list[list[float]] = [[] for _ in labels[1:]]
     for key in runs[0]:
