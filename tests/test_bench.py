@@ -430,3 +430,25 @@ def test_ab_table_sets_each_build_beside_the_first(tmp_path):
     assert "| fp16 | - | 1 | 32 | 8 | 128 | 65536 | 20.0, 20.0 | 22.0, 22.0 | 1.100 |" in lines
     assert not any("| 512 |" in line or "| 1024 |" in line for line in lines)
     assert lines[-1] == "B / A: median 1.050, range 1.000-1.100"
+
+
+def test_ab_table_reads_tree_runs(tmp_path):
+    """bench/ab_table.py over `python -m mmha.bench --tree` runs (bench_tree.json): rows keyed by
+    batch, context, nodes and tree shape."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ab_table.py"
+    spec = importlib.util.spec_from_file_location("ab_table", path)
+    ab_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_table)
+    shape = {"kv": "", "batch": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "context": 1024}
+    for name, us in (("base", 22.0), ("new", 19.8)):
+        for run in (1, 2):
+            rows = [{**shape, "nodes": 4, "shape": "binary", "mmha_decode_us": us + run / 10}]
+            (tmp_path / f"{name}_{run}").mkdir()
+            (tmp_path / f"{name}_{run}" / "bench_tree.json").write_text(json.dumps({"rows": rows}))
+    lines = ab_table.table(tmp_path, "caption", [("base", "base"), ("new", "new")]).splitlines()
+    assert "| kv | B | Hq | Hkv | D | context | T | tree |" in lines[1]
+    assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary | 22.1, 22.2 | 19.9, 20.0 | 0.901 |" in lines
