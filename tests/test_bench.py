@@ -452,3 +452,25 @@ def test_ab_table_reads_tree_runs(tmp_path):
     lines = ab_table.table(tmp_path, "caption", [("base", "base"), ("new", "new")]).splitlines()
     assert "| kv | B | Hq | Hkv | D | context | T | tree |" in lines[1]
     assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary | 22.1, 22.2 | 19.9, 20.0 | 0.901 |" in lines
+
+
+def test_tree_sweep_plans_and_arguments(capsys):
+    """python -m mmha.bench.sweep --tree: the dispatcher's splits at every stage count up to its
+    own, then each extra split count at two stages and at the dispatcher's; bad --only / --splits
+    refused by name (before any GPU is looked for)."""
+    from mmha import dispatch
+    from mmha.bench import sweep
+
+    plan = dispatch.Plan("split", 16, 3, 2)
+    got = [(p.num_splits, p.stages, p.variant) for p in sweep.tree_plans(plan, (1, 8, 16))]
+    assert got == [(16, 2, "split"), (16, 3, "split"), (1, 2, "single_pass"), (1, 3, "single_pass"),
+                   (8, 2, "split"), (8, 3, "split")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        sweep.main(["--tree", "--only", "1,1024"])
+    assert "--only takes B,CTX,T" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--tree", "--splits", "0"])
+    assert "--splits takes counts in [1, " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--splits", "4"])
+    assert "apply to --tree" in capsys.readouterr().err

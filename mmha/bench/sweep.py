@@ -8,10 +8,11 @@ and every stage count at the dispatcher's splits and in one pass, and the cp.asy
 plan, after checking the dispatcher's plan against the fp32 reference. ``--tree``: the tree
 benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
 count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
-count's output checked against the reference.
+count's output checked against the reference; ``--splits``: also these split counts, each at two
+stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
-    python -m mmha.bench.sweep --tree --out DIR
+    python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32]
 """
 
 from __future__ import annotations
@@ -95,8 +96,22 @@ def sweep_row(cfg: Config) -> dict:
     }  # fmt: skip
 
 
-def sweep_tree_row(row) -> dict:
-    """One tree row (``mmha.bench.tree.Row``) at the dispatcher's splits and stages 2 .. its own."""
+def tree_plans(plan: dispatch.Plan, splits: tuple[int, ...] = ()) -> list[dispatch.Plan]:
+    """The plans a tree row is timed at: the dispatcher's split count at every stage count from
+    MIN_STAGES to its own, then each of ``splits`` (not the dispatcher's) at MIN_STAGES and at the
+    dispatcher's stages."""
+    out = [dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm)
+           for st in range(dispatch.MIN_STAGES, plan.stages + 1)]  # fmt: skip
+    for s in splits:
+        if s == plan.num_splits:
+            continue
+        for st in sorted({dispatch.MIN_STAGES, plan.stages}):
+            out.append(dispatch.Plan("single_pass" if s == 1 else "split", s, st, plan.blocks_per_sm))
+    return out
+
+
+def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
+    """One tree row (``mmha.bench.tree.Row``) at the plans of ``tree_plans``."""
     from . import tree as tree_bench
 
     layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
@@ -105,9 +120,9 @@ def sweep_tree_row(row) -> dict:
     plan = ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim, keys,
                         torch.float16, tree=row.nodes > 1)  # fmt: skip
     methods = {}
-    for st in range(dispatch.MIN_STAGES, plan.stages + 1):
-        name = plan_str(dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm))
-        fns = [tree_bench.mmha_fn(layer, plan.num_splits, st) for layer in layers]
+    for each in tree_plans(plan, splits):
+        name = plan_str(each)
+        fns = [tree_bench.mmha_fn(layer, each.num_splits, each.stages) for layer in layers]
         err = tree_bench.error(fns[0](), layers[0], ref)
         assert err <= TOLERANCE["fp16"], f"tree row {row}: plan {name} error {err:.3g}"
         methods[name] = fns
@@ -155,17 +170,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tree", action="store_true", help="the tree benchmark's rows: stage counts at the plan's splits"
     )
+    p.add_argument("--splits", type=int, nargs="*", default=[], help="--tree: also these split counts")
+    p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
+    if (args.splits or args.only) and not args.tree:
+        p.error("--splits and --only apply to --tree")
+    if args.tree:
+        from .tree import rows as tree_rows
+        from .tree import select
+
+        try:
+            picked = select(tree_rows(), args.only)
+        except ValueError as exc:
+            p.error(str(exc))
+        if any(s < 1 or s > dispatch.MAX_SPLITS for s in args.splits):
+            p.error(f"--splits takes counts in [1, {dispatch.MAX_SPLITS}], got {args.splits}")
     if not torch.cuda.is_available():
         print("mmha.bench.sweep: no CUDA GPU here")
         return 0
     if args.tree:
-        from .tree import rows as tree_rows
-
         results = []
-        for row in tree_rows():
-            results.append(sweep_tree_row(row))
+        for row in picked:
+            results.append(sweep_tree_row(row, tuple(args.splits)))
             r = results[-1]
             line = (
                 f"{r['row']}: plan {r['plan']} {r['plan_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us"
