@@ -64,6 +64,22 @@ def test_launch_summary_phases():
     assert p["appended -> item done (merge)"][0] == pytest.approx(0.2)
 
 
+def test_the_first_tile_wait_split_by_the_consumers_events():
+    # Consumers see the header 0.6 us after the first copies, have q 0.8 us later, the tile 0.6 after.
+    b0 = block(10_000, header_seen=1600, q_built=2400)
+    wide = block(10_050)  # wide items stamp neither event: left out of those phases
+    p = tl.launch_summary(events([b0, wide]))["phases"]
+    assert p["issued -> first tile landed"][2] == 2
+    assert p["  issued -> consumers see the header"] == (pytest.approx(0.6), pytest.approx(0.6), 1)
+    assert p["  header -> q (and tree nodes) built"] == (pytest.approx(0.8), pytest.approx(0.8), 1)
+    assert p["  q built -> first tile landed"] == (pytest.approx(0.6), pytest.approx(0.6), 1)
+
+
+def test_main_needs_rows_or_tree_rows():
+    with pytest.raises(SystemExit):
+        tl.main([])
+
+
 def test_launch_summary_refuses_an_empty_buffer():
     with pytest.raises(ValueError, match="MMHA_TIMELINE=1"):
         tl.launch_summary(torch.zeros(4, len(tl.EVENTS), dtype=torch.int64))
@@ -102,6 +118,7 @@ def test_a_build_without_events_refuses_a_buffer():
         _C.set_timeline(torch.zeros(8, len(tl.EVENTS), dtype=torch.int64))
     _C.set_timeline(None)  # stopping is always fine
     assert tl.main(["1,32,8,128,4096"]) == 2  # says how to build one, runs nothing
+    assert tl.main(["--tree", "1,1024,4"]) == 2
 
 
 def nvcc() -> str | None:

@@ -52,6 +52,11 @@ constexpr bool kInt8 = std::is_same_v<C, s8>;
 template <typename T, typename C, int QB, bool EPI>
 constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !EPI;
 
+// What a thread of a fused tree step reads from global memory before it uses any (one round trip
+// for them all): its q columns' elements, its nodes' k / v rotation pairs.
+constexpr int kPrefetchQ = 8;          // q elements (a pass before the rotation)
+constexpr int kPrefetchNodePairs = 2;  // k and v pairs: four values each (four pairs spill)
+
 template <typename T>
 constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 // Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting): 12 warps, 3 per
@@ -189,6 +194,47 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                               d, rpos, rot, q_norm(g))
                            : 0.f;
     }
+  } else if constexpr (FUSED) {
+    // A fused tree step: the same values in two passes. The twin stages no rows, and one pair at
+    // a time was a chain of dependent loads before the item's first tile: first each thread reads
+    // a run of kPrefetchQ elements of a column (and their bias) together, unconditionally (a
+    // column past the item's reads its last one's), and leaves them biased in s_q; then a thread
+    // per (column, pair) rotates them there.
+    constexpr int PAIRS = HEAD_DIM / 2;
+    constexpr int RUNS = QB * HEAD_DIM / kPrefetchQ;  // runs of kPrefetchQ elements of one column
+    static_assert(HEAD_DIM % kPrefetchQ == 0, "a run within one column");
+#pragma unroll 1
+    for (int r = tid; r < RUNS; r += nthreads) {
+      const int g = r / (HEAD_DIM / kPrefetchQ);
+      const int d0 = r % (HEAD_DIM / kPrefetchQ) * kPrefetchQ;
+      const Column c = column_of(p, w, min(g, w.nh - 1));
+      const T* q = global_q<T, HEAD_DIM>(p, c) + d0;
+      const T* q_bias = bias ? bias + c.head * HEAD_DIM + d0 : nullptr;
+      T raw[kPrefetchQ], raw_bias[kPrefetchQ];
+#pragma unroll
+      for (int j = 0; j < kPrefetchQ; ++j) {
+        raw[j] = q[j];
+        if (q_bias) raw_bias[j] = q_bias[j];
+      }
+#pragma unroll
+      for (int j = 0; j < kPrefetchQ; ++j) {  // biased()
+        const float v = q_bias ? to_float(raw[j]) + to_float(raw_bias[j]) : to_float(raw[j]);
+        s_q[g][d0 + j] = g < w.nh ? v : 0.f;
+      }
+    }
+    sync();
+#pragma unroll 1
+    for (int idx = tid; idx < w.nh * PAIRS; idx += nthreads) {
+      const int g = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      const Column c = column_of(p, w, g);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
+      float x0, x1;
+      rotate_values<T>(s_q[g][rp.d0], s_q[g][rp.d1], rp, sn, cs, x0, x1, q_norm(g));
+      s_q[g][rp.d0] = x0;
+      s_q[g][rp.d1] = x1;
+    }
   } else {
     // A tree step: a thread per (column, rotation pair), one angle, one depth load and one powf
     // for both dims (the values rotated() gives); element by element they were a fifth of a B=1
@@ -278,22 +324,38 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
     }
     named_barrier(1, nthreads);
   }
+  // Each thread reads its kPrefetchNodePairs pairs of k and v (and bias) before it converts or rotates
+  // any, unconditionally (clamped to a pair that exists), as the fused q build does.
 #pragma unroll 1
-  for (int idx = n0 * PAIRS + tid; idx < n1 * PAIRS; idx += nthreads) {
-    const int t = idx / PAIRS;
-    const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-    float sn = 0.f, cs = 1.f;
-    if (rp.rotated) sincosf(static_cast<float>(w.pos + tn.depth[slot][t]) * rp.inv_freq, &sn, &cs);
-    float k0, k1;
-    const HeadNorm k_norm = qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
-    rotate_pair(k_row(t), k_bias, rp, sn, cs, k0, k1, k_norm);
-    const T* v_row = k_row(t) + p.num_kv_heads * HEAD_DIM;
-    C* k = tn.k(t);
-    C* v = tn.v(t, p.tree.nodes);
-    k[rp.d0] = to_cache<C>(k0, k_scale);
-    k[rp.d1] = to_cache<C>(k1, k_scale);
-    v[rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-    v[rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
+  for (int base = n0 * PAIRS + tid; base < n1 * PAIRS; base += kPrefetchNodePairs * nthreads) {
+    RawPair<T> k_in[kPrefetchNodePairs], v_in[kPrefetchNodePairs], kb[kPrefetchNodePairs], vb[kPrefetchNodePairs];
+#pragma unroll
+    for (int j = 0; j < kPrefetchNodePairs; ++j) {
+      const int idx = min(base + j * nthreads, n1 * PAIRS - 1);
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      k_in[j] = RawPair<T>::read(k_row(idx / PAIRS), rp);
+      v_in[j] = RawPair<T>::read(k_row(idx / PAIRS) + p.num_kv_heads * HEAD_DIM, rp);
+      if (bias) kb[j] = RawPair<T>::read(k_bias, rp), vb[j] = RawPair<T>::read(v_bias, rp);
+    }
+#pragma unroll
+    for (int j = 0; j < kPrefetchNodePairs; ++j) {
+      const int idx = base + j * nthreads;
+      if (idx >= n1 * PAIRS) break;
+      const int t = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(w.pos + tn.depth[slot][t]) * rp.inv_freq, &sn, &cs);
+      float k0, k1;
+      const HeadNorm k_norm =
+          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
+      rotate_values<T>(k_in[j].a0(bias, kb[j]), k_in[j].a1(bias, kb[j]), rp, sn, cs, k0, k1, k_norm);
+      C* k = tn.k(t);
+      C* v = tn.v(t, p.tree.nodes);
+      k[rp.d0] = to_cache<C>(k0, k_scale);
+      k[rp.d1] = to_cache<C>(k1, k_scale);
+      v[rp.d0] = to_cache<C>(v_in[j].a0(bias, vb[j]), v_scale);
+      v[rp.d1] = to_cache<C>(v_in[j].a1(bias, vb[j]), v_scale);
+    }
   }
 }
 
@@ -973,6 +1035,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
+      if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) && !FUSED ? -1 : h.pos;
@@ -990,6 +1053,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
       }
       sync();
+      if (tid == 0 && first_item) timeline_mark(p, kTlQueryBuilt);
       if constexpr (!FUSED) mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
              tree_step(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);

@@ -214,6 +214,8 @@ enum TimelineEvent : int {
   kTlItemDone,
   kTlConsumersDone,
   kTlProducerDone,
+  kTlHeaderSeen,  // consumers: the first item's header (its q build begins)
+  kTlQueryBuilt,  // consumers: the first item's q (and a fused tree's nodes) built
   kTimelineEvents
 };
 

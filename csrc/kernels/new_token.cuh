@@ -46,14 +46,19 @@ __device__ __forceinline__ float head_inv_rms(const T* row, const T* bias, float
   return rsqrtf(squares / static_cast<float>(HEAD_DIM) + eps);
 }
 
+// Element d of a head's values after its bias (v) and its q/k norm n (none where n.w is nullptr).
+template <typename T>
+__device__ __forceinline__ float normed(float v, int d, const HeadNorm& n) {
+  if (n.w == nullptr) return v;
+  const float x = v * n.inv;
+  return to_float(from_float<T>(n.cast_first ? to_float(from_float<T>(x)) * n.w[d] : x * n.w[d]));
+}
+
 // Element d of a head's values after its bias and its q/k norm (if any), in fp32: the value a
 // separate row norm in the activations' dtype T would leave in the qkv row.
 template <typename T>
 __device__ __forceinline__ float prepared(const T* row, const T* bias, int d, const HeadNorm& n) {
-  const float v = biased(row, bias, d);
-  if (n.w == nullptr) return v;
-  const float x = v * n.inv;
-  return to_float(from_float<T>(n.cast_first ? to_float(from_float<T>(x)) * n.w[d] : x * n.w[d]));
+  return normed<T>(biased(row, bias, d), d, n);
 }
 
 // The rotation of a sequence of seq_len tokens: its row of a table by length (RotaryParams).
@@ -127,13 +132,25 @@ __device__ __forceinline__ RotaryPair rotary_pair(int i, const RotaryParams& rot
   return r;
 }
 
-// (x0, x1) = row's dims (d0, d1) of pair r after bias, norm n and rotation by pos * inv_freq: the
-// values rotated() gives for d0 and d1. sn, cs: sincosf(pos * inv_freq) (unused for unrotated pairs).
+// A rotation pair's two raw values (dims d0, d1 of a row, as stored), read now and converted
+// later: a thread that reads several pairs before it uses any waits for them once.
 template <typename T>
-__device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const RotaryPair& r, float sn, float cs,
-                                            float& x0, float& x1, const HeadNorm& n = HeadNorm{}) {
-  const float a = prepared(row, bias, r.d0, n);
-  const float b = prepared(row, bias, r.d1, n);
+struct RawPair {
+  T v0, v1;
+  __device__ __forceinline__ static RawPair read(const T* row, const RotaryPair& r) { return {row[r.d0], row[r.d1]}; }
+  // The values after their bias (b: the bias's pair, read where `bias` is not nullptr), as biased().
+  __device__ __forceinline__ float a0(const T* bias, const RawPair& b) const {
+    return bias != nullptr ? to_float(v0) + to_float(b.v0) : to_float(v0);
+  }
+  __device__ __forceinline__ float a1(const T* bias, const RawPair& b) const {
+    return bias != nullptr ? to_float(v1) + to_float(b.v1) : to_float(v1);
+  }
+};
+
+// (x0, x1) = pair r's dims (d0, d1), a and b after bias and norm, rotated by pos * inv_freq. sn,
+// cs: sincosf(pos * inv_freq) (unused for unrotated pairs).
+__device__ __forceinline__ void rotate_prepared(float a, float b, const RotaryPair& r, float sn, float cs, float& x0,
+                                                float& x1) {
   if (r.rotated) {  // explicit roundings: the same bits as rotated() whatever the compiler contracts
     if (r.factor != 1.f) sn = __fmul_rn(sn, r.factor), cs = __fmul_rn(cs, r.factor);
     x0 = __fmaf_rn(a, cs, __fmul_rn(-b, sn));
@@ -142,6 +159,21 @@ __device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const R
     x0 = a;
     x1 = b;
   }
+}
+
+// (x0, x1) = row's dims (d0, d1) of pair r after bias, norm n and rotation by pos * inv_freq: the
+// values rotated() gives for d0 and d1.
+template <typename T>
+__device__ __forceinline__ void rotate_pair(const T* row, const T* bias, const RotaryPair& r, float sn, float cs,
+                                            float& x0, float& x1, const HeadNorm& n = HeadNorm{}) {
+  rotate_prepared(prepared(row, bias, r.d0, n), prepared(row, bias, r.d1, n), r, sn, cs, x0, x1);
+}
+
+// rotate_pair of values already read and biased (a, b: dims d0, d1 after their bias).
+template <typename T>
+__device__ __forceinline__ void rotate_values(float a, float b, const RotaryPair& r, float sn, float cs, float& x0,
+                                              float& x1, const HeadNorm& n = HeadNorm{}) {
+  rotate_prepared(normed<T>(a, r.d0, n), normed<T>(b, r.d1, n), r, sn, cs, x0, x1);
 }
 
 }  // namespace mmha

@@ -6,7 +6,8 @@ events cost a few stores per block, so time the product with a normal build).
 
 Each row ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (fp16 unless ``--dtype``) runs as the decode timing
 runs it: its layers' calls back to back in one CUDA graph, each on its own cache, every output
-checked against the fp32 reference first. Each launch gets its own event buffer; after
+checked against the fp32 reference first; ``--tree B,CTX,T[@SxT]``: the tree benchmark's
+rows (``mmha.bench.tree``, binary trees) the same way. Each launch gets its own event buffer; after
 ``--replays`` replays, each timed with CUDA events, the last one's events are read. Per replay:
 its time by the events against its blocks' time (the first launch's first block start to the
 last launch's last block end): what the graph spends outside the blocks. Per launch: its span
@@ -32,7 +33,7 @@ import torch
 # Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
 EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
-    "out_stored", "appended", "item_done", "consumers_done", "producer_done",
+    "out_stored", "appended", "item_done", "consumers_done", "producer_done", "header_seen", "q_built",
 )  # fmt: skip
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
@@ -41,6 +42,9 @@ PHASES = (
     ("entered -> first item decided", "entered", "decided"),
     ("start -> first copies issued", "start", "first_issued"),
     ("issued -> first tile landed", "first_issued", "first_landed"),
+    ("  issued -> consumers see the header", "first_issued", "header_seen"),
+    ("  header -> q (and tree nodes) built", "header_seen", "q_built"),
+    ("  q built -> first tile landed", "q_built", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
     ("attended -> combined", "last_attended", "combined"),
@@ -128,6 +132,73 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     return "\n".join(lines)
 
 
+def stamped_summary(spec: str, dtype: str, calls: list, checks: list, replays: int) -> dict:
+    """Each of ``calls`` (one per layer) with its own event buffer: every output checked first
+    (``checks[i](out)`` is its max error), then the decode timing, then ``replays`` replays of one
+    CUDA graph of them all, the last replay's events summarised (``row_summary``)."""
+    from mmha._ext import _C
+
+    from . import timing
+    from .problems import TOLERANCE
+
+    bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in calls]
+
+    def stamped(call, buf):
+        def fn():
+            _C.set_timeline(buf)  # read when the call's params are built: captured with the launch
+            try:
+                return call()
+            finally:
+                _C.set_timeline(None)
+
+        return fn
+
+    fns = [stamped(c, buf) for c, buf in zip(calls, bufs, strict=True)]
+    try:
+        for check, fn in zip(checks, fns, strict=True):
+            err = check(fn())
+            if not err < TOLERANCE[dtype]:
+                raise RuntimeError(f"{spec}: max error {err:.3g} against the reference")
+        decode_us = timing.decode_us_rounds({"mmha": fns}, rounds=2)["mmha"]["us"]
+        graph = timing.capture(fns)
+        for buf in bufs:
+            buf.zero_()
+        times = [timing.one_replay_us(graph) for _ in range(replays)]
+        launches = [launch_summary(buf) for buf in bufs]
+    finally:
+        _C.set_timeline(None)
+    summary = row_summary(launches)
+    summary["replay"] = replay_summary(launches, times[-1])
+    summary["replay_median_us"] = statistics.median(times)
+    summary["decode_us"] = decode_us
+    return summary
+
+
+def run_tree_row(spec: str, replays: int) -> dict:
+    """A tree row of ``mmha.bench.tree`` (fp16), ``B,CTX,T[@SPLITSxSTAGES]``: its layers' tree
+    steps, each checked against the fp32 reference (on the first layer) first."""
+    from .. import ops
+    from . import tree as tree_bench
+    from .methods import plan_str
+
+    shape, _, forced = spec.partition("@")
+    picked = tree_bench.select(tree_bench.rows(), [shape])
+    row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
+    splits = stages = None
+    if forced:
+        splits, stages = (int(x) for x in forced.lower().split("x"))
+    layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
+    ref = tree_bench.reference_out(layers[0])
+    calls = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
+    checks = [lambda out: tree_bench.error(out, layers[0], ref)] + [lambda out: 0.0] * (len(layers) - 1)
+    plan = ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim,
+                        row.context + row.nodes, torch.float16, tree=row.nodes > 1)  # fmt: skip
+    summary = stamped_summary(spec, "fp16", calls, checks, replays)
+    name = plan_str(plan) if splits is None else f"{splits}x{stages}"
+    summary.update(row=f"tree {spec} {row.shape}", kv="", plan=name, epilogue=False, block_size=0)
+    return summary
+
+
 def run_row(
     spec: str, dtype: str, replays: int, epilogue: bool = False, block_size: int = 0, kv: str = ""
 ) -> dict:
@@ -135,16 +206,12 @@ def run_row(
     --epilogue`` fused into each call (its output checked against the epilogue applied to the
     plain call's, one step allowed); with ``block_size``, the caches as pages of that many slots
     scattered through a pool (``mmha.bench.paged.to_pages``); ``kv``: "fp8" or "int8" caches."""
-    from mmha._ext import _C
-
-    from . import timing
     from .epilogue import make_epilogue
     from .methods import mmha_fn, row_of_spec
-    from .problems import TOLERANCE, layer_problems
+    from .problems import layer_problems
 
     cfg, plan, _ = row_of_spec(spec, dtype, "timeline", kv)
     probs = layer_problems(cfg, "mmha")
-    bufs = [torch.zeros(MAX_BLOCKS, len(EVENTS), dtype=torch.int64, device="cuda") for _ in probs]
     pages = [None] * len(probs)
     if block_size:
         from .paged import to_pages
@@ -164,41 +231,18 @@ def run_row(
                 raise RuntimeError(f"{spec}: the fused epilogue is {steps} steps from the plain call's")
         calls = fused
 
-    def stamped(call, buf):
-        def fn():
-            _C.set_timeline(buf)  # read when the call's params are built: captured with the launch
-            try:
-                return call()
-            finally:
-                _C.set_timeline(None)
-
-        return fn
-
-    fns = [stamped(c, buf) for c, buf in zip(calls, bufs, strict=True)]
-    try:
-        for prob, fn in zip(probs, fns, strict=True):
-            err = 0.0 if epilogue else prob.error(fn())  # fused: checked above, against the plain calls
-            if not err < TOLERANCE[dtype]:
-                raise RuntimeError(f"{spec}: max error {err:.3g} against the reference")
-        decode_us = timing.decode_us_rounds({"mmha": fns}, rounds=2)["mmha"]["us"]
-        graph = timing.capture(fns)
-        for buf in bufs:
-            buf.zero_()
-        times = [timing.one_replay_us(graph) for _ in range(replays)]
-        launches = [launch_summary(buf) for buf in bufs]
-    finally:
-        _C.set_timeline(None)
-    summary = row_summary(launches)
-    summary["replay"] = replay_summary(launches, times[-1])
-    summary["replay_median_us"] = statistics.median(times)
-    summary.update(row=spec, kv=kv, plan=f"{plan.num_splits}x{plan.stages}", decode_us=decode_us,
-                   epilogue=epilogue, block_size=block_size)  # fmt: skip
+    checks = [lambda out, prob=prob: 0.0 if epilogue else prob.error(out) for prob in probs]
+    summary = stamped_summary(spec, dtype, calls, checks, replays)  # fused: checked above
+    summary.update(row=spec, kv=kv, plan=f"{plan.num_splits}x{plan.stages}", epilogue=epilogue,
+                   block_size=block_size)  # fmt: skip
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
+    p.add_argument("rows", nargs="*", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
+    p.add_argument("--tree", nargs="+", default=[], metavar="B,CTX,T[@SxT]",
+                   help="tree steps of mmha.bench.tree's rows (fp16, the binary shape)")  # fmt: skip
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--replays", type=int, default=20)
     p.add_argument(
@@ -210,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", default="", choices=["", "fp8", "int8"], help="the caches' format")
     p.add_argument("--json", type=Path, default=None, help="write the summaries here")
     args = p.parse_args(argv)
+    if not args.rows and not args.tree:
+        p.error("give rows, --tree rows or both")
     from mmha._ext import _C
 
     if _C is None or not _C.timeline_built():
@@ -226,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             name += (" int8 epilogue" if epi else "") + (f" pages of {bs}" if bs else "")
             print(format_row(name, s["plan"], s["decode_us"], s), flush=True)
             torch.cuda.empty_cache()
+    for spec in args.tree:
+        s = run_tree_row(spec, args.replays)
+        out.append(s)
+        print(format_row(s["row"], s["plan"], s["decode_us"], s), flush=True)
+        torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
