@@ -5,6 +5,7 @@
 # PEER=sdpa_cudnn profiles that peer on the same rows instead.
 # Usage: bash bench/profile.sh 16,32,8,128,2048 16,32,32,128,8192@2x3
 #        bash bench/profile.sh 16,32,8,128,2048 --mod alibi   (a score modifier, as --mods runs it)
+#        bash bench/profile.sh --tree 1,1024,4                (a tree step of the tree benchmark's rows)
 source "$(dirname "$0")/device_env.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   build

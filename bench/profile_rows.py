@@ -9,7 +9,9 @@ launches. ``--mod window|softcap|alibi|sinks``
 runs mmha with that score modifier as ``python -m mmha.bench --mods`` does (Hq 32, D 128, the
 dispatcher's plan; checked against ``mmha.reference.attend``). ``--epilogue`` runs each row with
 the int8 output epilogue of ``python -m mmha.bench --epilogue`` (its plan, checked against the
-epilogue of the plain output: at most one int8 step apart).
+epilogue of the plain output: at most one int8 step apart). ``--tree``: the rows are the tree
+benchmark's, B,CTX,T[@SPLITSxSTAGES] (``mmha.bench.tree``, binary trees, fp16), one tree step
+each, checked against ``mmha.reference.decode_tree``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def main() -> None:
     p.add_argument("--peer", default=None, help="run this peer instead (sdpa_cudnn, ...)")
     p.add_argument("--mod", default=None, choices=["window", "softcap", "alibi", "sinks"])
     p.add_argument("--epilogue", action="store_true", help="with the int8 output epilogue")
+    p.add_argument("--tree", action="store_true", help="rows are tree steps: B,CTX,T[@SPLITSxSTAGES]")
     args = p.parse_args()
     if args.mod:
         return with_modifier(args)
+    if args.tree:
+        return tree_steps(args)
     for spec in args.rows:
         cfg, plan, forced = row_of_spec(spec, args.dtype, "profile", args.kv)
         method = args.peer or "mmha"
@@ -69,6 +74,28 @@ def with_epilogue(cfg: Config, prob: Problem, plain, forced: bool):
     steps = int((fn().int() - want.int()).abs().max())
     assert steps <= 1, f"epilogue: {steps} int8 steps from the plain output's epilogue"
     return fn, plan
+
+
+def tree_steps(args) -> None:
+    from mmha.bench import tree
+
+    for spec in args.rows:
+        shape, _, forced = spec.partition("@")
+        picked = tree.select(tree.rows(), [shape])
+        row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
+        splits, stages = (int(x) for x in forced.lower().split("x")) if forced else (None, None)
+        layer = tree.Layer(row, seed=0)
+        ref = tree.reference_out(layer)
+        fn = tree.mmha_fn(layer, splits, stages)
+        err = tree.error(fn(), layer, ref)
+        assert err < TOLERANCE["fp16"], f"tree {spec}: max error {err}"
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("mmha")
+        for _ in range(args.iters):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print(f"tree {spec} {row.shape} max_err={err:.2e}", flush=True)
 
 
 def with_modifier(args) -> None:
