@@ -80,10 +80,7 @@ def tree_steps(args) -> None:
     from mmha.bench import tree
 
     for spec in args.rows:
-        shape, _, forced = spec.partition("@")
-        picked = tree.select(tree.rows(), [shape])
-        row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
-        splits, stages = (int(x) for x in forced.lower().split("x")) if forced else (None, None)
+        row, splits, stages = tree.spec_row(spec)
         layer = tree.Layer(row, seed=0)
         ref = tree.reference_out(layer)
         fn = tree.mmha_fn(layer, splits, stages)

@@ -267,6 +267,20 @@ def test_tree_rows_chosen_by_batch_context_and_nodes():
         tree.select(all_rows, ["3,5,7"])
 
 
+def test_tree_spec_rows_for_the_timeline_and_profiles():
+    from mmha.bench import tree
+
+    row, splits, stages = tree.spec_row("16,4096,64")
+    assert (row.batch, row.context, row.nodes, row.shape, row.kv) == (16, 4096, 64, "binary", "")
+    assert (splits, stages) == (None, None)
+    row, splits, stages = tree.spec_row("4,1024,54@8X2")  # the seeds' row: a random tree, one head
+    assert (row.shape, row.num_heads, splits, stages) == ("random", 1, 8, 2)
+    with pytest.raises(ValueError, match="SPLITSxSTAGES"):
+        tree.spec_row("1,1024,4@8")
+    with pytest.raises(ValueError, match="matches no row"):
+        tree.spec_row("1,1000,4")
+
+
 def test_mods_rows_time_as_many_layers_as_their_reads_need():
     from mmha.bench import mods
     from mmha.bench.problems import MAX_LAYERS, MIN_LAYERS

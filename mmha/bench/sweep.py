@@ -116,9 +116,7 @@ def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
 
     layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
     ref = tree_bench.reference_out(layers[0])
-    keys = row.context + row.nodes
-    plan = ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim, keys,
-                        torch.float16, tree=row.nodes > 1)  # fmt: skip
+    plan = tree_bench.plan_of(row)
     methods = {}
     for each in tree_plans(plan, splits):
         name = plan_str(each)

@@ -177,24 +177,16 @@ def stamped_summary(spec: str, dtype: str, calls: list, checks: list, replays: i
 def run_tree_row(spec: str, replays: int) -> dict:
     """A tree row of ``mmha.bench.tree`` (fp16), ``B,CTX,T[@SPLITSxSTAGES]``: its layers' tree
     steps, each checked against the fp32 reference (on the first layer) first."""
-    from .. import ops
     from . import tree as tree_bench
     from .methods import plan_str
 
-    shape, _, forced = spec.partition("@")
-    picked = tree_bench.select(tree_bench.rows(), [shape])
-    row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
-    splits = stages = None
-    if forced:
-        splits, stages = (int(x) for x in forced.lower().split("x"))
+    row, splits, stages = tree_bench.spec_row(spec)
     layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
     ref = tree_bench.reference_out(layers[0])
     calls = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
     checks = [lambda out: tree_bench.error(out, layers[0], ref)] + [lambda out: 0.0] * (len(layers) - 1)
-    plan = ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim,
-                        row.context + row.nodes, torch.float16, tree=row.nodes > 1)  # fmt: skip
     summary = stamped_summary(spec, "fp16", calls, checks, replays)
-    name = plan_str(plan) if splits is None else f"{splits}x{stages}"
+    name = plan_str(tree_bench.plan_of(row)) if splits is None else f"{splits}x{stages}"
     summary.update(row=f"tree {spec} {row.shape}", kv="", plan=name, epilogue=False, block_size=0)
     return summary
 

@@ -105,6 +105,26 @@ def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
     return picked
 
 
+def spec_row(spec: str) -> tuple[Row, int | None, int | None]:
+    """``B,CTX,T[@SPLITSxSTAGES]``: the row of that batch, context and node count (its fp16 binary
+    tree where there is one), and the split and stage counts given (None: the dispatcher's)."""
+    shape, _, forced = spec.partition("@")
+    picked = select(rows(), [shape])
+    row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
+    if not forced:
+        return row, None, None
+    parts = forced.lower().split("x")
+    if len(parts) != 2 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"a plan reads SPLITSxSTAGES (two integers), got {forced!r} in {spec!r}")
+    return row, int(parts[0]), int(parts[1])
+
+
+def plan_of(row: Row) -> dispatch.Plan:
+    """The dispatcher's plan for the row's tree step (fp16)."""
+    return ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim,
+                        row.context + row.nodes, torch.float16, tree=row.nodes > 1)  # fmt: skip
+
+
 def parents_of(shape: str, nodes: int, seed: int) -> list[int]:
     if shape == "chain":
         return [-1] + list(range(nodes - 1))
