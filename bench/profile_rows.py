@@ -50,13 +50,18 @@ def main() -> None:
             assert err < TOLERANCE[args.dtype], f"{spec}: max error {err}"
             if args.epilogue:
                 fn, plan = with_epilogue(cfg, prob, fn, forced)
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push("peer" if args.peer else "mmha")
-            for _ in range(args.iters):
-                fn()
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            launch_in_range(fn, args.iters, "peer" if args.peer else "mmha")
         print(f"{spec} plan={plan.num_splits}x{plan.stages} max_err={err:.2e}", flush=True)
+
+
+def launch_in_range(fn, iters: int, name: str = "mmha") -> None:
+    """``iters`` calls of ``fn`` inside the NVTX range ``name`` (what ncu --nvtx-include catches)."""
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(name)
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
 
 
 def with_epilogue(cfg: Config, prob: Problem, plain, forced: bool):
@@ -86,12 +91,7 @@ def tree_steps(args) -> None:
         fn = tree.mmha_fn(layer, splits, stages)
         err = tree.error(fn(), layer, ref)
         assert err < TOLERANCE["fp16"], f"tree {spec}: max error {err}"
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("mmha")
-        for _ in range(args.iters):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+        launch_in_range(fn, args.iters)
         print(f"tree {spec} {row.shape} max_err={err:.2e}", flush=True)
 
 
@@ -106,12 +106,7 @@ def with_modifier(args) -> None:
         fn = mods.mmha_fn(layer, m)
         err = mods.error(fn(), layer, m)
         assert err < TOLERANCE["fp16"], f"{spec} {args.mod}: max error {err}"
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("mmha")
-        for _ in range(args.iters):
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+        launch_in_range(fn, args.iters)
         print(f"{spec} {args.mod} max_err={err:.2e}", flush=True)
 
 
