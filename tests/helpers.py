@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mmha import layout, reference
+from mmha import layout, ops, reference
 from mmha._ext import extension_available
 from mmha.spec import AttentionSpec, Rotary
 
@@ -196,3 +196,22 @@ def check_cache_writes(case: Case, ref_k: torch.Tensor, ref_v: torch.Tensor) -> 
         ref_k[b, :, :, pos, :] = case.k_cache[b, :, :, pos, :]
     assert_bits_equal(case.k_cache, ref_k, "k_cache")
     assert_bits_equal(case.v_cache, ref_v, "v_cache")
+
+
+def raw_args(case, num_splits: int, /, stages: int = 2, tile_source: int = 0, **over) -> dict:
+    """Every argument of the raw operator; outputs poisoned with NaN."""
+    b, hq = case.qkv.shape[0], case.num_heads
+    d = case.v_cache.shape[-1]
+    dev = case.qkv.device
+    ws = ops.Workspace.allocate(dev, b, hq, d, max(num_splits, 1))
+    a = dict(
+        qkv=case.qkv, k_cache=case.k_cache, v_cache=case.v_cache, lengths=case.lengths,
+        qkv_bias=case.bias, out=torch.full((b, hq * d), float("nan"), dtype=case.qkv.dtype, device=dev),
+        lse=torch.full((b, hq), float("nan"), device=dev), partials=ws.partials, counters=ws.counters,
+        status=ws.status, num_heads=hq, num_kv_heads=case.num_kv_heads, scale=1.0 / math.sqrt(d),
+        rotary_dim=case.rotary.get("dim", 0), rotary_theta=case.rotary.get("theta", 1e4),
+        rotary_interleaved=case.rotary.get("interleaved", False), num_splits=num_splits,
+        check_lengths=True, stages=stages, tile_source=tile_source,
+    )  # fmt: skip
+    a.update(over)
+    return a

@@ -26,6 +26,7 @@ from helpers import (
     check_cache_writes,
     gpu,
     make_case,
+    raw_args,
     run_reference,
 )
 
@@ -134,25 +135,6 @@ def source_for(cfg: dict) -> int:
     tma_ok = cfg["dtype"] != torch.float32 and cfg["head_dim"] % 64 == 0 and cfg["max_seq_len"] % 32 == 0
     source = cfg.get("source", "auto")
     return ops.TILE_SOURCES[source if source != "tma" or tma_ok else "auto"]
-
-
-def raw_args(case, num_splits: int, /, stages: int = 2, tile_source: int = 0, **over) -> dict:
-    """Every argument of the raw operator; outputs poisoned with NaN."""
-    b, hq = case.qkv.shape[0], case.num_heads
-    d = case.v_cache.shape[-1]
-    dev = case.qkv.device
-    ws = ops.Workspace.allocate(dev, b, hq, d, max(num_splits, 1))
-    a = dict(
-        qkv=case.qkv, k_cache=case.k_cache, v_cache=case.v_cache, lengths=case.lengths,
-        qkv_bias=case.bias, out=torch.full((b, hq * d), float("nan"), dtype=case.qkv.dtype, device=dev),
-        lse=torch.full((b, hq), float("nan"), device=dev), partials=ws.partials, counters=ws.counters,
-        status=ws.status, num_heads=hq, num_kv_heads=case.num_kv_heads, scale=1.0 / math.sqrt(d),
-        rotary_dim=case.rotary.get("dim", 0), rotary_theta=case.rotary.get("theta", 1e4),
-        rotary_interleaved=case.rotary.get("interleaved", False), num_splits=num_splits,
-        check_lengths=True, stages=stages, tile_source=tile_source,
-    )  # fmt: skip
-    a.update(over)
-    return a
 
 
 @gpu

@@ -11,6 +11,7 @@ from helpers import (
     check_cache_writes,
     gpu,
     make_case,
+    raw_args,
     run_reference,
 )
 
@@ -265,6 +266,26 @@ def test_strided_qkv_equals_contiguous():
     assert torch.equal(out_c, out_s)
     assert_bits_equal(kc, case.k_cache, "k_cache")
     assert_bits_equal(vc, case.v_cache, "v_cache")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_out_may_start_anywhere(dtype, splits):
+    # The raw operator's out (no epilogue) need not be aligned: the stores of four values at once
+    # (several columns per item, a split's merge) fall back to one value at a time.
+    case = make_case(3, 32, 8, 128, [5, 700, 1500], 2048, dtype, seed=41 + splits)
+    k0, v0 = case.clone_caches()
+    aligned = raw_args(case, splits)
+    torch.ops.mmha.decode_attention(**aligned)
+    b, width = aligned["out"].shape
+    flat = torch.full((b * width + 1,), float("nan"), dtype=dtype, device="cuda")
+    shifted = flat[1:].view(b, width)
+    assert shifted.data_ptr() % 8 != 0
+    case.k_cache, case.v_cache = k0, v0
+    torch.ops.mmha.decode_attention(**raw_args(case, splits, out=shifted))
+    torch.cuda.synchronize()
+    assert_bits_equal(aligned["out"], shifted, "out")
+    check_against_reference(case, shifted, aligned["lse"])
 
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), 1e4], ids=["nan", "inf", "1e4"])

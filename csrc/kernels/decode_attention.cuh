@@ -451,8 +451,9 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
   }
 }
 
-// VEC (kernels with the epilogue and 4 or 8 columns per item): four values per thread, one
-// 16-byte load of each per-channel tensor. What decides it (fp16, head dim 128, bulk copies): 8
+// A split's partials: four values per thread, one 16-byte store each (every item). A single
+// pass with VEC (several columns per item; with the epilogue 4 or 8): four values per thread,
+// one store of four outputs and one 16-byte load of each per-channel tensor. What decides it (fp16, head dim 128, bulk copies): 8
 // columns spill 20 bytes with four values and 84 with one; 4 columns spill 16 with four and none
 // with one, but four scalar loads per value at the store cost more (B=64 Hkv=8 S=1024 1.025x
 // plain against 1.078x); 1 column 12 with four (65 K local-load sectors on B=16 S=512 that the
@@ -505,7 +506,28 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     }
     return;
   }
-  if (VEC && p.sched.num_splits == 1) {  // four values per thread through the output epilogue
+  if (p.sched.num_splits > 1) {  // the split's partials: four values per thread, one 16-byte store
+    const SplitPartials<HEAD_DIM> part(p);
+    for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const Column col = column_of(p, w, g);
+      const int64_t h = col.flat(p.num_heads);
+      if (col.node >= w.nodes) {  // a tree node the row does not use: zeros from split 0, as store_value
+        if (w.split == 0) {
+          store_out4<T, EPI>(p.output, h * HEAD_DIM + d, col.head * HEAD_DIM + d, make_float4(0.f, 0.f, 0.f, 0.f));
+          if (d == 0) p.output.lse[h] = -INFINITY;
+        }
+        continue;
+      }
+      const int64_t slot = h * p.sched.num_splits + w.split;
+      *reinterpret_cast<float4*>(part.acc + slot * HEAD_DIM + d) =
+          make_float4(acc(g, d), acc(g, d + 1), acc(g, d + 2), acc(g, d + 3));
+      if (d == 0) part.ml[slot] = make_float2(m(g), l(g));
+    }
+    return;
+  }
+  if (VEC) {  // single pass, four values per thread (through the output epilogue, or plain)
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
@@ -966,6 +988,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
+  // A single pass stores four values per thread (store_item's VEC) for several columns (not in a
+  // fused tree's twin: at its register cap that spills 36-40 bytes at head dim 128).
+  constexpr bool kStore4 = EPI ? QB >= kEpilogueGroupColumns : QB > 1 && !FUSED;
   // Two consecutive tiles of an item in one softmax update, where the ring is deep enough for a
   // consumer to hold two stages (p.sched.stages >= 4): one-byte caches (fp8, int8: consumer-bound;
   // 4 or more stages unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one
@@ -1137,8 +1162,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
             return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
           }
         };
-        store_item<T, HEAD_DIM, EPI, EPI && QB >= kEpilogueGroupColumns, PRE_N>(p, w, m, l, acc, value_scale, tid,
-                                                                                CONSUMERS, &s_pre);
+        store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
         if constexpr (FUSED) {
           append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);

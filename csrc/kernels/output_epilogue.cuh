@@ -59,6 +59,22 @@ __device__ __forceinline__ void store_out(const OutputParams& o, int64_t i, int 
   }
 }
 
+// Four consecutive elements i .. i + 3 (i a multiple of 4) of an output in T, rounded as
+// from_float rounds each: one 16-byte (fp32) or 8-byte (16-bit) store (out aligned to four
+// elements: an epilogue's out always is, a plain one is checked by store_out4).
+template <typename T>
+__device__ __forceinline__ void store_activations4(void* out, int64_t i, float4 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(static_cast<float*>(out) + i) = x;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 h[2] = {__floats2bfloat162_rn(x.x, x.y), __floats2bfloat162_rn(x.z, x.w)};
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out) + i) = *reinterpret_cast<uint2*>(h);
+  } else {
+    __half2 h[2] = {__floats2half2_rn(x.x, x.y), __floats2half2_rn(x.z, x.w)};
+    *reinterpret_cast<uint2*>(static_cast<__half*>(out) + i) = *reinterpret_cast<uint2*>(h);
+  }
+}
+
 // Four consecutive output elements i .. i + 3 (channels c .. c + 3, both multiples of 4) through
 // the epilogue, as store_out_epilogue computes each: one 16-byte load per per-channel tensor and
 // one store of 4 outputs.
@@ -74,15 +90,7 @@ __device__ __forceinline__ void store_out4_epilogue(const OutputParams& o, int64
     y[0] = __fmul_rn(y[0], s.x), y[1] = __fmul_rn(y[1], s.y), y[2] = __fmul_rn(y[2], s.z), y[3] = __fmul_rn(y[3], s.w);
   }
   if (o.kind == OutKind::kActivations) {
-    if constexpr (std::is_same_v<T, float>) {
-      *reinterpret_cast<float4*>(static_cast<float*>(o.out) + i) = make_float4(y[0], y[1], y[2], y[3]);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      __nv_bfloat162 h[2] = {__floats2bfloat162_rn(y[0], y[1]), __floats2bfloat162_rn(y[2], y[3])};
-      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(o.out) + i) = *reinterpret_cast<uint2*>(h);
-    } else {
-      __half2 h[2] = {__floats2half2_rn(y[0], y[1]), __floats2half2_rn(y[2], y[3])};
-      *reinterpret_cast<uint2*>(static_cast<__half*>(o.out) + i) = *reinterpret_cast<uint2*>(h);
-    }
+    store_activations4<T>(o.out, i, make_float4(y[0], y[1], y[2], y[3]));
     return;
   }
   float4 sc = make_float4(o.scale, o.scale, o.scale, o.scale);
@@ -96,6 +104,8 @@ template <typename T, bool EPI>
 __device__ __forceinline__ void store_out4(const OutputParams& o, int64_t i, int channel, float4 x) {
   if constexpr (EPI) {
     store_out4_epilogue<T>(o, i, channel, x);
+  } else if (reinterpret_cast<uintptr_t>(o.out) % (4 * sizeof(T)) == 0) {  // a plain out may start anywhere
+    store_activations4<T>(o.out, i, x);
   } else {
     T* out = static_cast<T*>(o.out) + i;
     out[0] = from_float<T>(x.x);

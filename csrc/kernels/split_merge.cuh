@@ -128,42 +128,51 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   const auto acc4 = [&](int64_t h, int c, int s) {
     return __ldcg(reinterpret_cast<const float4*>(part.acc + (h * num_splits + s) * HEAD_DIM) + c);
   };
+  // The weights: LANES lanes per column (half a warp where a block's warps would otherwise take
+  // two rounds of L2 loads for 8 columns), each lane PER splits.
+  constexpr int LANES = QB >= 8 ? 16 : 32;
+  constexpr int PER = kMaxSplits / LANES;
+  constexpr int COLS = 32 / LANES;  // columns per warp and round
+  const int sub = lane / LANES;
+  const int sl = lane % LANES;
   const int warps = nthreads / 32;
-  for (int g = warp; g < w.nh; g += warps) {
-    const Column col = column_of(p, w, g);
-    if (col.node >= w.nodes) continue;
+  for (int g0 = COLS * warp; g0 < w.nh; g0 += COLS * warps) {
+    const int g = g0 + sub;
+    const Column col = column_of(p, w, g < w.nh ? g : g0);
+    const bool used = g < w.nh && col.node < w.nodes;  // lanes of a column the row does not use still shuffle
     const int64_t h = col.flat(p.num_heads);
     const float2* ml = part.ml + h * num_splits;
-    float ms[kMaxSplits / 32], ls[kMaxSplits / 32];
+    float ms[PER], ls[PER];
     float mx = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kMaxSplits / 32; ++i) {
-      const int s = lane + 32 * i;
-      const float2 v = s < w.active ? __ldcg(ml + s) : make_float2(-INFINITY, 0.f);
+    for (int i = 0; i < PER; ++i) {
+      const int s = sl + LANES * i;
+      const float2 v = used && s < w.active ? __ldcg(ml + s) : make_float2(-INFINITY, 0.f);
       ms[i] = v.x;
       ls[i] = v.y;
       mx = fmaxf(mx, ms[i]);
     }
 #pragma unroll
-    for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    for (int off = 1; off < LANES; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
     const float sink = sink_log2(p.mods, col.head);
     mx = fmaxf(mx, sink);
     const float m_ref = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMaxSplits / 32; ++i) {
+    for (int i = 0; i < PER; ++i) {
       ms[i] = exp2f(ms[i] - m_ref);
       sum += ls[i] * ms[i];
     }
 #pragma unroll
-    for (int off = 1; off < 32; off *= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
+    for (int off = 1; off < LANES; off *= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
     if (p.mods.sinks != nullptr) sum += exp2f(sink - m_ref);
+    if (!used) continue;
 #pragma unroll
-    for (int i = 0; i < kMaxSplits / 32; ++i) {
-      const int s = lane + 32 * i;
+    for (int i = 0; i < PER; ++i) {
+      const int s = sl + LANES * i;
       if (s < w.active) s_w[g][s] = ms[i] / sum;
     }
-    if (lane == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
+    if (sl == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
   }
   sync();
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
