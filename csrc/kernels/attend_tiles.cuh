@@ -427,9 +427,10 @@ struct TileConsumer {
     }
   }
 
-  // The block combine of an item with a buffer per warp (small items: QB * HEAD_DIM <= 512
-  // values, kWarpBuffers): each warp writes its (max, sum) to s_m / s_l and its accumulator as
-  // it is to acc[warp], then one barrier (named barrier 1); the store sums
+  // The block combine of an item with a buffer per warp (acc_w: static buffers for small items,
+  // QB * HEAD_DIM <= kWarpBufferValues; else, outside the fused twins, the item's last stage):
+  // each warp writes its (max, sum) to s_m / s_l and its accumulator as it is to acc_w[warp],
+  // then one barrier (named barrier 1); the store sums
   // acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc; fold_warps and
   // folded_acc for several columns), the same values as combine() gives, without its barrier per
   // warp.

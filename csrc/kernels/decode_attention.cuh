@@ -984,8 +984,13 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const int lane = tid % 32;
   const int items = num_items(p);
 
-  // Small items combine through a buffer per warp (one barrier), larger ones warp by warp in s_q.
+  // The block combine goes through a buffer per warp: static ones for small items; for larger
+  // ones the item's last stage, which the consumers hold until the store is done (kHeldStage;
+  // H200, one-token rows of 8 columns at head dim 128: 0.94-0.96x warp by warp in s_q), except
+  // in the fused twins, whose B=1 tree steps it made 1.1x slower (docs/experiments.md): there
+  // warp by warp in s_q (TileConsumer::combine).
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
+  constexpr bool kHeldStage = !kWarpBuffers && !FUSED;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // A single pass stores four values per thread (store_item's VEC) for several columns (not in a
@@ -996,7 +1001,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // 4 or more stages unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one
   // item per SM; head dim 128 spills with it).
   constexpr bool kPairTiles = kFp8<C> || kInt8<C> || HEAD_DIM <= 96;
-  __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then the block combine's buffer
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then a twin's combine buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
   __shared__ __align__(16) C s_new_k[HEAD_DIM];
@@ -1132,37 +1137,54 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       patch_if(stage, it);
       c.step(stage, key0, kg, it, w.lo, w.end, w.pos, lane);
     }
-    mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
+    // kHeldStage: the item's last stage is the combine's, held until the store.
+    const int held = cur.s;
+    if (!kHeldStage || !(flags & kLastTile)) mbar_arrive(&ring.empty[cur.s]);  // done with the stage and its header
     cur.next(p.sched.stages);
     if (flags & kLastTile) {
       if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
       c.finish();
+      float (*acc_w)[QB][HEAD_DIM] = nullptr;
       if constexpr (kWarpBuffers) {
-        c.stash(s_m, s_l, s_acc, warp, lane);
+        acc_w = s_acc;
+        c.stash(s_m, s_l, acc_w, warp, lane);
+      } else if constexpr (kHeldStage) {
+        static_assert(kConsumerWarps * QB * HEAD_DIM * sizeof(float) <= L::STAGE_BYTES, "warp buffers in a stage");
+        acc_w = reinterpret_cast<float (*)[QB][HEAD_DIM]>(stages + held * L::STAGE_BYTES);
+        sync();  // every warp is done reading the stage's keys
+        c.stash(s_m, s_l, acc_w, warp, lane);
       } else {
         sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
         c.combine(s_m, s_l, &s_q[0][0], warp, lane);
       }
       if constexpr (kFold) {
-        if (tid < w.nh) fold_warps<kConsumerWarps, QB, kWarpBuffers>(s_m, s_l, s_f, tid);
+        if (tid < w.nh) fold_warps<kConsumerWarps, QB, kWarpBuffers || kHeldStage>(s_m, s_l, s_f, tid);
         sync();
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlCombined);
+      const auto release = [&] {  // the held stage: this thread's reads and writes before the copy engine's refill
+        if constexpr (kHeldStage) {
+          fence_proxy_async_smem();
+          mbar_arrive(&ring.empty[held]);
+        }
+      };
       if (flags & kPagesRefused) {
         store_refused_item<T, HEAD_DIM, EPI>(p, w, tid, CONSUMERS);
+        release();
       } else {
         const auto m = [&](int g) { return kFold ? s_m[0][g] : warps_max<kConsumerWarps, QB>(s_m, g); };
         const auto l = [&](int g) { return kFold ? s_l[0][g] : warps_sum<kConsumerWarps, QB>(s_m, s_l, g); };
         const auto acc = [&](int g, int d) {
-          if constexpr (!kWarpBuffers) {
+          if constexpr (!kWarpBuffers && !kHeldStage) {
             return s_q[g][d];
           } else if constexpr (kFold) {
-            return folded_acc<kConsumerWarps, QB, HEAD_DIM>(s_f, s_acc, g, d);
+            return folded_acc<kConsumerWarps, QB, HEAD_DIM>(s_f, acc_w, g, d);
           } else {
-            return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, s_acc, g, d);
+            return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, acc_w, g, d);
           }
         };
         store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
+        release();
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
         if constexpr (FUSED) {
           append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);
@@ -1172,7 +1194,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
       if (p.sched.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
-      sync();  // s_q, s_acc, s_m, s_l and s_w are free for the next item
+      sync();  // s_q, s_acc, s_m, s_l, s_f and s_w are free for the next item
       if (tid == 0 && first_item) timeline_mark(p, kTlItemDone);
       first_item = false;
     }
