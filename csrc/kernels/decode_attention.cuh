@@ -527,7 +527,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
     }
     return;
   }
-  if (VEC) {  // single pass, four values per thread (through the output epilogue, or plain)
+  if constexpr (VEC) {  // single pass, four values per thread (through the output epilogue, or plain)
     for (int idx = 4 * tid; idx < w.nh * HEAD_DIM; idx += 4 * nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
@@ -545,14 +545,14 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
       }
       store_out4<T, EPI>(p.output, h * HEAD_DIM + d, col.head * HEAD_DIM + d, x);
     }
-    return;
-  }
-  for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
-    const int g = idx / HEAD_DIM;
-    const int d = idx % HEAD_DIM;
-    const bool ml = p.sched.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
-    store_value<T, HEAD_DIM, EPI>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f,
-                                  value_scale);
+  } else {
+    for (int idx = tid; idx < w.nh * HEAD_DIM; idx += nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const bool ml = p.sched.num_splits == 1 || d == 0;  // a partial's (max, sum) go with its dim 0 only
+      store_value<T, HEAD_DIM, EPI>(p, w, column_of(p, w, g), d, acc(g, d), ml ? m(g) : 0.f, ml ? l(g) : 0.f,
+                                    value_scale);
+    }
   }
 }
 
