@@ -453,11 +453,12 @@ __device__ __forceinline__ void store_value(const MmhaParams& p, const WorkItem&
 
 // A split's partials: four values per thread, one 16-byte store each (every item). A single
 // pass with VEC (several columns per item; with the epilogue 4 or 8): four values per thread,
-// one store of four outputs and one 16-byte load of each per-channel tensor. What decides it (fp16, head dim 128, bulk copies): 8
-// columns spill 20 bytes with four values and 84 with one; 4 columns spill 16 with four and none
-// with one, but four scalar loads per value at the store cost more (B=64 Hkv=8 S=1024 1.025x
-// plain against 1.078x); 1 column 12 with four (65 K local-load sectors on B=16 S=512 that the
-// plain kernel does not have) and none with one.
+// one store of four outputs and one 16-byte load of each per-channel tensor. What decides it
+// with the epilogue (fp16, head dim 128, bulk copies): 8 columns spill 20 bytes with four
+// values and 84 with one; 4 columns spill 16 with four and none with one, but four scalar loads
+// per value at the store cost more (B=64 Hkv=8 S=1024 1.025x plain against 1.078x); 1 column
+// 12 with four (65 K local-load sectors on B=16 S=512 that the plain kernel does not have) and
+// none with one.
 // The epilogue's per-channel values of the N values a thread stores for a one-column item
 // (value k: head dim tid + k * nthreads), copied into shared memory (cp.async, each thread its
 // own values) at the item's first tile, so that their latency hides behind its tiles and no
