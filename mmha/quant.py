@@ -35,23 +35,28 @@ import torch
 QMAX = {8: 127, 4: 7}
 
 
-def quantize(x: torch.Tensor, bits: int, symmetric: bool = True):
+def quantize(x: torch.Tensor, bits: int, symmetric: bool = True, scale_dtype: torch.dtype | None = None):
     """``x [..., D]`` -> ``(codes, scale, zero)`` with one scale (and zero point) per vector over
     the last dim: codes ``[..., D]`` (int8 when symmetric, uint8 with a zero point; int4 codes
     unpacked, one a byte), scale and zero fp32 ``[...]`` (zero is None when symmetric). Computed
-    in fp32."""
+    in fp32. ``scale_dtype`` (float16 / bfloat16): a format that stores its scales and zero points
+    in 16 bits: both are rounded to it (then held in fp32) before the codes are chosen with them."""
     if bits not in QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if scale_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"scale_dtype must be float16, bfloat16 or float32, got {scale_dtype!r}")
+    stored = (lambda t: t) if scale_dtype is None else (lambda t: t.to(scale_dtype).float())  # noqa: E731
     v = x.float()
     if symmetric:
         qmax = QMAX[bits]
-        scale = _divide(v.abs().amax(-1), qmax)
+        scale = stored(_divide(v.abs().amax(-1), qmax))
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round(v / safe[..., None]).clamp(-qmax, qmax)
         return torch.where(torch.isfinite(codes), codes, 0).to(torch.int8), scale, None
     levels = 2**bits - 1
     lo, hi = v.amin(-1), v.amax(-1)
-    scale = _divide(hi - lo, levels)
+    scale = stored(_divide(hi - lo, levels))
+    lo = stored(lo)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((v - lo[..., None]) / safe[..., None]).clamp(0, levels)
     return torch.where(torch.isfinite(codes), codes, 0).to(torch.uint8), scale, lo
@@ -70,15 +75,18 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     return out if zero is None else out + zero.to(dtype)[..., None]
 
 
-def roundtrip(x: torch.Tensor, bits: int, symmetric: bool = True, smoothing: torch.Tensor | None = None):
+def roundtrip(x: torch.Tensor, bits: int, symmetric: bool = True, smoothing: torch.Tensor | None = None,
+              scale_dtype: torch.dtype | None = None):  # fmt: skip
     """``x [..., Hkv, D]`` stored and read back (in fp32), divided by ``smoothing [Hkv, D]`` first
     and multiplied back after (the product with ``q * smoothing`` is then what attention sees)."""
     v = x.float() if smoothing is None else x.float() / smoothing.float()
-    back = dequantize(*quantize(v, bits, symmetric))
+    back = dequantize(*quantize(v, bits, symmetric, scale_dtype))
     return back if smoothing is None else back * smoothing.float()
 
 
-def roundtrip_channels(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+def roundtrip_channels(
+    x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """KIVI's keys: ``x [S, Hkv, D]`` quantised per channel over each full group of ``group``
     tokens (a scale and zero point per (group, kv head, channel), asymmetric), the last partial
     group kept as it is (16-bit, until it fills); read back in fp32."""
@@ -88,7 +96,9 @@ def roundtrip_channels(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     if full == 0:
         return v
     g = v[:full].unflatten(0, (-1, group)).movedim(1, -1)  # [S / group, Hkv, D, group]
-    back = dequantize(*quantize(g, bits, symmetric=False)).movedim(-1, 1).flatten(0, 1)
+    back = (
+        dequantize(*quantize(g, bits, symmetric=False, scale_dtype=scale_dtype)).movedim(-1, 1).flatten(0, 1)
+    )
     return torch.cat([back, v[full:]])
 
 

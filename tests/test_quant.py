@@ -27,6 +27,27 @@ def test_codes_and_read_back(bits, symmetric):
     assert torch.all((back - x).abs() <= scale[..., None] / 2 + 1e-6)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scales_stored_in_16_bits(scale_dtype, symmetric):
+    # The scale and zero point are what a 16-bit field holds, and the codes are chosen with them:
+    # the read-back error stays within half a step of that scale (plus, with a zero point, the
+    # step's clamp at the top code, at most the zero point's rounding).
+    x = torch.randn(6, 4, 64, generator=torch.Generator().manual_seed(3)) * 5 + 2
+    codes, scale, zero = quant.quantize(x, 4, symmetric, scale_dtype)
+    assert torch.equal(scale, scale.to(scale_dtype).float())
+    if zero is not None:
+        assert torch.equal(zero, zero.to(scale_dtype).float())
+    exact_lo = x.amin(-1)
+    slack = 0 if zero is None else (zero - exact_lo).abs() + (x.amax(-1) - exact_lo) * 2**-7
+    back = quant.dequantize(codes, scale, zero)
+    assert torch.all((back - x).abs() <= (scale / 2 + slack)[..., None] + 1e-5)
+    full = quant.quantize(x, 4, symmetric)
+    assert not torch.equal(scale, full[1])  # rounded, not the fp32 scale
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quant.quantize(x, 4, symmetric, torch.int8)
+
+
 def test_zero_and_non_finite_vectors():
     x = torch.zeros(2, 8)
     x[1, 3] = float("inf")

@@ -15,7 +15,8 @@ Formats: ``fp8`` (e4m3, one scale per kv head from the first half's absolute max
 ``KVCache`` calibrates it), ``int8`` / ``int4`` with a scale per token and kv head (symmetric) or
 a scale and zero point (``asym``), K ``smooth`` (``mmha.quant.smoothing_factors`` of the first
 half, alpha 0.5, folded into q), or K per channel (KIVI: a scale and zero point per channel over
-each group of 64 tokens, the last partial group kept in 16 bits: ``channels``). Runs on the CPU or
+each group of 64 tokens, the last partial group kept in 16 bits: ``channels``); a last word
+``fp16`` / ``bf16``: the scales and zero points stored in that dtype, not fp32. Runs on the CPU or
 a GPU (the same numbers up to fp64 rounding); writes kv_accuracy.json under --out.
 
 ``--model NAME`` (a ``mmha.bench.hf`` shape, random weights at trained scale, fp16, on a GPU)
@@ -40,8 +41,10 @@ from .. import quant, spec
 HQ, HKV, D = 32, 8, 128
 # The formats of each tensor, by the name ``store`` takes; the other tensor stays 16-bit.
 K_FORMATS = ["fp8", "int8", "int8 smooth", "int8 channels", "int4", "int4 asym", "int4 asym smooth",
-             "int4 channels"]  # fmt: skip
-V_FORMATS = ["fp8", "int8", "int4", "int4 asym"]
+             "int4 channels", "int4 channels fp16", "int4 channels bf16"]  # fmt: skip
+V_FORMATS = ["fp8", "int8", "int4", "int4 asym", "int4 asym fp16", "int4 asym bf16"]
+# A format name's last word, where it names how its scales and zero points are stored (else fp32).
+SCALE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 GROUP = 64  # tokens per group of the per-channel K formats
 
 
@@ -53,10 +56,13 @@ def store(kind: str, x: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
             spec.dequantize_fp8(spec.quantize_fp8(x, scale).transpose(0, 1), scale).transpose(0, 1).double()
         )
     bits = 8 if kind.startswith("int8") else 4
+    scale_dtype = SCALE_DTYPES.get(kind.split()[-1])
     if "channels" in kind:
-        return quant.roundtrip_channels(x, bits, GROUP).double()
+        return quant.roundtrip_channels(x, bits, GROUP, scale_dtype).double()
     smooth = quant.smoothing_factors(prompt) if "smooth" in kind else None
-    return quant.roundtrip(x, bits, symmetric="asym" not in kind, smoothing=smooth).double()
+    return quant.roundtrip(
+        x, bits, symmetric="asym" not in kind, smoothing=smooth, scale_dtype=scale_dtype
+    ).double()
 
 
 def make(kind: str, seq_len: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
