@@ -104,25 +104,30 @@ class ReferenceBackend:
 
     def check(self) -> None:
         """The kernel's device-side guard on this path: ``ScaleError`` naming the rows of an int8 or
-        int4 cache that appended a token with a value that is not finite since the last check (its
-        scale is stored non-finite and the row's output is NaN, as on the GPU); flags cleared."""
+        int4 cache that appended a token with a value that is not finite (int4: or past its fp16
+        scales' range) since the last check (its scale is stored non-finite and the row's output is
+        NaN, as on the GPU); flags cleared."""
         rows, self.scale_rows = sorted(self.scale_rows), set()
         if rows:
             raise ops.ScaleError(
-                f"rows {rows}: a quantised cache's new token had a value that is not finite (its scale is "
-                "stored non-finite; the output is NaN)"
+                f"rows {rows}: a quantised cache's new token had a value that is not finite, or past "
+                f"{int4.SCALE_MAX:g} in an int4 cache (its scale is stored non-finite; the output is NaN)"
             )
 
     def _flag(self, c, qkv: torch.Tensor, counts: list[int]) -> None:
-        """Rows of an int8 / int4 cache that appended a new k or v (bias added) that is not finite:
+        """Rows of an int8 / int4 cache that appended a new k or v (bias added) that is not finite
+        (int4: or past ``int4.SCALE_MAX``, which its fp16 scales and zero points cannot hold):
         ``qkv [B, T, W]``, ``counts[b]`` the tokens row b appended (0 for rows that append none)."""
-        if not (isinstance(c.k, INT4_VIEWS) or c.k.dtype == torch.int8):
+        four = isinstance(c.k, INT4_VIEWS)
+        if not (four or c.k.dtype == torch.int8):
             return
         x = qkv.float()
         if c.qkv_bias is not None:
             x = x + c.qkv_bias.float()
         d = x.shape[-1] // (self.num_heads + 2 * self.num_kv_heads)
-        bad = (~torch.isfinite(x[..., self.num_heads * d :])).any(-1).tolist()  # [B][T], one read
+        kv = x[..., self.num_heads * d :]
+        ok = torch.isfinite(kv) & (kv.abs() <= int4.SCALE_MAX) if four else torch.isfinite(kv)
+        bad = (~ok).any(-1).tolist()  # [B][T], one read
         self.scale_rows.update(row for row, n in enumerate(counts) if any(bad[row][:n]))
 
     def _appending(self, c, batch: int) -> list[bool]:

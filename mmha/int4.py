@@ -17,14 +17,20 @@ The format (chosen by the accuracy numbers in ``docs/status.md``, "INT8 / INT4 c
   kernel that quantises from its 16-bit residual gives the same codes).
 - Codes two a byte, the even channel in the low nibble: V ``[B, Hkv, S_max, D / 2]``; K in the
   x-layout's 16-byte chunks, 32 channels a chunk: ``[B, Hkv, D / 32, S_max, 16]``.
-- Scales and zero points fp32 beside the slots: K ``[B, Hkv, S_max / 64, D]`` each, V ``[B, Hkv,
-  S_max]`` each. Capacities are whole groups (``S_max`` a multiple of 64), head dims whole chunks
-  (a multiple of 32).
+- Scales and zero points fp16 (``SCALE_DTYPE``) beside the slots: K ``[B, Hkv, S_max / 64, D]``
+  each, V ``[B, Hkv, S_max]`` each; each is rounded to fp16 before the codes are chosen with it
+  (``quant.quantize(..., scale_dtype=)``). With fp32 ones the format would move 0.297 of a 16-bit
+  cache's bytes at head dim 128 (K's scales and zero points alone D / 8 bytes a token), against
+  the 0.30 the kernel is asked to reach; fp16 ones make it 0.273 and measured as fp32's in the
+  accuracy study (``docs/status.md``, item 3). Capacities are whole groups (``S_max`` a multiple of
+  64), head dims whole chunks (a multiple of 32).
 
 At every committed length ``L`` of a row: groups ``0 .. L // 64 - 1`` hold codes, the residual
 holds slots ``64 (L // 64) .. L - 1`` (and a tree step's nodes, ``L ..``, until ``accept``).
 Non-finite K or V reads back non-finite (a non-finite value makes its scale non-finite,
-``mmha.quant``); nothing saturates.
+``mmha.quant``), and so does a finite value past fp16's largest (65504: its token's V scale, or
+its K group's channel scale, is stored infinite, the format's range); the steps flag both
+(``mmha.backends``); nothing saturates.
 
 This module holds one-token steps (``decode_step``) and tree steps (``decode_tree``, then
 ``Int4Cache.accept``) over contiguous caches, and the prompt's write (``Int4Cache.prefill``),
@@ -48,6 +54,8 @@ RESIDUAL = GROUP + MAX_TREE_NODES  # 16-bit K slots per (row, kv head): the part
 CHUNK = 32  # channels in one 16-byte chunk of the K layout
 LEVELS = 15  # the largest 4-bit code
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_DTYPE = torch.float16  # scales and zero points (K's per group and channel, V's per token)
+SCALE_MAX = torch.finfo(SCALE_DTYPE).max  # a K or V value past it reads back non-finite
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -69,10 +77,10 @@ class Int4Cache:
 
     k_codes: torch.Tensor  # uint8 [B, Hkv, D / 32, S_max, 16]
     v_codes: torch.Tensor  # uint8 [B, Hkv, S_max, D / 2]
-    k_scale: torch.Tensor  # fp32 [B, Hkv, S_max / 64, D]
-    k_zero: torch.Tensor  # fp32 [B, Hkv, S_max / 64, D]
-    v_scale: torch.Tensor  # fp32 [B, Hkv, S_max]
-    v_zero: torch.Tensor  # fp32 [B, Hkv, S_max]
+    k_scale: torch.Tensor  # fp16 [B, Hkv, S_max / 64, D]
+    k_zero: torch.Tensor  # fp16 [B, Hkv, S_max / 64, D]
+    v_scale: torch.Tensor  # fp16 [B, Hkv, S_max]
+    v_zero: torch.Tensor  # fp16 [B, Hkv, S_max]
     k_residual: torch.Tensor  # [B, Hkv, 128, D] in the activations' dtype, slot s at s % 128
 
     @classmethod
@@ -92,14 +100,14 @@ class Int4Cache:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
         b, h, s, d = batch, num_kv_heads, max_seq_len, head_dim
-        f32 = {"dtype": torch.float32, "device": device}
+        f16 = {"dtype": SCALE_DTYPE, "device": device}
         return cls(
             k_codes=torch.zeros(b, h, d // CHUNK, s, CHUNK // 2, dtype=torch.uint8, device=device),
             v_codes=torch.zeros(b, h, s, d // 2, dtype=torch.uint8, device=device),
-            k_scale=torch.zeros(b, h, s // GROUP, d, **f32),
-            k_zero=torch.zeros(b, h, s // GROUP, d, **f32),
-            v_scale=torch.zeros(b, h, s, **f32),
-            v_zero=torch.zeros(b, h, s, **f32),
+            k_scale=torch.zeros(b, h, s // GROUP, d, **f16),
+            k_zero=torch.zeros(b, h, s // GROUP, d, **f16),
+            v_scale=torch.zeros(b, h, s, **f16),
+            v_zero=torch.zeros(b, h, s, **f16),
             k_residual=torch.zeros(b, h, RESIDUAL, d, dtype=dtype, device=device),
         )
 
@@ -125,7 +133,7 @@ class Int4Cache:
 
     def store_v(self, row: int, slots: slice, v: torch.Tensor) -> None:
         """Values ``v [Hkv, n, D]`` of slots ``slots`` of ``row``, quantised per token."""
-        codes, scale, zero = quant.quantize(v, 4, symmetric=False)
+        codes, scale, zero = quant.quantize(v, 4, symmetric=False, scale_dtype=SCALE_DTYPE)
         self.v_codes[row, :, slots] = pack_nibbles(codes)
         self.v_scale[row, :, slots] = scale
         self.v_zero[row, :, slots] = zero
@@ -133,7 +141,7 @@ class Int4Cache:
     def store_k_group(self, row: int, group: int, k: torch.Tensor) -> None:
         """Keys ``k [Hkv, 64, D]`` (the activations' dtype) of group ``group`` of ``row``, quantised
         per channel over the group's tokens."""
-        codes, scale, zero = quant.quantize(k.transpose(-1, -2), 4, symmetric=False)  # over tokens
+        codes, scale, zero = quant.quantize(k.transpose(-1, -2), 4, symmetric=False, scale_dtype=SCALE_DTYPE)
         h, d = k.shape[0], k.shape[-1]
         packed = pack_nibbles(codes.transpose(-1, -2))  # [Hkv, 64, D / 2]
         chunks = packed.reshape(h, GROUP, d // CHUNK, CHUNK // 2).permute(0, 2, 1, 3)

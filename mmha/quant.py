@@ -40,13 +40,19 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool = True, scale_dtype: to
     the last dim: codes ``[..., D]`` (int8 when symmetric, uint8 with a zero point; int4 codes
     unpacked, one a byte), scale and zero fp32 ``[...]`` (zero is None when symmetric). Computed
     in fp32. ``scale_dtype`` (float16 / bfloat16): a format that stores its scales and zero points
-    in 16 bits: both are rounded to it (then held in fp32) before the codes are chosen with them."""
+    in 16 bits: both are rounded to it (then held in fp32) before the codes are chosen with them,
+    and a vector with a value past that dtype's largest (fp16: 65504) gets an infinite scale, so it
+    reads back non-finite, as a non-finite vector does (the format's range; never saturated)."""
     if bits not in QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     if scale_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"scale_dtype must be float16, bfloat16 or float32, got {scale_dtype!r}")
-    stored = (lambda t: t) if scale_dtype is None else (lambda t: t.to(scale_dtype).float())  # noqa: E731
     v = x.float()
+    if scale_dtype is None:
+        stored = lambda t: t  # noqa: E731
+    else:
+        past = v.abs().amax(-1) > torch.finfo(scale_dtype).max
+        stored = lambda t: torch.where(past, torch.inf, t.to(scale_dtype).float())  # noqa: E731
     if symmetric:
         qmax = QMAX[bits]
         scale = stored(_divide(v.abs().amax(-1), qmax))

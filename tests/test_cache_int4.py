@@ -163,3 +163,23 @@ def test_non_finite_new_token_is_flagged_as_on_the_gpu():
         with pytest.raises(ops.ScaleError, match=r"rows \[0\]"):
             c.check()
         c.check()
+
+
+def test_a_value_past_the_fp16_scales_is_flagged():
+    """A finite value past 65504 (a bf16 model's) makes an fp16 scale or zero point infinite: read
+    back non-finite and flagged like a non-finite one, never saturated."""
+    c = KVCache(1, 2, 128, HQ, HKV, D, torch.bfloat16, "cpu", kv_dtype="int4", attention=SPEC)
+    k, v = _prompts([30, 40])
+    c.prefill(0, k.bfloat16(), v.bfloat16(), lengths=[30, 40])
+    qkv = _qkv(2, 6).bfloat16()
+    qkv[1, (HQ + HKV) * D + 3] = 1.0e5  # row 1's v: finite in bf16, past fp16's range
+    out = c.step(0, qkv)
+    assert torch.isfinite(out[0]).all() and not torch.isfinite(out[1]).all()
+    assert not torch.isfinite(c.storage.caches[0].v_scale[1, :, 40].float()).all()
+    with pytest.raises(ops.ScaleError, match=r"rows \[1\].*65504"):
+        c.check()
+    qkv = _qkv(2, 7).bfloat16()
+    qkv[0, HQ * D + 5] = -7.0e4  # row 0's k: kept in the residual until its group is quantised
+    c.step(0, qkv)
+    with pytest.raises(ops.ScaleError, match=r"rows \[0\]"):
+        c.check()

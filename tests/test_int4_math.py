@@ -4,7 +4,7 @@ fp16(q_c s_c)``, the codes the mma's other operand as 1024 + code) and its zero 
 bias per tile and column (``q . z``, fp32); V's per-token scale goes on the probability over the
 largest V scale so far (``v_unit``, as for int8) and its zero point adds ``sum_j p_j z_j`` to every
 output channel. Equal to attention over what ``mmha.int4.Int4Cache`` reads back within fp16's
-rounding of q' and of the probabilities, whatever the scales' spread."""
+rounding of q' and of the probabilities, whatever the scales' spread (within fp16's range)."""
 
 import math
 
@@ -79,7 +79,7 @@ def oracle(q, c, s, valid):
     return p @ values[0], p, values[0]
 
 
-@pytest.mark.parametrize("spread", [0.0, 2.0, 6.0])
+@pytest.mark.parametrize("spread", [0.0, 2.0, 4.0])  # 10^±4: within the fp16 scales' range (int4.SCALE_MAX)
 @pytest.mark.parametrize("seed", range(3))
 def test_folded_scales_and_zero_points_equal_attention_over_the_format(spread, seed):
     s, d = 512, 64

@@ -46,6 +46,14 @@ def test_scales_stored_in_16_bits(scale_dtype, symmetric):
     assert not torch.equal(scale, full[1])  # rounded, not the fp32 scale
     with pytest.raises(ValueError, match="scale_dtype"):
         quant.quantize(x, 4, symmetric, torch.int8)
+    # Past the dtype's largest value: an infinite scale, read back non-finite (fp16's 65504).
+    big = x.clone()
+    big[1, 2, 7] = -7.0e4
+    codes, scale, zero = quant.quantize(big, 4, symmetric, scale_dtype)
+    back = quant.dequantize(codes, scale, zero)
+    past = scale_dtype == torch.float16
+    assert bool(torch.isinf(scale[1, 2])) == past and bool(torch.isfinite(back[1, 2]).all()) != past
+    assert torch.isfinite(scale[0]).all() and torch.isfinite(back[0]).all()
 
 
 def test_zero_and_non_finite_vectors():
