@@ -115,20 +115,38 @@ class ReferenceBackend:
             )
 
     def _flag(self, c, qkv: torch.Tensor, counts: list[int]) -> None:
-        """Rows of an int8 / int4 cache that appended a new k or v (bias added) that is not finite
-        (int4: or past ``int4.SCALE_MAX``, which its fp16 scales and zero points cannot hold):
-        ``qkv [B, T, W]``, ``counts[b]`` the tokens row b appended (0 for rows that append none)."""
-        four = isinstance(c.k, INT4_VIEWS)
-        if not (four or c.k.dtype == torch.int8):
+        """Rows of an int8 cache that appended a new k or v (bias added) that is not finite, and of
+        an int4 cache whose appended tokens it cannot hold (``_int4_unheld``): ``qkv [B, T, W]``,
+        ``counts[b]`` the tokens row b appended (0 for rows that append none)."""
+        if isinstance(c.k, INT4_VIEWS):
+            self.scale_rows.update(row for row, n in enumerate(counts) if n and self._int4_unheld(c, row, n))
+            return
+        if c.k.dtype != torch.int8:
             return
         x = qkv.float()
         if c.qkv_bias is not None:
             x = x + c.qkv_bias.float()
         d = x.shape[-1] // (self.num_heads + 2 * self.num_kv_heads)
-        kv = x[..., self.num_heads * d :]
-        ok = torch.isfinite(kv) & (kv.abs() <= int4.SCALE_MAX) if four else torch.isfinite(kv)
-        bad = (~ok).any(-1).tolist()  # [B][T], one read
+        bad = (~torch.isfinite(x[..., self.num_heads * d :])).any(-1).tolist()  # [B][T], one read
         self.scale_rows.update(row for row, n in enumerate(counts) if any(bad[row][:n]))
+
+    @staticmethod
+    def _int4_unheld(c, row: int, n: int) -> bool:
+        """Whether row ``row``'s ``n`` new slots (from its length before the step) hold what an int4
+        cache cannot: a V scale or zero point stored non-finite, or a K residual entry non-finite or
+        past ``int4.SCALE_MAX`` (its group's scale will be, once committed). As stored: after the
+        bias, the q/k norm, rotary and the rounding to the activations' dtype."""
+        first = int(c.lengths[row])
+        slots = range(first, first + n)
+        if c.block_tables is None:
+            scales = (c.k.v_scale[row, :, first : first + n], c.k.v_zero[row, :, first : first + n])
+        else:
+            table, size = c.block_tables[row].tolist(), c.k.block_size
+            at = [(table[s // size], s % size) for s in slots]
+            scales = tuple(torch.stack([t[b, :, o] for b, o in at], -1) for t in (c.k.v_scale, c.k.v_zero))
+        keys = c.k.k_residual[row][:, [s % int4.RESIDUAL for s in slots]].float()
+        held = all(bool(torch.isfinite(t).all()) for t in scales)
+        return not (held and bool(torch.isfinite(keys).all()) and bool((keys.abs() <= int4.SCALE_MAX).all()))
 
     def _appending(self, c, batch: int) -> list[bool]:
         """Which rows append this step: stepping rows (row modes) that take part."""

@@ -166,8 +166,8 @@ def test_non_finite_new_token_is_flagged_as_on_the_gpu():
 
 
 def test_a_value_past_the_fp16_scales_is_flagged():
-    """A finite value past 65504 (a bf16 model's) makes an fp16 scale or zero point infinite: read
-    back non-finite and flagged like a non-finite one, never saturated."""
+    """A finite value past 65504 (a bf16 model's), as the cache holds it, makes an fp16 scale or
+    zero point infinite: read back non-finite and flagged like a non-finite one, never saturated."""
     c = KVCache(1, 2, 128, HQ, HKV, D, torch.bfloat16, "cpu", kv_dtype="int4", attention=SPEC)
     k, v = _prompts([30, 40])
     c.prefill(0, k.bfloat16(), v.bfloat16(), lengths=[30, 40])
@@ -179,7 +179,9 @@ def test_a_value_past_the_fp16_scales_is_flagged():
     with pytest.raises(ops.ScaleError, match=r"rows \[1\].*65504"):
         c.check()
     qkv = _qkv(2, 7).bfloat16()
-    qkv[0, HQ * D + 5] = -7.0e4  # row 0's k: kept in the residual until its group is quantised
+    # row 0's k: rotary moves it into its pair, one of whose two dims keeps >= 1 / sqrt(2) of it,
+    # past 65504 in the residual (its group's channel scale will be infinite once quantised)
+    qkv[0, HQ * D + 5] = -2.0e5
     c.step(0, qkv)
     with pytest.raises(ops.ScaleError, match=r"rows \[0\]"):
         c.check()
