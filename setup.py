@@ -30,7 +30,7 @@ ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a"
 # The decode kernels' sets: qkv type, then the cache type where it is not the same (the names of
 # csrc/kernels/instantiations/decode[_wide]_<set>_hd<D>.cu; decode_dispatch.cu's kCompiled).
-KERNEL_SETS = ("fp16", "bf16", "fp32", "fp16_e4m3", "bf16_e4m3", "fp16_s8", "bf16_s8")
+KERNEL_SETS = ("fp16", "bf16", "fp32", "fp16_e4m3", "bf16_e4m3", "fp16_s8", "bf16_s8", "fp16_u4", "bf16_u4")
 
 
 def kernel_set_of(path: Path) -> str:

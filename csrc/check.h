@@ -61,6 +61,7 @@ inline DType to_dtype(at::ScalarType t) {
     case at::kBFloat16: return DType::kBFloat16;
     case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
     case at::kChar: return DType::kInt8;
+    case at::kByte: return DType::kInt4;  // an int4 cache's codes, two a byte
     default: return DType::kFloat32;
   }
 }

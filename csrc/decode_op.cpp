@@ -104,7 +104,10 @@ void choose_tile_source(MmhaParams& p, int64_t tile_source, const c10::Device& d
 // The name of a kernel set (setup.py's KERNEL_SETS): "fp16", "bf16_e4m3", ...
 std::string kernel_set_name(DType dtype, DType cache_dtype) {
   const char* act = dtype == DType::kFloat16 ? "fp16" : dtype == DType::kBFloat16 ? "bf16" : "fp32";
-  const char* cache = cache_dtype == DType::kFloat8E4M3 ? "_e4m3" : cache_dtype == DType::kInt8 ? "_s8" : "";
+  const char* cache = cache_dtype == DType::kFloat8E4M3 ? "_e4m3"
+                      : cache_dtype == DType::kInt8     ? "_s8"
+                      : cache_dtype == DType::kInt4     ? "_u4"
+                                                        : "";
   return std::string(act) + cache;
 }
 
@@ -139,7 +142,7 @@ std::vector<std::string> kernel_sets() {
   const DType acts[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
   std::vector<std::string> sets;
   for (const DType act : acts) {
-    for (const DType cache : {act, DType::kFloat8E4M3, DType::kInt8}) {
+    for (const DType cache : {act, DType::kFloat8E4M3, DType::kInt8, DType::kInt4}) {
       if (decode_kernels_compiled(act, cache)) sets.push_back(kernel_set_name(act, cache));
     }
   }
@@ -181,13 +184,14 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       double out_scale, int64_t out_round, int64_t out_min, const OptTensor& positions,
                       const OptTensor& rotary_inv_freq, double rotary_factor, int64_t rotary_table_start,
                       const OptTensor& q_norm_weight, const OptTensor& k_norm_weight, double qk_norm_eps,
-                      bool qk_norm_cast_first) {
+                      bool qk_norm_cast_first, const OptTensor& k_zero, const OptTensor& v_zero,
+                      const OptTensor& k_residual) {
   const DecodeArgs a{qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
                      num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits, check_lengths,
                      stages, tile_source, k_scale, v_scale, window, softcap, alibi_slopes, sinks, parents,
                      node_counts, block_tables, row_active, out_shift, out_smooth, out_scales, out_scale, out_round,
                      out_min, positions, rotary_inv_freq, rotary_factor, rotary_table_start, q_norm_weight,
-                     k_norm_weight, qk_norm_eps, qk_norm_cast_first};
+                     k_norm_weight, qk_norm_eps, qk_norm_cast_first, k_zero, v_zero, k_residual};
   check_devices_and_dtypes(a);
   MmhaParams p{};
   fill_cache(a, p);

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "check.h"
 
@@ -53,6 +55,44 @@ void check_token_scales(const OptTensor& scale, const char* name, const at::Tens
              name, " must have shape [", v_cache.size(0), ", ", v_cache.size(1), ", ", v_cache.size(2), "] ", dims,
              " to match v_cache ", shape_str(v_cache), ", got shape ", shape_str(*scale));
   check_contiguous(*scale, name);
+}
+
+// One of an int4 cache's planes (mmha/int4.py): `dtype`, `shape`, contiguous, 16-byte aligned, on
+// qkv's device.
+void check_plane(const OptTensor& t, const char* name, at::ScalarType dtype, std::initializer_list<int64_t> shape,
+                 const char* dims, const c10::Device& device) {
+  MMHA_CHECK(t.has_value(), name, " must be given for an int4 cache (", dims, ")");
+  check_cuda(*t, name, device);
+  check_dtype(*t, name, dtype);
+  const std::vector<int64_t> want(shape);
+  MMHA_CHECK(t->sizes().vec() == want, name, " must have shape ", dims, " = ", list_str(want),
+             " for this int4 cache, got shape ", shape_str(*t));
+  check_contiguous(*t, name);
+  MMHA_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
+}
+
+// An int4 cache (k_cache / v_cache uint8 codes, mmha.int4.Int4Cache): contiguous, one-token steps,
+// capacity a whole number of 64-token groups, head dim a whole number of 32-channel chunks, and
+// its planes: fp16 k_scale / k_zero [B, Hkv, S_max / 64, D], v_scale / v_zero [B, Hkv, S_max],
+// k_residual [B, Hkv, 128, D] of qkv's dtype.
+void check_int4(const DecodeArgs& a, int64_t batch, int64_t heads, int64_t slots, int64_t head_dim) {
+  const c10::Device device = a.qkv.device();
+  MMHA_CHECK(!a.paged(), "block_tables must be None for an int4 cache (the kernel takes contiguous int4 caches)");
+  MMHA_CHECK(!a.tree(), "parents must be None for an int4 cache (its tree steps run on the reference path)");
+  MMHA_CHECK(!a.epilogue(), "an int4 cache takes no output epilogue (out_shift, out_smooth, a quantised out)");
+  MMHA_CHECK(head_dim % kInt4Channels == 0, "an int4 cache needs head_dim a multiple of ", kInt4Channels,
+             ", got ", head_dim);
+  MMHA_CHECK(slots % kInt4Group == 0, "v_cache must hold a multiple of ", kInt4Group,
+             " slots for an int4 cache (whole K groups), got shape ", shape_str(a.v_cache));
+  const at::ScalarType half = at::kHalf;
+  check_plane(a.k_scale, "k_scale", half, {batch, heads, slots / kInt4Group, head_dim}, "fp16 [B, Hkv, S_max / 64, D]",
+              device);
+  check_plane(a.k_zero, "k_zero", half, {batch, heads, slots / kInt4Group, head_dim}, "fp16 [B, Hkv, S_max / 64, D]",
+              device);
+  check_plane(a.v_scale, "v_scale", half, {batch, heads, slots}, "fp16 [B, Hkv, S_max]", device);
+  check_plane(a.v_zero, "v_zero", half, {batch, heads, slots}, "fp16 [B, Hkv, S_max]", device);
+  check_plane(a.k_residual, "k_residual", a.qkv.scalar_type(), {batch, heads, kInt4Residual, head_dim},
+              "qkv's dtype, [B, Hkv, 128, D]", device);
 }
 
 // A per-query-head or per-channel fp32 tensor: on the device, [n], contiguous.
@@ -111,7 +151,8 @@ void check_devices_and_dtypes(const DecodeArgs& a) {
   const at::ScalarType cache_dtype = a.k_cache.scalar_type();
   const bool fp8 = cache_dtype == at::kFloat8_e4m3fn;
   const bool int8 = cache_dtype == at::kChar;
-  if (fp8 || int8) {
+  const bool int4 = cache_dtype == at::kByte;
+  if (fp8 || int8 || int4) {
     MMHA_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "qkv must have dtype float16 or bfloat16 with a ",
                cache_dtype, " cache, got ", dtype);
   } else {
@@ -124,11 +165,14 @@ void check_devices_and_dtypes(const DecodeArgs& a) {
   } else if (int8) {
     check_token_scales(a.k_scale, "k_scale", a.v_cache, a.paged(), device);
     check_token_scales(a.v_scale, "v_scale", a.v_cache, a.paged(), device);
-  } else {
+  } else if (!int4) {  // (an int4 cache's planes: check_int4, with the caches' shapes)
     MMHA_CHECK(!a.k_scale.has_value() && !a.v_scale.has_value(),
-               "k_scale and v_scale must be None unless the caches are float8_e4m3fn or int8, got caches of dtype ",
-               cache_dtype);
+               "k_scale and v_scale must be None unless the caches are float8_e4m3fn, int8 or uint8 (int4 codes), "
+               "got caches of dtype ", cache_dtype);
   }
+  MMHA_CHECK(int4 || (!a.k_zero.has_value() && !a.v_zero.has_value() && !a.k_residual.has_value()),
+             "k_zero, v_zero and k_residual must be None unless the caches are uint8 (int4 codes), got caches of "
+             "dtype ", cache_dtype);
   // The output: qkv's dtype, or int8 / float8_e4m3fn holding the epilogue's quantised values.
   if (a.quantised()) {
     MMHA_CHECK(a.out_scales.has_value() || a.out_scale != 0, "out must have dtype ", dtype, ", or int8 / "
@@ -160,7 +204,8 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
   const char* v_dims = a.paged() ? "[num_blocks, Hkv, block_size, D]" : "[B, Hkv, S_max, D]";
   const char* k_dims = a.paged() ? "[num_blocks, Hkv, D/x, block_size, x]" : "[B, Hkv, D/x, S_max, x]";
   MMHA_CHECK(v_cache.dim() == 4, "v_cache must have 4 dims ", v_dims, ", got shape ", shape_str(v_cache));
-  const int64_t head_dim = v_cache.size(3);
+  const bool int4 = a.k_cache.scalar_type() == at::kByte;  // codes two a byte: v rows of D / 2 bytes
+  const int64_t head_dim = int4 ? 2 * v_cache.size(3) : v_cache.size(3);
   const int64_t slots_dim = v_cache.size(2);  // S_max, or the block size
   int64_t batch = v_cache.size(0), max_seq_len = slots_dim, block_shift = 0;
   if (a.paged()) {
@@ -183,19 +228,21 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
   MMHA_CHECK(head_dim_supported(head_dim), "Unsupported head_dim: ", head_dim, " (supported: ", supported_head_dims(),
              ")");
   const int64_t x = 16 / static_cast<int64_t>(a.k_cache.element_size());
+  const int64_t x_channels = int4 ? kInt4Channels : x;  // channels of one 16-byte chunk
   const at::Tensor& k_cache = a.k_cache;
   MMHA_CHECK(k_cache.dim() == 5, "k_cache must have 5 dims ", k_dims, ", got shape ", shape_str(k_cache));
   MMHA_CHECK(k_cache.size(4) == x, "k_cache must have x = 16 / element_size = ", x, " in its last dim, got shape ",
              shape_str(k_cache));
   MMHA_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
-                 k_cache.size(2) * x == head_dim && k_cache.size(3) == slots_dim,
-             "k_cache must have shape [", v_cache.size(0), ", ", v_cache.size(1), ", ", head_dim / x, ", ", slots_dim,
-             ", ", x, "] to match v_cache ", shape_str(v_cache), ", got shape ", shape_str(k_cache));
+                 k_cache.size(2) * x_channels == head_dim && k_cache.size(3) == slots_dim,
+             "k_cache must have shape [", v_cache.size(0), ", ", v_cache.size(1), ", ", head_dim / x_channels, ", ",
+             slots_dim, ", ", x, "] to match v_cache ", shape_str(v_cache), ", got shape ", shape_str(k_cache));
   MMHA_CHECK(v_cache.size(1) == a.num_kv_heads, "v_cache must have num_kv_heads (", a.num_kv_heads,
              ") heads in dim 1, got shape ", shape_str(v_cache));
   check_contiguous(k_cache, "k_cache");
   check_contiguous(v_cache, "v_cache");
   MMHA_CHECK(max_seq_len > 0, "v_cache must have max_seq_len > 0, got shape ", shape_str(v_cache));
+  if (int4) check_int4(a, v_cache.size(0), v_cache.size(1), slots_dim, head_dim);
 
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   p.num_heads = static_cast<int32_t>(a.num_heads);
@@ -213,6 +260,9 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
   c.v_scale = fp8 ? a.v_scale->data_ptr<float>() : nullptr;
   c.k_token_scale = int8 ? a.k_scale->data_ptr<float>() : nullptr;
   c.v_token_scale = int8 ? a.v_scale->data_ptr<float>() : nullptr;
+  const auto half_ptr = [&](const OptTensor& t) { return int4 ? static_cast<uint16_t*>(t->data_ptr()) : nullptr; };
+  p.int4 = Int4Planes{half_ptr(a.k_scale), half_ptr(a.k_zero), half_ptr(a.v_scale), half_ptr(a.v_zero),
+                      int4 ? a.k_residual->data_ptr() : nullptr};
   c.block_tables = int_ptr(a.block_tables);
   c.max_seq_len = static_cast<int32_t>(max_seq_len);
   c.max_blocks = a.paged() ? static_cast<int32_t>(a.block_tables->size(1)) : 0;
@@ -439,8 +489,9 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   if (tiles) {
     int optin = 0;
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.qkv.device().index());
-    const int stage = tile_stage_bytes(p.head_dim, elem_bytes(cache_dtype), cache_dtype == DType::kInt8);
-    const int fixed = tile_static_smem(p.head_dim, static_cast<int>(a.qkv.element_size()), qb) + 1024;
+    const int stage = cache_stage_bytes(cache_dtype, p.head_dim);
+    const int fixed = tile_static_smem(p.head_dim, static_cast<int>(a.qkv.element_size()), qb) + 1024 +
+                      cache_extra_bytes(cache_dtype, p.head_dim);
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(a.stages >= kMinStages && a.stages <= max_stages, "stages must be in [", kMinStages, ", ", max_stages,

@@ -59,6 +59,9 @@ struct DecodeArgs {
   const OptTensor& k_norm_weight;
   double qk_norm_eps;
   bool qk_norm_cast_first;
+  const OptTensor& k_zero;      // int4 caches (k_cache / v_cache uint8 codes): fp16 zero points beside
+  const OptTensor& v_zero;      //   k_scale / v_scale, and the K residual of the groups not yet quantised
+  const OptTensor& k_residual;
 
   bool tree() const { return parents.has_value(); }
   bool paged() const { return block_tables.has_value(); }

@@ -67,7 +67,9 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t out_min, const std::optional<at::Tensor>& positions,
                       const std::optional<at::Tensor>& rotary_inv_freq, double rotary_factor,
                       int64_t rotary_table_start, const std::optional<at::Tensor>& q_norm_weight,
-                      const std::optional<at::Tensor>& k_norm_weight, double qk_norm_eps, bool qk_norm_cast_first);
+                      const std::optional<at::Tensor>& k_norm_weight, double qk_norm_eps, bool qk_norm_cast_first,
+                      const std::optional<at::Tensor>& k_zero, const std::optional<at::Tensor>& v_zero,
+                      const std::optional<at::Tensor>& k_residual);
 
 // Context-parallel steps (mmha/distributed, csrc/kernels/shard_merge.h): pack a shard's out
 // [B, H * D] (fp16 / bf16 / fp32) and lse [B, H] into parts [G, B, H / G, D + 1] fp32, and merge

@@ -54,6 +54,12 @@ SIMT_THREADS = 128
 FP8_MAX = 448
 # an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V
 TOKEN_SCALE_BYTES = 512
+# an int4 cache's K tokens sharing a channel's scale and zero point (mmha/int4.py): one tile
+INT4_GROUP = 64
+# an int4 cache's channels per 16-byte chunk (two codes a byte); its head dims are multiples
+INT4_CHANNELS = 32
+# an int4 cache's 16-bit K slots per (row, kv head): the partial group and a tree's nodes
+INT4_RESIDUAL = 128
 # nodes of a tree step at most: a node's ancestors are one 64-bit mask
 MAX_TREE_NODES = 64
 # tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in the
@@ -97,6 +103,22 @@ def tile_stage_bytes(head_dim: int, elem_bytes: int, token_scales: bool) -> int:
     v = TILE_KEYS * pitch * elem_bytes
     scales = TOKEN_SCALE_BYTES if token_scales else 0
     return (k + v + scales + 1023) // 1024 * 1024
+
+
+def int4_stage_bytes(head_dim: int) -> int:
+    # shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V rows
+    # of head_dim / 2 bytes padded by 16, the K group's scales and zero points (fp16 [head_dim] each) and the
+    # keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
+    k = TILE_KEYS * head_dim // 2
+    v = TILE_KEYS * (head_dim // 2 + 16)
+    scales = 4 * head_dim + 4 * TILE_KEYS
+    return (k + v + scales + 1023) // 1024 * 1024
+
+
+def int4_residual_bytes(head_dim: int) -> int:
+    # an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes),
+    # after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)
+    return TILE_KEYS * (2 * head_dim + 16) + 3 * head_dim + 16
 
 
 def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:

@@ -45,6 +45,8 @@ from ._constants import (  # noqa: F401  (re-exported: the dispatcher's view of 
     WIDE_MAX_HEAD_DIM,
     WIDE_MIN_COLUMNS,
     WIDE_MIN_ITEMS,
+    int4_residual_bytes,
+    int4_stage_bytes,
     tile_stage_bytes,
     tile_static_smem,
     v_whole_lines,
@@ -54,6 +56,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Cache dtypes besides the activations' own: fp8 e4m3 under fp16 / bf16 activations.
 FP8 = torch.float8_e4m3fn
 FP8_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+# The dispatcher's name for an int4 cache (mmha.int4): its codes' dtype, two a byte.
+INT4_CODES = torch.uint8
 # Shared memory the GPU reserves per resident block (sm_80 and newer).
 SMEM_RESERVED_PER_BLOCK = 1024
 
@@ -172,9 +176,14 @@ def uses_tensor_cores(kv_dtype: torch.dtype) -> bool:
 
 
 def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    """Caches hold the activations' dtype, fp8 e4m3 under fp16 / bf16 activations, or int8 (codes
-    with per-token scales; the kernel takes them under fp16 / bf16 activations)."""
+    """Caches hold the activations' dtype, fp8 e4m3 under fp16 / bf16 activations, int8 (codes
+    with per-token scales; the kernel takes them under fp16 / bf16 activations) or int4 codes
+    (``INT4_CODES``, under fp16 / bf16 activations)."""
     if kv_dtype in (dtype, torch.int8):
+        return
+    if kv_dtype == INT4_CODES:
+        if dtype not in FP8_ACTIVATION_DTYPES:
+            raise ValueError(f"dtype must be float16 or bfloat16 with an int4 cache, got {dtype}")
         return
     if kv_dtype != FP8:
         raise ValueError(
@@ -185,25 +194,32 @@ def check_kv_dtype(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
 
 
 # In the functions below elem_bytes is the cache element's size (stages), act_bytes the
-# activations' (static arrays: staged q and new token; defaults to elem_bytes) and token_scales
-# whether the stages also hold their keys' scales (int8 caches).
+# activations' (static arrays: staged q and new token; defaults to elem_bytes), token_scales
+# whether the stages also hold their keys' scales (int8 caches) and int4 whether the cache is an
+# int4 one (stages of its own layout, and its residual area after them).
+
+
+def stage_bytes(head_dim: int, elem_bytes: int, token_scales: bool = False, int4: bool = False) -> int:
+    """One stage of the tile loop's ring."""
+    return int4_stage_bytes(head_dim) if int4 else tile_stage_bytes(head_dim, elem_bytes, token_scales)
 
 
 def tile_block_smem(
     head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None,
-    token_scales: bool = False,
+    token_scales: bool = False, int4: bool = False,
 ) -> int:  # fmt: skip
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
     static = tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    return stages * tile_stage_bytes(head_dim, elem_bytes, token_scales) + 1024 + static
+    extra = int4_residual_bytes(head_dim) if int4 else 0
+    return stages * stage_bytes(head_dim, elem_bytes, token_scales, int4) + 1024 + static + extra
 
 
 def tile_blocks_per_sm(
     head_dim: int, elem_bytes: int, stages: int, device: Device, qb: int = 8, act_bytes: int | None = None,
-    token_scales: bool = False,
+    token_scales: bool = False, int4: bool = False,
 ) -> int:  # fmt: skip
     """Tile-loop blocks with ``stages`` stages that fit one SM's shared memory."""
-    smem = tile_block_smem(head_dim, elem_bytes, stages, qb, act_bytes, token_scales)
+    smem = tile_block_smem(head_dim, elem_bytes, stages, qb, act_bytes, token_scales, int4)
     if smem > device.smem_per_block:
         return 0
     return device.smem_per_sm // (smem + SMEM_RESERVED_PER_BLOCK)
@@ -211,17 +227,18 @@ def tile_blocks_per_sm(
 
 def max_stages(
     head_dim: int, elem_bytes: int, device: Device, qb: int = 8, act_bytes: int | None = None,
-    token_scales: bool = False,
+    token_scales: bool = False, int4: bool = False,
 ) -> int:  # fmt: skip
     """Most stages one block of this head dim may take (what the operator accepts)."""
     fixed = 1024 + tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    stage = tile_stage_bytes(head_dim, elem_bytes, token_scales)
+    fixed += int4_residual_bytes(head_dim) if int4 else 0
+    stage = stage_bytes(head_dim, elem_bytes, token_scales, int4)
     return min(MAX_STAGES, (device.smem_per_block - fixed) // stage)
 
 
 def tile_stages(
     head_dim: int, elem_bytes: int, device: Device, qb: int = 8, target: int | None = None,
-    act_bytes: int | None = None, token_scales: bool = False,
+    act_bytes: int | None = None, token_scales: bool = False, int4: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """``(stages, blocks per SM)``: the deepest ring that keeps ``target`` blocks per SM (by
     default ``TILE_BLOCKS_PER_SM``, one at head_dim 256)."""
@@ -229,9 +246,9 @@ def tile_stages(
         target = TILE_BLOCKS_PER_SM if head_dim <= 128 else TILE_BLOCKS_PER_SM_HD256
 
     def fits(stages: int) -> int:
-        return tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb, act_bytes, token_scales)
+        return tile_blocks_per_sm(head_dim, elem_bytes, stages, device, qb, act_bytes, token_scales, int4)
 
-    most = max_stages(head_dim, elem_bytes, device, qb, act_bytes, token_scales)
+    most = max_stages(head_dim, elem_bytes, device, qb, act_bytes, token_scales, int4)
     for stages in range(most, MIN_STAGES - 1, -1):
         if fits(stages) >= target:
             return stages, target
@@ -274,7 +291,7 @@ def _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads) -
 
 
 def _tile_plan(
-    head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=False
+    head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=False, int4=False
 ) -> tuple[int, int, int, int]:
     """The tile loop's ``(stages, blocks per SM, splits allowed, items that fill the GPU)``.
 
@@ -287,7 +304,9 @@ def _tile_plan(
     resident block too (H200, decode timing: B=1 Hq=32 Hkv=8 T=16 at 4K 44.6 us at 4 splits
     against 55.5 at 2, at 16K 93.8 against 138.7; T=4 at 16K 48.4 at 16 splits against 55.0 at 8;
     the seed's B=4 T=54 at 16K 46.8 at 8 splits against 67.5 at 4)."""
-    stages, blocks_per_sm = tile_stages(head_dim, elem, device, qb, act_bytes=act, token_scales=token_scales)
+    stages, blocks_per_sm = tile_stages(
+        head_dim, elem, device, qb, act_bytes=act, token_scales=token_scales, int4=int4
+    )
     allowed = max(1, min(MAX_SPLITS, -(-seq_len // TILE_KEYS)))
     fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
     return stages, blocks_per_sm, allowed, fill
@@ -352,8 +371,9 @@ def choose_variant(
     if tiles:
         act = torch.empty((), dtype=dtype).element_size()
         stages, blocks_per_sm, allowed, fill = _tile_plan(
-            head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=kv_dtype == torch.int8
-        )
+            head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=kv_dtype == torch.int8,
+            int4=kv_dtype == INT4_CODES,
+        )  # fmt: skip
     else:
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))

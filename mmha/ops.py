@@ -68,7 +68,7 @@ if _C is not None:
         alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
         out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
         positions=None, rotary_inv_freq=None, rotary_factor=1.0, rotary_table_start=0, q_norm_weight=None,
-        k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True,
+        k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True, k_zero=None, v_zero=None, k_residual=None,
     ):  # fmt: skip
         return None
 
@@ -138,7 +138,7 @@ def _launch(
     operator; ``kw``: its remaining arguments."""
     batch, nodes = shape
     num_splits, stages, tile_source, workspace = plan
-    head_dim = v_cache.shape[-1]
+    head_dim = kw.pop("head_dim", v_cache.shape[-1])
     if tile_source not in TILE_SOURCES:
         raise ValueError(f"tile_source must be one of {tuple(TILE_SOURCES)}, got {tile_source!r}")
     if workspace is None or not workspace.fits(batch, num_heads, head_dim, num_splits, nodes):
@@ -225,6 +225,61 @@ def decode_attention(
     out, lse = _launch(
         qkv, k_cache, v_cache, lengths, num_heads, num_kv_heads, attention, (batch, 1),
         (num_splits, stages, tile_source, workspace), check, kw,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_int4(
+    qkv: torch.Tensor,
+    cache,
+    lengths: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    attention: AttentionSpec = PLAIN,
+    qkv_bias: torch.Tensor | None = None,
+    variant: str = "auto",
+    num_splits: int | None = None,
+    stages: int | None = None,
+    max_len: int | None = None,
+    return_lse: bool = False,
+    workspace: Workspace | None = None,
+    validate_lengths: bool = True,
+    row_active: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``decode_attention`` over an int4 cache on the GPU (``cache``: an ``mmha.int4.Int4Cache`` of
+    contiguous rows on qkv's device, fp16 / bf16 activations; ``mmha.int4.decode_step`` defines
+    the step): the new token's V quantised per token at slot ``lengths[b]``, its K into the
+    residual, and the group it completes (slot ``lengths[b] % 64 == 63``) quantised per channel
+    and committed, in the same launch. One-token steps without an output epilogue; bulk tensor
+    copies are not used (cp.async tiles). A new K or V value that is not finite, or past fp16's
+    range, flags its row (``ScaleError`` at ``workspace.check()``). Other arguments as
+    ``decode_attention``'s."""
+    _require_extension()
+    check = validate_lengths and not torch.cuda.is_current_stream_capturing()
+    head_dim = cache.head_dim
+    checks.attention_spec(attention, num_heads, head_dim, qkv.device)
+    if attention.epilogue is not None:
+        raise ValueError("attention.epilogue must be None with an int4 cache (the kernel has no int4 epilogue)")
+    if cache.dtype != qkv.dtype:
+        raise ValueError(f"qkv must have the cache's activation dtype {cache.dtype}, got {qkv.dtype}")
+    if qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
+        raise ValueError(f"qkv must have dtype float16 or bfloat16 with an int4 cache, got {qkv.dtype}")
+    batch, max_seq_len = cache.batch, cache.max_seq_len
+    if num_splits is None or stages is None:
+        keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
+        plan = plan_for(
+            qkv.device, batch, num_heads, num_kv_heads, head_dim, keys, qkv.dtype, variant, dispatch.INT4_CODES
+        )  # fmt: skip
+        num_splits = plan.num_splits if num_splits is None else num_splits
+        stages = plan.stages if stages is None else stages
+    kw = dict(qkv_bias=qkv_bias, k_scale=cache.k_scale, v_scale=cache.v_scale, k_zero=cache.k_zero,
+              v_zero=cache.v_zero, k_residual=cache.k_residual, row_active=row_active, positions=positions,
+              head_dim=head_dim)  # fmt: skip
+    out, lse = _launch(
+        qkv, cache.k_codes, cache.v_codes, lengths, num_heads, num_kv_heads, attention, (batch, 1),
+        (num_splits, stages, "cp_async", workspace), check, kw,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -8,11 +8,12 @@ split and not; paged caches (pools with no spare block, tables with entries past
 unset, a window, a released row, block ids outside the pool); the output epilogue (int8 and e4m3
 outputs, per-channel tensors, refused rows); rotary tables by length (rows before, within and past
 the table, out-of-range lengths); the q/k norm in the kernel (one-token and tree steps); int8
-caches (both sources, pages, a non-finite new token, out-of-range lengths); the row norm (widths
+caches (both sources, pages, a non-finite new token, out-of-range lengths); int4 caches (head
+dims, groups committed by the step, row modes, a window, a non-finite new token); the row norm (widths
 from 1 to 5120, q/k segments in place): nothing may be read or written outside the caches and the
 output. ``norms`` as the argument runs the row norm's cases alone (the suite's
 second pass, filtered to that kernel), ``qk_norm`` the kernel's q/k norm cases alone, ``int8`` the
-int8 caches' cases alone."""
+int8 caches' cases alone, ``int4`` the int4 caches'."""
 
 import sys
 
@@ -291,6 +292,33 @@ def int8_cases() -> None:
     assert ws.status.tolist() == [0, 2, 0], ws.status.tolist()
 
 
+def int4_cases() -> None:
+    """int4 caches (mmha.int4): every head dim's smallest and largest, split and not, rows ending
+    before, on and past a group's end (a group committed by the step), attend-only and idle rows,
+    a window, a non-finite new token (flagged); unused codes 0xFF, unused scales, zero points and
+    residual entries NaN."""
+    from int4_cases import int4_case
+
+    lengths = [0, 1, 63, 127, 200]
+    for dtype, head_dim in ((torch.float16, 128), (torch.bfloat16, 32), (torch.float16, 256)):
+        for splits in (1, 5):
+            case = int4_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True, rotary_dim=head_dim)
+            out = ops.decode_attention_int4(case.qkv, case.cache, case.lengths, num_splits=splits, **case.kwargs())
+            assert torch.isfinite(out).all()
+    modes = torch.tensor([spec.ROW_ATTEND, spec.ROW_IDLE, spec.ROW_STEP, spec.ROW_ATTEND, spec.ROW_STEP],
+                         dtype=torch.int32, device="cuda")  # fmt: skip
+    case = int4_case(5, 8, 2, 128, [64, 5, 63, 100, 200], 256, torch.float16, seed=7, window=70)
+    out = ops.decode_attention_int4(case.qkv, case.cache, case.lengths, row_active=modes, num_splits=3,
+                                    **case.kwargs())  # fmt: skip
+    assert torch.isfinite(out).all()
+    case = int4_case(3, 8, 2, 64, [10, 63, 20], 128, torch.float16, seed=2)
+    case.qkv[1, 8 * 64 + 5] = float("nan")  # row 1's new k
+    ws = ops.Workspace.allocate("cuda", 3, 8, 64, 1)
+    ops.decode_attention_int4(case.qkv, case.cache, case.lengths, num_splits=1, workspace=ws, **case.kwargs())
+    torch.cuda.synchronize()
+    assert ws.status.tolist() == [0, 2, 0], ws.status.tolist()
+
+
 def norm_cases() -> None:
     """The row norm: one segment over rows of every width class, in and out of place; q/k
     segments of a qkv row in place, weights shared and per head; strided rows."""
@@ -319,6 +347,10 @@ def main() -> None:
         return
     if sys.argv[1:] == ["int8"]:
         int8_cases()
+        print("sanitize cases done")
+        return
+    if sys.argv[1:] == ["int4"]:
+        int4_cases()
         print("sanitize cases done")
         return
     for dtype, head_dim, heads in (
@@ -358,6 +390,7 @@ def main() -> None:
     rotary_cases()
     qk_norm_cases()
     int8_cases()
+    int4_cases()
     norm_cases()
     print("sanitize cases done")
 

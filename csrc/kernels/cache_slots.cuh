@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mmha_params.h"
 #include "vec.cuh"
@@ -60,7 +61,9 @@ __device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const CacheParams& 
   C* k = static_cast<C*>(c.k);
   C* v = static_cast<C*>(c.v);
   if (!paged(c)) {
-    const int64_t head = (static_cast<int64_t>(b) * num_kv_heads + kvh) * HEAD_DIM * c.max_seq_len;
+    // Elements of a slot's K (and V): HEAD_DIM, or an int4 cache's HEAD_DIM / 2 bytes of codes.
+    constexpr int64_t SLOT = std::is_same_v<C, u4> ? HEAD_DIM / 2 : HEAD_DIM;
+    const int64_t head = (static_cast<int64_t>(b) * num_kv_heads + kvh) * SLOT * c.max_seq_len;
     return {k + head, v + head, nullptr, c.max_seq_len, 0, 0};
   }
   const int bs = 1 << c.block_shift;

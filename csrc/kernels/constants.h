@@ -59,6 +59,12 @@ constexpr int kSimtThreads = 128;
 constexpr int kFp8Max = 448;
 // an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V
 constexpr int kTokenScaleBytes = 512;
+// an int4 cache's K tokens sharing a channel's scale and zero point (mmha/int4.py): one tile
+constexpr int kInt4Group = 64;
+// an int4 cache's channels per 16-byte chunk (two codes a byte); its head dims are multiples
+constexpr int kInt4Channels = 32;
+// an int4 cache's 16-bit K slots per (row, kv head): the partial group and a tree's nodes
+constexpr int kInt4Residual = 128;
 // nodes of a tree step at most: a node's ancestors are one 64-bit mask
 constexpr int kMaxTreeNodes = 64;
 // tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in the
@@ -99,6 +105,20 @@ constexpr int tile_stage_bytes(int head_dim, int elem_bytes, bool token_scales) 
   const int v = ((kTileKeys * pitch) * elem_bytes);
   const int scales = (token_scales ? kTokenScaleBytes : 0);
   return (((((k + v) + scales) + 1023) / 1024) * 1024);
+}
+// shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V rows of
+// head_dim / 2 bytes padded by 16, the K group's scales and zero points (fp16 [head_dim] each) and the keys'
+// V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
+constexpr int int4_stage_bytes(int head_dim) {
+  const int k = ((kTileKeys * head_dim) / 2);
+  const int v = (kTileKeys * ((head_dim / 2) + 16));
+  const int scales = ((4 * head_dim) + (4 * kTileKeys));
+  return (((((k + v) + scales) + 1023) / 1024) * 1024);
+}
+// an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes),
+// after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)
+constexpr int int4_residual_bytes(int head_dim) {
+  return (((kTileKeys * ((2 * head_dim) + 16)) + (3 * head_dim)) + 16);
 }
 // a bound on the tile kernel's static shared memory at qb query columns per item (elem_bytes: the
 // activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB against

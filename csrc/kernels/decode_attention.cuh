@@ -20,6 +20,7 @@
 #include "attend_wide.cuh"
 #include "cache_slots.cuh"
 #include "decode_launch.h"
+#include "int4_step.cuh"
 #include "mmha_params.h"
 #include "new_token.cuh"
 #include "output_epilogue.cuh"
@@ -43,6 +44,10 @@ constexpr bool kFp8 = std::is_same_v<C, e4m3>;
 // int8 caches: codes with a scale per token and kv head (one-token steps on narrow items).
 template <typename C>
 constexpr bool kInt8 = std::is_same_v<C, s8>;
+// int4 caches (mmha/int4.py): one-token steps on narrow items over contiguous caches, cp.async
+// tiles (attend_int4.cuh).
+template <typename C>
+constexpr bool kInt4 = std::is_same_v<C, u4>;
 
 // Which instances have a twin for fused small tree steps (the kernels' FUSED parameter; tree_step.cuh's
 // TreeNodes): narrow tile-loop items of two or more columns over 16-bit or fp8 caches, without
@@ -50,7 +55,7 @@ constexpr bool kInt8 = std::is_same_v<C, s8>;
 // their nodes in tree_prepare_kernel.) A twin of its own: the fused code inlined into the one-token
 // kernels made them slower (H200, 2026-11-28: B=1 Hkv=8 1K 11.1 -> 12.1 us).
 template <typename T, typename C, int QB, bool EPI>
-constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !EPI;
+constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !kInt4<C> && !EPI;
 
 // What a thread of a fused tree step reads from global memory before it uses any (one round trip
 // for them all): its q columns' elements, its nodes' k / v rotation pairs.
@@ -149,7 +154,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          float (&s_q)[QB][HEAD_DIM],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
                                                          float* s_new_scales, int tid, int nthreads, Sync sync,
-                                                         TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0) {
+                                                         TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0,
+                                                         Int4Token<T, HEAD_DIM>* tok4 = nullptr) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
@@ -264,7 +270,9 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
         qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
     const auto k_at = [&](int d) { return rotated(rows.k, k_bias, d, pos, rot, k_norm); };
     const auto v_at = [&](int d) { return biased(rows.v, v_bias, d); };
-    if constexpr (std::is_same_v<C, s8>) {
+    if constexpr (kInt4<C>) {
+      quantize_new_token_u4<T, HEAD_DIM>(p, w, k_at, v_at, *tok4, tid, nthreads, sync);
+    } else if constexpr (std::is_same_v<C, s8>) {
       quantize_new_token_s8<HEAD_DIM>(p, w, k_at, v_at, s_new_k, s_new_v, s_new_scales, tid, nthreads, sync);
     } else {
       for (int d = tid; d < HEAD_DIM; d += nthreads) {
@@ -902,8 +910,9 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     if (index < 0) break;
     const int64_t kv_head = w.kv_head(p.num_kv_heads);
     const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
-    const TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
-                         hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
+    TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
+                   hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
+    if constexpr (kInt4<C>) ta.skip_k0 = int4_residual_tile(w);
     const int nt = w.t1 - w.t0;
     // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
     const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p.cache);
@@ -928,6 +937,10 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
       if constexpr (kInt8<C>) {
         stage_token_scales<HEAD_DIM>(ta, token_scales(p.cache, p.num_kv_heads, w.b, w.kvh), pages,
                                      stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
+      }
+      if constexpr (kInt4<C>) {
+        stage_int4_scales<T, HEAD_DIM>(ta, int4_head<T, HEAD_DIM>(p, w.b, w.kvh),
+                                       stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       }
       if (i + 1 < nt) pages = ahead.checked(p.cache.num_blocks, pages_bad);
       if (i + 2 < nt) ahead = load_pages(ta, walk.key(i + 2));
@@ -991,7 +1004,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // in the fused twins, whose B=1 tree steps it made 1.1x slower (docs/experiments.md): there
   // warp by warp in s_q (TileConsumer::combine).
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
-  constexpr bool kHeldStage = !kWarpBuffers && !FUSED;
+  constexpr bool kHeldStage = !kWarpBuffers && !FUSED && !kInt4<C>;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // A single pass stores four values per thread (store_item's VEC) for several columns (not in a
@@ -1001,7 +1014,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // consumer to hold two stages (p.sched.stages >= 4): one-byte caches (fp8, int8: consumer-bound;
   // 4 or more stages unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one
   // item per SM; head dim 128 spills with it).
-  constexpr bool kPairTiles = kFp8<C> || kInt8<C> || HEAD_DIM <= 96;
+  constexpr bool kPairTiles = !kInt4<C> && (kFp8<C> || kInt8<C> || HEAD_DIM <= 96);
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then a twin's combine buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
@@ -1021,6 +1034,16 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // A fused tree step's node area, after the stages (launch_fused_tree sizes it: tree_node_bytes).
   TreeNodes<C, HEAD_DIM>* tn = nullptr;
   if constexpr (FUSED) tn = reinterpret_cast<TreeNodes<C, HEAD_DIM>*>(stages + p.sched.stages * L::STAGE_BYTES);
+  // An int4 item's residual area (its row's last K group, fp16) and new token, after the stages.
+  __half* s_res = nullptr;
+  Int4Token<T, kInt4<C> ? HEAD_DIM : kInt4Channels>* s_tok4 = nullptr;
+  if constexpr (kInt4<C>) {
+    s_res = reinterpret_cast<__half*>(stages + p.sched.stages * L::STAGE_BYTES);
+    s_tok4 = reinterpret_cast<Int4Token<T, HEAD_DIM>*>(s_res + kTileKeys * Int4Consumer<HEAD_DIM, QB>::RES_PITCH);
+    static_assert(kTileKeys * Int4Consumer<HEAD_DIM, QB>::RES_PITCH * 2 + sizeof(Int4Token<T, HEAD_DIM>) <=
+                      int4_residual_bytes(HEAD_DIM),
+                  "the residual area holds the group and the new token");
+  }
   if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
     for (int s = 0; s < p.sched.stages; ++s) {
@@ -1053,7 +1076,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const int key0 = 16 * warp;
   const int kg = L::k_group(p.cache);
   RingCursor cur;
-  TileConsumer<C, HEAD_DIM, QB> c;
+  using Consumer = std::conditional_t<kInt4<C>, Int4Consumer<HEAD_DIM, QB>, TileConsumer<C, HEAD_DIM, QB>>;
+  Consumer c;
   WorkItem w;
   float value_scale = 1.f;
   // One-column items through the epilogue: its per-channel values, loaded at the first tile.
@@ -1078,8 +1102,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       mbar_wait(&s_item.full[h.slot], h.slot_parity);  // done: the producer waited on it before this header
       const TokenRows<T> rows{s_item.q[h.slot], s_item.k[h.slot], s_item.v[h.slot]};
+      Int4Token<T, HEAD_DIM>* tok4 = nullptr;
+      if constexpr (kInt4<C>) tok4 = s_tok4;
       load_query_and_new_token<T, C, HEAD_DIM, QB, FUSED>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k,
-                                                          s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot);
+                                                          s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot,
+                                                          tok4);
       if constexpr (FUSED) {
         if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
       }
@@ -1089,6 +1116,13 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
              tree_step(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);
       if constexpr (FUSED) mbar_arrive(&s_item.empty[h.slot]);  // and with the slot's root paths
+      if constexpr (kInt4<C>) {  // the row's last K group into the residual area (quantised where it completes)
+        const int rk = int4_residual_tile(w);
+        if (rk >= 0) {
+          load_int4_residual<T, HEAD_DIM, QB>(p, w, rk, int4_commits(w), *s_tok4, s_res, tid, CONSUMERS, sync);
+          c.residual(rk, s_res);
+        }
+      }
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
     if (tid == 0 && first_item) {
@@ -1098,7 +1132,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     const int it = h.k0 + key0;
     // The slots taken from shared memory: a one-token step's new token, a fused tree's nodes.
     const auto patch_if = [&](unsigned char* st, int t) {
-      if constexpr (FUSED) {
+      if constexpr (kInt4<C>) {
+        if (w.owner() && t <= w.newslot && w.newslot < t + 16) {
+          Int4Consumer<HEAD_DIM, QB>::patch(st, key0, t, w.newslot, s_tok4->v, s_tok4->v_range, lane);
+        }
+      } else if constexpr (FUSED) {
         if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
           TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, tn->k(0),
                                                tn->v(0, p.tree.nodes), lane);
@@ -1187,7 +1225,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
         release();
         if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
-        if constexpr (FUSED) {
+        if constexpr (kInt4<C>) {
+          append_int4_token<T, HEAD_DIM>(p, w, *s_tok4, tid, CONSUMERS);
+        } else if constexpr (FUSED) {
           append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);
         } else {
           append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
@@ -1436,6 +1476,17 @@ constexpr int tree_node_bytes(int nodes) {
                : 0;
 }
 
+// The tile loop's stages at `stages` and what follows them (int4: the residual area), with the
+// slack that aligns them.
+template <typename C, int HEAD_DIM>
+constexpr int stages_smem_bytes(int stages) {
+  if constexpr (kInt4<C>) {
+    return stages * int4_stage_bytes(HEAD_DIM) + 1024 + int4_residual_bytes(HEAD_DIM);
+  } else {
+    return tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages);
+  }
+}
+
 // Dynamic shared memory of one launch (the tile loop's stages, a fused tree's node area; the
 // CUDA-core loop has static arrays only). Above the default 48 KB the kernel must opt in, once per
 // device (the attribute is per device), for the largest launch it may see: kMaxStages, or what
@@ -1447,8 +1498,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    smem_bytes = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages) +
-                 tree_node_bytes<C, HEAD_DIM, FUSED>(tree_nodes);
+    smem_bytes = stages_smem_bytes<C, HEAD_DIM>(stages) + tree_node_bytes<C, HEAD_DIM, FUSED>(tree_nodes);
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -1461,8 +1511,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>);
     if (err != cudaSuccess) return err;
-    const int most = tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, kMaxStages) +
-                     tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
+    const int most = stages_smem_bytes<C, HEAD_DIM>(kMaxStages) + tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
@@ -1544,33 +1593,37 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
     decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
-  err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
-  if (err != cudaErrorNotReady) return err;
-  // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
-  // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
-  // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
-  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
-  if (err != cudaSuccess) return err;
-  int device = 0, major = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kBlockThreads<T>);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>, p);
+  if constexpr (kInt4<C>) {
+    return cudaErrorInvalidValue;  // int4 tree steps: the host refuses them
+  } else {
+    err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
+    if (err != cudaErrorNotReady) return err;
+    // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
+    // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
+    // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
+    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+    if (err != cudaSuccess) return err;
+    int device = 0, major = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err != cudaSuccess) return err;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(kBlockThreads<T>);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = major >= 9 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>, p);
+  }
 }
 
 // Bulk tensor copies exist for tile-loop caches whose V rows are whole 128-byte lines.
 template <typename C, int HEAD_DIM>
-constexpr bool kHasTma = kTiles<C> && v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(C)));
+constexpr bool kHasTma = kTiles<C> && !kInt4<C> && v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(C)));
 
 template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
 cudaError_t launch_source(const MmhaParams& params, cudaStream_t stream) {
@@ -1592,7 +1645,7 @@ constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && (QB == 1 |
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
   if (params.output.epilogue) {
-    if constexpr (kHasEpilogue<T, QB>) return launch_source<T, C, HEAD_DIM, QB, true>(params, stream);
+    if constexpr (kHasEpilogue<T, QB> && !kInt4<C>) return launch_source<T, C, HEAD_DIM, QB, true>(params, stream);
     return cudaErrorInvalidValue;
   }
   return launch_source<T, C, HEAD_DIM, QB, false>(params, stream);

@@ -46,22 +46,38 @@ constexpr bool kCompiled<__half, s8> = false;
 template <>
 constexpr bool kCompiled<__nv_bfloat16, s8> = false;
 #endif
+#ifdef MMHA_WITHOUT_FP16_U4
+template <>
+constexpr bool kCompiled<__half, u4> = false;
+#endif
+#ifdef MMHA_WITHOUT_BF16_U4
+template <>
+constexpr bool kCompiled<__nv_bfloat16, u4> = false;
+#endif
+
+// int4 caches have kernels for head dims of whole 32-channel chunks (the instantiations).
+template <typename C, int HEAD_DIM>
+constexpr bool kHasHeadDim = !std::is_same_v<C, u4> || HEAD_DIM % kInt4Channels == 0;
 
 // Wide items (tree steps, attend_wide.cuh) exist on the tile loop up to kWideMaxHeadDim.
 template <typename C, int HEAD_DIM>
-constexpr bool kHasWide = !std::is_same_v<C, float> && HEAD_DIM <= kWideMaxHeadDim;
+constexpr bool kHasWide = !std::is_same_v<C, float> && !std::is_same_v<C, u4> && HEAD_DIM <= kWideMaxHeadDim;
 
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
+  if constexpr (!kHasHeadDim<C, HEAD_DIM>) {
+    return cudaErrorInvalidValue;
+  } else {
 #define MMHA_CASE(QB) \
   case QB: return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
-  switch (p.sched.q_group_block) {
-    MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
+    switch (p.sched.q_group_block) {
+      MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
 #undef MMHA_CASE
-    case kWideColumns:
-      if constexpr (kHasWide<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideColumns>(p, stream);
-      return cudaErrorInvalidValue;
-    default: return cudaErrorInvalidValue;
+      case kWideColumns:
+        if constexpr (kHasWide<C, HEAD_DIM>) return launch_decode_attention<T, C, HEAD_DIM, kWideColumns>(p, stream);
+        return cudaErrorInvalidValue;
+      default: return cudaErrorInvalidValue;
+    }
   }
 }
 
@@ -82,15 +98,19 @@ cudaError_t dispatch_head_dim(const MmhaParams& p, cudaStream_t stream) {
 
 template <typename T, typename C, int HEAD_DIM>
 int occupancy_q_group_block(int q_group_block, int stages, TileSource source) {
+  if constexpr (!kHasHeadDim<C, HEAD_DIM>) {
+    return 0;
+  } else {
 #define MMHA_CASE(QB) \
   case QB: return decode_attention_blocks_per_sm<T, C, HEAD_DIM, QB>(stages, source);
-  switch (q_group_block) {
-    MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
+    switch (q_group_block) {
+      MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
 #undef MMHA_CASE
-    case kWideColumns:
-      if constexpr (kHasWide<C, HEAD_DIM>) return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideColumns>(stages, source);
-      return 0;
-    default: return 0;
+      case kWideColumns:
+        if constexpr (kHasWide<C, HEAD_DIM>) return decode_attention_blocks_per_sm<T, C, HEAD_DIM, kWideColumns>(stages, source);
+        return 0;
+      default: return 0;
+    }
   }
 }
 
@@ -120,17 +140,20 @@ template <typename R, typename F>
 R with_types(DType dtype, DType cache_dtype, R none, F f) {
   const bool fp8 = cache_dtype == DType::kFloat8E4M3;
   const bool int8 = cache_dtype == DType::kInt8;
-  if (!fp8 && !int8 && cache_dtype != dtype) return none;
+  const bool int4 = cache_dtype == DType::kInt4;
+  if (!fp8 && !int8 && !int4 && cache_dtype != dtype) return none;
   switch (dtype) {
     case DType::kFloat16:
       return fp8    ? f(Type<__half>{}, Type<e4m3>{})
              : int8 ? f(Type<__half>{}, Type<s8>{})
+             : int4 ? f(Type<__half>{}, Type<u4>{})
                     : f(Type<__half>{}, Type<__half>{});
     case DType::kBFloat16:
       return fp8    ? f(Type<__nv_bfloat16>{}, Type<e4m3>{})
              : int8 ? f(Type<__nv_bfloat16>{}, Type<s8>{})
+             : int4 ? f(Type<__nv_bfloat16>{}, Type<u4>{})
                     : f(Type<__nv_bfloat16>{}, Type<__nv_bfloat16>{});
-    case DType::kFloat32: return fp8 || int8 ? none : f(Type<float>{}, Type<float>{});
+    case DType::kFloat32: return fp8 || int8 || int4 ? none : f(Type<float>{}, Type<float>{});
     default: return none;
   }
 }

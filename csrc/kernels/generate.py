@@ -141,6 +141,8 @@ def render_instantiations() -> dict[Path, str]:
     out = {}
     for name, ctype, cache in table.KINDS:
         for head_dim in c["SUPPORTED_HEAD_DIMS"]:
+            if cache in table.CHUNKED and head_dim % c["INT4_CHANNELS"]:
+                continue
             blocks = list(c["Q_GROUP_BLOCKS"])
             files = [(f"decode_{name}_hd{head_dim}.cu", blocks)]
             if cache not in table.NO_WIDE and head_dim <= c["WIDE_MAX_HEAD_DIM"]:

@@ -9,11 +9,21 @@
 
 namespace mmha {
 
-enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3, kInt8 = 4 };
+enum class DType : int32_t { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat8E4M3 = 3, kInt8 = 4, kInt4 = 5 };
 
-// Bytes of one cache element.
+// Bytes of one cache element (an int4 cache's: a byte of two codes).
 constexpr int elem_bytes(DType t) {
-  return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 || t == DType::kInt8 ? 1 : 2;
+  return t == DType::kFloat32 ? 4 : t == DType::kFloat8E4M3 || t == DType::kInt8 || t == DType::kInt4 ? 1 : 2;
+}
+
+// Shared memory of one tile-loop stage for caches of cache_dtype (int4: its own layout).
+constexpr int cache_stage_bytes(DType cache_dtype, int head_dim) {
+  return cache_dtype == DType::kInt4 ? int4_stage_bytes(head_dim)
+                                     : tile_stage_bytes(head_dim, elem_bytes(cache_dtype), cache_dtype == DType::kInt8);
+}
+// Dynamic shared memory of a tile-loop block past its stages (int4: the row's last K group).
+constexpr int cache_extra_bytes(DType cache_dtype, int head_dim) {
+  return cache_dtype == DType::kInt4 ? int4_residual_bytes(head_dim) : 0;
 }
 
 // Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
@@ -49,12 +59,24 @@ constexpr bool uses_tensor_cores(DType cache_dtype) { return cache_dtype != DTyp
 
 // Whether bulk tensor copies can bring this head dim's tiles (caches of cache_dtype on the tile loop).
 constexpr bool tma_head_dim(DType cache_dtype, int head_dim) {
-  return uses_tensor_cores(cache_dtype) && v_whole_lines(head_dim, elem_bytes(cache_dtype));
+  return uses_tensor_cores(cache_dtype) && cache_dtype != DType::kInt4 && v_whole_lines(head_dim, elem_bytes(cache_dtype));
 }
 
 // What the output tensor holds (output_epilogue.cuh): the activations' dtype, or the attention
 // output quantised by the epilogue to int8 or e4m3.
 enum class OutKind : int32_t { kActivations = 0, kInt8 = 1, kE4M3 = 2 };
+
+// An int4 cache's planes beside its codes (mmha/int4.py; contiguous caches, one-token steps; MmhaParams::int4): K's
+// scale and zero point per 64-token group and channel, V's per token, fp16 (as raw bits); the
+// residual holds each row's K slots s of the group not yet quantised at entry s % 128, in the
+// activations' dtype. All nullptr for other caches.
+struct Int4Planes {
+  uint16_t* k_scale;  // [B, Hkv, S_max / 64, D]
+  uint16_t* k_zero;   // [B, Hkv, S_max / 64, D]
+  uint16_t* v_scale;  // [B, Hkv, S_max]
+  uint16_t* v_zero;   // [B, Hkv, S_max]
+  void* k_residual;   // [B, Hkv, 128, D]
+};
 
 // The caches (the seam between the kernels and the caches' storage: cache_slots.cuh,
 // tile_layout.cuh, tile_source.cuh, the append). Contiguous: k [B, Hkv, D/x, S_max, x] and
@@ -73,7 +95,7 @@ struct CacheParams {
   int32_t max_blocks;
   int32_t num_blocks;
   int32_t block_shift;
-  DType dtype;                  // the caches' elements: qkv's dtype, or kFloat8E4M3 / kInt8 (under fp16 / bf16)
+  DType dtype;                  // the caches' elements: qkv's dtype, or kFloat8E4M3 / kInt8 / kInt4 (fp16 / bf16 qkv)
 };
 
 // The rows of a step, and the flags the device-side guard raises for rows it refuses (nothing read
@@ -192,6 +214,10 @@ struct MmhaParams {
   // Bulk-tensor-copy descriptors of the caches (sched.tile_source == kTma only; tma_maps.h fills them).
   CUtensorMap k_map;
   CUtensorMap v_map;
+
+  // An int4 cache's planes beside its codes (cache.k / cache.v; cache.dtype kInt4), last so that
+  // the other kernels' parameter offsets do not move.
+  Int4Planes int4;
 };
 
 // Events of a tile-loop block that an MMHA_TIMELINE build stamps (globaltimer, ns), for the

@@ -72,6 +72,9 @@ CONSTANTS = [
         "2 * TILE_KEYS * 4",
         "an int8 cache's tile-loop stage: the K and V scales (fp32) of its TILE_KEYS tokens, after K and V",
     ),
+    ("INT4_GROUP", 64, "an int4 cache's K tokens sharing a channel's scale and zero point (mmha/int4.py): one tile"),
+    ("INT4_CHANNELS", 32, "an int4 cache's channels per 16-byte chunk (two codes a byte); its head dims are multiples"),
+    ("INT4_RESIDUAL", 128, "an int4 cache's 16-bit K slots per (row, kv head): the partial group and a tree's nodes"),
     ("MAX_TREE_NODES", 64, "nodes of a tree step at most: a node's ancestors are one 64-bit mask"),
     (
         "FUSED_TREE_NODES",
@@ -122,6 +125,29 @@ FUNCTIONS = [
         "(k + v + scales + 1023) // 1024 * 1024",
         "shared memory of one tile-loop stage (K and V of TILE_KEYS keys of elem_bytes each, and an int8 "
         "cache's token scales), 1024-byte aligned",
+    ),
+    (
+        "int4_stage_bytes",
+        [("head_dim", "int")],
+        "int",
+        [
+            ("k", "TILE_KEYS * head_dim // 2"),
+            ("v", "TILE_KEYS * (head_dim // 2 + 16)"),
+            ("scales", "4 * head_dim + 4 * TILE_KEYS"),
+        ],
+        "(k + v + scales + 1023) // 1024 * 1024",
+        "shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V "
+        "rows of head_dim / 2 bytes padded by 16, the K group's scales and zero points (fp16 [head_dim] each) "
+        "and the keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned",
+    ),
+    (
+        "int4_residual_bytes",
+        [("head_dim", "int")],
+        "int",
+        [],
+        "TILE_KEYS * (2 * head_dim + 16) + 3 * head_dim + 16",
+        "an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes), "
+        "after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)",
     ),
     (
         "tile_static_smem",
@@ -226,6 +252,10 @@ KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
     ("bf16_e4m3", "__nv_bfloat16", "e4m3"),
     ("fp16_s8", "__half", "s8"),
     ("bf16_s8", "__nv_bfloat16", "s8"),
+    ("fp16_u4", "__half", "u4"),
+    ("bf16_u4", "__nv_bfloat16", "u4"),
 ]
 # Cache types without the wide items of tree steps (fp32: the CUDA-core loop).
-NO_WIDE = ("float",)
+NO_WIDE = ("float", "u4")
+# Cache types whose head dims are whole 16-byte chunks of codes (int4: multiples of INT4_CHANNELS).
+CHUNKED = ("u4",)

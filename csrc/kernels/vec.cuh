@@ -80,6 +80,48 @@ __device__ __forceinline__ s8 quantize_s8(float value, float scale) {
   return s8{static_cast<int8_t>(isnan(q) ? 0.f : fminf(fmaxf(q, -kInt8Max), kInt8Max))};
 }
 
+// One byte of an int4 cache (mmha/int4.py): two 4-bit codes, the even channel in the low nibble.
+// K codes sit in the x-layout's 16-byte chunks (32 channels a chunk), V codes in rows of D / 2
+// bytes; scales and zero points are fp16 beside them (CacheParams::int4).
+struct u4 {
+  uint8_t bits;
+};
+constexpr float kInt4Levels = 15.f;
+constexpr float kFp16Max = 65504.f;
+// Nibble codes reach the tensor cores as the halves 1024 + code (kInt4Bias), exact: the code as
+// the low mantissa bits of 0x6400 (1024.0). The consumer takes the bias out of its sums.
+constexpr float kInt4Bias = 1024.f;
+
+// Nibble I of each 16-bit half of w as the two halves 1024 + code (low half from bits 4I..4I+3,
+// high half from bits 16+4I..16+4I+3): one shift and one lop3.
+template <int I>
+__device__ __forceinline__ uint32_t nibbles_biased(uint32_t w) {
+  return ((w >> (4 * I)) & 0x000F000Fu) | 0x64006400u;
+}
+
+// The smaller / larger of two values, NaN if either is (as torch's amin / amax).
+__device__ __forceinline__ float min_nan(float a, float b) { return a < b || a != a ? a : b; }
+__device__ __forceinline__ float max_nan(float a, float b) { return a > b || a != a ? a : b; }
+
+// An asymmetric 4-bit range as mmha.quant.quantize(x, 4, symmetric=False, scale_dtype=float16)
+// stores it, from the values' min, max and absolute max: scale = fp16((hi - lo) / 15), zero =
+// fp16(lo); both infinite where a value is past fp16's range (amax > 65504: it reads back NaN),
+// NaN where a value is.
+struct Int4Range {
+  float scale, zero;  // the stored fp16 values
+};
+__device__ __forceinline__ Int4Range int4_range(float lo, float hi, float amax) {
+  if (amax > kFp16Max) return {INFINITY, INFINITY};
+  return {__half2float(__float2half_rn(__fdiv_rn(hi - lo, kInt4Levels))), __half2float(__float2half_rn(lo))};
+}
+
+// A value's code in a range: rint((x - zero) / scale) in [0, 15] (a scale that is not positive
+// divides by 1; NaN gives 0, an infinite quotient saturates), as mmha.quant.quantize.
+__device__ __forceinline__ uint32_t int4_code(float x, const Int4Range& r) {
+  const float q = rintf(__fdiv_rn(x - r.zero, r.scale > 0.f ? r.scale : 1.f));
+  return isnan(q) ? 0u : static_cast<uint32_t>(fminf(fmaxf(q, 0.f), kInt4Levels));
+}
+
 // int8 codes reach the tensor cores as the halves 1152 + code (kInt8Bias), exact: flipping a
 // code's sign bit gives code + 128 in [0, 255], which as the low byte of 0x64xx is the half
 // 1024 + code + 128. The consumer takes the bias out of the sums (attend_tiles.cuh), which spares

@@ -1,0 +1,392 @@
+// The tile loop's consumer warps over an int4 cache (mmha/int4.py; one-token steps, contiguous
+// caches; the tiles: int4_tiles.cuh, the step around them: int4_step.cuh). Torch-free.
+//
+// A tile of committed keys is one K group (its codes, scales and zero points). The row's
+// last group (the keys still in the K residual, the new token among them) is read by the item
+// that holds it from the residual area (fp16, after the stages), which the consumers fill at the
+// item's first tile; on the step that completes a group (slot pos % 64 == 63) they quantise it
+// there (the codes, scales and zero points written to the cache by column block 0) and attend to
+// its dequantised values, as mmha.int4 reads a committed group.
+//
+// The consumer warps (kConsumerWarps, 16 keys each, as in attend_tiles.cuh) compute
+//   S^T = K Q^T    m16n8k16, A = K as fp16: committed keys widened from their nibbles (1024 +
+//                  code, exact), then code * scale + zero per channel (one sub and one fma per
+//                  two values); residual keys as stored. B = q as one fp16 part (as for fp8).
+//   O^T += V^T P^T A = V^T as the halves 1024 + code; B = P * v_scale[key] / v_unit (v_unit the
+//                  largest V scale the warp has seen, as int8's). Each key's zero point adds
+//                  P * zero to every channel: z_sum, beside p_sum (the codes' bias).
+// Nibbles reach a lane four channels apart, so q and the output are in a permuted head-dim order
+// (q_dim, out_dim) that the residual area and the stores follow.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attend_common.cuh"
+#include "int4_tiles.cuh"
+#include "ptx.cuh"
+#include "score_mods.cuh"
+#include "vec.cuh"
+
+namespace mmha {
+// Halves (low, high) of channels (c + i, c + i + 4) from eight fp16 values of channels c .. c + 7.
+__device__ __forceinline__ uint32_t half_pair(const uint4& v, int i) {
+  return i == 0   ? __byte_perm(v.x, v.z, 0x5410)
+         : i == 1 ? __byte_perm(v.x, v.z, 0x7632)
+         : i == 2 ? __byte_perm(v.y, v.w, 0x5410)
+                  : __byte_perm(v.y, v.w, 0x7632);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
+
+// One consumer warp over an int4 cache: its q fragments and running (max, sum, acc), for up to
+// 8 query heads of one kv head (the interface of TileConsumer, attend_tiles.cuh).
+template <int HEAD_DIM, int QB>
+struct Int4Consumer {
+  static_assert(QB <= 8, "one m16n8k16 tile holds at most 8 query heads");
+  using L = TileLayout<u4, HEAD_DIM>;
+  static constexpr int KSTEPS = HEAD_DIM / 16;
+  static constexpr int CHUNKS = HEAD_DIM / kInt4Channels;
+  static constexpr int RES_PITCH = HEAD_DIM + 8;  // halves per residual row (16 bytes of padding)
+  static constexpr float kRescaleSlack = 8.f;
+
+  uint32_t qh[KSTEPS][2];  // B fragments of q^T (fp16), channels q_dim and q_dim + 4 in each register
+  float m[2], l[2];        // heads 2tq, 2tq + 1
+  float acc[KSTEPS][4];    // O^T in units of v_unit (without the codes' bias): rows out_dim(i, g, 0 / 1)
+  float s_unit;            // scores are the mma's times this power of two
+  float v_unit;            // the largest V scale of the warp's keys so far
+  float p_sum[2];          // the fp16 P values fed to the V mma (this lane's keys), for the bias
+  float z_sum[2];          // sum of P * v_zero over this lane's keys (absolute units)
+  ScoreTransform<2> mods;
+  int res_k0;              // the tile read from the residual area (its first key), or -1
+  const __half* res;       // the residual area: [KEYS][RES_PITCH] fp16, channels at res_col
+
+  // K step j, lane quad tq, register h: channels q_dim and q_dim + 4 (a committed key's nibbles
+  // 8tq + i and 8tq + i + 4 of its chunk, i = 2 (j % 2) + h).
+  __device__ __forceinline__ static int q_dim(int j, int tq, int h) { return 32 * (j / 2) + 8 * tq + 2 * (j % 2) + h; }
+  // M tile i, row g (h = 0) or g + 8 (h = 1): nibble 2 (i % 2) + h of the 16-bit unit g of a V row's chunk i / 2.
+  __device__ __forceinline__ static int out_dim(int i, int g, int h) { return 32 * (i / 2) + 4 * g + 2 * (i % 2) + h; }
+  // Where channel d sits in a residual row: the 16-bit K reader's column of the q pairing.
+  __device__ __forceinline__ static int res_col(int d) {
+    const int c = d / 32, r = d % 32;
+    const int tq = r / 8, e = (r % 8) / 4, s = (r % 4) / 2, h = r % 2;
+    return 16 * (2 * c + s) + 2 * tq + e + 8 * h;
+  }
+
+  template <class ColumnOf>
+  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
+                                       const MmhaParams& p, ColumnOf column, bool, int, const uint64_t* = nullptr) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+    int heads[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool used = 2 * tq + h < nh;
+      heads[h] = used ? column(2 * tq + h).head : -1;
+    }
+    mods.init(p.mods, heads);
+    float qv[KSTEPS][2][2];
+    float qmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d = q_dim(j, tq, h);
+        qv[j][h][0] = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
+        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 4] * scale_log2 : 0.f;
+        qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+    float q_unit = 1.f;
+    s_unit = 1.f;
+    if (qmax > 0.f && qmax <= 3.0e38f) {
+      int e = 0;
+      frexpf(qmax, &e);
+      const int shift = max(-100, min(100, 8 - e));
+      q_unit = ldexpf(1.f, shift);
+      s_unit = ldexpf(1.f, -shift);
+    }
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) qh[j][h] = h2_bits(__floats2half2_rn(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit));
+    }
+    v_unit = 0.f;
+    p_sum[0] = p_sum[1] = 0.f;
+    z_sum[0] = z_sum[1] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    }
+    res_k0 = -1;
+    res = nullptr;
+  }
+
+  __device__ __forceinline__ void residual(int k0, const __half* area) {
+    res_k0 = k0;
+    res = area;
+  }
+
+  // The new token (slot pos, if among keys [it, it + 16) of the warp): its V codes and V scale
+  // and zero point into the stage. (Its K is in the residual area.)
+  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int it, int pos, const uint8_t* v_codes,
+                                               const float* v_range, int lane) {
+    if (it <= pos && pos < it + 16) {
+      const int key = key0 + pos - it;
+      for (int c = lane; c < L::CHUNKS; c += 32) {
+        *reinterpret_cast<uint4*>(stage + L::v_off(key, c, 0)) = *reinterpret_cast<const uint4*>(v_codes + 16 * c);
+      }
+      if (lane < 2) {
+        reinterpret_cast<__half*>(stage + (lane == 0 ? L::V_SCALE_OFF : L::V_ZERO_OFF))[key] =
+            __float2half_rn(v_range[lane]);
+      }
+    }
+    fence_proxy_async_smem();
+    __syncwarp();
+  }
+
+  template <int N>
+  __device__ __forceinline__ void steps(const unsigned char* const (&stage)[N], int key0, int kg, const int (&its)[N],
+                                        int lo, int end, int pos, int lane) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) step(stage[n], key0, kg, its[n], lo, end, pos, lane);
+  }
+
+  // Attend over keys [key0, key0 + 16) of a stage, the cache's keys [it, it + 16) (those before lo
+  // or at or past end masked), the query at slot pos.
+  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int, int it, int lo, int end, int pos,
+                                       int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};  // odd K steps: a second chain
+    if (it - key0 == res_k0) {
+      const __half* base = res + (key0 + lane % 16) * RES_PITCH + (lane / 16) * 8;
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        uint32_t a[4];
+        ldmatrix_x4<false>(a, base + 16 * j);
+        mma_16816<__half>(j % 2 ? s_odd : s, a, qh[j][0], qh[j][1]);
+      }
+    } else {
+      const __half* k_scale = reinterpret_cast<const __half*>(stage + L::SCALE_OFF);
+      const __half* k_zero = reinterpret_cast<const __half*>(stage + L::K_ZERO_OFF);
+      const __half2 bias = __float2half2_rn(kInt4Bias);
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        uint32_t r[2];  // keys g and g + 8: channels 32c + 8tq .. 32c + 8tq + 7
+        ldmatrix_x2<false>(r, stage + L::k_off(key0 + lane % 16, c, 0));
+        const uint4 sc = *reinterpret_cast<const uint4*>(k_scale + 32 * c + 8 * tq);
+        const uint4 zc = *reinterpret_cast<const uint4*>(k_zero + 32 * c + 8 * tq);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 2 * sub + h;
+            const __half2 sp = bits_h2(half_pair(sc, i));
+            const __half2 zp = bits_h2(half_pair(zc, i));
+            const uint32_t n0 = ((r[0] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
+            const uint32_t n1 = ((r[1] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
+            a[2 * h] = h2_bits(__hfma2(__hsub2(bits_h2(n0), bias), sp, zp));      // key g
+            a[2 * h + 1] = h2_bits(__hfma2(__hsub2(bits_h2(n1), bias), sp, zp));  // key g + 8
+          }
+          mma_16816<__half>(sub ? s_odd : s, a, qh[2 * c + sub][0], qh[2 * c + sub][1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = (s[e] + s_odd[e]) * s_unit;
+    if (mods.on) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] = mods.apply<true>(s[e], e & 1, it + g + (e & 2 ? 8 : 0), pos);
+    }
+    if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
+    if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
+
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(s[h], s[h + 2]);
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
+    }
+    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
+        l[h] *= alpha[h];
+        p_sum[h] *= alpha[h];
+        z_sum[h] *= alpha[h];
+        m[h] = m_new;
+      }
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[1];
+        acc[i][2] *= alpha[0];
+        acc[i][3] *= alpha[1];
+      }
+    }
+    // The V scales and zero points of keys g and g + 8 (none outside [lo, end): their copies may
+    // be strays), the scales over v_unit (raised first where a key outgrew it).
+    const __half* v_scale = reinterpret_cast<const __half*>(stage + L::V_SCALE_OFF) + key0 + g;
+    const __half* v_zero = reinterpret_cast<const __half*>(stage + L::V_ZERO_OFF) + key0 + g;
+    const int t = it + g;
+    const bool in0 = t < end && t >= lo, in1 = t + 8 < end && t + 8 >= lo;
+    float vw[2] = {in0 ? __half2float(v_scale[0]) : 0.f, in1 ? __half2float(v_scale[8]) : 0.f};
+    const float vz[2] = {in0 ? __half2float(v_zero[0]) : 0.f, in1 ? __half2float(v_zero[8]) : 0.f};
+    float vmax = fmaxf(vw[0], vw[1]);
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
+    if (vmax > v_unit) {  // warp-uniform
+      const float r = v_unit / vmax;
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] *= r;
+      }
+      p_sum[0] *= r;
+      p_sum[1] *= r;
+      v_unit = vmax;
+    }
+    const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
+    vw[0] *= inv;
+    vw[1] *= inv;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
+      s[h] = exp2_ftz(s[h] - m_ref);
+      s[h + 2] = exp2_ftz(s[h + 2] - m_ref);
+      l[h] += s[h] + s[h + 2];
+      z_sum[h] += s[h] * vz[0] + s[h + 2] * vz[1];
+      s[h] *= vw[0];
+      s[h + 2] *= vw[1];
+    }
+    const __half2 p0 = __floats2half2_rn(s[0], s[1]);  // key g: heads 2tq, 2tq + 1
+    const __half2 p1 = __floats2half2_rn(s[2], s[3]);  // key g + 8
+    const float2 f0 = __half22float2(p0), f1 = __half22float2(p1);
+    p_sum[0] += f0.x + f1.x;
+    p_sum[1] += f0.y + f1.y;
+    const uint32_t ph0 = movmatrix_trans(h2_bits(p0));
+    const uint32_t ph1 = movmatrix_trans(h2_bits(p1));
+    // O^T += V^T P^T: chunk c of the keys' V rows gives M tiles 2c and 2c + 1.
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      uint32_t r[2];  // keys 2tq, 2tq + 1 | 2tq + 8, 2tq + 9: channels 32c + 4g .. 32c + 4g + 3
+      ldmatrix_x2<true>(r, stage + L::v_off(key0 + lane % 16, c, 0));
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        uint32_t a[4];
+        a[0] = ((r[0] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u;      // row g: nibble 2 sub
+        a[1] = ((r[0] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u;  // row g + 8: nibble 2 sub + 1
+        a[2] = ((r[1] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u;
+        a[3] = ((r[1] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u;
+        mma_16816<__half>(acc[2 * c + sub], a, ph0, ph1);
+      }
+    }
+  }
+
+  // At an item's end, before its combine: acc without the codes' bias, back from units of
+  // v_unit, plus the zero points' part.
+  __device__ __forceinline__ void finish() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) {
+        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], off);
+        z_sum[h] += __shfl_xor_sync(kFullMask, z_sum[h], off);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(fmaf(-kInt4Bias, p_sum[e & 1], acc[i][e]), v_unit, z_sum[e & 1]);
+    }
+  }
+
+  // The block combine through per-warp buffers (TileConsumer::stash).
+  __device__ __forceinline__ void stash(float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM], int warp,
+                                        int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+      const int head = 2 * tq + h;
+      if (head < QB) {
+        if (g == 0) {
+          s_m[warp][head] = m[h];
+          s_l[warp][head] = l[h];
+        }
+#pragma unroll
+        for (int i = 0; i < KSTEPS; ++i) {
+          acc_w[warp][head][out_dim(i, g, 0)] = acc[i][h];
+          acc_w[warp][head][out_dim(i, g, 1)] = acc[i][h + 2];
+        }
+      }
+    }
+    named_barrier(1, kConsumerWarps * 32);
+  }
+
+  // The block combine warp by warp into buf (TileConsumer::combine).
+  __device__ __forceinline__ void combine(float (*s_m)[QB], float (*s_l)[QB], float* buf, int warp, int lane) {
+    const int g = lane / 4;
+    const int tq = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+      if (g == 0 && 2 * tq + h < QB) {
+        s_m[warp][2 * tq + h] = m[h];
+        s_l[warp][2 * tq + h] = l[h];
+      }
+    }
+    named_barrier(1, kConsumerWarps * 32);
+    float sc[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int head = 2 * tq + h < QB ? 2 * tq + h : 0;
+      float mb = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kConsumerWarps; ++w) mb = fmaxf(mb, s_m[w][head]);
+      sc[h] = exp2f(m[h] - (mb == -INFINITY ? 0.f : mb));
+    }
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int head = 2 * tq + h;
+          if (head < QB) {
+            float* dst = buf + head * HEAD_DIM;
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+              const float a0 = acc[i][h] * sc[h];
+              const float a1 = acc[i][h + 2] * sc[h];
+              float& d0 = dst[out_dim(i, g, 0)];
+              float& d1 = dst[out_dim(i, g, 1)];
+              d0 = w == 0 ? a0 : d0 + a0;
+              d1 = w == 0 ? a1 : d1 + a1;
+            }
+          }
+        }
+      }
+      named_barrier(1, kConsumerWarps * 32);
+    }
+  }
+};
+
+}  // namespace mmha

@@ -1,0 +1,150 @@
+// An int4 cache's tiles (mmha/int4.py; contiguous caches, cp.async): the stage layout, the
+// producer's copies of codes, scales and zero points, and where a (row, kv head)'s planes are.
+// A tile is 64 keys, so a tile of committed keys is exactly one K group: its codes, the group's
+// per-channel scales and zero points, and its keys' V codes, V scales and zero points. The
+// consumers (attend_int4.cuh) read them. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cache_slots.cuh"
+#include "mmha_params.h"
+#include "ptx.cuh"
+#include "tile_layout.cuh"
+#include "tile_source.cuh"
+#include "vec.cuh"
+
+namespace mmha {
+// One stage: K codes [CHUNKS][KEYS][16 bytes] (chunk c of key k: 32 channels), V rows of D / 2
+// bytes padded by 16 (8 keys of an ldmatrix.trans phase in 8 bank groups at head dims 64-256),
+// then fp16 K scales [D], K zero points [D], V scales [KEYS], V zero points [KEYS].
+template <int HEAD_DIM>
+struct TileLayout<u4, HEAD_DIM> {
+  static_assert(HEAD_DIM % kInt4Channels == 0, "int4 head dims are whole chunks of 32 channels");
+  static constexpr int KEYS = kTileKeys;
+  static constexpr int CHUNKS = HEAD_DIM / kInt4Channels;
+  static constexpr int TILE_GROUP = WholeTile::value;
+  static constexpr int K_BYTES = KEYS * HEAD_DIM / 2;
+  static constexpr int V_PITCH_BYTES = HEAD_DIM / 2 + 16;
+  static constexpr int V_BYTES = KEYS * V_PITCH_BYTES;
+  static constexpr int SCALE_OFF = K_BYTES + V_BYTES;
+  static constexpr int K_ZERO_OFF = SCALE_OFF + 2 * HEAD_DIM;
+  static constexpr int V_SCALE_OFF = K_ZERO_OFF + 2 * HEAD_DIM;
+  static constexpr int V_ZERO_OFF = V_SCALE_OFF + 2 * KEYS;
+  static constexpr int STAGE_BYTES = int4_stage_bytes(HEAD_DIM);
+  static_assert(V_ZERO_OFF + 2 * KEYS <= STAGE_BYTES, "stage too small");
+  static_assert(SCALE_OFF % 16 == 0, "scales 16-byte aligned");
+
+  template <typename G>
+  __device__ __forceinline__ static int k_off(int k, int c, G) {
+    return (c * KEYS + k) * 16;
+  }
+  __device__ __forceinline__ static int k_group(const CacheParams&) { return TILE_GROUP; }
+  template <typename G>
+  __device__ __forceinline__ static int v_off(int r, int c, G) {
+    return K_BYTES + r * V_PITCH_BYTES + c * 16;
+  }
+};
+
+// An int4 cache's TileArgs: TileArgs' fields, and the tile whose K the consumers take from the
+// residual area (not read: skip_k0, or -1).
+template <>
+struct TileArgs<u4> {
+  const u4* k_head;
+  const u4* v_head;
+  int smax, lo, end, pos, kv_head;
+  const CUtensorMap* k_map;
+  const CUtensorMap* v_map;
+  const int32_t* table;
+  int shift;
+  int64_t block_stride;
+  int block_rows, head_row;
+  int skip_k0 = -1;
+};
+
+// One (row, kv head)'s int4 planes (MmhaParams::int4).
+template <typename T, int HEAD_DIM>
+struct Int4Head {
+  uint16_t* k_scale;  // [S_max / 64][D]
+  uint16_t* k_zero;
+  uint16_t* v_scale;  // [S_max]
+  uint16_t* v_zero;
+  T* residual;        // [128][D]
+};
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ Int4Head<T, HEAD_DIM> int4_head(const MmhaParams& p, int b, int kvh) {
+  const int64_t head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+  const int64_t smax = p.cache.max_seq_len;
+  const int64_t groups = smax / kInt4Group;
+  return {p.int4.k_scale + head * groups * HEAD_DIM, p.int4.k_zero + head * groups * HEAD_DIM,
+          p.int4.v_scale + head * smax, p.int4.v_zero + head * smax,
+          static_cast<T*>(p.int4.k_residual) + head * kInt4Residual * HEAD_DIM};
+}
+
+// The codes of a tile by 16-byte cp.async (contiguous caches: k [D / 32][S_max][16 bytes] and v
+// [S_max][D / 2] bytes of the (row, kv head)); keys outside [lo, end), the new token's slot and
+// the K of the residual's tile (skip_k0) zero-filled unread.
+template <int HEAD_DIM>
+struct CpAsyncTiles<u4, HEAD_DIM> {
+  using L = TileLayout<u4, HEAD_DIM>;
+  static constexpr int FULL_ARRIVALS = 32;
+  static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
+  __device__ __forceinline__ static void prefetch(const TileArgs<u4>&) {}
+
+  __device__ __forceinline__ static void issue(const TileArgs<u4>& a, const TilePages&, unsigned char* stage, int k0,
+                                               uint64_t*, int lane, int) {
+#pragma unroll
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int key = i % L::KEYS;
+      const int c = i / L::KEYS;
+      const int t = k0 + key;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos && k0 != a.skip_k0;
+      cp_async16(stage + L::k_off(key, c, 0), ok ? a.k_head + (static_cast<int64_t>(c) * a.smax + t) * 16 : a.k_head,
+                 ok);
+    }
+#pragma unroll
+    for (int j = 0; j < PIECES; ++j) {
+      const int i = lane + 32 * j;
+      const int r = i / L::CHUNKS;
+      const int c = i % L::CHUNKS;
+      const int t = k0 + r;
+      const bool ok = t >= a.lo && t < a.end && t != a.pos;
+      cp_async16(stage + L::v_off(r, c, 0), ok ? a.v_head + static_cast<int64_t>(t) * (HEAD_DIM / 2) + c * 16 : a.v_head,
+                 ok);
+    }
+  }
+
+  __device__ __forceinline__ static void commit(uint64_t* full, int) { cp_async_arrive(full); }
+};
+
+// A tile's scales and zero points (TileLayout<u4>::SCALE_OFF on): its group's K planes (not for
+// the residual's tile, skip_k0) and its keys' V planes, 16 bytes a copy; V chunks of 8 keys without a key in [lo, end) zero-filled
+// unread. The copies hold the stage's full barrier until they land (as int8's token scales).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void stage_int4_scales(const TileArgs<u4>& a, const Int4Head<T, HEAD_DIM>& ih,
+                                                  unsigned char* stage, int k0, uint64_t* full, int lane) {
+  using L = TileLayout<u4, HEAD_DIM>;
+  constexpr int K_PIECES = HEAD_DIM / 8;  // 8 fp16 values a piece, scales then zero points
+  constexpr int V_PIECES = L::KEYS / 8;
+  const int64_t group = k0 / kInt4Group;
+  for (int i = lane; i < 2 * K_PIECES + 2 * V_PIECES; i += 32) {
+    if (i < 2 * K_PIECES) {
+      const uint16_t* src = (i < K_PIECES ? ih.k_scale : ih.k_zero) + group * HEAD_DIM + (i % K_PIECES) * 8;
+      cp_async16(stage + L::SCALE_OFF + i * 16, k0 != a.skip_k0 ? src : ih.k_scale, k0 != a.skip_k0);
+    } else {
+      const int v = i - 2 * K_PIECES;
+      const int t = k0 + (v % V_PIECES) * 8;
+      const bool ok = t < a.end && t + 8 > a.lo;
+      const uint16_t* base = v < V_PIECES ? ih.v_scale : ih.v_zero;
+      cp_async16(stage + L::V_SCALE_OFF + v * 16, ok ? base + t : base, ok);
+    }
+  }
+  cp_async_hold(full);
+  __syncwarp();
+}
+
+}  // namespace mmha

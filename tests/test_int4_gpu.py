@@ -1,0 +1,213 @@
+"""int4 caches on the GPU (``mmha.int4``: V per token, K per channel over 64-token groups, the row's
+last group in a 16-bit residual): ``ops.decode_attention_int4`` against ``mmha.int4.decode_step``
+in float64. Outputs within the fp16 operands' tolerance; the cache after the step (codes, scales,
+zero points, residual; a completed group quantised and committed) bit for bit as the oracle leaves
+it, everything the rows do not hold poisoned and untouched; every head dim, GQA groups, splits,
+rows ending around the groups, row modes, windows, rotary and bias, a run of steps across group
+ends, a non-finite or out-of-range new token flagged, and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FLOOR, assert_bits_equal, gpu
+from int4_cases import PLANES, clone, int4_case
+
+from mmha import int4, ops
+from mmha.spec import ROW_ATTEND, ROW_IDLE, ROW_STEP
+from mmha.workspace import ScaleError, Workspace
+
+pytestmark = gpu
+
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def run_oracle(case, row_active=None):
+    cache = clone(case.cache)
+    out, lse = int4.decode_step(
+        case.qkv, cache, case.lengths, return_lse=True, compute_dtype=torch.float64, row_active=row_active,
+        **case.kwargs(),
+    )  # fmt: skip
+    return out, lse, cache
+
+
+def run_kernel(case, row_active=None, workspace=None, **kw):
+    cache = clone(case.cache)
+    out, lse = ops.decode_attention_int4(
+        case.qkv, cache, case.lengths, return_lse=True, row_active=row_active, workspace=workspace,
+        **case.kwargs(), **kw,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return out, lse, cache
+
+
+def assert_outputs_close(out, lse, ref, ref_lse, dtype):
+    assert torch.isfinite(out).all(), "kernel output has non-finite values"
+    err = (out.double() - ref.double()).abs().max().item()
+    tol = FLOOR[dtype] * max(1.0, ref.double().abs().max().item())
+    assert err <= tol, f"max error {err:.3e} > {tol:.3e}"
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(live, torch.isfinite(lse)), "lse finite where the oracle's is not (or the reverse)"
+    lse_err = (lse.double() - ref_lse.double())[live].abs().max().item() if live.any() else 0.0
+    assert lse_err <= 2e-3 * max(1.0, ref_lse[live].abs().max().item() if live.any() else 1.0), f"lse {lse_err:.3e}"
+
+
+def assert_caches_equal(got, want, k_exact=True):
+    """Every plane bit for bit (NaN poison included); with rotary (k_exact False) K's planes may
+    differ where the kernel's fp32 rotation and the oracle's float64 one round apart."""
+    for name in PLANES:
+        if k_exact or name in ("v_codes", "v_scale", "v_zero"):
+            assert_bits_equal(getattr(got, name), getattr(want, name), name)
+    if not k_exact:
+        a, b = got.k_residual.double(), want.k_residual.double()
+        ok = (a - b).abs() <= 1e-2 * b.abs() + 1e-6
+        assert (ok | (a.isnan() & b.isnan())).all(), "k_residual beyond one rounding of the oracle's"
+
+
+def check(case, row_active=None, k_exact=True, **kw):
+    ref, ref_lse, want = run_oracle(case, row_active)
+    out, lse, got = run_kernel(case, row_active, **kw)
+    assert_outputs_close(out, lse, ref, ref_lse, case.qkv.dtype)
+    assert_caches_equal(got, want, k_exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_matches_int4_oracle(dtype, head_dim, splits):
+    """Rows of 0 (the first group), 63 (the step completes and commits a group) and 200 tokens."""
+    case = int4_case(3, 8, 2, head_dim, [0, 63, 200], 256, dtype, seed=head_dim + splits)
+    check(case, num_splits=splits)
+
+
+@pytest.mark.parametrize("heads", [(32, 32), (32, 8), (8, 1), (6, 2), (16, 8)])
+def test_gqa_groups(heads):
+    hq, hkv = heads
+    case = int4_case(3, hq, hkv, 128, [5, 127, 500], 512, torch.float16, seed=hq * 7 + hkv)
+    check(case)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotary_and_bias(interleaved, dtype):
+    case = int4_case(4, 8, 4, 64, [1, 63, 64, 129], 192, dtype, seed=11, bias=True, rotary_dim=64,
+                     rotary_interleaved=interleaved)  # fmt: skip
+    check(case, k_exact=False)
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_lengths_around_groups(splits):
+    """Rows ending around the 64-token groups and the 16-key slices."""
+    lengths = [1, 2, 15, 16, 17, 62, 63, 64, 65, 126, 127, 128, 191, 239]
+    case = int4_case(len(lengths), 8, 2, 128, lengths, 256, torch.bfloat16, seed=splits, bias=True)
+    check(case, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_row_modes(splits):
+    """Idle rows, attend-only rows (a whole number of groups: no residual tile; a partial group;
+    one slot short of a group's end, which an attend-only row must not commit), stepping rows."""
+    lengths = [64, 100, 63, 128, 5, 0, 127, 65]
+    modes = [ROW_ATTEND, ROW_ATTEND, ROW_STEP, ROW_IDLE, ROW_STEP, ROW_IDLE, ROW_ATTEND, ROW_ATTEND]
+    case = int4_case(len(lengths), 8, 2, 128, lengths, 256, torch.float16, seed=5)
+    check(case, row_active=torch.tensor(modes, dtype=torch.int32, device="cuda"), num_splits=splits)
+
+
+@pytest.mark.parametrize("window", [1, 50, 64, 100])
+def test_windows(window):
+    case = int4_case(4, 8, 2, 64, [10, 63, 130, 255], 320, torch.float16, seed=window, window=window)
+    check(case, num_splits=2)
+
+
+def test_values_over_many_magnitudes():
+    """V tokens far from 1 (their scales and zero points with them) and K with offsets."""
+    for value_scale in (1e-3, 3e2):
+        case = int4_case(2, 8, 2, 128, [63, 300], 384, torch.float16, seed=3, value_scale=value_scale)
+        check(case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_steps_across_group_ends(dtype):
+    """70 steps in a row, each the kernel's against the oracle's from the same cache, the caches
+    compared after each: a group committed mid-run is read back as the oracle reads it."""
+    case = int4_case(2, 8, 2, 64, [30, 120], 256, dtype, seed=9, bias=True)
+    mine, theirs = clone(case.cache), clone(case.cache)
+    lengths = case.lengths.clone()
+    g = torch.Generator().manual_seed(1)
+    for step in range(70):
+        qkv = torch.randn(case.qkv.shape, generator=g).to(dtype).cuda()
+        ref, ref_lse = int4.decode_step(qkv, theirs, lengths, return_lse=True, compute_dtype=torch.float64,
+                                        **case.kwargs())  # fmt: skip
+        out, lse = ops.decode_attention_int4(qkv, mine, lengths, return_lse=True, **case.kwargs())
+        torch.cuda.synchronize()
+        assert_outputs_close(out, lse, ref, ref_lse, dtype)
+        assert_caches_equal(mine, theirs)
+        lengths += 1
+
+
+def test_non_finite_and_out_of_range_tokens_are_flagged():
+    """A new V with inf, and a new K past fp16's range (bf16), flag their rows; the other rows pass."""
+    case = int4_case(3, 8, 2, 64, [10, 63, 20], 128, torch.bfloat16, seed=2)
+    hq, hkv, d = 8, 2, 64
+    case.qkv[0, (hq + hkv) * d + 3] = float("inf")  # row 0: a V value
+    case.qkv[1, hq * d + 5] = 1e6  # row 1: a K value past 65504
+    ws = Workspace.allocate(case.qkv.device, 3, hq, d, 1)
+    out, _lse, _cache = run_kernel(case, workspace=ws, num_splits=1)
+    status = ws.status[:3].tolist()
+    assert status[0] != 0 and status[1] != 0 and status[2] == 0, status
+    with pytest.raises(ScaleError):
+        ws.check()
+    ref, _ref_lse, _ = run_oracle(case)
+    assert torch.allclose(out[2].double(), ref[2].double(), atol=FLOOR[torch.bfloat16] * 4)
+
+
+def raw_call(case, **over):
+    c = case.cache
+    d = c.head_dim
+    ws = Workspace.allocate(case.qkv.device, c.batch, case.num_heads, d, 1)
+    args = dict(
+        k_scale=c.k_scale, v_scale=c.v_scale, k_zero=c.k_zero, v_zero=c.v_zero, k_residual=c.k_residual,
+        tile_source=1,
+    )  # fmt: skip
+    args.update(over)
+    out = torch.empty(c.batch, case.num_heads * d, dtype=case.qkv.dtype, device="cuda")
+    lse = torch.empty(c.batch, case.num_heads, device="cuda")
+    torch.ops.mmha.decode_attention(
+        case.qkv, args.pop("k_cache", c.k_codes), args.pop("v_cache", c.v_codes), case.lengths, None, out, lse,
+        ws.partials, ws.counters, ws.status, case.num_heads, case.num_kv_heads, d**-0.5, 0, 10000.0, False, 1,
+        stages=2, **args,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(
+    "over, name",
+    [
+        (lambda c: dict(k_zero=None), "k_zero"),
+        (lambda c: dict(v_zero=c.v_zero[:, :, :-64].contiguous()), "v_zero"),
+        (lambda c: dict(k_scale=c.k_scale.float()), "k_scale"),
+        (lambda c: dict(k_residual=c.k_residual.float()), "k_residual"),
+        (lambda c: dict(v_scale=c.v_scale[:, :1].contiguous()), "v_scale"),
+        (lambda c: dict(tile_source=2), "tile_source"),
+    ],
+)
+def test_bad_planes_are_refused_and_nothing_changes(over, name):
+    case = int4_case(2, 8, 2, 64, [10, 63], 128, torch.float16, seed=4)
+    before = clone(case.cache)
+    with pytest.raises(RuntimeError, match=name):
+        raw_call(case, **over(case.cache))
+    assert_caches_equal(case.cache, before)
+
+
+def test_planes_refused_for_other_caches():
+    case = int4_case(1, 8, 2, 64, [3], 64, torch.float16, seed=4)
+    k = torch.zeros(1, 2, 8, 64, 8, dtype=torch.float16, device="cuda")
+    v = torch.zeros(1, 2, 64, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="k_zero, v_zero and k_residual must be None"):
+        raw_call(case, k_cache=k, v_cache=v, k_scale=None, v_scale=None)
+
+
+def test_wrapper_checks():
+    case = int4_case(1, 8, 2, 64, [3], 64, torch.float16, seed=4)
+    with pytest.raises(ValueError, match="activation dtype"):
+        ops.decode_attention_int4(case.qkv.to(torch.bfloat16), case.cache, case.lengths, **case.kwargs())
