@@ -68,7 +68,8 @@ if _C is not None:
         alibi_slopes=None, sinks=None, parents=None, node_counts=None, block_tables=None, row_active=None,
         out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
         positions=None, rotary_inv_freq=None, rotary_factor=1.0, rotary_table_start=0, q_norm_weight=None,
-        k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True, k_zero=None, v_zero=None, k_residual=None,
+        k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True, k_zero=None, v_zero=None,
+        k_residual=None,
     ):  # fmt: skip
         return None
 
@@ -261,7 +262,9 @@ def decode_attention_int4(
     head_dim = cache.head_dim
     checks.attention_spec(attention, num_heads, head_dim, qkv.device)
     if attention.epilogue is not None:
-        raise ValueError("attention.epilogue must be None with an int4 cache (the kernel has no int4 epilogue)")
+        raise ValueError(
+            "attention.epilogue must be None with an int4 cache (the kernel has no int4 epilogue)"
+        )
     if cache.dtype != qkv.dtype:
         raise ValueError(f"qkv must have the cache's activation dtype {cache.dtype}, got {qkv.dtype}")
     if qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
@@ -270,7 +273,8 @@ def decode_attention_int4(
     if num_splits is None or stages is None:
         keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
         plan = plan_for(
-            qkv.device, batch, num_heads, num_kv_heads, head_dim, keys, qkv.dtype, variant, dispatch.INT4_CODES
+            qkv.device, batch, num_heads, num_kv_heads, head_dim, keys, qkv.dtype, variant,
+            dispatch.INT4_CODES,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import dispatch, ops
+from . import dispatch, int4, ops
 from .spec import AttentionSpec
 from .workspace import Workspace
 
@@ -28,7 +28,9 @@ class StepPlanner:
         self, cache_shape: tuple, dtype, kv_dtype, device: torch.device, use_kernel: bool, dispatch_on: str
     ):
         self.max_batch, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len = cache_shape
-        self.dtype, self.kv_dtype, self.device = dtype, kv_dtype, device
+        # (an int4 cache's codes: the dispatcher's name for them, dispatch.INT4_CODES)
+        self.dtype, self.device = dtype, device
+        self.kv_dtype = dispatch.INT4_CODES if kv_dtype == int4.INT4 else kv_dtype
         self.use_kernel, self.dispatch_on = use_kernel, dispatch_on
         self.workspace: Workspace | None = None
         self._plans: dict[tuple, dispatch.Plan] = {}

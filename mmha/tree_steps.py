@@ -82,6 +82,11 @@ class TreeSteps:
     ):
         """``KVCache.step_tree`` (its docstring)."""
         c = self.cache
+        if c.use_kernel and c.int4:
+            raise ValueError(
+                'step_tree: an int4 cache (kv_dtype="int4") takes tree steps on the reference path only '
+                "(a CPU cache) until the kernel takes them; its one-token steps run on the GPU"
+            )
         attention = c.attention_of(layer)
         checks.tree_spec(attention, f"attention[{layer}]")
         c.check_bias(qkv_bias)

@@ -26,7 +26,9 @@ class Int4Case:
 
     def kwargs(self) -> dict:
         spec = AttentionSpec(rotary=Rotary(**self.rotary), **self.mods)
-        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, qkv_bias=self.bias, attention=spec)
+        return dict(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, qkv_bias=self.bias, attention=spec
+        )
 
 
 def clone(cache: int4.Int4Cache) -> int4.Int4Cache:

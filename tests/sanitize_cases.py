@@ -302,8 +302,12 @@ def int4_cases() -> None:
     lengths = [0, 1, 63, 127, 200]
     for dtype, head_dim in ((torch.float16, 128), (torch.bfloat16, 32), (torch.float16, 256)):
         for splits in (1, 5):
-            case = int4_case(5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True, rotary_dim=head_dim)
-            out = ops.decode_attention_int4(case.qkv, case.cache, case.lengths, num_splits=splits, **case.kwargs())
+            case = int4_case(
+                5, 8, 2, head_dim, lengths, 256, dtype, seed=splits, bias=True, rotary_dim=head_dim
+            )
+            out = ops.decode_attention_int4(
+                case.qkv, case.cache, case.lengths, num_splits=splits, **case.kwargs()
+            )
             assert torch.isfinite(out).all()
     modes = torch.tensor([spec.ROW_ATTEND, spec.ROW_IDLE, spec.ROW_STEP, spec.ROW_ATTEND, spec.ROW_STEP],
                          dtype=torch.int32, device="cuda")  # fmt: skip

@@ -304,6 +304,18 @@ def test_gpu_int8_kv_teacher_forced_no_decisive_mismatch(dtype):
     assert res["decisive_mismatches"] == 0
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_int4_kv_teacher_forced_no_decisive_mismatch(dtype):
+    """The same with an int4 cache on the kernel (HFDecoder's CUDA graphs; 128 steps, rows crossing
+    K groups' ends) against a 16-bit one: as coarse as on the CPU, no decisive mismatch."""
+    from mmha.models.hf import compare_kv_dtypes
+
+    model = build("llama", "cuda", dtype)
+    res = compare_kv_dtypes(model, prompts(model.config.vocab_size), 128, "int4")
+    assert res["decisive_mismatches"] == 0 and res["max_logit_diff"] < 0.35 * res["logit_scale"]
+
+
 class _AlwaysWrongDraft(HFDecoder):
     """A draft that never proposes its model's top token (with the target's own weights, it is
     always wrong)."""

@@ -216,6 +216,12 @@ def test_gpu_int8_cache_teacher_forced():
     _teacher_forced("cuda", torch.float16, torch.int8, 64)
 
 
+@gpu
+def test_gpu_int4_cache_teacher_forced():
+    """An int4 MmhaCache on the kernel against a 16-bit one, the same way."""
+    _teacher_forced("cuda", torch.float16, "int4", 64)
+
+
 def test_int8_cache_teacher_forced_on_the_cpu():
     """The same with an int8 MmhaCache (per-token scales; the reference path) against an fp32 one."""
     _teacher_forced("cpu", torch.float32, torch.int8, 16)

@@ -49,7 +49,9 @@ def assert_outputs_close(out, lse, ref, ref_lse, dtype):
     live = torch.isfinite(ref_lse)
     assert torch.equal(live, torch.isfinite(lse)), "lse finite where the oracle's is not (or the reverse)"
     lse_err = (lse.double() - ref_lse.double())[live].abs().max().item() if live.any() else 0.0
-    assert lse_err <= 2e-3 * max(1.0, ref_lse[live].abs().max().item() if live.any() else 1.0), f"lse {lse_err:.3e}"
+    assert lse_err <= 2e-3 * max(1.0, ref_lse[live].abs().max().item() if live.any() else 1.0), (
+        f"lse {lse_err:.3e}"
+    )
 
 
 def assert_caches_equal(got, want, k_exact=True):
@@ -134,7 +136,7 @@ def test_steps_across_group_ends(dtype):
     mine, theirs = clone(case.cache), clone(case.cache)
     lengths = case.lengths.clone()
     g = torch.Generator().manual_seed(1)
-    for step in range(70):
+    for _ in range(70):
         qkv = torch.randn(case.qkv.shape, generator=g).to(dtype).cuda()
         ref, ref_lse = int4.decode_step(qkv, theirs, lengths, return_lse=True, compute_dtype=torch.float64,
                                         **case.kwargs())  # fmt: skip
@@ -211,3 +213,56 @@ def test_wrapper_checks():
     case = int4_case(1, 8, 2, 64, [3], 64, torch.float16, seed=4)
     with pytest.raises(ValueError, match="activation dtype"):
         ops.decode_attention_int4(case.qkv.to(torch.bfloat16), case.cache, case.lengths, **case.kwargs())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kvcache_int4_steps_match_reference_and_graph_replay(dtype):
+    """KVCache(kv_dtype="int4") on the GPU against the same cache on the CPU (the reference path):
+    prompts quantised by the format, 70 steps (rows crossing group ends), then a CUDA-graph replay
+    of a step."""
+    from mmha.cache import KVCache
+
+    torch.manual_seed(0)
+    hq, hkv, d, layers = 8, 2, 64, 2
+    kw = dict(kv_dtype="int4", rotary_dim=d)
+    cache = KVCache(layers, 3, 200, hq, hkv, d, dtype, "cuda", dispatch_on="capacity", **kw)
+    ref = KVCache(layers, 3, 200, hq, hkv, d, dtype, "cpu", **kw)
+    k = torch.randn(3, 70, hkv, d, dtype=dtype) * 3
+    v = torch.randn(3, 70, hkv, d, dtype=dtype)
+    for layer in range(layers):
+        cache.prefill(layer, k.cuda(), v.cuda(), [60, 7, 64])
+        ref.prefill(layer, k, v, [60, 7, 64])
+    width = (hq + 2 * hkv) * d
+    for _ in range(70):
+        qkvs = [torch.randn(3, width, dtype=dtype) for _ in range(layers)]
+        outs = [cache.step(i, q.cuda()) for i, q in enumerate(qkvs)]
+        want = [ref.step(i, q) for i, q in enumerate(qkvs)]
+        cache.advance()
+        ref.advance()
+        for o, w in zip(outs, want, strict=True):
+            err = (o.cpu().double() - w.double()).abs().max().item()
+            assert err <= 2 * FLOOR[dtype] * max(1.0, w.abs().max().item()), err
+    cache.check()
+    qkv = torch.randn(3, width, dtype=dtype, device="cuda")
+    eager = cache.step(0, qkv).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cache.step(0, qkv)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_kvcache_int4_refusals_on_the_gpu():
+    """What a GPU int4 cache does not take yet, refused by name: pages, tree steps, fp32."""
+    from mmha.cache import KVCache
+
+    with pytest.raises(ValueError, match="paged=True"):
+        KVCache(1, 2, 128, 8, 2, 64, torch.float16, "cuda", kv_dtype="int4", paged=True, block_size=64)
+    with pytest.raises(ValueError, match="float16 or bfloat16 with an int4 cache"):
+        KVCache(1, 2, 128, 8, 2, 64, torch.float32, "cuda", kv_dtype="int4")
+    cache = KVCache(1, 2, 128, 8, 2, 64, torch.float16, "cuda", kv_dtype="int4")
+    qkv = torch.randn(2, 3, 12 * 64, dtype=torch.float16, device="cuda")
+    parents = torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="tree steps"):
+        cache.step_tree(0, qkv, parents)

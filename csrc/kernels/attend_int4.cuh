@@ -12,9 +12,11 @@
 //   S^T = K Q^T    m16n8k16, A = K as fp16: committed keys widened from their nibbles (1024 +
 //                  code, exact), then code * scale + zero per channel (one sub and one fma per
 //                  two values); residual keys as stored. B = q as one fp16 part (as for fp8).
-//   O^T += V^T P^T A = V^T as the halves 1024 + code; B = P * v_scale[key] / v_unit (v_unit the
-//                  largest V scale the warp has seen, as int8's). Each key's zero point adds
-//                  P * zero to every channel: z_sum, beside p_sum (the codes' bias).
+//   O^T += V^T P^T A = V^T as the codes themselves (1024 + code less 1024, exact: a bias left in
+//                  the sums would cost them their precision over long rows, the codes being
+//                  small beside it); B = P * v_scale[key] / v_unit (v_unit the largest V scale
+//                  the warp has seen, as int8's). Each key's zero point adds P * zero to every
+//                  channel: z_sum.
 // Nibbles reach a lane four channels apart, so q and the output are in a permuted head-dim order
 // (q_dim, out_dim) that the residual area and the stores follow.
 #pragma once
@@ -59,7 +61,6 @@ struct Int4Consumer {
   float acc[KSTEPS][4];    // O^T in units of v_unit (without the codes' bias): rows out_dim(i, g, 0 / 1)
   float s_unit;            // scores are the mma's times this power of two
   float v_unit;            // the largest V scale of the warp's keys so far
-  float p_sum[2];          // the fp16 P values fed to the V mma (this lane's keys), for the bias
   float z_sum[2];          // sum of P * v_zero over this lane's keys (absolute units)
   ScoreTransform<2> mods;
   int res_k0;              // the tile read from the residual area (its first key), or -1
@@ -118,7 +119,6 @@ struct Int4Consumer {
       for (int h = 0; h < 2; ++h) qh[j][h] = h2_bits(__floats2half2_rn(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit));
     }
     v_unit = 0.f;
-    p_sum[0] = p_sum[1] = 0.f;
     z_sum[0] = z_sum[1] = 0.f;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -227,7 +227,6 @@ struct Int4Consumer {
         const float m_new = fmaxf(m[h], mx[h]);
         alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
         l[h] *= alpha[h];
-        p_sum[h] *= alpha[h];
         z_sum[h] *= alpha[h];
         m[h] = m_new;
       }
@@ -257,8 +256,6 @@ struct Int4Consumer {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] *= r;
       }
-      p_sum[0] *= r;
-      p_sum[1] *= r;
       v_unit = vmax;
     }
     const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
@@ -276,12 +273,11 @@ struct Int4Consumer {
     }
     const __half2 p0 = __floats2half2_rn(s[0], s[1]);  // key g: heads 2tq, 2tq + 1
     const __half2 p1 = __floats2half2_rn(s[2], s[3]);  // key g + 8
-    const float2 f0 = __half22float2(p0), f1 = __half22float2(p1);
-    p_sum[0] += f0.x + f1.x;
-    p_sum[1] += f0.y + f1.y;
     const uint32_t ph0 = movmatrix_trans(h2_bits(p0));
     const uint32_t ph1 = movmatrix_trans(h2_bits(p1));
-    // O^T += V^T P^T: chunk c of the keys' V rows gives M tiles 2c and 2c + 1.
+    // O^T += V^T P^T: chunk c of the keys' V rows gives M tiles 2c and 2c + 1 (rows g, g + 8:
+    // nibbles 2 sub, 2 sub + 1 of the lane's 16-bit units).
+    const __half2 bias = __float2half2_rn(kInt4Bias);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       uint32_t r[2];  // keys 2tq, 2tq + 1 | 2tq + 8, 2tq + 9: channels 32c + 4g .. 32c + 4g + 3
@@ -289,10 +285,10 @@ struct Int4Consumer {
 #pragma unroll
       for (int sub = 0; sub < 2; ++sub) {
         uint32_t a[4];
-        a[0] = ((r[0] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u;      // row g: nibble 2 sub
-        a[1] = ((r[0] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u;  // row g + 8: nibble 2 sub + 1
-        a[2] = ((r[1] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u;
-        a[3] = ((r[1] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u;
+        a[0] = h2_bits(__hsub2(bits_h2(((r[0] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u), bias));  // row g
+        a[1] = h2_bits(__hsub2(bits_h2(((r[0] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u), bias));  // g + 8
+        a[2] = h2_bits(__hsub2(bits_h2(((r[1] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u), bias));
+        a[3] = h2_bits(__hsub2(bits_h2(((r[1] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u), bias));
         mma_16816<__half>(acc[2 * c + sub], a, ph0, ph1);
       }
     }
@@ -305,14 +301,13 @@ struct Int4Consumer {
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) {
-        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], off);
         z_sum[h] += __shfl_xor_sync(kFullMask, z_sum[h], off);
       }
     }
 #pragma unroll
     for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(fmaf(-kInt4Bias, p_sum[e & 1], acc[i][e]), v_unit, z_sum[e & 1]);
+      for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(acc[i][e], v_unit, z_sum[e & 1]);
     }
   }
 

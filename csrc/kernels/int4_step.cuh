@@ -116,11 +116,36 @@ __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const Wo
     return ih.residual[(t % kInt4Residual) * HEAD_DIM + d];
   };
   if (!commit) {
-    for (int idx = tid; idx < kTileKeys * HEAD_DIM; idx += nthreads) {
-      const int r = idx / HEAD_DIM, d = idx % HEAD_DIM;
-      const int t = k0 + r;
-      const float x = t >= w.lo && t < w.end ? to_float(key_value(r, d)) : 0.f;
-      area[r * Consumer::RES_PITCH + Consumer::res_col(d)] = __float2half_rn(x);
+    // 16 bytes (8 channels of one key) a load, kBatch of them in flight per thread; channels
+    // 8j .. 8j + 7 land at res_col's places: (c, c + 4) pairs side by side, pairs 8 apart.
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    constexpr int kBatch = 8;
+    static_assert(sizeof(T) == 2, "int4 caches hold 16-bit activations");
+    for (int base = tid; base < kTileKeys * CHUNKS; base += kBatch * nthreads) {
+      uint4 raw[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int idx = base + u * nthreads;
+        const int r = idx / CHUNKS, t = k0 + r;
+        raw[u] = make_uint4(0, 0, 0, 0);
+        if (idx < kTileKeys * CHUNKS && t >= w.lo && t < w.end) {
+          const T* src = appends && t == w.pos ? tok.k : ih.residual + (t % kInt4Residual) * HEAD_DIM;
+          raw[u] = *reinterpret_cast<const uint4*>(src + (idx % CHUNKS) * 8);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int idx = base + u * nthreads;
+        if (idx >= kTileKeys * CHUNKS) break;
+        const int r = idx / CHUNKS, d0 = (idx % CHUNKS) * 8;
+        float x[8];
+        convert16<T>(raw[u], x);
+        __half* row = area + r * Consumer::RES_PITCH + Consumer::res_col(d0);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          *reinterpret_cast<__half2*>(row + 8 * j) = __floats2half2_rn(x[j], x[j + 4]);
+        }
+      }
     }
     sync();
     return;

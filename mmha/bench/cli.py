@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each 16-bit row of head dim 128 also with an fp8 (e4m3) cache")  # fmt: skip
     p.add_argument("--int8", action="store_true",
                    help="each 16-bit row of head dim 128 also with an int8 cache (token scales)")  # fmt: skip
+    p.add_argument("--int4", action="store_true",
+                   help="each 16-bit row of head dim 128 also with an int4 cache (mmha.int4)")  # fmt: skip
     p.add_argument("--full", action="store_true", help="print every column (the files always have them)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     args = p.parse_args(argv)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("mmha.bench needs triton (the read floor's kernel and do_bench)")
         return 1
     custom = (args.batch, args.seq, args.heads, args.kv_heads, args.head_dim)
-    cfgs = build_configs(args.grid, args.dtype, not args.no_extras, custom, args.fp8, args.int8)
+    cfgs = build_configs(args.grid, args.dtype, not args.no_extras, custom, args.fp8, args.int8, args.int4)
     header = {**gpu_header(), "grid": args.grid}
     print(report.header_line(header), flush=True)
     rows, floors, done = [], {}, {}
@@ -103,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.int8:
         misses = report.int8_bar(rows)
         print("int8 bar: " + ("holds on every int8 row" if not misses else f"{len(misses)} misses"))
+        for m in misses:
+            print("  " + m)
+    if args.int4:
+        misses = report.int4_bar(rows)
+        print("int4 bar: " + ("holds on every int4 row" if not misses else f"{len(misses)} misses"))
         for m in misses:
             print("  " + m)
     print(f"wrote {args.out}/bench.json, bench.csv, bench.md", end="")

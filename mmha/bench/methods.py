@@ -35,7 +35,7 @@ def row_of_spec(
     spec: str, dtype: str = "fp16", group: str = "row", kv: str = ""
 ) -> tuple[Config, dispatch.Plan, bool]:
     """A row named ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (the diagnostic tools' rows; ``kv``: "" for
-    caches of ``dtype``, "fp8" or "int8"): its config, the dispatcher's plan or the one forced
+    caches of ``dtype``, "fp8", "int8" or "int4"): its config, the dispatcher's plan or the one forced
     after ``@``, and whether one was forced."""
     shape, _, forced = spec.partition("@")
     b, hq, hkv, d, s = (int(x) for x in shape.split(","))
@@ -58,12 +58,18 @@ def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages
     lse = torch.empty(cfg.batch, cfg.num_heads, dtype=torch.float32, device="cuda")
     op = torch.ops.mmha.decode_attention.default
     k_cache, v_cache, tables = pages if pages is not None else (prob.k_cache, prob.v_cache, None)
+    k_scale, v_scale, kw = prob.k_scale, prob.v_scale, {}
+    if cfg.kv == "int4":  # the format's planes (cp.async tiles: no bulk tensor copies)
+        c = prob.int4
+        k_scale, v_scale, tile_source = c.k_scale, c.v_scale, "cp_async"
+        kw = dict(k_zero=c.k_zero, v_zero=c.v_zero, k_residual=c.k_residual)
     args = (
         prob.qkv, k_cache, v_cache, prob.lengths, None, out, lse, ws.partials, ws.counters,
         ws.status, cfg.num_heads, cfg.num_kv_heads, prob.scale, 0, 10000.0, False, plan.num_splits, False,
-        plan.stages, ops.TILE_SOURCES[tile_source], prob.k_scale, prob.v_scale,
+        plan.stages, ops.TILE_SOURCES[tile_source], k_scale, v_scale,
     )  # fmt: skip
-    kw = {} if tables is None else {"block_tables": tables}
+    if tables is not None:
+        kw["block_tables"] = tables
     if epilogue is not None:
         kw.update(epilogue.kernel_args())
 

@@ -9,14 +9,18 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-# Cache dtypes other than the activations': fp8 e4m3 and int8 (mmha only; the peers run the same
-# shape with caches of the activations' dtype).
-KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# Cache dtypes other than the activations': fp8 e4m3, int8 and int4 (its codes' dtype, uint8; mmha
+# only; the peers run the same shape with caches of the activations' dtype).
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}
 # Scale of the benchmark's fp8 caches: N(0, 1) values up to ~5.5 within e4m3's +-448.
 FP8_BENCH_SCALE = 5.5 / 448
 # The benchmark's int8 caches: uniform codes in [-127, 127], every token's scale this (values up
 # to ~4.5).
 INT8_BENCH_SCALE = 4.5 / 127
+# The benchmark's int4 caches: uniform codes, every scale this and every zero point -4.5 (values
+# in [-4.5, 4.5]); the rows' lengths S - 2, so a step reads S - 1 keys and does not complete a K
+# group (a step that does, one in 64, also quantises it).
+INT4_BENCH_SCALE = 9.0 / 15
 
 # (group, B, Hkv, S) of shared/BENCHMARK.md; Hq = 32, D = 128.
 CANONICAL = [
@@ -59,7 +63,7 @@ class Config:
     head_dim: int
     seq_len: int
     dtype: str
-    kv: str = ""  # "" (the caches hold dtype), "fp8" or "int8"
+    kv: str = ""  # "" (the caches hold dtype), "fp8", "int8" or "int4"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,7 +83,11 @@ class Config:
 
     @property
     def kv_bytes(self) -> int:
-        """mmha's cache bytes (fp8 rows: e4m3; int8 rows: the codes and their fp32 token scales)."""
+        """mmha's cache bytes (fp8 rows: e4m3; int8 rows: the codes and their fp32 token scales; int4
+        rows: the codes, K's fp16 scales and zero points per 64 tokens, V's per token)."""
+        if self.kv == "int4":
+            d = self.head_dim
+            return self.batch * self.num_kv_heads * self.seq_len * (d + d // 16 + 4)
         per_token = self.head_dim * self.kv_elem + (4 if self.kv == "int8" else 0)
         return 2 * self.batch * self.num_kv_heads * self.seq_len * per_token
 
@@ -131,6 +139,8 @@ class Problem:
         self.k_scale = self.v_scale = None
         if kind == "mmha" and cfg.kv == "int8":
             self._int8_caches(cfg, g, lengths)
+        elif kind == "mmha" and cfg.kv == "int4":
+            self._int4_caches(cfg, g, lengths)
         elif kind == "mmha" and cfg.kv:
             kv_dt = cfg.kv_torch_dtype
             self.k_scale = torch.full((hkv,), FP8_BENCH_SCALE, device=dev)
@@ -184,6 +194,26 @@ class Problem:
             lengths if lengths is not None else torch.full((b,), s - 1, dtype=torch.int32, device=dev)
         )
 
+    def _int4_caches(self, cfg: Config, g: torch.Generator, lengths: torch.Tensor | None) -> None:
+        """An int4 row's cache (``self.int4``, an ``mmha.int4.Int4Cache``): uniform codes, every scale
+        INT4_BENCH_SCALE and zero point -4.5, an N(0, 1) K residual; lengths S - 2."""
+        from .. import int4
+
+        b, hkv, d, s, dev = cfg.batch, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len, "cuda"
+        c = int4.Int4Cache.empty(b, hkv, -(-s // int4.GROUP) * int4.GROUP, d, cfg.torch_dtype, dev)
+        for t in (c.k_codes, c.v_codes):
+            t.copy_(torch.randint(0, 256, t.shape, generator=g, device=dev, dtype=torch.uint8))
+        for t in (c.k_scale, c.v_scale):
+            t.fill_(INT4_BENCH_SCALE)
+        for t in (c.k_zero, c.v_zero):
+            t.fill_(-4.5)
+        c.k_residual.copy_(torch.randn(c.k_residual.shape, generator=g, device=dev).to(cfg.torch_dtype))
+        self.int4 = c
+        self.k_cache, self.v_cache = c.k_codes, c.v_codes
+        self.lengths = (
+            lengths if lengths is not None else torch.full((b,), s - 2, dtype=torch.int32, device=dev)
+        )
+
     def kv_rows(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[n, Hq, D]``, k and v ``[n, Hkv, S, D]`` of the given rows, as the call sees them
         (the new token at slot S - 1)."""
@@ -195,6 +225,9 @@ class Problem:
         q = self.qkv[rows, : hq * d].reshape(len(rows), hq, d)
         if self.kind == "sdpa":
             return q, self.k[rows], self.v[rows]
+        if cfg.kv == "int4":  # the S - 1 keys as the format reads them, after the call's append
+            kv = [self.int4.read(r, s - 1) for r in rows]
+            return q, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
         k = layout.unpack_k(self.k_cache[rows], layout="bhsd").float()
         v = layout.unpack_v(self.v_cache[rows], layout="bhsd").float()
         k_new = self.qkv[rows, hq * d : (hq + hkv) * d].view(len(rows), hkv, d).float()
@@ -232,21 +265,23 @@ class Problem:
 
 def layer_problems(cfg: Config, kind: str) -> list[Problem]:
     """The decode timing's ``cfg.layers`` problems: distinct caches and qkv, one shared lengths
-    tensor (the layers of a decode step share ``KVCache.lengths``)."""
-    lengths = torch.full((cfg.batch,), cfg.seq_len - 1, dtype=torch.int32, device="cuda")
+    tensor (the layers of a decode step share ``KVCache.lengths``; int4 rows: S - 2, see
+    INT4_BENCH_SCALE)."""
+    new_slot = cfg.seq_len - (2 if cfg.kv == "int4" else 1)
+    lengths = torch.full((cfg.batch,), new_slot, dtype=torch.int32, device="cuda")
     return [Problem(cfg, kind, seed=i, lengths=lengths) for i in range(cfg.layers)]
 
 
 def build_configs(
     grid: str, dtypes: list[str] | None = None, extras: bool = True, custom=None, fp8: bool = False,
-    int8: bool = False,
+    int8: bool = False, int4: bool = False,
 ) -> list[Config]:  # fmt: skip
     """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
-    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8`` / ``int8``:
-    each fp16 / bf16 row of head dim 128 (custom: every 16-bit row) also with an fp8 / int8 cache,
-    after it."""
+    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8`` / ``int8`` /
+    ``int4``: each fp16 / bf16 row of head dim 128 (custom: every 16-bit row) also with such a
+    cache, after it."""
     cfgs = _grid_configs(grid, dtypes, extras, custom)
-    kinds = [k for k, on in (("fp8", fp8), ("int8", int8)) if on]
+    kinds = [k for k, on in (("fp8", fp8), ("int8", int8), ("int4", int4)) if on]
     if not kinds:
         return cfgs
     out = []

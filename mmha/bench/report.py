@@ -27,6 +27,8 @@ FP8_PCT_FLOOR = 95.0
 # mmha's 16-bit time on the same shape.
 INT8_BIG_BYTES = 256e6
 INT8_RATIO = 0.55
+# int4 caches (issue bar): the same rows, at most INT4_RATIO of mmha's 16-bit time.
+INT4_RATIO = 0.30
 
 
 def summarize(res: dict, ceiling_gbs: float) -> dict:
@@ -133,6 +135,21 @@ def int8_bar(rows: list[dict]) -> list[str]:
     for r in int8_rows(rows):
         if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r["int8_speedup_ratio"] <= INT8_RATIO:
             misses.append(f"{row_label(r)}: {r['int8_speedup_ratio']:.3f}x mmha's 16-bit time > {INT8_RATIO}")
+    return misses
+
+
+def int4_rows(rows: list[dict]) -> list[dict]:
+    """Each int4 row beside its 16-bit twin (``twin_rows``)."""
+    return twin_rows(rows, "int4")
+
+
+def int4_bar(rows: list[dict]) -> list[str]:
+    """Where the int4 rows miss their bar (at most INT4_RATIO of mmha's 16-bit time on rows of at
+    least INT8_BIG_BYTES in 16 bits), one line each (empty: it holds)."""
+    misses = []
+    for r in int4_rows(rows):
+        if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r["int4_speedup_ratio"] <= INT4_RATIO:
+            misses.append(f"{row_label(r)}: {r['int4_speedup_ratio']:.3f}x mmha's 16-bit time > {INT4_RATIO}")
     return misses
 
 

@@ -178,8 +178,8 @@ class MmhaCache(Cache):
     ``past_key_values``; prompts must be left-padded (``generate``'s way for decoder-only models).
     Between unrelated ``generate`` calls, ``reset()`` it. ``kv_dtype=torch.float8_e4m3fn``:
     fp8 caches with scales from the first prompt's absolute maxima (``KVCache.prefill``);
-    ``torch.int8``: codes with a scale per token; ``"int4"``: ``mmha.int4``'s format (the reference
-    path only, so a CPU cache).
+    ``torch.int8``: codes with a scale per token; ``"int4"``: ``mmha.int4``'s format (on a GPU the
+    kernel's int4 steps, contiguous caches).
 
     Any rotary variant works (transformers applies it); sliding windows, logit soft-caps and
     sinks (Mistral, Gemma 2, gpt-oss) are each layer's ``AttentionSpec``: the kernel applies them
@@ -280,7 +280,13 @@ class MmhaCache(Cache):
             spec = spec.replace(scale=float(scale))
         scales = kv.scales_of(layer, b)
         kw = dict(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, attention=spec, **scales)
-        if kv.use_kernel:
+        if kv.use_kernel and kv.int4:
+            splits, stages = self._plans[b]
+            out = ops.decode_attention_int4(
+                qkv, kv.storage.view(layer, b)[0], lengths, num_splits=splits, stages=stages,
+                workspace=self._workspace, validate_lengths=False, **kw,
+            )  # fmt: skip
+        elif kv.use_kernel:
             splits, stages = self._plans[b]
             out = ops.decode_attention(
                 qkv, kc, vc, lengths, num_splits=splits, stages=stages, workspace=self._workspace,
