@@ -17,7 +17,7 @@ per_gpu() {  # --flag docs/data/<name>_<gpu>.json for each GPU that has one
 python bench/make_docs.py \
   $(per_gpu --bench bench) --before "$D/before_h200.json" --step "$D/step_bench_h200.md" \
   --sweep "$D/sweep_h200.json" --sweep "$D/sweep_h100.json" --sweep "$D/sweep_tree_h100.json" \
-  $(per_gpu --fp8 bench_fp8) --fp8-accuracy "$D/fp8_accuracy_h200.json" $(per_gpu --int8 bench_int8) \
+  $(per_gpu --fp8 bench_fp8) --fp8-accuracy "$D/fp8_accuracy_h200.json" $(per_gpu --int8 bench_int8) $(per_gpu --int4 bench_int4) \
   $(per_gpu --hf bench_hf) \
   $(per_gpu --mods bench_mods) $(per_gpu --tree bench_tree) $(per_gpu --paged bench_paged) \
   $(per_gpu --epilogue bench_epilogue) $(per_gpu --models models) --kv-accuracy "$D/kv_formats_synthetic_cpu.json" \

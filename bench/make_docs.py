@@ -12,6 +12,7 @@ printed. --sweep: a ``python -m mmha.bench.sweep`` sweep.json (the dispatcher's 
 --fp8: a ``python -m mmha.bench --grid canonical --fp8`` bench.json (copied to
 docs/data/bench_fp8_<gpu>.json). --fp8-accuracy: ``python -m mmha.bench.fp8_accuracy``'s JSON.
 --int8: a ``python -m mmha.bench --grid canonical --int8`` bench.json (docs/data/bench_int8_<gpu>.json).
+--int4: likewise with ``--int4`` (docs/data/bench_int4_<gpu>.json).
 --hf: a ``python -m mmha.bench.hf`` bench_hf.json, one per GPU model (copied to
 docs/data/bench_hf_<gpu>.json). --mods: a ``python -m mmha.bench --mods`` bench_mods.json, one per
 GPU model (copied to docs/data/bench_mods_<gpu>.json). --tree: a ``python -m mmha.bench --tree``
@@ -211,24 +212,33 @@ def kv_sections(paths: list[Path], kv: str, section) -> list[str]:
     return lines
 
 
-def int8_section(data: dict, name: str) -> list[str]:
+def integer_section(data: dict, name: str, kv: str) -> list[str]:
+    """An int8 or int4 run's rows beside their 16-bit twins, and where they miss the bar."""
     from tabulate import tabulate
 
     h = data["header"]
-    rows = report.int8_rows(data["rows"])
+    rows = report.twin_rows(data["rows"], kv)
     body = [[report.row_label(r), report.fmt(r["kv_mb_16bit"]), report.fmt(r["kv_mb"]), r["plan"],
              report.fmt(r["mmha_decode_us"]), report.fmt(r["mmha_16bit_us"]),
-             report.fmt(r["int8_speedup_ratio"], 3), report.fmt(r["pct_floor"])] for r in rows]  # fmt: skip
-    misses = report.int8_bar(data["rows"])
+             report.fmt(r[f"{kv}_speedup_ratio"], 3), report.fmt(r["pct_floor"])] for r in rows]  # fmt: skip
+    misses = report.int8_bar(data["rows"]) if kv == "int8" else report.int4_bar(data["rows"])
     return [
         f"### {h['gpu']} ({name}), {h['date']}: torch {h['torch']}, CUDA {h['cuda']}", "",
-        tabulate(body, headers=["row", "16-bit KV MB", "int8 KV MB", "plan", "mmha int8 us",
-                                "mmha 16-bit us", "int8 / 16-bit", "% int8 floor"],
+        tabulate(body, headers=["row", "16-bit KV MB", f"{kv} KV MB", "plan", f"mmha {kv} us",
+                                "mmha 16-bit us", f"{kv} / 16-bit", f"% {kv} floor"],
                  tablefmt="github", disable_numparse=True), "",
-        "int8 bar (`mmha.bench.report.int8_bar`): "
+        f"{kv} bar (`mmha.bench.report.{kv}_bar`): "
         + ("holds on every row." if not misses else f"{len(misses)} misses:"), "",
         *[f"- {m}" for m in misses], "",
     ]  # fmt: skip
+
+
+def int8_section(data: dict, name: str) -> list[str]:
+    return integer_section(data, name, "int8")
+
+
+def int4_section(data: dict, name: str) -> list[str]:
+    return integer_section(data, name, "int4")
 
 
 def fp8_accuracy_section(acc: dict) -> list[str]:
@@ -376,6 +386,7 @@ def main() -> None:
     ap.add_argument("--fp8", type=Path, action="append", default=[])
     ap.add_argument("--fp8-accuracy", type=Path)
     ap.add_argument("--int8", type=Path, action="append", default=[])
+    ap.add_argument("--int4", type=Path, action="append", default=[])
     ap.add_argument("--hf", type=Path, action="append", default=[])
     ap.add_argument("--ab", type=Path, action="append", default=[])
     ap.add_argument("--mods", type=Path, action="append", default=[])
@@ -460,6 +471,17 @@ def main() -> None:
             " bar: on rows of >= 256 MB in 16 bits at most 0.55x mmha's 16-bit time.", "",
         ]  # fmt: skip
         lines += kv_sections(args.int8, "int8", int8_section)
+    if args.int4:
+        lines += [
+            "## int4 caches", "",
+            "`python -m mmha.bench --grid canonical --dtype fp16 --no-extras --int4 --peers --no-secondary`:"
+            " each canonical row again with an int4 cache (`mmha.int4`: codes two a byte, K's fp16 scales"
+            " and zero points per 64 tokens, V's per token; the int4 bytes count them all), beside mmha's"
+            " 16-bit time from the same run. The rows' lengths are S - 2, so a step reads S - 1 keys and"
+            " does not complete a K group (one step in 64 does, and quantises it). The bar: on rows of"
+            " >= 256 MB in 16 bits at most 0.30x mmha's 16-bit time.", "",
+        ]  # fmt: skip
+        lines += kv_sections(args.int4, "int4", int4_section)
     if args.mods:
         from mmha.bench import mods
 

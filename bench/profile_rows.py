@@ -1,7 +1,7 @@
 """Launch mmha (or a peer) on a few benchmark rows, as dispatched, for Nsight Compute
 (bench/profile.sh).
 
-Each row: B,Hq,Hkv,D,S (fp16; ``--kv fp8|int8`` for those caches), optionally with @SPLITSxSTAGES
+Each row: B,Hq,Hkv,D,S (fp16; ``--kv fp8|int8|int4`` for those caches), optionally with @SPLITSxSTAGES
 to force a plan. Every row is checked against the fp32 reference first, then launched ``--iters``
 times inside an NVTX range named "mmha" (or "peer" with ``--peer NAME``, an SDPA peer of
 mmha.bench such as sdpa_cudnn), so ``ncu --nvtx --nvtx-include mmha/`` catches only those
@@ -29,7 +29,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("rows", nargs="+", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
     p.add_argument("--dtype", default="fp16")
-    p.add_argument("--kv", default="", choices=["", "fp8", "int8"], help="the caches' format")
+    p.add_argument("--kv", default="", choices=["", "fp8", "int8", "int4"], help="the caches' format")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--peer", default=None, help="run this peer instead (sdpa_cudnn, ...)")
     p.add_argument("--mod", default=None, choices=["window", "softcap", "alibi", "sinks"])
