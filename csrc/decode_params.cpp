@@ -71,26 +71,27 @@ void check_plane(const OptTensor& t, const char* name, at::ScalarType dtype, std
   MMHA_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name, " must start 16-byte aligned");
 }
 
-// An int4 cache (k_cache / v_cache uint8 codes, mmha.int4.Int4Cache): contiguous, one-token steps,
-// capacity a whole number of 64-token groups, head dim a whole number of 32-channel chunks, and
-// its planes: fp16 k_scale / k_zero [B, Hkv, S_max / 64, D], v_scale / v_zero [B, Hkv, S_max],
-// k_residual [B, Hkv, 128, D] of qkv's dtype.
-void check_int4(const DecodeArgs& a, int64_t batch, int64_t heads, int64_t slots, int64_t head_dim) {
+// An int4 cache (k_cache / v_cache uint8 codes: mmha.int4.Int4Cache, or mmha.int4_pages.Int4Pages
+// with block_tables): one-token steps, rows (or blocks) of a whole number of 64-token groups,
+// head dim a whole number of 32-channel chunks, and its planes: fp16 k_scale / k_zero [n, Hkv,
+// slots / 64, D], v_scale / v_zero [n, Hkv, slots] (n, slots: v_cache's first and third dims:
+// rows and S_max, or pool blocks and the block size), k_residual [B, Hkv, 128, D] of qkv's dtype.
+void check_int4(const DecodeArgs& a, int64_t n, int64_t heads, int64_t slots, int64_t head_dim, int64_t batch) {
   const c10::Device device = a.qkv.device();
-  MMHA_CHECK(!a.paged(), "block_tables must be None for an int4 cache (the kernel takes contiguous int4 caches)");
   MMHA_CHECK(!a.tree(), "parents must be None for an int4 cache (its tree steps run on the reference path)");
   MMHA_CHECK(!a.epilogue(), "an int4 cache takes no output epilogue (out_shift, out_smooth, a quantised out)");
   MMHA_CHECK(head_dim % kInt4Channels == 0, "an int4 cache needs head_dim a multiple of ", kInt4Channels,
              ", got ", head_dim);
-  MMHA_CHECK(slots % kInt4Group == 0, "v_cache must hold a multiple of ", kInt4Group,
-             " slots for an int4 cache (whole K groups), got shape ", shape_str(a.v_cache));
+  MMHA_CHECK(slots % kInt4Group == 0, "v_cache must hold a multiple of ", kInt4Group, " slots ",
+             a.paged() ? "per block" : "per row", " for an int4 cache (whole K groups), got shape ",
+             shape_str(a.v_cache));
   const at::ScalarType half = at::kHalf;
-  check_plane(a.k_scale, "k_scale", half, {batch, heads, slots / kInt4Group, head_dim}, "fp16 [B, Hkv, S_max / 64, D]",
-              device);
-  check_plane(a.k_zero, "k_zero", half, {batch, heads, slots / kInt4Group, head_dim}, "fp16 [B, Hkv, S_max / 64, D]",
-              device);
-  check_plane(a.v_scale, "v_scale", half, {batch, heads, slots}, "fp16 [B, Hkv, S_max]", device);
-  check_plane(a.v_zero, "v_zero", half, {batch, heads, slots}, "fp16 [B, Hkv, S_max]", device);
+  const char* k_dims = a.paged() ? "fp16 [num_blocks, Hkv, block_size / 64, D]" : "fp16 [B, Hkv, S_max / 64, D]";
+  const char* v_dims = a.paged() ? "fp16 [num_blocks, Hkv, block_size]" : "fp16 [B, Hkv, S_max]";
+  check_plane(a.k_scale, "k_scale", half, {n, heads, slots / kInt4Group, head_dim}, k_dims, device);
+  check_plane(a.k_zero, "k_zero", half, {n, heads, slots / kInt4Group, head_dim}, k_dims, device);
+  check_plane(a.v_scale, "v_scale", half, {n, heads, slots}, v_dims, device);
+  check_plane(a.v_zero, "v_zero", half, {n, heads, slots}, v_dims, device);
   check_plane(a.k_residual, "k_residual", a.qkv.scalar_type(), {batch, heads, kInt4Residual, head_dim},
               "qkv's dtype, [B, Hkv, 128, D]", device);
 }
@@ -242,7 +243,7 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
   check_contiguous(k_cache, "k_cache");
   check_contiguous(v_cache, "v_cache");
   MMHA_CHECK(max_seq_len > 0, "v_cache must have max_seq_len > 0, got shape ", shape_str(v_cache));
-  if (int4) check_int4(a, v_cache.size(0), v_cache.size(1), slots_dim, head_dim);
+  if (int4) check_int4(a, v_cache.size(0), v_cache.size(1), slots_dim, head_dim, batch);
 
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   p.num_heads = static_cast<int32_t>(a.num_heads);

@@ -118,7 +118,7 @@ def int4_stage_bytes(head_dim: int) -> int:
 def int4_residual_bytes(head_dim: int) -> int:
     # an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes),
     # after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)
-    return TILE_KEYS * (2 * head_dim + 16) + 3 * head_dim + 16
+    return TILE_KEYS * (2 * head_dim + 16) + 11 * head_dim + 16
 
 
 def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:

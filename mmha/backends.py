@@ -76,12 +76,12 @@ class KernelBackend:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
 
     def step(self, c: StepCall):
-        if isinstance(c.k, int4.Int4Cache):  # the format's own view: codes, scales, zero points, residual
+        if isinstance(c.k, INT4_VIEWS):  # the format's own view: codes, scales, zero points, residual
             return ops.decode_attention_int4(
                 c.qkv, c.k, c.lengths, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 attention=c.attention, qkv_bias=c.qkv_bias, num_splits=c.num_splits, stages=c.stages,
                 return_lse=c.return_lse, workspace=c.workspace, validate_lengths=False,
-                row_active=c.row_active, positions=c.positions,
+                row_active=c.row_active, positions=c.positions, block_tables=c.block_tables,
             )  # fmt: skip
         return ops.decode_attention(
             c.qkv, c.k, c.v, c.lengths, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,

@@ -56,13 +56,8 @@ def _checked_kv_dtype(dtype: torch.dtype, kv_dtype) -> torch.dtype | str:
     return kv_dtype
 
 
-def _check_kernel_takes(dtype: torch.dtype, kv_dtype, paged: bool) -> None:
+def _check_kernel_takes(dtype: torch.dtype, kv_dtype) -> None:
     """The formats the GPU kernel does not take (a GPU cache refuses them by name)."""
-    if kv_dtype == INT4 and paged:
-        raise ValueError(
-            'paged=True with kv_dtype="int4" runs on the reference path only (a CPU cache) until the '
-            "kernel takes int4 pages; use a contiguous int4 cache (paged=False) on a GPU"
-        )
     if kv_dtype in (torch.int8, INT4) and dtype not in dispatch.FP8_ACTIVATION_DTYPES:
         name = "int8" if kv_dtype == torch.int8 else "int4"
         raise ValueError(f"dtype must be float16 or bfloat16 with an {name} cache on a GPU, got {dtype}")
@@ -155,7 +150,7 @@ class KVCache:
         self.dispatch_on = dispatch_on
         self.use_kernel = self.device.type == "cuda" and extension_available()
         if self.use_kernel:
-            _check_kernel_takes(dtype, kv_dtype, paged)
+            _check_kernel_takes(dtype, kv_dtype)
         if self.use_kernel:  # theta's frequency tables made now, before any step is captured in a graph
             for spec in self.attention:
                 spec.rotary.kernel_table(self.device)

@@ -204,15 +204,8 @@ def decode_attention(
             f"qkv must have dtype float16 or bfloat16 with a {k_cache.dtype} cache, got {qkv.dtype}"
         )
     batch, max_seq_len = _extent(v_cache, block_tables)
-    if check and block_tables is not None and qkv.shape[0] == batch and lengths.shape == (batch,):
-        modes, host = checks.row_modes(row_active, batch), lengths.tolist()
-        # Blocks of the slots a row reads and writes: through lengths[b], or before it (attend only).
-        need = {r: host[r] - (modes[r] == ROW_ATTEND) for r in range(batch) if modes[r]}
-        rows = [r for r, n in need.items() if n >= 0]
-        if rows:
-            checks.block_tables(
-                block_tables[rows], [need[r] for r in rows], v_cache.shape[0], v_cache.shape[-2]
-            )
+    if check:
+        _check_pages(qkv, lengths, block_tables, row_active, v_cache, batch)
     if num_splits is None or stages is None:
         keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
         plan = plan_for(
@@ -228,6 +221,18 @@ def decode_attention(
         (num_splits, stages, tile_source, workspace), check, kw,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _check_pages(qkv, lengths, block_tables, row_active, v_cache, batch) -> None:
+    """A paged step's block tables on the host (validating): the blocks of the slots each row
+    reads and writes, through lengths[b] or before it (attend only), inside the pool."""
+    if block_tables is None or qkv.shape[0] != batch or lengths.shape != (batch,):
+        return
+    modes, host = checks.row_modes(row_active, batch), lengths.tolist()
+    need = {r: host[r] - (modes[r] == ROW_ATTEND) for r in range(batch) if modes[r]}
+    rows = [r for r, n in need.items() if n >= 0]
+    if rows:
+        checks.block_tables(block_tables[rows], [need[r] for r in rows], v_cache.shape[0], v_cache.shape[-2])
 
 
 def decode_attention_int4(
@@ -248,28 +253,34 @@ def decode_attention_int4(
     validate_lengths: bool = True,
     row_active: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode_attention`` over an int4 cache on the GPU (``cache``: an ``mmha.int4.Int4Cache`` of
-    contiguous rows on qkv's device, fp16 / bf16 activations; ``mmha.int4.decode_step`` defines
-    the step): the new token's V quantised per token at slot ``lengths[b]``, its K into the
-    residual, and the group it completes (slot ``lengths[b] % 64 == 63``) quantised per channel
-    and committed, in the same launch. One-token steps without an output epilogue; bulk tensor
-    copies are not used (cp.async tiles). A new K or V value that is not finite, or past fp16's
-    range, flags its row (``ScaleError`` at ``workspace.check()``). Other arguments as
-    ``decode_attention``'s."""
+    contiguous rows, or with ``block_tables`` an ``mmha.int4_pages.Int4Pages`` pool of 64- or
+    128-slot blocks, whose residual rows 0 .. B - 1 the step's rows use; on qkv's device, fp16 /
+    bf16 activations; ``mmha.int4.decode_step`` / ``int4_pages.decode_step_paged`` define the
+    step): the new token's V quantised per token at slot ``lengths[b]``, its K into the residual,
+    and the group it completes (slot ``lengths[b] % 64 == 63``) quantised per channel and
+    committed, in the same launch. One-token steps without an output epilogue; bulk tensor copies
+    are not used (cp.async tiles). A new K or V value that is not finite, or past fp16's range,
+    flags its row (``ScaleError`` at ``workspace.check()``); a paged row whose table names a block
+    outside the pool writes nothing (``PageError``). Other arguments as ``decode_attention``'s."""
     _require_extension()
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
-    head_dim = cache.head_dim
+    head_dim, act_dtype = cache.k_residual.shape[-1], cache.k_residual.dtype  # (Int4Cache or Int4Pages)
     checks.attention_spec(attention, num_heads, head_dim, qkv.device)
     if attention.epilogue is not None:
         raise ValueError(
             "attention.epilogue must be None with an int4 cache (the kernel has no int4 epilogue)"
         )
-    if cache.dtype != qkv.dtype:
-        raise ValueError(f"qkv must have the cache's activation dtype {cache.dtype}, got {qkv.dtype}")
+    if act_dtype != qkv.dtype:
+        raise ValueError(f"qkv must have the cache's activation dtype {act_dtype}, got {qkv.dtype}")
     if qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
         raise ValueError(f"qkv must have dtype float16 or bfloat16 with an int4 cache, got {qkv.dtype}")
-    batch, max_seq_len = cache.batch, cache.max_seq_len
+    batch, max_seq_len = _extent(cache.v_codes, block_tables)
+    residual = cache.k_residual if block_tables is None else cache.k_residual[:batch]
+    if check:
+        _check_pages(qkv, lengths, block_tables, row_active, cache.v_codes, batch)
     if num_splits is None or stages is None:
         keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
         plan = plan_for(
@@ -279,8 +290,8 @@ def decode_attention_int4(
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
     kw = dict(qkv_bias=qkv_bias, k_scale=cache.k_scale, v_scale=cache.v_scale, k_zero=cache.k_zero,
-              v_zero=cache.v_zero, k_residual=cache.k_residual, row_active=row_active, positions=positions,
-              head_dim=head_dim)  # fmt: skip
+              v_zero=cache.v_zero, k_residual=residual, row_active=row_active, positions=positions,
+              block_tables=block_tables, head_dim=head_dim)  # fmt: skip
     out, lse = _launch(
         qkv, cache.k_codes, cache.v_codes, lengths, num_heads, num_kv_heads, attention, (batch, 1),
         (num_splits, stages, "cp_async", workspace), check, kw,

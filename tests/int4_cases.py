@@ -81,3 +81,25 @@ def poison(cache: int4.Int4Cache, row: int, n: int) -> None:
     for e in range(int4.RESIDUAL):
         if e not in held:
             cache.k_residual[row, :, e] = float("nan")
+
+
+def to_pages(cache: int4.Int4Cache, block_size: int, seed: int, spare: int = 3):
+    """The contiguous ``cache``'s rows as blocks of ``block_size`` slots at random places of a pool
+    (``mmha.int4_pages.Int4Pages``, its spare blocks poisoned as unused slots are); returns
+    ``(pages, block_tables)``."""
+    from mmha.int4_pages import Int4Pages
+
+    b, s = cache.batch, cache.max_seq_len
+    max_blocks = s // block_size
+    nb = b * max_blocks + spare
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(nb, generator=g)[: b * max_blocks].reshape(b, max_blocks)
+    pages = Int4Pages.empty(nb, block_size, b, cache.num_kv_heads, cache.head_dim, cache.dtype, "cuda")
+    for t in (pages.k_codes, pages.v_codes):
+        t.fill_(0xFF)
+    for t in (pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero, pages.k_residual):
+        t.fill_(float("nan"))
+    for row in range(b):
+        one = int4.Int4Cache(**{name: getattr(cache, name)[row : row + 1] for name in PLANES})
+        pages.scatter(row, order[row].tolist(), one)
+    return pages, order.to(torch.int32).cuda()

@@ -295,7 +295,8 @@ def int8_cases() -> None:
 def int4_cases() -> None:
     """int4 caches (mmha.int4): every head dim's smallest and largest, split and not, rows ending
     before, on and past a group's end (a group committed by the step), attend-only and idle rows,
-    a window, a non-finite new token (flagged); unused codes 0xFF, unused scales, zero points and
+    a window, pools of 64- and 128-slot blocks (spare blocks poisoned; a block outside the pool
+    refused), a non-finite new token (flagged); unused codes 0xFF, unused scales, zero points and
     residual entries NaN."""
     from int4_cases import int4_case
 
@@ -315,6 +316,22 @@ def int4_cases() -> None:
     out = ops.decode_attention_int4(case.qkv, case.cache, case.lengths, row_active=modes, num_splits=3,
                                     **case.kwargs())  # fmt: skip
     assert torch.isfinite(out).all()
+    from int4_cases import to_pages
+
+    for block_size in (64, 128):  # pages (a row refused for a block outside the pool), split and not
+        case = int4_case(4, 8, 2, 128, [0, 63, 127, 200], 256, torch.float16, seed=block_size, bias=True)
+        pages, tables = to_pages(case.cache, block_size, seed=1)
+        for splits in (1, 3):
+            out = ops.decode_attention_int4(
+                case.qkv, pages, case.lengths, block_tables=tables, num_splits=splits, **case.kwargs()
+            )
+            assert torch.isfinite(out).all()
+        tables[2, 0] = pages.num_blocks + 3
+        ws = ops.Workspace.allocate("cuda", 4, 8, 128, 3)
+        ops.decode_attention_int4(case.qkv, pages, case.lengths, block_tables=tables, num_splits=3, workspace=ws,
+                                  validate_lengths=False, **case.kwargs())  # fmt: skip
+        torch.cuda.synchronize()
+        assert ws.status.tolist() == [0, 0, 8, 0], ws.status.tolist()
     case = int4_case(3, 8, 2, 64, [10, 63, 20], 128, torch.float16, seed=2)
     case.qkv[1, 8 * 64 + 5] = float("nan")  # row 1's new k
     ws = ops.Workspace.allocate("cuda", 3, 8, 64, 1)

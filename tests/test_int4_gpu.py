@@ -215,16 +215,19 @@ def test_wrapper_checks():
         ops.decode_attention_int4(case.qkv.to(torch.bfloat16), case.cache, case.lengths, **case.kwargs())
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kvcache_int4_steps_match_reference_and_graph_replay(dtype):
-    """KVCache(kv_dtype="int4") on the GPU against the same cache on the CPU (the reference path):
-    prompts quantised by the format, 70 steps (rows crossing group ends), then a CUDA-graph replay
-    of a step."""
+def test_kvcache_int4_steps_match_reference_and_graph_replay(dtype, paged):
+    """KVCache(kv_dtype="int4") on the GPU against the same cache on the CPU (the reference path),
+    contiguous and paged: prompts quantised by the format, 70 steps (rows crossing group ends),
+    then a CUDA-graph replay of a step."""
     from mmha.cache import KVCache
 
     torch.manual_seed(0)
     hq, hkv, d, layers = 8, 2, 64, 2
     kw = dict(kv_dtype="int4", rotary_dim=d)
+    if paged:
+        kw.update(paged=True, block_size=64)
     cache = KVCache(layers, 3, 200, hq, hkv, d, dtype, "cuda", dispatch_on="capacity", **kw)
     ref = KVCache(layers, 3, 200, hq, hkv, d, dtype, "cpu", **kw)
     k = torch.randn(3, 70, hkv, d, dtype=dtype) * 3
@@ -254,11 +257,9 @@ def test_kvcache_int4_steps_match_reference_and_graph_replay(dtype):
 
 
 def test_kvcache_int4_refusals_on_the_gpu():
-    """What a GPU int4 cache does not take yet, refused by name: pages, tree steps, fp32."""
+    """What a GPU int4 cache does not take yet, refused by name: tree steps, fp32."""
     from mmha.cache import KVCache
 
-    with pytest.raises(ValueError, match="paged=True"):
-        KVCache(1, 2, 128, 8, 2, 64, torch.float16, "cuda", kv_dtype="int4", paged=True, block_size=64)
     with pytest.raises(ValueError, match="float16 or bfloat16 with an int4 cache"):
         KVCache(1, 2, 128, 8, 2, 64, torch.float32, "cuda", kv_dtype="int4")
     cache = KVCache(1, 2, 128, 8, 2, 64, torch.float16, "cuda", kv_dtype="int4")
@@ -266,3 +267,94 @@ def test_kvcache_int4_refusals_on_the_gpu():
     parents = torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="tree steps"):
         cache.step_tree(0, qkv, parents)
+
+
+def clone_pages(pages):
+    from mmha.int4_pages import Int4Pages
+
+    return Int4Pages(**{name: getattr(pages, name).clone() for name in PLANES})
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_pages_equal_the_contiguous_cache(block_size, splits):
+    """The same rows scattered over a pool's blocks: the step's output bit for bit the contiguous
+    cache's, and each row's blocks after it (gathered) its contiguous row, bit for bit (a group
+    committed into its block included); the spare blocks untouched."""
+    from int4_cases import to_pages
+
+    case = int4_case(4, 8, 2, 128, [0, 63, 127, 200], 256, torch.float16, seed=block_size + splits, bias=True)
+    pages, tables = to_pages(case.cache, block_size, seed=splits)
+    out, lse, want = run_kernel(case, num_splits=splits)
+    got = clone_pages(pages)
+    pout, plse = ops.decode_attention_int4(
+        case.qkv, got, case.lengths, return_lse=True, block_tables=tables, num_splits=splits, **case.kwargs()
+    )
+    torch.cuda.synchronize()
+    assert_bits_equal(pout, out, "out")
+    assert_bits_equal(plse, lse, "lse")
+    used = set(tables.flatten().tolist())
+    for row in range(case.cache.batch):
+        blocks = tables[row].tolist()
+        gathered = got.gather(row, blocks)
+        for name in PLANES:
+            assert_bits_equal(getattr(gathered, name)[0], getattr(want, name)[row], f"row {row} {name}")
+    spare = [i for i in range(pages.num_blocks) if i not in used]
+    for name in PLANES[:-1]:
+        assert_bits_equal(getattr(got, name)[spare], getattr(pages, name)[spare], f"spare {name}")
+
+
+def test_pages_against_the_oracle():
+    from int4_cases import to_pages
+
+    from mmha import int4_pages
+
+    case = int4_case(3, 8, 2, 64, [5, 63, 130], 192, torch.bfloat16, seed=21)
+    pages, tables = to_pages(case.cache, 64, seed=2)
+    ref_pages = clone_pages(pages)
+    ref, ref_lse = int4_pages.decode_step_paged(
+        case.qkv,
+        ref_pages,
+        tables,
+        case.lengths,
+        return_lse=True,
+        compute_dtype=torch.float64,
+        **case.kwargs(),
+    )
+    got = clone_pages(pages)
+    out, lse = ops.decode_attention_int4(
+        case.qkv, got, case.lengths, return_lse=True, block_tables=tables, **case.kwargs()
+    )
+    torch.cuda.synchronize()
+    assert_outputs_close(out, lse, ref, ref_lse, torch.bfloat16)
+    for name in PLANES:
+        assert_bits_equal(getattr(got, name), getattr(ref_pages, name), name)
+
+
+def test_a_block_outside_the_pool_writes_nothing():
+    """A row whose table names a block outside the pool (validation off) is refused: NaN output,
+    PageError, nothing written for it, on a step that would commit a group too; the other rows
+    step as usual."""
+    from int4_cases import to_pages
+
+    from mmha.workspace import PageError
+
+    case = int4_case(3, 8, 2, 64, [63, 63, 20], 128, torch.float16, seed=8)
+    pages, tables = to_pages(case.cache, 64, seed=3)
+    row1 = tables[1, 0].item()
+    tables[1, 0] = pages.num_blocks + 7  # the block of row 1's slots (its new token's too)
+    before = clone_pages(pages)
+    ws = Workspace.allocate(case.qkv.device, 3, 8, 64, 1)
+    got = clone_pages(pages)
+    out = ops.decode_attention_int4(
+        case.qkv, got, case.lengths, block_tables=tables, num_splits=1, workspace=ws, validate_lengths=False,
+        **case.kwargs(),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    with pytest.raises(PageError):
+        ws.check()
+    for name in PLANES[:-1]:
+        assert_bits_equal(getattr(got, name)[row1], getattr(before, name)[row1], f"row 1's block {name}")
+    assert_bits_equal(got.k_residual[1], before.k_residual[1], "row 1's residual")
+    assert not torch.equal(got.v_codes[tables[0, 0].item()], before.v_codes[tables[0, 0].item()])

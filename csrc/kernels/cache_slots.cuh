@@ -66,10 +66,11 @@ __device__ __forceinline__ HeadSlots<C, HEAD_DIM> head_slots(const CacheParams& 
     const int64_t head = (static_cast<int64_t>(b) * num_kv_heads + kvh) * SLOT * c.max_seq_len;
     return {k + head, v + head, nullptr, c.max_seq_len, 0, 0};
   }
+  constexpr int64_t SLOT = std::is_same_v<C, u4> ? HEAD_DIM / 2 : HEAD_DIM;
   const int bs = 1 << c.block_shift;
-  const int64_t head = static_cast<int64_t>(kvh) * HEAD_DIM * bs;  // K and V alike: D * bs per head
+  const int64_t head = static_cast<int64_t>(kvh) * SLOT * bs;  // K and V alike: D * bs per head
   return {k + head, v + head, c.block_tables + static_cast<int64_t>(b) * c.max_blocks, bs, c.block_shift,
-          static_cast<int64_t>(num_kv_heads) * HEAD_DIM * bs};
+          static_cast<int64_t>(num_kv_heads) * SLOT * bs};
 }
 
 // One (row, kv head)'s token scales of an int8 cache (CacheParams::k_token_scale /

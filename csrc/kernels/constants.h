@@ -118,7 +118,7 @@ constexpr int int4_stage_bytes(int head_dim) {
 // an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes),
 // after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)
 constexpr int int4_residual_bytes(int head_dim) {
-  return (((kTileKeys * ((2 * head_dim) + 16)) + (3 * head_dim)) + 16);
+  return (((kTileKeys * ((2 * head_dim) + 16)) + (11 * head_dim)) + 16);
 }
 // a bound on the tile kernel's static shared memory at qb query columns per item (elem_bytes: the
 // activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB against

@@ -939,7 +939,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
                                      stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       }
       if constexpr (kInt4<C>) {
-        stage_int4_scales<T, HEAD_DIM>(ta, int4_head<T, HEAD_DIM>(p, w.b, w.kvh),
+        stage_int4_scales<T, HEAD_DIM>(ta, int4_head<T, HEAD_DIM>(p, w.b, w.kvh), pages,
                                        stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       }
       if (i + 1 < nt) pages = ahead.checked(p.cache.num_blocks, pages_bad);

@@ -41,7 +41,8 @@ template <typename T, int HEAD_DIM>
 struct Int4Token {
   T k[HEAD_DIM];
   alignas(16) uint8_t v[HEAD_DIM / 2];
-  float v_range[2];  // scale, zero point (fp16 values)
+  float v_range[2];             // scale, zero point (fp16 values)
+  float k_range[2][HEAD_DIM];   // a committing step's group: each channel's scale and zero point
 };
 
 // The new token of an int4 item (one-token steps): k_at(d) / v_at(d) its values in fp32 (after
@@ -97,24 +98,29 @@ __device__ __forceinline__ void quantize_new_token_u4(const MmhaParams& p, const
   }
 }
 
+// Slot k0 + r's channel d as the K residual holds it (a stepping row's new token: from tok).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ T int4_residual_value(const Int4Head<T, HEAD_DIM>& ih, const WorkItem& w,
+                                                 const Int4Token<T, HEAD_DIM>& tok, int k0, int r, int d) {
+  const int t = k0 + r;
+  if (int4_appends(w) && t == w.pos) return tok.k[d];
+  return ih.residual[(t % kInt4Residual) * HEAD_DIM + d];
+}
+
 // The row's last K group into an int4 item's residual area (the item that holds it, at its first
 // tile; threads tid < nthreads, then a barrier of them): keys k0 .. k0 + 63, those in [lo, end)
 // from the residual (the new token's from tok), the rest 0, as fp16 at res_col. On the step that
 // completes the group (commit: slot pos is its last), the group is quantised per channel from
-// those values as mmha.int4 commits it (a thread per channel pair): column block 0 writes the
-// codes, scales and zero points to the cache, and the area holds code * scale + zero.
+// those values as mmha.int4 commits it (a thread per channel pair; the ranges kept in
+// tok.k_range for append_int4_token's commit), and the area holds code * scale + zero.
 template <typename T, int HEAD_DIM, int QB, typename Sync>
 __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const WorkItem& w, int k0, bool commit,
-                                                   const Int4Token<T, HEAD_DIM>& tok, __half* area, int tid,
+                                                   Int4Token<T, HEAD_DIM>& tok, __half* area, int tid,
                                                    int nthreads, Sync sync) {
   using Consumer = Int4Consumer<HEAD_DIM, QB>;
   const Int4Head<T, HEAD_DIM> ih = int4_head<T, HEAD_DIM>(p, w.b, w.kvh);
   const bool appends = int4_appends(w);
-  const auto key_value = [&](int r, int d) -> T {  // slot k0 + r, channel d, as the residual holds it
-    const int t = k0 + r;
-    if (appends && t == w.pos) return tok.k[d];
-    return ih.residual[(t % kInt4Residual) * HEAD_DIM + d];
-  };
+  const auto key_value = [&](int r, int d) { return int4_residual_value(ih, w, tok, k0, r, d); };
   if (!commit) {
     // 16 bytes (8 channels of one key) a load, kBatch of them in flight per thread; channels
     // 8j .. 8j + 7 land at res_col's places: (c, c + 4) pairs side by side, pairs 8 apart.
@@ -152,10 +158,6 @@ __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const Wo
   }
   // Commit: the whole group is in [0, pos] (a window's keys before lo are still quantised: the
   // cache holds them).
-  const bool writes = w.qg == 0;
-  const int64_t group = k0 / kInt4Group;
-  uint8_t* k_codes = static_cast<uint8_t*>(p.cache.k) +
-                     (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * (HEAD_DIM / 2) * p.cache.max_seq_len;
   for (int pair = tid; pair < HEAD_DIM / 2; pair += nthreads) {
     Int4Range rg[2];
 #pragma unroll
@@ -170,48 +172,67 @@ __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const Wo
         am = max_nan(am, fabsf(x));
       }
       rg[u] = int4_range(lo, hi, am);
-      if (writes) {
-        ih.k_scale[group * HEAD_DIM + d] = __half_as_ushort(__float2half_rn(rg[u].scale));
-        ih.k_zero[group * HEAD_DIM + d] = __half_as_ushort(__float2half_rn(rg[u].zero));
-      }
+      tok.k_range[0][d] = rg[u].scale;
+      tok.k_range[1][d] = rg[u].zero;
     }
-    const int chunk = 2 * pair / kInt4Channels;
-    const int byte = pair % (kInt4Channels / 2);
 #pragma unroll 4
     for (int r = 0; r < kTileKeys; ++r) {
-      uint32_t code[2];
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int d = 2 * pair + u;
-        code[u] = int4_code(to_float(key_value(r, d)), rg[u]);
-        const float x = __fadd_rn(__fmul_rn(static_cast<float>(code[u]), rg[u].scale), rg[u].zero);
+        const uint32_t code = int4_code(to_float(key_value(r, d)), rg[u]);
+        const float x = __fadd_rn(__fmul_rn(static_cast<float>(code), rg[u].scale), rg[u].zero);
         area[r * Consumer::RES_PITCH + Consumer::res_col(d)] = __float2half_rn(x);
-      }
-      if (writes) {
-        k_codes[(static_cast<int64_t>(chunk) * p.cache.max_seq_len + k0 + r) * 16 + byte] =
-            static_cast<uint8_t>(code[0] | code[1] << 4);
       }
     }
   }
   sync();
 }
 
-// The append of an int4 one-token step (column block 0 of the item holding slot pos): the new
-// token's V codes, V scale and zero point at slot pos, its K at residual entry pos % 128.
+// The append of an int4 one-token step (column block 0 of the item holding slot pos, after its
+// tiles, so a paged row refused by the guard writes nothing): on a committing step the group's
+// codes, scales and zero points (the ranges load_int4_residual chose, the codes chosen again
+// from the same values: the new token's K from tok, not from its residual entry), then the new
+// token's V codes, V scale and zero point at slot pos and its K at residual entry pos % 128.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void append_int4_token(const MmhaParams& p, const WorkItem& w,
                                                   const Int4Token<T, HEAD_DIM>& tok, int tid, int nthreads) {
   if (!w.owner() || w.qg != 0) return;
   const Int4Head<T, HEAD_DIM> ih = int4_head<T, HEAD_DIM>(p, w.b, w.kvh);
-  uint8_t* v_codes = static_cast<uint8_t*>(p.cache.v) +
-                     ((static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.cache.max_seq_len + w.pos) *
-                         (HEAD_DIM / 2);
+  const HeadSlots<u4, HEAD_DIM> hs = head_slots<u4, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
+  uint8_t* codes_k = reinterpret_cast<uint8_t*>(hs.k);
+  const int blk = hs.table != nullptr ? hs.block(w.pos) : 0;  // the group's and the slot's block
+  if (int4_commits(w)) {
+    const int k0 = w.pos - (kInt4Group - 1);
+    for (int pair = tid; pair < HEAD_DIM / 2; pair += nthreads) {
+      Int4Range rg[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int d = 2 * pair + u;
+        rg[u] = Int4Range{tok.k_range[0][d], tok.k_range[1][d]};
+        ih.k_scale[ih.k_at(blk, k0) + d] = __half_as_ushort(__float2half_rn(rg[u].scale));
+        ih.k_zero[ih.k_at(blk, k0) + d] = __half_as_ushort(__float2half_rn(rg[u].zero));
+      }
+      const int chunk = 2 * pair / kInt4Channels;
+      const int byte = pair % (kInt4Channels / 2);
+#pragma unroll 4
+      for (int r = 0; r < kTileKeys; ++r) {
+        uint32_t code[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) code[u] = int4_code(to_float(int4_residual_value(ih, w, tok, k0, r, 2 * pair + u)), rg[u]);
+        codes_k[hs.k_at(blk, k0 + r, chunk) + byte] = static_cast<uint8_t>(code[0] | code[1] << 4);
+      }
+    }
+  }
+  const int64_t v_at = hs.table != nullptr ? blk * hs.block_stride + static_cast<int64_t>(w.pos & (hs.pitch - 1)) * (HEAD_DIM / 2)
+                                           : static_cast<int64_t>(w.pos) * (HEAD_DIM / 2);
+  uint8_t* v_codes = reinterpret_cast<uint8_t*>(hs.v) + v_at;
   for (int i = tid; i < HEAD_DIM / 2; i += nthreads) v_codes[i] = tok.v[i];
   T* entry = ih.residual + (w.pos % kInt4Residual) * HEAD_DIM;
   for (int d = tid; d < HEAD_DIM; d += nthreads) entry[d] = tok.k[d];
   if (tid == 0) {
-    ih.v_scale[w.pos] = __half_as_ushort(__float2half_rn(tok.v_range[0]));
-    ih.v_zero[w.pos] = __half_as_ushort(__float2half_rn(tok.v_range[1]));
+    ih.v_scale[ih.v_at(blk, w.pos)] = __half_as_ushort(__float2half_rn(tok.v_range[0]));
+    ih.v_zero[ih.v_at(blk, w.pos)] = __half_as_ushort(__float2half_rn(tok.v_range[1]));
   }
 }
 

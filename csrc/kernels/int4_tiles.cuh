@@ -64,28 +64,48 @@ struct TileArgs<u4> {
   int skip_k0 = -1;
 };
 
-// One (row, kv head)'s int4 planes (MmhaParams::int4).
+// One (row, kv head)'s int4 planes (MmhaParams::int4): contiguous, the row's [S_max / 64][D] K
+// planes and [S_max] V planes; paged (blocks of 64 or 128 slots), the kv head's part of pool block
+// 0, a slot t of block blk at k_at / v_at. The K residual is per row either way.
 template <typename T, int HEAD_DIM>
 struct Int4Head {
-  uint16_t* k_scale;  // [S_max / 64][D]
+  uint16_t* k_scale;
   uint16_t* k_zero;
-  uint16_t* v_scale;  // [S_max]
+  uint16_t* v_scale;
   uint16_t* v_zero;
   T* residual;        // [128][D]
+  int mask;           // a slot's place in its block: t & mask (contiguous: t)
+  int64_t k_block;    // elements between pool blocks (0: contiguous)
+  int64_t v_block;
+  // The K planes' offset of slot t's group, and the V planes' offset of slot t (in block blk).
+  __device__ __forceinline__ int64_t k_at(int blk, int t) const {
+    return blk * k_block + static_cast<int64_t>((t & mask) / kInt4Group) * HEAD_DIM;
+  }
+  __device__ __forceinline__ int64_t v_at(int blk, int t) const { return blk * v_block + (t & mask); }
 };
 
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ Int4Head<T, HEAD_DIM> int4_head(const MmhaParams& p, int b, int kvh) {
-  const int64_t head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
-  const int64_t smax = p.cache.max_seq_len;
-  const int64_t groups = smax / kInt4Group;
-  return {p.int4.k_scale + head * groups * HEAD_DIM, p.int4.k_zero + head * groups * HEAD_DIM,
-          p.int4.v_scale + head * smax, p.int4.v_zero + head * smax,
-          static_cast<T*>(p.int4.k_residual) + head * kInt4Residual * HEAD_DIM};
+  T* residual = static_cast<T*>(p.int4.k_residual) +
+                (static_cast<int64_t>(b) * p.num_kv_heads + kvh) * kInt4Residual * HEAD_DIM;
+  if (p.cache.block_tables == nullptr) {
+    const int64_t head = static_cast<int64_t>(b) * p.num_kv_heads + kvh;
+    const int64_t smax = p.cache.max_seq_len;
+    const int64_t groups = smax / kInt4Group;
+    return {p.int4.k_scale + head * groups * HEAD_DIM, p.int4.k_zero + head * groups * HEAD_DIM,
+            p.int4.v_scale + head * smax, p.int4.v_zero + head * smax, residual, -1, 0, 0};
+  }
+  const int bs = 1 << p.cache.block_shift;
+  const int64_t k_head = static_cast<int64_t>(kvh) * (bs / kInt4Group) * HEAD_DIM;
+  const int64_t v_head = static_cast<int64_t>(kvh) * bs;
+  return {p.int4.k_scale + k_head, p.int4.k_zero + k_head, p.int4.v_scale + v_head, p.int4.v_zero + v_head,
+          residual, bs - 1, static_cast<int64_t>(p.num_kv_heads) * (bs / kInt4Group) * HEAD_DIM,
+          static_cast<int64_t>(p.num_kv_heads) * bs};
 }
 
-// The codes of a tile by 16-byte cp.async (contiguous caches: k [D / 32][S_max][16 bytes] and v
-// [S_max][D / 2] bytes of the (row, kv head)); keys outside [lo, end), the new token's slot and
+// The codes of a tile by 16-byte cp.async (a contiguous cache's k [D / 32][S_max][16 bytes] and v
+// [S_max][D / 2] bytes of the (row, kv head); a paged one's the same of the tile's pool block, of
+// 64 or 128 slots, so a tile lies in one block); keys outside [lo, end), the new token's slot and
 // the K of the residual's tile (skip_k0) zero-filled unread.
 template <int HEAD_DIM>
 struct CpAsyncTiles<u4, HEAD_DIM> {
@@ -94,8 +114,10 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
   __device__ __forceinline__ static void prefetch(const TileArgs<u4>&) {}
 
-  __device__ __forceinline__ static void issue(const TileArgs<u4>& a, const TilePages&, unsigned char* stage, int k0,
-                                               uint64_t*, int lane, int) {
+  __device__ __forceinline__ static void issue(const TileArgs<u4>& a, const TilePages& pg, unsigned char* stage,
+                                               int k0, uint64_t*, int lane, int) {
+    const int64_t blk = a.table != nullptr ? pg.id[0] * a.block_stride : 0;
+    const int mask = a.table != nullptr ? a.smax - 1 : -1;
 #pragma unroll
     for (int j = 0; j < PIECES; ++j) {
       const int i = lane + 32 * j;
@@ -103,8 +125,8 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
       const int c = i / L::KEYS;
       const int t = k0 + key;
       const bool ok = t >= a.lo && t < a.end && t != a.pos && k0 != a.skip_k0;
-      cp_async16(stage + L::k_off(key, c, 0), ok ? a.k_head + (static_cast<int64_t>(c) * a.smax + t) * 16 : a.k_head,
-                 ok);
+      const u4* src = a.k_head + blk + (static_cast<int64_t>(c) * a.smax + (t & mask)) * 16;
+      cp_async16(stage + L::k_off(key, c, 0), ok ? src : a.k_head, ok);
     }
 #pragma unroll
     for (int j = 0; j < PIECES; ++j) {
@@ -113,8 +135,8 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
       const int c = i % L::CHUNKS;
       const int t = k0 + r;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      cp_async16(stage + L::v_off(r, c, 0), ok ? a.v_head + static_cast<int64_t>(t) * (HEAD_DIM / 2) + c * 16 : a.v_head,
-                 ok);
+      const u4* src = a.v_head + blk + static_cast<int64_t>(t & mask) * (HEAD_DIM / 2) + c * 16;
+      cp_async16(stage + L::v_off(r, c, 0), ok ? src : a.v_head, ok);
     }
   }
 
@@ -126,21 +148,22 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
 // unread. The copies hold the stage's full barrier until they land (as int8's token scales).
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void stage_int4_scales(const TileArgs<u4>& a, const Int4Head<T, HEAD_DIM>& ih,
-                                                  unsigned char* stage, int k0, uint64_t* full, int lane) {
+                                                  const TilePages& pg, unsigned char* stage, int k0, uint64_t* full,
+                                                  int lane) {
   using L = TileLayout<u4, HEAD_DIM>;
   constexpr int K_PIECES = HEAD_DIM / 8;  // 8 fp16 values a piece, scales then zero points
   constexpr int V_PIECES = L::KEYS / 8;
-  const int64_t group = k0 / kInt4Group;
+  const int blk = a.table != nullptr ? pg.id[0] : 0;
   for (int i = lane; i < 2 * K_PIECES + 2 * V_PIECES; i += 32) {
     if (i < 2 * K_PIECES) {
-      const uint16_t* src = (i < K_PIECES ? ih.k_scale : ih.k_zero) + group * HEAD_DIM + (i % K_PIECES) * 8;
+      const uint16_t* src = (i < K_PIECES ? ih.k_scale : ih.k_zero) + ih.k_at(blk, k0) + (i % K_PIECES) * 8;
       cp_async16(stage + L::SCALE_OFF + i * 16, k0 != a.skip_k0 ? src : ih.k_scale, k0 != a.skip_k0);
     } else {
       const int v = i - 2 * K_PIECES;
       const int t = k0 + (v % V_PIECES) * 8;
       const bool ok = t < a.end && t + 8 > a.lo;
       const uint16_t* base = v < V_PIECES ? ih.v_scale : ih.v_zero;
-      cp_async16(stage + L::V_SCALE_OFF + v * 16, ok ? base + t : base, ok);
+      cp_async16(stage + L::V_SCALE_OFF + v * 16, ok ? base + ih.v_at(blk, t) : base, ok);
     }
   }
   cp_async_hold(full);

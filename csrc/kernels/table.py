@@ -145,7 +145,7 @@ FUNCTIONS = [
         [("head_dim", "int")],
         "int",
         [],
-        "TILE_KEYS * (2 * head_dim + 16) + 3 * head_dim + 16",
+        "TILE_KEYS * (2 * head_dim + 16) + 11 * head_dim + 16",
         "an int4 cache's item holding the row's last K group: that group as fp16 keys (rows padded by 16 bytes), "
         "after the stages; then the new token (k in the activations' dtype, v codes, v's scale and zero point)",
     ),
