@@ -4,7 +4,11 @@ fp16(q_c s_c)``, the codes the mma's other operand as 1024 + code) and its zero 
 bias per tile and column (``q . z``, fp32); V's per-token scale goes on the probability over the
 largest V scale so far (``v_unit``, as for int8) and its zero point adds ``sum_j p_j z_j`` to every
 output channel. Equal to attention over what ``mmha.int4.Int4Cache`` reads back within fp16's
-rounding of q' and of the probabilities, whatever the scales' spread (within fp16's range)."""
+rounding of q' and of the probabilities, whatever the scales' spread (within fp16's range).
+
+Also the built kernel's math (``dequant_consumer``: K dequantised to fp16 per value) and an
+integer form for its next one (``integer_consumer``: q' as int8 parts, P' as int8 per 32 keys),
+compared over rows with outlier channels: which operand precisions keep its error."""
 
 import math
 
@@ -114,3 +118,90 @@ def test_all_zero_tokens_and_masked_keys_add_nothing():
     got = consumer(q, codes_k, ks, kz, codes_v, vs, vz, valid)
     want, _, _ = oracle(q, c, s, valid)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built kernel's math, and an integer one for its next form (docs/status.md, item 1: "the
+# path to the bar"): which operand precisions keep the error at the fp16 path's.
+
+
+def dequant_consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
+    """The built kernel (attend_int4.cuh): each K value dequantised to fp16 (``code * scale +
+    zero`` by hfma2), q one fp16 part, fp32 sums; P' in fp16 against V's exact codes."""
+    m, total, unit = -math.inf, 0.0, 0.0
+    acc = torch.zeros(v_codes.shape[1], dtype=torch.float32)
+    z_sum = 0.0
+    qh = q.half().float()
+    for g0 in range(0, k_codes.shape[0], GROUP):
+        sl, g = slice(g0, g0 + GROUP), g0 // GROUP
+        kh = (k_codes[sl].half() * k_scale[g].half() + k_zero[g].half()).float()
+        s = torch.where(valid[sl], (kh @ qh).double(), torch.tensor(-math.inf, dtype=torch.float64))
+        m, total, acc, z_sum, unit, p, vs, vz = _update(s, m, total, acc, z_sum, unit, v_scale[sl], v_zero[sl],
+                                                        valid[sl])  # fmt: skip
+        p16 = (p * vs / unit if unit > 0 else torch.zeros_like(p)).to(torch.float16).float()
+        acc = acc + p16 @ v_codes[sl].float()
+    return (acc.double() * unit + z_sum) / total
+
+
+def integer_consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid, q_parts=2, p_block=32):
+    """An integer form: q times the group's channel scales as ``q_parts`` int8 parts per tile and
+    column (the second holding the first's rounding, times 254), the codes as bytes, exact integer
+    sums (``mma.s8``); P' as int8 per ``p_block`` keys (its largest at 127) against V's codes."""
+    m, total, unit = -math.inf, 0.0, 0.0
+    acc = torch.zeros(v_codes.shape[1], dtype=torch.float64)
+    z_sum = 0.0
+    for g0 in range(0, k_codes.shape[0], GROUP):
+        sl, g = slice(g0, g0 + GROUP), g0 // GROUP
+        qp = q.double() * k_scale[g].double()
+        sig = qp.abs().max().item() / 127 or 1.0
+        hi = torch.round(qp / sig).clamp(-127, 127)
+        parts = hi if q_parts == 1 else hi + torch.round((qp / sig - hi) * 254).clamp(-127, 127) / 254
+        s = sig * (k_codes[sl].double() @ parts) + (q.double() * k_zero[g].double()).sum()
+        s = torch.where(valid[sl], s, torch.tensor(-math.inf, dtype=torch.float64))
+        m, total, acc, z_sum, unit, p, vs, vz = _update(s, m, total, acc, z_sum, unit, v_scale[sl], v_zero[sl],
+                                                        valid[sl])  # fmt: skip
+        pp = p * vs / unit if unit > 0 else torch.zeros_like(p)
+        for b0 in range(0, GROUP, p_block):
+            blk = pp[b0 : b0 + p_block]
+            sp = blk.max().item() / 127 or 1.0
+            acc = acc + sp * (torch.round(blk / sp) @ v_codes[sl][b0 : b0 + p_block].double())
+    return (acc * unit + z_sum) / total
+
+
+def _update(s, m, total, acc, z_sum, unit, v_scale, v_zero, valid):
+    """The online softmax and v_unit of one tile (both consumers): rescaled running values, this
+    tile's P and its keys' V scales and zero points (masked keys' zeroed), z_sum grown by P * zero."""
+    mx = s.max().item()
+    if mx > m:
+        alpha = 1.0 if m == -math.inf else 2.0 ** (m - mx)
+        total, acc, z_sum, m = total * alpha, acc * alpha, z_sum * alpha, mx
+    vs = torch.where(valid, v_scale.double(), torch.zeros_like(v_scale, dtype=torch.float64))
+    vz = torch.where(valid, v_zero.double(), torch.zeros_like(v_zero, dtype=torch.float64))
+    vmax = vs.max().item()
+    if vmax > unit:
+        acc = acc * (unit / vmax)
+        unit = vmax
+    p = torch.exp2(s - m)
+    return m, total + p.sum().item(), acc, z_sum + (p * vz).sum().item(), unit, p, vs, vz
+
+
+def test_integer_operands_need_q_in_two_parts():
+    """Over long rows with outlier K channels and a sharp softmax: the built kernel's fp16 path
+    stays within fp16's share of the error; an integer path matches it only with q in two int8
+    parts (one part: up to hundreds of times its error, as large as the int4 format's own on some
+    rows), P' in int8 per 32 keys costing little."""
+    one, two, fp16 = [], [], []
+    for spread in (0.0, 2.0):
+        for seed in range(4):
+            s, d = 1024, 128
+            q, planes, c = case(seed, s, d, spread)
+            q = q * 8  # scores of a trained model's spread
+            valid = torch.ones(s, dtype=torch.bool)
+            want, _, _ = oracle(q, c, s, valid)
+            fp16.append((dequant_consumer(q, *planes, valid) - want).abs().max().item())
+            one.append((integer_consumer(q, *planes, valid, q_parts=1) - want).abs().max().item())
+            two.append((integer_consumer(q, *planes, valid, q_parts=2) - want).abs().max().item())
+    print("fp16 path", [f"{e:.1e}" for e in fp16], "\nint8 q", [f"{e:.1e}" for e in one],
+          "\nint8 q x2", [f"{e:.1e}" for e in two])  # fmt: skip
+    assert all(t <= 3 * f + 5e-3 for t, f in zip(two, fp16, strict=True))
+    assert max(o / f for o, f in zip(one, fp16, strict=True)) > 50
