@@ -1,0 +1,54 @@
+// What a decode kernel instance is, by its template parameters: which main loop it runs, its
+// cache type's traits, its block size and occupancy, its tile source. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <type_traits>
+
+#include "mmha_params.h"
+#include "int4_tiles.cuh"
+#include "tile_source.cuh"
+#include "vec.cuh"
+
+namespace mmha {
+
+// The main loop: the tile loop (tensor cores, attend_tiles.cuh) for fp16 / bf16 / fp8 caches,
+// the CUDA-core loop (attend_simt.cuh) for fp32 caches. Mirrored by uses_tensor_cores() in
+// mmha/dispatch.py. T is the element of qkv and out, C the cache's (T, or e4m3 / s8 with 16-bit T).
+template <typename T>
+constexpr bool kTiles = !std::is_same_v<T, float>;
+template <typename C>
+constexpr bool kFp8 = std::is_same_v<C, e4m3>;
+// int8 caches: codes with a scale per token and kv head (one-token steps on narrow items).
+template <typename C>
+constexpr bool kInt8 = std::is_same_v<C, s8>;
+// int4 caches (mmha/int4.py): one-token steps on narrow items over contiguous caches, cp.async
+// tiles (attend_int4.cuh).
+template <typename C>
+constexpr bool kInt4 = std::is_same_v<C, u4>;
+
+// Which instances have a twin for fused small tree steps (the kernels' FUSED parameter; tree_step.cuh's
+// TreeNodes): narrow tile-loop items of two or more columns over 16-bit or fp8 caches, without
+// the output epilogue. (A tree of two or more nodes has two or more columns; int8 trees quantise
+// their nodes in tree_prepare_kernel.) A twin of its own: the fused code inlined into the one-token
+// kernels made them slower (H200, 2026-11-28: B=1 Hkv=8 1K 11.1 -> 12.1 us).
+template <typename T, typename C, int QB, bool EPI>
+constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !kInt4<C> && !EPI;
+
+// What a thread of a fused tree step reads from global memory before it uses any (one round trip
+// for them all): its q columns' elements, its nodes' k / v rotation pairs.
+constexpr int kPrefetchQ = 8;          // q elements (a pass before the rotation)
+constexpr int kPrefetchNodePairs = 2;  // k and v pairs: four values each (four pairs spill)
+
+template <typename T>
+constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
+// Tile-loop blocks of head_dim <= 128 may run two per SM (stages permitting): 12 warps, 3 per
+// SM sub-partition of 16384 registers, so registers are capped at 168 per thread (as with 10
+// warps); at head_dim 256 one block per SM.
+template <typename T, int HEAD_DIM>
+constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
+
+template <typename C, int HEAD_DIM, TileSource SRC>
+using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
+
+}  // namespace mmha

@@ -1,0 +1,340 @@
+// An item's query columns and new tokens, built at its first tile: q in fp32 (bias, q/k norm,
+// rotary) into shared memory, the new token's K/V as the cache stores them (rounded, fp8, int8 or
+// int4 quantised), a fused tree's nodes; and the appends that write them. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cache_slots.cuh"
+#include "decode_traits.cuh"
+#include "int4_step.cuh"
+#include "mmha_params.h"
+#include "new_token.cuh"
+#include "tree_step.cuh"
+#include "vec.cuh"
+#include "work_items.cuh"
+
+namespace mmha {
+
+// Where an item's raw q and new token come from: column g's D values at q + g * HEAD_DIM (a
+// producer's staging slot), the new k and v at k and v.
+template <typename T>
+struct TokenRows {
+  const T* q;
+  const T* k;
+  const T* v;
+};
+
+// Column g's raw q in the global qkv (query row c.qrow), and the row's new k and v.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ const T* global_q(const MmhaParams& p, const Column& c) {
+  return static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
+}
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ TokenRows<T> global_rows(const MmhaParams& p, int b, int kvh) {
+  const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(b) * p.qkv_row_stride;
+  return {nullptr, row + (p.num_heads + kvh) * HEAD_DIM, row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM};
+}
+
+// An int8 cache's new token (one-token steps): its k and v values (k_at(d), v_at(d): fp32, after
+// bias, norm and rotary) quantised per kv head as mmha.quant.quantize does it: scale = amax / 127,
+// codes rint(x / scale) into s_new_k / s_new_v, the scales into s_new_scales[0] (k) and [1] (v).
+// Two passes over the values, with a barrier of the nthreads threads (sync) between for the
+// maxima. A scale that is not finite (a non-finite value) flags the row (kStatusScale): its
+// output is NaN and check() raises, as for fp8's bad scales.
+template <int HEAD_DIM, typename KAt, typename VAt, typename Sync>
+__device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const WorkItem& w, KAt k_at, VAt v_at,
+                                                      s8 (&s_new_k)[HEAD_DIM], s8 (&s_new_v)[HEAD_DIM],
+                                                      float* s_new_scales, int tid, int nthreads, Sync sync) {
+  __shared__ float s_absmax[2][kTileThreads / 32];  // each warp's k and v maxima
+  float km = 0.f, vm = 0.f;
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    km = absmax_nan(km, fabsf(k_at(d)));
+    vm = absmax_nan(vm, fabsf(v_at(d)));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
+    vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
+  }
+  if (tid % 32 == 0) {
+    s_absmax[0][tid / 32] = km;
+    s_absmax[1][tid / 32] = vm;
+  }
+  sync();
+  for (int i = 0; i < nthreads / 32; ++i) {
+    km = absmax_nan(km, s_absmax[0][i]);
+    vm = absmax_nan(vm, s_absmax[1][i]);
+  }
+  const float ks = int8_scale(km), vs = int8_scale(vm);
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    s_new_k[d] = quantize_s8(k_at(d), ks);
+    s_new_v[d] = quantize_s8(v_at(d), vs);
+  }
+  if (tid == 0) {
+    s_new_scales[0] = ks;
+    s_new_scales[1] = vs;
+    if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + w.b, kStatusScale);
+  }
+}
+
+// The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
+// s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
+// the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
+// step, its k (bias, rotary) and v as the cache stores them (rounded to C, or quantised with the
+// kv head's k_scale / v_scale: to_cache) into s_new_k / s_new_v (append_new_token writes them to
+// the caches once the item knows it may). With q/k norms (p.qk_norm) a warp per row first reduces
+// its squares, then `sync` (a barrier of the nthreads threads, a multiple of 32). Threads tid <
+// nthreads take part. The norm is a runtime branch of one instance: a second, norm-free instance
+// of this function made the kernels a fifth larger and the short rows up to 1.5 us slower
+// (docs/experiments.md, 2026-11-28).
+// A fused tree step (tn: its node area, slot: the item's slot there) takes its columns' depths
+// from the slot (its nodes' K/V: build_tree_nodes).
+template <typename T, typename C, int HEAD_DIM, int QB, bool FUSED = false, typename Sync>
+__device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
+                                                         const TokenRows<T>& rows, float k_scale, float v_scale,
+                                                         float (&s_q)[QB][HEAD_DIM],
+                                                         C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
+                                                         float* s_new_scales, int tid, int nthreads, Sync sync,
+                                                         TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0,
+                                                         Int4Token<T, HEAD_DIM>* tok4 = nullptr) {
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
+  const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
+  const QKNormParams& qn = p.qk_norm;
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
+  // Column g's raw q and its bias (a one-token step's from q_rows, a tree step's from its node's row).
+  const auto q_of = [&](int g, const T*& q_bias) -> const T* {
+    if (!tree_step(p)) {
+      q_bias = bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr;
+      return q_rows + g * HEAD_DIM;
+    }
+    const Column c = column_of(p, w, g);
+    q_bias = bias ? bias + c.head * HEAD_DIM : nullptr;
+    return global_q<T, HEAD_DIM>(p, c);
+  };
+  // A fused tree step's depths (its item slot's; else the workspace's).
+  const int* slot_depth = FUSED ? tn->depth[slot] : nullptr;
+  __shared__ float s_inv[QB + 1];  // the q columns' rsqrt(mean(x^2) + eps), then the new k's
+  if (qn.q_weight != nullptr || qn.k_weight != nullptr) {
+    const int lane = tid % 32, warps = nthreads / 32;
+    for (int g = tid / 32; g <= QB; g += warps) {  // warp-uniform: head_inv_rms shuffles
+      float inv = 1.f;
+      if (g < QB && g < w.nh && qn.q_weight != nullptr) {
+        const T* q_bias;
+        const T* q = q_of(g, q_bias);
+        inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
+      } else if (g == QB && w.owner() && !(FUSED && tree_step(p)) && qn.k_weight != nullptr) {
+        inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
+      }
+      if (lane == 0) s_inv[g] = inv;
+    }
+    sync();
+  }
+  const auto q_norm = [&](int g) {
+    return qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_inv[g], qn.cast_first} : HeadNorm{};
+  };
+  if (!tree_step(p)) {
+    for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
+      const int g = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      s_q[g][d] = g < w.nh ? rotated(q_rows + g * HEAD_DIM, bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr,
+                                              d, rpos, rot, q_norm(g))
+                           : 0.f;
+    }
+  } else if constexpr (FUSED) {
+    // A fused tree step: the same values in two passes. The twin stages no rows, and one pair at
+    // a time was a chain of dependent loads before the item's first tile: first each thread reads
+    // a run of kPrefetchQ elements of a column (and their bias) together, unconditionally (a
+    // column past the item's reads its last one's), and leaves them biased in s_q; then a thread
+    // per (column, pair) rotates them there.
+    constexpr int PAIRS = HEAD_DIM / 2;
+    constexpr int RUNS = QB * HEAD_DIM / kPrefetchQ;  // runs of kPrefetchQ elements of one column
+    static_assert(HEAD_DIM % kPrefetchQ == 0, "a run within one column");
+#pragma unroll 1
+    for (int r = tid; r < RUNS; r += nthreads) {
+      const int g = r / (HEAD_DIM / kPrefetchQ);
+      const int d0 = r % (HEAD_DIM / kPrefetchQ) * kPrefetchQ;
+      const Column c = column_of(p, w, min(g, w.nh - 1));
+      const T* q = global_q<T, HEAD_DIM>(p, c) + d0;
+      const T* q_bias = bias ? bias + c.head * HEAD_DIM + d0 : nullptr;
+      T raw[kPrefetchQ], raw_bias[kPrefetchQ];
+#pragma unroll
+      for (int j = 0; j < kPrefetchQ; ++j) {
+        raw[j] = q[j];
+        if (q_bias) raw_bias[j] = q_bias[j];
+      }
+#pragma unroll
+      for (int j = 0; j < kPrefetchQ; ++j) {  // biased()
+        const float v = q_bias ? to_float(raw[j]) + to_float(raw_bias[j]) : to_float(raw[j]);
+        s_q[g][d0 + j] = g < w.nh ? v : 0.f;
+      }
+    }
+    sync();
+#pragma unroll 1
+    for (int idx = tid; idx < w.nh * PAIRS; idx += nthreads) {
+      const int g = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      const Column c = column_of(p, w, g);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
+      float x0, x1;
+      rotate_values<T>(s_q[g][rp.d0], s_q[g][rp.d1], rp, sn, cs, x0, x1, q_norm(g));
+      s_q[g][rp.d0] = x0;
+      s_q[g][rp.d1] = x1;
+    }
+  } else {
+    // A tree step: a thread per (column, rotation pair), one angle, one depth load and one powf
+    // for both dims (the values rotated() gives); element by element they were a fifth of a B=1
+    // T=4 1K step's attention. Not unrolled: two pairs at a time make the one-column kernels
+    // spill (36-112 bytes), whose registers this function shares.
+    constexpr int PAIRS = HEAD_DIM / 2;
+#pragma unroll 1
+    for (int idx = tid; idx < QB * PAIRS; idx += nthreads) {
+      const int g = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      float x0 = 0.f, x1 = 0.f;
+      if (g < w.nh) {
+        const Column c = column_of(p, w, g);
+        float sn = 0.f, cs = 1.f;
+        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
+        rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1,
+                    q_norm(g));
+      }
+      s_q[g][rp.d0] = x0;
+      s_q[g][rp.d1] = x1;
+    }
+  }
+  if (w.owner() && !(FUSED && tree_step(p))) {
+    const int kvh = w.kvh, pos = rpos;
+    const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
+    const HeadNorm k_norm =
+        qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_inv[QB], qn.cast_first} : HeadNorm{};
+    const auto k_at = [&](int d) { return rotated(rows.k, k_bias, d, pos, rot, k_norm); };
+    const auto v_at = [&](int d) { return biased(rows.v, v_bias, d); };
+    if constexpr (kInt4<C>) {
+      quantize_new_token_u4<T, HEAD_DIM>(p, w, k_at, v_at, *tok4, tid, nthreads, sync);
+    } else if constexpr (std::is_same_v<C, s8>) {
+      quantize_new_token_s8<HEAD_DIM>(p, w, k_at, v_at, s_new_k, s_new_v, s_new_scales, tid, nthreads, sync);
+    } else {
+      for (int d = tid; d < HEAD_DIM; d += nthreads) {
+        s_new_k[d] = to_cache<C>(k_at(d), k_scale);
+        s_new_v[d] = to_cache<C>(v_at(d), v_scale);
+      }
+    }
+  }
+}
+
+// The append of a one-token step: the item holding the new token's slot writes its K/V (from
+// s_new_k / s_new_v) into slot pos of both caches, column block 0 only, so exactly once per row
+// and kv head (items of other column blocks take the slot from their own shared copy). A paged
+// row's block of slot pos was checked by the item's producer (a refused item appends nothing).
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ void append_new_token(const MmhaParams& p, const WorkItem& w, const C (&s_new_k)[HEAD_DIM],
+                                                 const C (&s_new_v)[HEAD_DIM], int tid, int nthreads,
+                                                 const float* s_new_scales = nullptr) {
+  constexpr int VEC = kVec<C>;
+  if (!w.owner() || w.qg != 0) return;
+  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
+  const int blk = slots.table != nullptr ? slots.block(w.pos) : 0;
+  for (int d = tid; d < HEAD_DIM; d += nthreads) {
+    slots.k[slots.k_at(blk, w.pos, d / VEC) + d % VEC] = s_new_k[d];
+    slots.v[slots.v_at(blk, w.pos) + d] = s_new_v[d];
+  }
+  if constexpr (std::is_same_v<C, s8>) {  // the token's scales beside its codes
+    if (tid < 2) {
+      const TokenScales ts = token_scales(p.cache, p.num_kv_heads, w.b, w.kvh);
+      (tid == 0 ? ts.k : ts.v)[ts.at(blk, w.pos)] = s_new_scales[tid];
+    }
+  }
+}
+
+// A fused tree step's item that holds node slots: those nodes' K/V (the nodes of its keys [start,
+// end)) into its node area, as tree_prepare_kernel appends them: bias, k norm (a warp per node,
+// then a barrier of the nthreads threads), rotary at pos + depth, rounded or quantised with the
+// fp8 scales; a thread per (node, rotation pair).
+template <typename T, typename C, int HEAD_DIM>
+__device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const WorkItem& w, TreeNodes<C, HEAD_DIM>& tn,
+                                              int slot, float k_scale, float v_scale, int tid, int nthreads) {
+  constexpr int PAIRS = HEAD_DIM / 2;
+  const int n0 = max(w.start - w.pos, 0);
+  const int n1 = min(w.end - w.pos, w.nodes);
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
+  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+  const QKNormParams& qn = p.qk_norm;
+  const auto k_row = [&](int t) {
+    return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(w.b) * p.tree.nodes + t) * p.qkv_row_stride +
+           (p.num_heads + w.kvh) * HEAD_DIM;
+  };
+  if (qn.k_weight != nullptr) {
+    for (int t = n0 + tid / 32; t < n1; t += nthreads / 32) {  // warp-uniform: head_inv_rms shuffles
+      const float inv = head_inv_rms<T, HEAD_DIM>(k_row(t), k_bias, qn.eps, tid % 32);
+      if (tid % 32 == 0) tn.k_inv[t] = inv;
+    }
+    named_barrier(1, nthreads);
+  }
+  // Each thread reads its kPrefetchNodePairs pairs of k and v (and bias) before it converts or rotates
+  // any, unconditionally (clamped to a pair that exists), as the fused q build does.
+#pragma unroll 1
+  for (int base = n0 * PAIRS + tid; base < n1 * PAIRS; base += kPrefetchNodePairs * nthreads) {
+    RawPair<T> k_in[kPrefetchNodePairs], v_in[kPrefetchNodePairs], kb[kPrefetchNodePairs], vb[kPrefetchNodePairs];
+#pragma unroll
+    for (int j = 0; j < kPrefetchNodePairs; ++j) {
+      const int idx = min(base + j * nthreads, n1 * PAIRS - 1);
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      k_in[j] = RawPair<T>::read(k_row(idx / PAIRS), rp);
+      v_in[j] = RawPair<T>::read(k_row(idx / PAIRS) + p.num_kv_heads * HEAD_DIM, rp);
+      if (bias) kb[j] = RawPair<T>::read(k_bias, rp), vb[j] = RawPair<T>::read(v_bias, rp);
+    }
+#pragma unroll
+    for (int j = 0; j < kPrefetchNodePairs; ++j) {
+      const int idx = base + j * nthreads;
+      if (idx >= n1 * PAIRS) break;
+      const int t = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(w.pos + tn.depth[slot][t]) * rp.inv_freq, &sn, &cs);
+      float k0, k1;
+      const HeadNorm k_norm =
+          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
+      rotate_values<T>(k_in[j].a0(bias, kb[j]), k_in[j].a1(bias, kb[j]), rp, sn, cs, k0, k1, k_norm);
+      C* k = tn.k(t);
+      C* v = tn.v(t, p.tree.nodes);
+      k[rp.d0] = to_cache<C>(k0, k_scale);
+      k[rp.d1] = to_cache<C>(k1, k_scale);
+      v[rp.d0] = to_cache<C>(v_in[j].a0(bias, vb[j]), v_scale);
+      v[rp.d1] = to_cache<C>(v_in[j].a1(bias, vb[j]), v_scale);
+    }
+  }
+}
+
+// The append of a fused tree step: an item holding node slots writes the nodes of its keys
+// ([start, end) within pos .. pos + nodes - 1) from its node area, a 16-byte chunk at a time,
+// column block 0 only. The item's producer and stager checked the row's every block (its own
+// tiles', and check_blocks_before's) before this runs; a refused item appends nothing.
+template <typename C, int HEAD_DIM>
+__device__ __forceinline__ void append_tree_nodes(const MmhaParams& p, const WorkItem& w,
+                                                  TreeNodes<C, HEAD_DIM>& tn, int tid, int nthreads) {
+  constexpr int VEC = kVec<C>;
+  constexpr int CHUNKS = HEAD_DIM / VEC;
+  if (!w.owner() || w.qg != 0) return;
+  const HeadSlots<C, HEAD_DIM> slots = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
+  const int s0 = max(w.start, w.pos);
+  const int s1 = min(w.end, w.pos + w.nodes);
+  for (int idx = tid; idx < (s1 - s0) * CHUNKS; idx += nthreads) {
+    const int slot = s0 + idx / CHUNKS;
+    const int c = idx % CHUNKS;
+    const int t = slot - w.pos;
+    const int blk = slots.table != nullptr ? slots.block(slot) : 0;
+    *reinterpret_cast<uint4*>(slots.k + slots.k_at(blk, slot, c)) = *reinterpret_cast<const uint4*>(tn.k(t) + c * VEC);
+    *reinterpret_cast<uint4*>(slots.v + slots.v_at(blk, slot) + c * VEC) =
+        *reinterpret_cast<const uint4*>(tn.v(t, p.tree.nodes) + c * VEC);
+  }
+}
+
+}  // namespace mmha
