@@ -139,9 +139,8 @@ class HFDecoder:
         graphs, else ``"length"``). ``kv_dtype``: the caches' dtype (default the model's);
         ``torch.float8_e4m3fn`` stores K/V in fp8 with per-layer, per-kv-head scales taken from
         the first prompts' absolute maxima times ``kv_scale_margin`` (``KVCache.prefill``) or set by
-        ``self.cache.set_scales`` first; ``torch.int8``: per-token scales;
-        ``"int4"``: ``mmha.int4`` (on a GPU contiguous, no speculative trees). ``paged``,
-        ``block_size``, ``num_blocks``: a paged
+        ``self.cache.set_scales`` first; ``torch.int8``: per-token scales; ``"int4"``: ``mmha.int4``
+        (no speculative trees on a GPU). ``paged``, ``block_size``, ``num_blocks``: a paged
         cache (``KVCache(paged=True)``; eager steps). ``prefill_tokens``: prompts are prefilled
         together, right-padded, in groups of at most this many (padded) tokens. ``fuse_norms``
         (default: on a GPU with the extension built): decode steps run the model's RMSNorms (each
