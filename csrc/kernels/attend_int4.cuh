@@ -1,12 +1,12 @@
 // The tile loop's consumer warps over an int4 cache (mmha/int4.py; one-token steps, contiguous
-// caches; the tiles: int4_tiles.cuh, the step around them: int4_step.cuh). Torch-free.
+// or paged caches; the tiles: int4_tiles.cuh, the step around them: int4_step.cuh). Torch-free.
 //
 // A tile of committed keys is one K group (its codes, scales and zero points). The row's
 // last group (the keys still in the K residual, the new token among them) is read by the item
 // that holds it from the residual area (fp16, after the stages), which the consumers fill at the
 // item's first tile; on the step that completes a group (slot pos % 64 == 63) they quantise it
-// there (the codes, scales and zero points written to the cache by column block 0) and attend to
-// its dequantised values, as mmha.int4 reads a committed group.
+// there and attend to its dequantised values, as mmha.int4 reads a committed group (column block
+// 0 writes the group's codes, scales and zero points to the cache with the append).
 //
 // The consumer warps (kConsumerWarps, 16 keys each, as in attend_tiles.cuh) compute
 //   S^T = K Q^T    m16n8k16, A = K as fp16: committed keys widened from their nibbles (1024 +
@@ -34,6 +34,7 @@
 #include "vec.cuh"
 
 namespace mmha {
+
 // Halves (low, high) of channels (c + i, c + i + 4) from eight fp16 values of channels c .. c + 7.
 __device__ __forceinline__ uint32_t half_pair(const uint4& v, int i) {
   return i == 0   ? __byte_perm(v.x, v.z, 0x5410)

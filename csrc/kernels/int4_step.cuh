@@ -17,6 +17,7 @@
 #include "work_items.cuh"
 
 namespace mmha {
+
 // Whether item w holds a stepping row's new token (its keys end at slot pos + 1). Told by its
 // range, not by newslot, which the consumers set for attend-only rows too.
 __device__ __forceinline__ bool int4_appends(const WorkItem& w) { return w.end == w.pos + 1; }
