@@ -206,14 +206,8 @@ def decode_attention(
     batch, max_seq_len = _extent(v_cache, block_tables)
     if check:
         _check_pages(qkv, lengths, block_tables, row_active, v_cache, batch)
-    if num_splits is None or stages is None:
-        keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
-        plan = plan_for(
-            qkv.device, batch, num_heads, num_kv_heads, head_dim, keys, qkv.dtype, variant, k_cache.dtype,
-            epilogue=attention.epilogue is not None,
-        )  # fmt: skip
-        num_splits = plan.num_splits if num_splits is None else num_splits
-        stages = plan.stages if stages is None else stages
+    shape = (batch, num_heads, num_kv_heads, head_dim, max_seq_len if max_len is None else max_len)
+    num_splits, stages = _one_token_plan(qkv, shape, attention, variant, k_cache.dtype, num_splits, stages)
     kw = dict(qkv_bias=qkv_bias, k_scale=k_scale, v_scale=v_scale, block_tables=block_tables,
               row_active=row_active, positions=positions)  # fmt: skip
     out, lse = _launch(
@@ -221,6 +215,20 @@ def decode_attention(
         (num_splits, stages, tile_source, workspace), check, kw,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _one_token_plan(qkv, shape, attention, variant, kv_dtype, num_splits, stages) -> tuple[int, int]:
+    """A one-token step's ``(num_splits, stages)``: those given, the rest from the dispatcher's plan
+    for ``shape = (batch, Hq, Hkv, D, longest row)``."""
+    if num_splits is None or stages is None:
+        batch, num_heads, num_kv_heads, head_dim, keys = shape
+        plan = plan_for(
+            qkv.device, batch, num_heads, num_kv_heads, head_dim, dispatch.keys_read(keys, attention.window),
+            qkv.dtype, variant, kv_dtype, epilogue=attention.epilogue is not None,
+        )  # fmt: skip
+        num_splits = plan.num_splits if num_splits is None else num_splits
+        stages = plan.stages if stages is None else stages
+    return num_splits, stages
 
 
 def _check_pages(qkv, lengths, block_tables, row_active, v_cache, batch) -> None:
@@ -281,14 +289,10 @@ def decode_attention_int4(
     residual = cache.k_residual if block_tables is None else cache.k_residual[:batch]
     if check:
         _check_pages(qkv, lengths, block_tables, row_active, cache.v_codes, batch)
-    if num_splits is None or stages is None:
-        keys = dispatch.keys_read(max_seq_len if max_len is None else max_len, attention.window)
-        plan = plan_for(
-            qkv.device, batch, num_heads, num_kv_heads, head_dim, keys, qkv.dtype, variant,
-            dispatch.INT4_CODES,
-        )  # fmt: skip
-        num_splits = plan.num_splits if num_splits is None else num_splits
-        stages = plan.stages if stages is None else stages
+    shape = (batch, num_heads, num_kv_heads, head_dim, max_seq_len if max_len is None else max_len)
+    num_splits, stages = _one_token_plan(
+        qkv, shape, attention, variant, dispatch.INT4_CODES, num_splits, stages
+    )
     kw = dict(qkv_bias=qkv_bias, k_scale=cache.k_scale, v_scale=cache.v_scale, k_zero=cache.k_zero,
               v_zero=cache.v_zero, k_residual=residual, row_active=row_active, positions=positions,
               block_tables=block_tables, head_dim=head_dim)  # fmt: skip

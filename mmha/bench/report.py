@@ -128,14 +128,19 @@ def int8_rows(rows: list[dict]) -> list[dict]:
     return twin_rows(rows, "int8")
 
 
-def int8_bar(rows: list[dict]) -> list[str]:
-    """Where the int8 rows miss their bar (at most INT8_RATIO of mmha's 16-bit time on rows of at
-    least INT8_BIG_BYTES in 16 bits), one line each (empty: it holds)."""
+def integer_bar(rows: list[dict], kv: str, ratio: float) -> list[str]:
+    """Where the rows of ``kv`` ("int8", "int4") caches miss their bar (at most ``ratio`` of mmha's
+    16-bit time on rows of at least INT8_BIG_BYTES in 16 bits), one line each (empty: it holds)."""
     misses = []
-    for r in int8_rows(rows):
-        if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r["int8_speedup_ratio"] <= INT8_RATIO:
-            misses.append(f"{row_label(r)}: {r['int8_speedup_ratio']:.3f}x mmha's 16-bit time > {INT8_RATIO}")
+    for r in twin_rows(rows, kv):
+        if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r[f"{kv}_speedup_ratio"] <= ratio:
+            misses.append(f"{row_label(r)}: {r[f'{kv}_speedup_ratio']:.3f}x mmha's 16-bit time > {ratio}")
     return misses
+
+
+def int8_bar(rows: list[dict]) -> list[str]:
+    """The int8 rows' misses (``integer_bar`` at INT8_RATIO)."""
+    return integer_bar(rows, "int8", INT8_RATIO)
 
 
 def int4_rows(rows: list[dict]) -> list[dict]:
@@ -144,13 +149,8 @@ def int4_rows(rows: list[dict]) -> list[dict]:
 
 
 def int4_bar(rows: list[dict]) -> list[str]:
-    """Where the int4 rows miss their bar (at most INT4_RATIO of mmha's 16-bit time on rows of at
-    least INT8_BIG_BYTES in 16 bits), one line each (empty: it holds)."""
-    misses = []
-    for r in int4_rows(rows):
-        if r["kv_mb_16bit"] * 1e6 >= INT8_BIG_BYTES and not r["int4_speedup_ratio"] <= INT4_RATIO:
-            misses.append(f"{row_label(r)}: {r['int4_speedup_ratio']:.3f}x mmha's 16-bit time > {INT4_RATIO}")
-    return misses
+    """The int4 rows' misses (``integer_bar`` at INT4_RATIO)."""
+    return integer_bar(rows, "int4", INT4_RATIO)
 
 
 def header_line(h: dict) -> str:

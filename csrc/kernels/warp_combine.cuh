@@ -1,0 +1,101 @@
+// The block combine of a narrow item's consumer warps (TileConsumer, attend_tiles.cuh, and
+// Int4Consumer, attend_int4.cuh): each lane holds the running max and sum of heads 2tq, 2tq + 1
+// (m, l) and its part of O^T (acc[KSTEPS][4]: M tile i's rows g and g + 8 stand for head dims
+// out_dim(i, g, 0) and out_dim(i, g, 1), as the consumer's operand reader orders them). Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "attend_common.cuh"
+#include "ptx.cuh"
+
+namespace mmha {
+
+// With a buffer per warp (acc_w: static buffers for small items, QB * HEAD_DIM <=
+// kWarpBufferValues; else, outside the fused twins, the item's last stage): each warp writes its
+// (max, sum) to s_m / s_l and its accumulator as it is to acc_w[warp], then one barrier (named
+// barrier 1); the store sums acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc;
+// fold_warps and folded_acc for several columns), the same values as combine_warps gives,
+// without its barrier per warp.
+template <int QB, int HEAD_DIM, int KSTEPS, class OutDim>
+__device__ __forceinline__ void stash_warp(const float (&m)[2], float (&l)[2], const float (&acc)[KSTEPS][4],
+                                           float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM],
+                                           int warp, int lane, OutDim out_dim) {
+  const int g = lane / 4;
+  const int tq = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+    const int head = 2 * tq + h;
+    if (head < QB) {
+      if (g == 0) {
+        s_m[warp][head] = m[h];
+        s_l[warp][head] = l[h];
+      }
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+        acc_w[warp][head][out_dim(i, g, 0)] = acc[i][h];
+        acc_w[warp][head][out_dim(i, g, 1)] = acc[i][h + 2];
+      }
+    }
+  }
+  named_barrier(1, kConsumerWarps * 32);
+}
+
+// Warp by warp (named barrier 1): their (max, sum) to s_m / s_l, then sum_w acc_w * 2^(m_w - M)
+// into buf ([QB][HEAD_DIM] fp32: the q staging area, free once every warp holds its q
+// fragments), warp after warp in a fixed order so results are bit-identical run to run. The sum
+// of the block is sum_w s_l[w] * 2^(s_m[w] - M).
+template <int QB, int HEAD_DIM, int KSTEPS, class OutDim>
+__device__ __forceinline__ void combine_warps(const float (&m)[2], float (&l)[2], const float (&acc)[KSTEPS][4],
+                                              float (*s_m)[QB], float (*s_l)[QB], float* buf, int warp, int lane,
+                                              OutDim out_dim) {
+  const int g = lane / 4;
+  const int tq = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) l[h] += __shfl_xor_sync(kFullMask, l[h], off);
+    if (g == 0 && 2 * tq + h < QB) {
+      s_m[warp][2 * tq + h] = m[h];
+      s_l[warp][2 * tq + h] = l[h];
+    }
+  }
+  named_barrier(1, kConsumerWarps * 32);
+  float sc[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = 2 * tq + h < QB ? 2 * tq + h : 0;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) mb = fmaxf(mb, s_m[w][head]);
+    sc[h] = exp2f(m[h] - (mb == -INFINITY ? 0.f : mb));
+  }
+#pragma unroll
+  for (int w = 0; w < kConsumerWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int head = 2 * tq + h;
+        if (head < QB) {
+          float* dst = buf + head * HEAD_DIM;
+#pragma unroll
+          for (int i = 0; i < KSTEPS; ++i) {
+            const float a0 = acc[i][h] * sc[h];
+            const float a1 = acc[i][h + 2] * sc[h];
+            float& d0 = dst[out_dim(i, g, 0)];
+            float& d1 = dst[out_dim(i, g, 1)];
+            d0 = w == 0 ? a0 : d0 + a0;
+            d1 = w == 0 ? a1 : d1 + a1;
+          }
+        }
+      }
+    }
+    named_barrier(1, kConsumerWarps * 32);
+  }
+}
+
+}  // namespace mmha
