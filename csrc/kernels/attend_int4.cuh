@@ -222,23 +222,10 @@ struct Int4Consumer {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
     }
-    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
-        l[h] *= alpha[h];
-        z_sum[h] *= alpha[h];
-        m[h] = m_new;
-      }
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[1];
-        acc[i][2] *= alpha[0];
-        acc[i][3] *= alpha[1];
-      }
+    float alpha[2];
+    if (raise_max(m, l, acc, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
+      z_sum[0] *= alpha[0];
+      z_sum[1] *= alpha[1];
     }
     // The V scales and zero points of keys g and g + 8 (none outside [lo, end): their copies may
     // be strays), the scales over v_unit (raised first where a key outgrew it).

@@ -307,22 +307,8 @@ struct TileConsumer {
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
     }
-    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
-        l[h] *= alpha[h];
-        m[h] = m_new;
-      }
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-        acc[i][0] *= alpha[0];
-        acc[i][1] *= alpha[1];
-        acc[i][2] *= alpha[0];
-        acc[i][3] *= alpha[1];
-      }
+    float alpha[2];
+    if (raise_max(m, l, acc, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
       if constexpr (kInt8) {
         p_sum[0] *= alpha[0];
         p_sum[1] *= alpha[1];
