@@ -30,12 +30,13 @@ def merge(parts):
 def kernel_chunks(length: int, num_splits: int, grain: int):
     """The kernel's chunking (decode_attention.cuh): the row's ceil(L / grain) grains (tiles of the
     tile loop, warp steps of the CUDA-core loop) go to min(splits, grains) active splits, split s
-    taking grains n * s // active .. n * (s + 1) // active; splits past them idle."""
+    taking grains n - n * (active - s) // active .. n - n * (active - s - 1) // active (the larger
+    shares first: the last split appends); splits past them idle."""
     n = -(-length // grain)
     active = min(num_splits, n)
     chunks = []
     for s in range(active):
-        t0, t1 = s * n // active, (s + 1) * n // active
+        t0, t1 = n - (active - s) * n // active, n - (active - s - 1) * n // active
         chunks.append((t0 * grain, min(length, t1 * grain)))
     return chunks, active
 
@@ -89,6 +90,8 @@ def test_kernel_chunking_covers_every_key_once(length, num_splits, step):
     # Balanced: active splits differ by at most one grain.
     sizes = [-(-(b - a) // step) for a, b in chunks]
     assert max(sizes) - min(sizes) <= 1
+    # The last split (it holds the new slots and appends them) takes the smaller share.
+    assert sizes[-1] == min(sizes)
     # Exactly one chunk owns the new token's slot (length - 1).
     assert sum(a <= length - 1 < b for a, b in chunks) == 1
     g = torch.Generator().manual_seed(length)

@@ -294,9 +294,15 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         }
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
-      if (p.sched.num_splits > 1) merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
+      if (p.sched.num_splits > 1) {
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, first_item);
+      }
       sync();  // s_q, s_acc, s_m, s_l, s_f and s_w are free for the next item
-      if (tid == 0 && first_item) timeline_mark(p, kTlItemDone);
+      if (tid == 0 && first_item) {
+        timeline_mark(p, kTlItemDone);
+        timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last,
+                                                 (w.end - w.start + kTileKeys - 1) / kTileKeys));
+      }
       first_item = false;
     }
   }

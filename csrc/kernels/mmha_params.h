@@ -242,6 +242,10 @@ enum TimelineEvent : int {
   kTlProducerDone,
   kTlHeaderSeen,  // consumers: the first item's header (its q build begins)
   kTlQueryBuilt,  // consumers: the first item's q (and a fused tree's nodes) built
+  kTlCounted,     // a split's arrival counted (the merge's atomic returned)
+  kTlRole,        // not a time: the first item's role (timeline_role, timeline.cuh)
+  kTlWeighed,     // the merging block: the splits' weights in shared memory
+  kTlSummed,      // the merging block: thread 0's first sums of the splits' values
   kTimelineEvents
 };
 

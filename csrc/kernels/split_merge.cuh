@@ -14,6 +14,7 @@
 #include "output_epilogue.cuh"
 #include "ptx.cuh"
 #include "score_mods.cuh"
+#include "timeline.cuh"
 #include "work_items.cuh"
 
 namespace mmha {
@@ -105,7 +106,8 @@ constexpr int kMergeBatch = 16;  // value loads in flight per merging thread
 
 template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
 __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
-                                              bool& s_last, float value_scale, int tid, int nthreads, Sync sync) {
+                                              bool& s_last, float value_scale, int tid, int nthreads, Sync sync,
+                                              bool stamp = false) {
   const int num_splits = p.sched.num_splits;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -115,6 +117,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     const int arrived = atomic_add_acq_rel_gpu(counter, 1);
     s_last = arrived == w.active - 1;
     if (s_last) *counter = 0;  // every active split has arrived: ready for the next launch
+    if (stamp) timeline_mark(p, kTlCounted);
   }
   sync();
   if (!s_last) return;
@@ -175,6 +178,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
     if (sl == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
   }
   sync();
+  if (stamp && tid == 0) timeline_mark(p, kTlWeighed);
   for (int idx = tid; idx < w.nh * C4; idx += nthreads) {
     const int g = idx / C4;
     const int c = idx % C4;
@@ -197,6 +201,7 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
         a.w += wt * v[u].w;
       }
     }
+    if (stamp && idx == 0) timeline_mark(p, kTlSummed);
     store_out4<T, EPI>(p.output, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
                        make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
   }

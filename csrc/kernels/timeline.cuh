@@ -24,4 +24,24 @@ __device__ __forceinline__ void timeline_mark(const MmhaParams& p, int e) {
 #endif
 }
 
+// Event e of this block set to a value, not a time (kTlRole).
+__device__ __forceinline__ void timeline_value(const MmhaParams& p, int e, uint64_t v) {
+#ifdef MMHA_TIMELINE
+  if (p.timeline != nullptr && static_cast<int>(blockIdx.x) < p.timeline_blocks) {
+    p.timeline[static_cast<int64_t>(blockIdx.x) * kTimelineEvents + e] = v;
+  }
+#else
+  (void)p;
+  (void)e;
+  (void)v;
+#endif
+}
+
+// kTlRole's value for an item: 1 | split << 1 | owner << 8 | merged << 9 | grains << 10
+// (mmha/bench/timeline.py reads it).
+__device__ __forceinline__ uint64_t timeline_role(int split, bool owner, bool merged, int grains) {
+  return 1u | static_cast<uint64_t>(split & 0x7f) << 1 | static_cast<uint64_t>(owner) << 8 |
+         static_cast<uint64_t>(merged) << 9 | static_cast<uint64_t>(grains) << 10;
+}
+
 }  // namespace mmha

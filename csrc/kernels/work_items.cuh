@@ -85,9 +85,11 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 
 // The item's keys given its row's length pos and new tokens: the row attends to slots lo .. pos +
 // nodes - 1 (lo = 0, or a window's start), which lie in ntiles grains (tiles, or warp steps of
-// the CUDA-core loop) from the one holding lo; active splits take ntiles * s / active .. ntiles *
-// (s + 1) / active of them (equal to one grain). Splits past the row's grains have nothing to do
-// and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
+// the CUDA-core loop) from the one holding lo; active splits take ntiles - ntiles * (active - s) /
+// active .. ntiles - ntiles * (active - s - 1) / active of them: shares that differ by at most one
+// grain, the larger ones first, so the last split, which holds the new slots and appends them (a
+// fused tree's owner also builds its nodes), takes the smaller share. Splits past the row's grains
+// have nothing to do and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
 // capacity make the row bad; a row that takes no part (row_takes_part) is idle. An attend-only
 // row (kRowAttend) reads slots lo .. pos - 1: its new slot pos lies past the keys, so no item
 // owns (appends) it; with no slot in reach the row is idle.
@@ -110,8 +112,8 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   const int ntiles = (len + grain - 1) / grain - first;
   w.active = w.bad ? 0 : min(p.sched.num_splits, ntiles);
   const int act = max(w.active, 1);
-  w.t0 = first + w.split * ntiles / act;
-  w.t1 = first + (w.split + 1) * ntiles / act;
+  w.t0 = first + ntiles - (act - w.split) * ntiles / act;
+  w.t1 = first + ntiles - (act - w.split - 1) * ntiles / act;
   w.start = w.t0 * grain;
   w.end = min(len, w.t1 * grain);
 }

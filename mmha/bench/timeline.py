@@ -34,6 +34,7 @@ import torch
 EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
     "out_stored", "appended", "item_done", "consumers_done", "producer_done", "header_seen", "q_built",
+    "counted", "role", "weighed", "summed",
 )  # fmt: skip
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
@@ -51,6 +52,11 @@ PHASES = (
     ("combined -> out stored", "combined", "out_stored"),
     ("out stored -> token appended", "out_stored", "appended"),
     ("appended -> item done (merge)", "appended", "item_done"),
+    ("  appended -> arrival counted", "appended", "counted"),
+    ("  counted -> item done", "counted", "item_done"),
+    ("    counted -> weights (merging block)", "counted", "weighed"),
+    ("    weights -> first sums", "weighed", "summed"),
+    ("    first sums -> item done", "summed", "item_done"),
     ("first item done -> consumers done", "item_done", "consumers_done"),
 )
 # Room for every block a launch may have (the persistent grid is at most SMs x blocks per SM).
@@ -81,6 +87,7 @@ def launch_summary(events: torch.Tensor) -> dict:
             us = (got.double() / 1e3).tolist()
             phases[name] = (statistics.median(us), max(us), len(us))
     return {
+        "roles": role_summary(col, ran, start),
         "start_ns": start,
         "end_ns": int(ends.max()),
         "span_us": (int(ends.max()) - start) / 1e3,
@@ -88,6 +95,36 @@ def launch_summary(events: torch.Tensor) -> dict:
         "end_spread_us": float(ends.max() - ends.min()) / 1e3,
         "phases": phases,
     }
+
+
+def role_summary(col: dict, ran: torch.Tensor, start: int) -> dict:
+    """Where blocks end by their first item's role (the "role" event): the items that hold the new
+    slots (owners) against the rest, and the blocks that merged a split row: name -> (median,
+    slowest) of the item's end after the launch's start and of its merge (counted -> done), us,
+    with the median grains and split of the group."""
+    role = col["role"]
+    have = ran & (role > 0) & (col["item_done"] > 0)
+    done = (col["item_done"] - start).double() / 1e3
+    merge = (col["item_done"] - col["counted"]).double() / 1e3
+    groups = {
+        "owner": have & ((role >> 8) & 1 == 1),
+        "other": have & ((role >> 8) & 1 == 0),
+        "merged": have & ((role >> 9) & 1 == 1),
+    }
+    out = {}
+    for name, sel in groups.items():
+        if not bool(sel.any()):
+            continue
+        d = done[sel].tolist()
+        m = merge[sel & (col["counted"] > 0)].tolist()
+        out[name] = {
+            "blocks": int(sel.sum()),
+            "done_us": (statistics.median(d), max(d)),
+            "merge_us": (statistics.median(m), max(m)) if m else None,
+            "grains": statistics.median((role[sel] >> 10).tolist()),
+            "split": statistics.median(((role[sel] >> 1) & 0x7F).tolist()),
+        }
+    return out
 
 
 def row_summary(launches: list[dict]) -> dict:
@@ -104,6 +141,11 @@ def row_summary(launches: list[dict]) -> dict:
         "end_spread_us": med(x["end_spread_us"] for x in launches),
         "phases": {n: {"median_us": med(x["phases"][n][0] for x in launches),
                        "max_us": med(x["phases"][n][1] for x in launches)} for n in names},
+        "roles": {r: {"blocks": med(x["roles"][r]["blocks"] for x in launches),
+                      "done_us": [med(x["roles"][r]["done_us"][i] for x in launches) for i in (0, 1)],
+                      "grains": med(x["roles"][r]["grains"] for x in launches),
+                      "split": med(x["roles"][r]["split"] for x in launches)}
+                  for r in ("owner", "other", "merged") if all(r in x["roles"] for x in launches)},
     }  # fmt: skip
 
 
@@ -129,6 +171,9 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
         lines.insert(1, text)
     for name, v in s["phases"].items():
         lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}")
+    for name, v in s.get("roles", {}).items():
+        lines.append(f"  {name + ' items done after the start':40s} {v['done_us'][0]:10.2f} {v['done_us'][1]:11.2f}"
+                     f"   ({v['blocks']:.0f} blocks, {v['grains']:.0f} grains, split {v['split']:.0f})")  # fmt: skip
     return "\n".join(lines)
 
 
