@@ -172,8 +172,10 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
     for name, v in s["phases"].items():
         lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}")
     for name, v in s.get("roles", {}).items():
-        lines.append(f"  {name + ' items done after the start':40s} {v['done_us'][0]:10.2f} {v['done_us'][1]:11.2f}"
-                     f"   ({v['blocks']:.0f} blocks, {v['grains']:.0f} grains, split {v['split']:.0f})")  # fmt: skip
+        label = f"{name} items done after the start"
+        done, slowest = v["done_us"]
+        where = f"({v['blocks']:.0f} blocks, {v['grains']:.0f} grains, split {v['split']:.0f})"
+        lines.append(f"  {label:40s} {done:10.2f} {slowest:11.2f}   {where}")
     return "\n".join(lines)
 
 
