@@ -164,11 +164,12 @@ FUNCTIONS = [
                 "warp_buffers",
                 "CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0",
             ),
+            ("epilogue_channels", "3 * head_dim * 4 if qb == 1 else 0"),
             (
                 "narrow",
                 "qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes"
                 " + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64"
-                " + ITEM_SLOTS_BYTES + warp_buffers + 256",
+                " + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256",
             ),
         ],
         "wide if qb == WIDE_COLUMNS else narrow",
@@ -176,8 +177,8 @@ FUNCTIONS = [
         "activations'), so that host and dispatcher size stages without asking the compiled kernel (22.1 KB "
         "against 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's "
         "buffer), the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), "
-        "per-warp max and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, warp buffers, "
-        "alignment. Wide items: q staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
+        "per-warp max and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, "
+        "warp buffers, a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
     ),
     (
         "tile_smem_bytes",
