@@ -178,7 +178,8 @@ FUNCTIONS = [
         "against 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's "
         "buffer), the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), "
         "per-warp max and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, "
-        "warp buffers, a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
+        "warp buffers, a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q "
+        "staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
     ),
     (
         "tile_smem_bytes",

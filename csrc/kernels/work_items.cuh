@@ -89,8 +89,8 @@ __device__ __forceinline__ Column column_of(const MmhaParams& p, const WorkItem&
 // active .. ntiles - ntiles * (active - s - 1) / active of them: shares that differ by at most one
 // grain, the larger ones first, so the last split, which holds the new slots and appends them (a
 // fused tree's owner also builds its nodes), takes the smaller share. Splits past the row's grains
-// have nothing to do and take no part in the merge. nodes < 1 (a tree refused by its check) or slots outside the
-// capacity make the row bad; a row that takes no part (row_takes_part) is idle. An attend-only
+// have nothing to do and take no part in the merge. nodes < 1 (a tree refused by its check) or
+// slots outside the capacity make the row bad; a row that takes no part (row_takes_part) is idle. An attend-only
 // row (kRowAttend) reads slots lo .. pos - 1: its new slot pos lies past the keys, so no item
 // owns (appends) it; with no slot in reach the row is idle.
 // FUSED: a small tree checked and appended by the attention kernel (its twin, kFusedTrees): its

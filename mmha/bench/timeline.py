@@ -100,12 +100,11 @@ def launch_summary(events: torch.Tensor) -> dict:
 def role_summary(col: dict, ran: torch.Tensor, start: int) -> dict:
     """Where blocks end by their first item's role (the "role" event): the items that hold the new
     slots (owners) against the rest, and the blocks that merged a split row: name -> (median,
-    slowest) of the item's end after the launch's start and of its merge (counted -> done), us,
-    with the median grains and split of the group."""
+    slowest) of the item's end after the launch's start, us, with the median grains and split of
+    the group."""
     role = col["role"]
     have = ran & (role > 0) & (col["item_done"] > 0)
     done = (col["item_done"] - start).double() / 1e3
-    merge = (col["item_done"] - col["counted"]).double() / 1e3
     groups = {
         "owner": have & ((role >> 8) & 1 == 1),
         "other": have & ((role >> 8) & 1 == 0),
@@ -116,11 +115,9 @@ def role_summary(col: dict, ran: torch.Tensor, start: int) -> dict:
         if not bool(sel.any()):
             continue
         d = done[sel].tolist()
-        m = merge[sel & (col["counted"] > 0)].tolist()
         out[name] = {
             "blocks": int(sel.sum()),
             "done_us": (statistics.median(d), max(d)),
-            "merge_us": (statistics.median(m), max(m)) if m else None,
             "grains": statistics.median((role[sel] >> 10).tolist()),
             "split": statistics.median(((role[sel] >> 1) & 0x7F).tolist()),
         }
