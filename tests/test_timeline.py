@@ -75,6 +75,32 @@ def test_the_first_tile_wait_split_by_the_consumers_events():
     assert p["  q built -> first tile landed"] == (pytest.approx(0.6), pytest.approx(0.6), 1)
 
 
+def role(split: int, owner: bool = False, merged: bool = False, grains: int = 1) -> int:
+    """timeline_role (csrc/kernels/timeline.cuh): the "role" event's value."""
+    return 1 | split << 1 | int(owner) << 8 | int(merged) << 9 | grains << 10
+
+
+def test_roles_split_owners_from_the_rest_and_the_merge_phases():
+    # Two splits end at 45.2 us; the owner (split 2, one grain) ends at 49.2 us after merging:
+    # counted 0.6 us after its append, weights 0.8 later, its first sums 1.2 after that.
+    rest = [{**block(10_000), "role": role(s, grains=2)} for s in (0, 1)]  # a value, not a time
+    owner = {**block(10_000, item_done=49_200, counted=45_600, weighed=46_400, summed=47_600),
+             "role": role(2, owner=True, merged=True)}  # fmt: skip
+    s = tl.launch_summary(events([*rest, owner]))
+    roles = s["roles"]
+    assert roles["owner"]["blocks"] == 1 and roles["owner"]["split"] == 2 and roles["owner"]["grains"] == 1
+    assert roles["owner"]["done_us"] == (pytest.approx(49.2), pytest.approx(49.2))
+    assert roles["other"]["blocks"] == 2 and roles["other"]["grains"] == 2
+    assert roles["other"]["done_us"] == (pytest.approx(45.2), pytest.approx(45.2))
+    assert roles["merged"]["split"] == 2
+    p = s["phases"]
+    assert p["  appended -> arrival counted"] == (pytest.approx(0.6), pytest.approx(0.6), 1)
+    assert p["    counted -> weights (merging block)"] == (pytest.approx(0.8), pytest.approx(0.8), 1)
+    assert p["    weights -> first sums"] == (pytest.approx(1.2), pytest.approx(1.2), 1)
+    text = tl.format_row("tree 1,1024,4", "16x2", 17.6, tl.row_summary([s, s]))
+    assert "owner items done after the start" in text and "(1 blocks, 1 grains, split 2)" in text
+
+
 def test_main_needs_rows_or_tree_rows():
     with pytest.raises(SystemExit):
         tl.main([])
