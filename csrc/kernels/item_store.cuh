@@ -216,8 +216,8 @@ __device__ __forceinline__ float warps_acc(const float (*s_m)[QB], const float (
   float a = 0.f;
 #pragma unroll
   for (int wp = 0; wp < WARPS; ++wp) {
-    const float x = acc_w[wp][g][d] * exp2f(s_m[wp][g] - m_ref);
-    a = wp == 0 ? x : a + x;
+    const float f = exp2f(s_m[wp][g] - m_ref);
+    a = wp == 0 ? acc_w[wp][g][d] * f : __fmaf_rn(acc_w[wp][g][d], f, a);
   }
   return a;
 }
@@ -228,7 +228,7 @@ __device__ __forceinline__ float warps_sum(const float (*s_m)[QB], const float (
   const float m_ref = mb == -INFINITY ? 0.f : mb;
   float sum = 0.f;
 #pragma unroll
-  for (int wp = 0; wp < WARPS; ++wp) sum += s_l[wp][g] * exp2f(s_m[wp][g] - m_ref);
+  for (int wp = 0; wp < WARPS; ++wp) sum = __fmaf_rn(s_l[wp][g], exp2f(s_m[wp][g] - m_ref), sum);
   return sum;
 }
 
@@ -248,7 +248,7 @@ __device__ __forceinline__ void fold_warps(float (*s_m)[QB], float (*s_l)[QB], f
   for (int wp = 0; wp < WARPS; ++wp) {
     const float f = exp2f(s_m[wp][g] - m_ref);
     if constexpr (FACTORS) s_f[wp][g] = f;
-    sum += s_l[wp][g] * f;
+    sum = __fmaf_rn(s_l[wp][g], f, sum);
   }
   s_m[0][g] = mb;
   s_l[0][g] = sum;
@@ -260,8 +260,7 @@ __device__ __forceinline__ float folded_acc(const float (*s_f)[QB], const float 
   float a = 0.f;
 #pragma unroll
   for (int wp = 0; wp < WARPS; ++wp) {
-    const float x = acc_w[wp][g][d] * s_f[wp][g];
-    a = wp == 0 ? x : a + x;
+    a = wp == 0 ? acc_w[wp][g][d] * s_f[wp][g] : __fmaf_rn(acc_w[wp][g][d], s_f[wp][g], a);
   }
   return a;
 }

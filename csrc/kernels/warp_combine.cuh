@@ -44,7 +44,10 @@ __device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&
 // (max, sum) to s_m / s_l and its accumulator as it is to acc_w[warp], then one barrier (named
 // barrier 1); the store sums acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc;
 // fold_warps and folded_acc for several columns), the same values as combine_warps gives,
-// without its barrier per warp.
+// without its barrier per warp. Every form writes its multiply-adds as __fmaf_rn (a warp's first
+// term a plain product), so none rounds apart from another by what the compiler contracts: a
+// small tree in one launch (the twin, warp by warp) equals the same tree in two (held stage)
+// bit for bit.
 template <int QB, int HEAD_DIM, int KSTEPS, class OutDim>
 __device__ __forceinline__ void stash_warp(const float (&m)[2], float (&l)[2], const float (&acc)[KSTEPS][4],
                                            float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM],
@@ -110,12 +113,10 @@ __device__ __forceinline__ void combine_warps(const float (&m)[2], float (&l)[2]
           float* dst = buf + head * HEAD_DIM;
 #pragma unroll
           for (int i = 0; i < KSTEPS; ++i) {
-            const float a0 = acc[i][h] * sc[h];
-            const float a1 = acc[i][h + 2] * sc[h];
             float& d0 = dst[out_dim(i, g, 0)];
             float& d1 = dst[out_dim(i, g, 1)];
-            d0 = w == 0 ? a0 : d0 + a0;
-            d1 = w == 0 ? a1 : d1 + a1;
+            d0 = w == 0 ? acc[i][h] * sc[h] : __fmaf_rn(acc[i][h], sc[h], d0);
+            d1 = w == 0 ? acc[i][h + 2] * sc[h] : __fmaf_rn(acc[i][h + 2], sc[h], d1);
           }
         }
       }
