@@ -510,6 +510,9 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   s.q_group_block = qb;
   s.q_groups = static_cast<int32_t>(q_groups);
   s.tile_source = TileSource::kCpAsync;  // bulk tensor copies decided at launch (decode_op.cpp)
+  s.per_row = make_fast_divisor(static_cast<uint32_t>(a.num_kv_heads * q_groups * a.num_splits));
+  s.splits = make_fast_divisor(static_cast<uint32_t>(a.num_splits));
+  s.groups = make_fast_divisor(static_cast<uint32_t>(q_groups));
   if (tree) {
     p.tree.anc = reinterpret_cast<uint64_t*>(s.counters + tree_anc(batch, nodes, heads));
     p.tree.depth = s.counters + tree_depth(batch, nodes, heads);

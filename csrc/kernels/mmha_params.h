@@ -26,6 +26,24 @@ constexpr int cache_extra_bytes(DType cache_dtype, int head_dim) {
   return cache_dtype == DType::kInt4 ? int4_residual_bytes(head_dim) : 0;
 }
 
+// Division of a non-negative int32 n by a divisor d >= 1 fixed for the launch, as a multiply-high, an
+// add and a shift: n / d = (umulhi(n, mul) + n) >> shift, with shift = ceil(log2 d) and
+// mul = floor(2^32 (2^shift - d) / d) + 1 (exact for n < 2^31; d = 1: mul 1, shift 0). The item
+// index's decomposition (work_item_head) runs it where a division took about 20 instructions.
+struct FastDivisor {
+  uint32_t d = 1;
+  uint32_t mul = 1;
+  uint32_t shift = 0;
+};
+
+inline FastDivisor make_fast_divisor(uint32_t d) {
+  FastDivisor f;
+  f.d = d;
+  while ((uint64_t{1} << f.shift) < d) ++f.shift;
+  f.mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.shift) - d)) / d + 1);
+  return f;
+}
+
 // Where the tile loop's K/V tiles come from (csrc/kernels/tile_source.cuh).
 enum class TileSource : int32_t {
   kAuto = kTileSourceAuto,        // the host picks: bulk tensor copies where tma_supported(), else cp.async
@@ -183,6 +201,8 @@ struct ScheduleParams {
   int32_t q_group_block;  // query columns per item (one of kQGroupBlocks, or kWideColumns)
   int32_t q_groups;       // ceil(columns / q_group_block)
   TileSource tile_source; // tile loop: kCpAsync or kTma (never kAuto at launch)
+  // work_item_head's divisors: items per row (num_kv_heads * q_groups * num_splits), num_splits, q_groups
+  FastDivisor per_row, splits, groups;
 };
 
 struct MmhaParams {

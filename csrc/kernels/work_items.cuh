@@ -48,17 +48,22 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
 
 __device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.tree.parents != nullptr; }
 
+// n / f.d for 0 <= n < 2^31 (FastDivisor).
+__device__ __forceinline__ int fast_div(int n, const FastDivisor& f) {
+  return static_cast<int>((__umulhi(static_cast<uint32_t>(n), f.mul) + static_cast<uint32_t>(n)) >> f.shift);
+}
+
 // Which (row, kv head, column block, split) item `index` is; no memory is read.
 template <int QB>
 __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
   WorkItem w;
-  const int per_row = p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
-  w.b = index / per_row;
-  const int r = index - w.b * per_row;
-  const int head_block = r / p.sched.num_splits;
-  w.split = r - head_block * p.sched.num_splits;
-  w.kvh = head_block / p.sched.q_groups;
-  w.qg = head_block - w.kvh * p.sched.q_groups;
+  const ScheduleParams& s = p.sched;
+  w.b = fast_div(index, s.per_row);
+  const int r = index - w.b * static_cast<int>(s.per_row.d);
+  const int head_block = fast_div(r, s.splits);
+  w.split = r - head_block * s.num_splits;
+  w.kvh = fast_div(head_block, s.groups);
+  w.qg = head_block - w.kvh * s.q_groups;
   w.c0 = w.qg * QB;
   w.h0 = w.kvh * p.group + w.c0;
   w.nh = min(QB, p.group * p.tree.nodes - w.c0);
