@@ -32,6 +32,7 @@
 #include "score_mods.cuh"
 #include "tile_layout.cuh"
 #include "tile_operands.cuh"
+#include "warp_combine.cuh"
 #include "wgmma.cuh"
 #include "work_items.cuh"
 
@@ -428,15 +429,8 @@ struct WideConsumer {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
     }
-    if (__any_sync(kFullMask, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
-        l[h] *= alpha[h];
-        m[h] = m_new;
-      }
+    float alpha[2];
+    if (raise_max_stats(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll

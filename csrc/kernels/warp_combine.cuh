@@ -1,5 +1,6 @@
 // What the narrow consumers (TileConsumer, attend_tiles.cuh, and Int4Consumer, attend_int4.cuh)
-// share: the online softmax's raise of the running max, and the block combine. Each lane holds the running max and sum of heads 2tq, 2tq + 1
+// share: the online softmax's raise of the running max (its statistics also the wide items'), and
+// the block combine. Each lane holds the running max and sum of heads 2tq, 2tq + 1
 // (m, l) and its part of O^T (acc[KSTEPS][4]: M tile i's rows g and g + 8 stand for head dims
 // out_dim(i, g, 0) and out_dim(i, g, 1), as the consumer's operand reader orders them). Torch-free.
 #pragma once
@@ -15,12 +16,12 @@ namespace mmha {
 
 // The online softmax's reference max m of heads 2tq, 2tq + 1, raised to the warp's new maxima mx
 // only where some head of the warp outgrew it by more than `slack` (log2 units): most steps then
-// skip rescaling, and P = 2^(s - m) stays below 2^slack. Where it is raised, l and acc are
-// rescaled to the new max and the factors left in alpha (for the caller's other sums); returns
-// whether it was (warp-uniform).
-template <int KSTEPS>
-__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], const float (&mx)[2],
-                                          float slack, float (&alpha)[2]) {
+// skip rescaling, and P = 2^(s - m) stays below 2^slack. Where it is raised, l is rescaled to the
+// new max and the factors left in alpha for the caller's accumulators and other sums; returns
+// whether it was (warp-uniform). The wide items (attend_wide.cuh) call it as it is: their
+// accumulators lie in another order.
+__device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], const float (&mx)[2], float slack,
+                                                float (&alpha)[2]) {
   if (!__any_sync(kFullMask, mx[0] > m[0] + slack || mx[1] > m[1] + slack)) return false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -29,6 +30,15 @@ __device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&
     l[h] *= alpha[h];
     m[h] = m_new;
   }
+  return true;
+}
+
+// raise_max_stats, with the narrow consumers' acc (heads 2tq, 2tq + 1 in elements 0, 2 and 1, 3)
+// rescaled too.
+template <int KSTEPS>
+__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], const float (&mx)[2],
+                                          float slack, float (&alpha)[2]) {
+  if (!raise_max_stats(m, l, mx, slack, alpha)) return false;
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {
     acc[i][0] *= alpha[0];
