@@ -25,7 +25,7 @@ if [ "${1:-}" = --stamp ]; then
 fi
 OUT=${OUT:-$src/out}
 work=${WORK:-/tmp/mmha_call}
-logs=/tmp/mmha_call_logs
+logs=${work}_logs  # beside the work tree: a stand-in run (tests/test_gpu_call.py) keeps its own
 mkdir -p "$OUT" "$logs"
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
 summary=$logs/summary.txt
