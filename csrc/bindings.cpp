@@ -70,6 +70,14 @@ PYBIND11_MODULE(_C, m) {
       pybind11::arg("columns"), pybind11::arg("tree"), pybind11::arg("tiles"), pybind11::arg("head_dim"),
       pybind11::arg("kv_rows"), pybind11::arg("epilogue") = false,
       "Query columns per work item for `columns` columns per (row, kv head)");
+  m.def(
+      "fast_divisor",
+      [](uint32_t d) {
+        const mmha::FastDivisor f = mmha::make_fast_divisor(d);
+        return pybind11::make_tuple(f.mul, f.shift);
+      },
+      pybind11::arg("d"),
+      "(mul, shift) of the work items' division by d (FastDivisor): n / d = (umulhi(n, mul) + n) >> shift");
   m.def("build_check", &mmha::build_check,
         "Whether this build is a build check (MMHA_BUILD_CHECK=1: unoptimised PTX, its operators launch nothing)");
   m.def("kernel_sets", &mmha::kernel_sets,

@@ -1,7 +1,7 @@
 """The item index's division (FastDivisor in csrc/kernels/mmha_params.h, fast_div in work_items.cuh):
-n / d as (umulhi(n, mul) + n) >> shift, the same 32-bit arithmetic in Python, exact for every divisor
-a launch can have and every n below 2^31 tried (each divisor's multiples and their neighbours, the
-ends of the range, random n)."""
+n / d as (umulhi(n, mul) + n) >> shift with the extension's own (mul, shift) (``_C.fast_divisor``),
+the device's 32-bit arithmetic in Python, exact for every divisor a launch can have and every n below
+2^31 tried (each divisor's multiples and their neighbours, the ends of the range, random n)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import random
 
 import pytest
 
+from mmha._ext import _C
+
+pytestmark = pytest.mark.skipif(_C is None, reason="the extension is not built")
+
 
 def make_fast_divisor(d: int) -> tuple[int, int]:
-    shift = 0
-    while (1 << shift) < d:
-        shift += 1
-    mul = ((1 << 32) * ((1 << shift) - d)) // d + 1
-    assert 0 < mul < (1 << 32) or d == 1
+    mul, shift = _C.fast_divisor(d)
+    assert 0 < mul < (1 << 32) and (1 << shift) >= d and (shift == 0 or (1 << (shift - 1)) < d)
     return mul, shift
 
 
