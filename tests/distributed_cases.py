@@ -41,10 +41,13 @@ def _entry(rank, world, port, backend, timeout_s, case, kw):
             # a collective's wait raises at the group's timeout (CollectiveError) instead of the
             # watchdog ending the process; not with CUDA graphs (the wait syncs on the host)
             os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    # The rendezvous keeps a minute whatever the group's timeout: a short one (rank_fails) is for
+    # the collectives, and connecting to the store can take seconds on a loaded machine.
+    rendezvous = datetime.timedelta(seconds=max(60.0, timeout_s))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=rendezvous)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     CASES[case](rank, world, **kw)
     if case == "rank_fails":  # a failed collective leaves the group unusable: skip its teardown
         sys.stdout.flush()

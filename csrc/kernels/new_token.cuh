@@ -70,10 +70,16 @@ __device__ __forceinline__ RotaryParams for_length(RotaryParams r, int seq_len) 
   return r;
 }
 
-// Pair i's frequency: the table's, or 1 / theta^(2 i / dim).
+// 1 / theta^(2 i / dim), out of line: the Python API hands the kernel theta as a table
+// (Rotary.kernel_table), so this runs only for raw calls and a theta first seen in a capture.
+static __device__ __noinline__ float theta_frequency(int i, float theta, int dim) {
+  return 1.f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(dim));
+}
+
+// Pair i's frequency: the table's, or theta's.
 __device__ __forceinline__ float pair_frequency(int i, const RotaryParams& r) {
   if (r.inv_freq != nullptr) return r.inv_freq[i];
-  return 1.f / powf(r.theta, static_cast<float>(2 * i) / static_cast<float>(r.dim));
+  return theta_frequency(i, r.theta, r.dim);
 }
 
 // Element d after bias, norm n (none where n.w is nullptr: prepared) and rotary embedding at
