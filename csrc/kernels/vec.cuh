@@ -92,13 +92,6 @@ constexpr float kFp16Max = 65504.f;
 // the low mantissa bits of 0x6400 (1024.0). The consumer takes the bias out of its sums.
 constexpr float kInt4Bias = 1024.f;
 
-// Nibble I of each 16-bit half of w as the two halves 1024 + code (low half from bits 4I..4I+3,
-// high half from bits 16+4I..16+4I+3): one shift and one lop3.
-template <int I>
-__device__ __forceinline__ uint32_t nibbles_biased(uint32_t w) {
-  return ((w >> (4 * I)) & 0x000F000Fu) | 0x64006400u;
-}
-
 // The smaller / larger of two values, NaN if either is (as torch's amin / amax).
 __device__ __forceinline__ float min_nan(float a, float b) { return a < b || a != a ? a : b; }
 __device__ __forceinline__ float max_nan(float a, float b) { return a > b || a != a ? a : b; }
