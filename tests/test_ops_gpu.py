@@ -234,6 +234,16 @@ def test_rotary_table_by_length(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_past_sincos_fast_range(dtype):
+    """Positions on both sides of 105615, where sincosf leaves its fast argument reduction for
+    Payne-Hanek (the angle is position times a frequency of at most 1): 128K-token contexts
+    rotate there. Output and appended K / V against the reference, q and k alike."""
+    lengths = [105614, 105615, 131072, 200000]
+    case = make_case(4, 4, 1, 128, lengths, 200001, dtype, seed=15, rotary_dim=128)
+    check_case(case, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_frequency_table_of_theta_is_the_theta_rotation(dtype):
     """A theta rotation and the table of its frequencies (torch's fp32 1 / theta^(2i / d)) give
     the same bits: the kernel is handed theta as that table (``Rotary.kernel_table``)."""
