@@ -13,7 +13,9 @@
 # against 100-130 s for all); tests and sanitizer cases that need other sets fail with "operation
 # not supported", so pick them to match (pytest -k, CASES).
 # (default pytest args: tests -k "not cpu": the CPU-only tests, which CI runs, are the slowest under
-# 12 workers). TESTS=0 / SAN=0 skip a part.
+# 12 workers). TESTS=0 / SAN=0 skip a part. Tests a call's deadline cut off are listed in the logs
+# (unrun.txt, by tests/unreached.py); REST=1 runs exactly those on the same machine (the build and
+# the logs stay while it is held).
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 # The sources a build depends on and the kernel sets it holds (MMHA_KERNELS), as one digest.
@@ -66,15 +68,31 @@ if [ "${TESTS:-1}" != 0 ] && [ "$left" -lt 30 ]; then
 elif [ "${TESTS:-1}" != 0 ]; then
   args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(tests -k "not cpu")
-  timeout -s INT "$left" python -m pytest "${args[@]}" -n "${WORKERS:-12}" -v -p no:cacheprovider \
-    --timeout "${TEST_TIMEOUT:-300}" -rfE >"$logs/pytest.log" 2>&1
-  rc=$?
-  {
-    echo "pytest: rc=$rc after $(($(date +%s) - start)) s (124: cut off at CALL_BUDGET)"
-    echo "pytest: $(grep -c ' PASSED ' "$logs/pytest.log") passed, $(grep -c ' SKIPPED ' "$logs/pytest.log") skipped"
-    grep -E '^(FAILED|ERROR) ' "$logs/pytest.log" | head -40
-    tail -n 1 "$logs/pytest.log"
-  } >>"$summary"
+  if [ "${REST:-0}" != 0 ]; then  # the tests the last call's deadline cut off
+    mapfile -t args <"$logs/unrun.txt" 2>/dev/null || args=()
+    echo "pytest: REST=1, ${#args[@]} tests left by the last call" >>"$summary"
+  fi
+  if [ ${#args[@]} -eq 0 ]; then
+    echo "pytest: nothing to run" >>"$summary"
+  else
+    # The run's tests, listed beside it: those without an outcome when it ends go to unrun.txt.
+    python -m pytest "${args[@]}" --collect-only -q -p no:cacheprovider >"$logs/collected.txt" 2>&1 &
+    collect_pid=$!
+    workers=(-n "${WORKERS:-12}")
+    [ "${WORKERS:-12}" != 0 ] || workers=()
+    timeout -s INT "$left" python -m pytest "${args[@]}" "${workers[@]}" -v -p no:cacheprovider \
+      --timeout "${TEST_TIMEOUT:-300}" -rfE >"$logs/pytest.log" 2>&1
+    rc=$?
+    wait "$collect_pid"
+    python tests/unreached.py "$logs/collected.txt" "$logs/pytest.log" >"$logs/unrun.txt" 2>"$logs/unrun_count.txt"
+    {
+      echo "pytest: rc=$rc after $(($(date +%s) - start)) s (124: cut off at CALL_BUDGET)"
+      echo "pytest: $(grep -c ' PASSED ' "$logs/pytest.log") passed, $(grep -c ' SKIPPED ' "$logs/pytest.log") skipped"
+      echo "pytest: $(cat "$logs/unrun_count.txt") (REST=1 runs them)"
+      grep -E '^(FAILED|ERROR) ' "$logs/pytest.log" | head -40
+      tail -n 1 "$logs/pytest.log"
+    } >>"$summary"
+  fi
 fi
 if [ -n "$san_pid" ]; then
   while kill -0 "$san_pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done

@@ -1,7 +1,8 @@
 """tests/gpu_call.sh's orchestration, with stand-ins for nvidia-smi and compute-sanitizer: a build
 whose sources did not change is reused, the sanitizers' summary lines and pytest's outcome reach
-the summary, a sanitizer run past the call's deadline is stopped (its processes too), and the
-logs are packed either way."""
+the summary, a sanitizer run past the call's deadline is stopped (its processes too), the logs
+are packed either way, and the tests a deadline cut off are listed (tests/unreached.py) and run
+by the next call with REST=1."""
 
 import os
 import shutil
@@ -27,7 +28,11 @@ def _stamp(kernels: str | None = None) -> str:
     return run.stdout.strip()
 
 
-def _call(tmp_path: Path, sanitizer_sleep: int, budget: int) -> tuple[subprocess.CompletedProcess, Path]:
+def _call(
+    tmp_path: Path, sanitizer_sleep: int, budget: int, rest: list[str] | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """One call on test_layout.py (serial: WORKERS=0); ``rest``: node ids a former call on this
+    machine left in its logs' unrun.txt, run with REST=1."""
     bin_dir, work, out = tmp_path / "bin", tmp_path / "work", tmp_path / "out"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Stand-in GPU, 0, 0 MiB'\n")
@@ -40,9 +45,14 @@ def _call(tmp_path: Path, sanitizer_sleep: int, budget: int) -> tuple[subprocess
     (work / ".built").write_text(_stamp() + "\n")  # as if this machine had built these sources
     base = {k: v for k, v in os.environ.items() if k != "MMHA_KERNELS"}  # as _stamp() stamped it
     env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "WORK": str(work), "OUT": str(out),
-           "CALL_BUDGET": str(budget)}  # fmt: skip
+           "CALL_BUDGET": str(budget), "WORKERS": "0"}  # fmt: skip
+    if rest is not None:
+        logs = Path(f"{work}_logs")
+        logs.mkdir()
+        (logs / "unrun.txt").write_text("".join(f"{t}\n" for t in rest))
+        env["REST"] = "1"
     run = subprocess.run(
-        ["bash", "tests/gpu_call.sh", "tests/test_layout.py", "-p", "no:xdist"], cwd=ROOT, env=env,
+        ["bash", "tests/gpu_call.sh", "tests/test_layout.py"], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=budget + 60,
     )  # fmt: skip
     return run, out / "gpu_call.tgz"
@@ -57,8 +67,42 @@ def test_a_reused_build_runs_tests_and_sanitizers(tmp_path):
     run, tgz = _call(tmp_path, 0, 120)
     assert "build: reused" in run.stdout
     assert "sanitizer memcheck: rc=0" in run.stdout and "suite: passed" in run.stdout
-    assert "pytest: rc=" in run.stdout
-    assert {"summary.txt", "pytest.log", "san/summary.txt"} <= _members(tgz)
+    assert "pytest: rc=0" in run.stdout and "pytest: 10 passed" in run.stdout
+    assert "pytest: 0 of 10 collected tests not reached" in run.stdout
+    assert {"summary.txt", "pytest.log", "san/summary.txt", "unrun.txt"} <= _members(tgz)
+
+
+def test_rest_runs_the_tests_the_last_call_left(tmp_path):
+    left = ["tests/test_layout.py::test_write_k_and_v_touch_only_their_slots",
+            "tests/test_layout.py::test_pack_rejects_too_long_sequences"]  # fmt: skip
+    run, _ = _call(tmp_path, 0, 120, rest=left)
+    assert "pytest: REST=1, 2 tests left by the last call" in run.stdout
+    assert "pytest: 2 passed" in run.stdout and "pytest: 0 of 2 collected tests not reached" in run.stdout
+    (tmp_path / "again").mkdir()
+    run, _ = _call(tmp_path / "again", 0, 120, rest=[])
+    assert "pytest: nothing to run" in run.stdout and "pytest: rc=" not in run.stdout
+
+
+def test_unreached_lists_the_collected_tests_without_an_outcome():
+    from unreached import unreached
+
+    collected = "\n".join([
+        "tests/test_a.py::test_one",
+        "tests/test_a.py::test_two[single_pass-(8, 8)]",
+        "tests/test_b.py::test_three",
+        "tests/test_b.py::test_four",
+        "",
+        "4 tests collected in 1.00s",
+    ])  # fmt: skip
+    xdist = "\n".join([
+        "[gw0] [ 25%] PASSED tests/test_a.py::test_one ",
+        "[gw1] [ 50%] FAILED tests/test_a.py::test_two[single_pass-(8, 8)] ",
+        "FAILED tests/test_b.py::test_four - AssertionError",  # a summary line is no outcome
+    ])  # fmt: skip
+    assert unreached(collected, xdist) == ["tests/test_b.py::test_three", "tests/test_b.py::test_four"]
+    serial = "tests/test_b.py::test_three SKIPPED (no GPU)                      [ 75%]\n"
+    serial += "tests/test_a.py::test_two[single_pass-(8, 8)] PASSED            [ 50%]\n"
+    assert unreached(collected, serial) == ["tests/test_a.py::test_one", "tests/test_b.py::test_four"]
 
 
 def test_sanitizers_past_the_deadline_are_stopped(tmp_path):
