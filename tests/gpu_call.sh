@@ -76,7 +76,7 @@ elif [ "${TESTS:-1}" != 0 ]; then
     echo "pytest: nothing to run" >>"$summary"
   else
     # The run's tests, listed beside it: those without an outcome when it ends go to unrun.txt.
-    python -m pytest "${args[@]}" --collect-only -q -p no:cacheprovider >"$logs/collected.txt" 2>&1 &
+    timeout "$left" python -m pytest "${args[@]}" --collect-only -q -p no:cacheprovider >"$logs/collected.txt" 2>&1 &
     collect_pid=$!
     workers=(-n "${WORKERS:-12}")
     [ "${WORKERS:-12}" != 0 ] || workers=()
