@@ -42,11 +42,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    ids = collected(Path(argv[0]).read_text())
-    left = unreached(Path(argv[0]).read_text(), Path(argv[1]).read_text())
+    listing = Path(argv[0]).read_text()
+    left = unreached(listing, Path(argv[1]).read_text())
     for t in left:
         print(t)
-    print(f"{len(left)} of {len(ids)} collected tests not reached", file=sys.stderr)
+    print(f"{len(left)} of {len(collected(listing))} collected tests not reached", file=sys.stderr)
     return 0
 
 
