@@ -47,6 +47,16 @@ __device__ __forceinline__ uint32_t half_pair(const uint4& v, int i) {
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
 
+// Nibbles 2j and 2j + 1 of each 16-bit half of w (low half: bits 8j.., high half: bits 16 + 8j..)
+// as exact fp16 codes: one shift for both (none for j = 0), then one lop3 and one half op each.
+// The even nibble reads as 1024 + code (less 1024), the odd one in place as 1024 + 16 code (times
+// 1/16, less 64): both exact.
+__device__ __forceinline__ void nibble_pair_codes(uint32_t w, int j, __half2& even, __half2& odd) {
+  const uint32_t x = w >> (8 * j);
+  even = __hsub2(bits_h2((x & 0x000F000Fu) | 0x64006400u), __float2half2_rn(kInt4Bias));
+  odd = __hfma2(bits_h2((x & 0x00F000F0u) | 0x64006400u), __float2half2_rn(0.0625f), __float2half2_rn(-64.f));
+}
+
 // One consumer warp over an int4 cache: its q fragments and running (max, sum, acc), for up to
 // 8 query heads of one kv head (the interface of TileConsumer, attend_tiles.cuh).
 template <int HEAD_DIM, int QB>
@@ -182,7 +192,6 @@ struct Int4Consumer {
     } else {
       const __half* k_scale = reinterpret_cast<const __half*>(stage + L::SCALE_OFF);
       const __half* k_zero = reinterpret_cast<const __half*>(stage + L::K_ZERO_OFF);
-      const __half2 bias = __float2half2_rn(kInt4Bias);
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
         uint32_t r[2];  // keys g and g + 8: channels 32c + 8tq .. 32c + 8tq + 7
@@ -191,16 +200,17 @@ struct Int4Consumer {
         const uint4 zc = *reinterpret_cast<const uint4*>(k_zero + 32 * c + 8 * tq);
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
+          __half2 n[2][2];  // [key g / g + 8][nibble 2 sub / 2 sub + 1]
+          nibble_pair_codes(r[0], sub, n[0][0], n[0][1]);
+          nibble_pair_codes(r[1], sub, n[1][0], n[1][1]);
           uint32_t a[4];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int i = 2 * sub + h;
             const __half2 sp = bits_h2(half_pair(sc, i));
             const __half2 zp = bits_h2(half_pair(zc, i));
-            const uint32_t n0 = ((r[0] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-            const uint32_t n1 = ((r[1] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-            a[2 * h] = h2_bits(__hfma2(__hsub2(bits_h2(n0), bias), sp, zp));      // key g
-            a[2 * h + 1] = h2_bits(__hfma2(__hsub2(bits_h2(n1), bias), sp, zp));  // key g + 8
+            a[2 * h] = h2_bits(__hfma2(n[0][h], sp, zp));      // key g
+            a[2 * h + 1] = h2_bits(__hfma2(n[1][h], sp, zp));  // key g + 8
           }
           mma_16816<__half>(sub ? s_odd : s, a, qh[2 * c + sub][0], qh[2 * c + sub][1]);
         }
@@ -266,18 +276,16 @@ struct Int4Consumer {
     const uint32_t ph1 = movmatrix_trans(h2_bits(p1));
     // O^T += V^T P^T: chunk c of the keys' V rows gives M tiles 2c and 2c + 1 (rows g, g + 8:
     // nibbles 2 sub, 2 sub + 1 of the lane's 16-bit units).
-    const __half2 bias = __float2half2_rn(kInt4Bias);
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) {
       uint32_t r[2];  // keys 2tq, 2tq + 1 | 2tq + 8, 2tq + 9: channels 32c + 4g .. 32c + 4g + 3
       ldmatrix_x2<true>(r, stage + L::v_off(key0 + lane % 16, c, 0));
 #pragma unroll
       for (int sub = 0; sub < 2; ++sub) {
-        uint32_t a[4];
-        a[0] = h2_bits(__hsub2(bits_h2(((r[0] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u), bias));  // row g
-        a[1] = h2_bits(__hsub2(bits_h2(((r[0] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u), bias));  // g + 8
-        a[2] = h2_bits(__hsub2(bits_h2(((r[1] >> (8 * sub)) & 0x000F000Fu) | 0x64006400u), bias));
-        a[3] = h2_bits(__hsub2(bits_h2(((r[1] >> (8 * sub + 4)) & 0x000F000Fu) | 0x64006400u), bias));
+        __half2 n[4];  // rows g, g + 8 of keys 2tq, 2tq + 1, then of keys 2tq + 8, 2tq + 9
+        nibble_pair_codes(r[0], sub, n[0], n[1]);
+        nibble_pair_codes(r[1], sub, n[2], n[3]);
+        uint32_t a[4] = {h2_bits(n[0]), h2_bits(n[1]), h2_bits(n[2]), h2_bits(n[3])};
         mma_16816<__half>(acc[2 * c + sub], a, ph0, ph1);
       }
     }
