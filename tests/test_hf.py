@@ -386,6 +386,29 @@ def test_rejects_bad_loop_settings():
         dec.generate([[1, 2]], 4, eos_token_id=list(range(9)))
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the built extension")
+def test_gpu_a_step_no_graph_can_capture_is_named_and_the_process_goes_on():
+    """A decode step a CUDA graph cannot capture (here an output head that reads a value to the
+    host) raises the error that names graphs=False, and the process goes on: a failed capture left
+    torch's CUDA generator in capture mode (every later random op failing) until HFDecoder gave it
+    a fresh state, and the same model then decodes without graphs as transformers' generate does."""
+    model = build("llama", "cuda", torch.float32)
+    ps = prompts(model.config.vocab_size)
+    dec = HFDecoder(model, len(ps), max(PROMPT_LENGTHS) + 17)
+    assert dec.graphs
+    head = dec.head
+
+    def head_reading_the_host(h: torch.Tensor) -> torch.Tensor:
+        float(h.float().sum())  # a device-to-host read: not capturable
+        return head(h)
+
+    dec.head = head_reading_the_host
+    with pytest.raises(RuntimeError, match=r"could not be captured in a CUDA graph.*graphs=False"):
+        dec.generate(ps, 16)
+    assert torch.isfinite(torch.randn(1024, device="cuda")).all()
+    check_matches_generate(model, new_tokens=16, graphs=False)
+
+
 def check_eos_mid_batch(device: str, **kw) -> None:
     """A row that meets its end-of-sequence token stops there (the token kept) while the others go
     on: per row, transformers' own greedy tokens up to that token."""

@@ -103,6 +103,15 @@ def buckets(max_batch: int) -> list[int]:
     return [*out, max_batch]
 
 
+def _free_generator_from_capture(device: torch.device) -> None:
+    """A capture that fails leaves the device's default CUDA generator in capture mode (torch ends
+    that only when the capture succeeds), and every later random op of the process then fails
+    ("Offset increment outside graph capture"): give it a fresh state at the same seed and offset."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    gen.graphsafe_set_state(gen.clone_state())
+
+
 @dataclass
 class _GreedyState:
     """Device state of greedy decoding, at fixed addresses (captured graphs read and write it)."""
@@ -333,10 +342,11 @@ class HFDecoder:
                 with torch.cuda.graph(graph, pool=self._pool):
                     self._greedy_step(rows)
             except RuntimeError as e:
+                _free_generator_from_capture(self._state.tokens.device)
                 raise RuntimeError(
-                    "the model's decode step could not be captured in a CUDA graph (an operation in it "
-                    "synchronises with the host or has data-dependent shapes); use HFDecoder(..., "
-                    "graphs=False)"
+                    "the model's decode step could not be captured in a CUDA graph (e.g. an operation "
+                    "in it synchronises with the host or has data-dependent shapes; the cause is "
+                    "chained below); use HFDecoder(..., graphs=False)"
                 ) from e
             self._pool = graph.pool()
             self._graphs[rows] = graph
