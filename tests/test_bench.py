@@ -24,6 +24,15 @@ def test_canonical_grid_is_the_documented_one():
     assert all(c.batch * c.seq_len == 16384 and c.head_dim == 64 and c.num_heads == 16 for c in small)
 
 
+def test_custom_grid_takes_several_kv_head_counts():
+    cfgs = build_configs("custom", ["fp16"], custom=([1, 16], [1024, 4096], 32, [8, 32], 128), int4=True)
+    plain = [(c.num_kv_heads, c.batch, c.seq_len) for c in cfgs if c.kv != "int4"]
+    assert plain == [(h, b, s) for h in (8, 32) for b in (1, 16) for s in (1024, 4096)]
+    assert [c.kv for c in cfgs[:2]] == ["", "int4"]  # each twin right after its row
+    one = build_configs("custom", ["fp16"], custom=([1], [1024], 32, 8, 128))
+    assert [(c.num_kv_heads, c.batch, c.seq_len) for c in one] == [(8, 1, 1024)]
+
+
 @pytest.mark.parametrize(
     "batch, hkv, seq, layers",
     [

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short subset (same as --grid quick)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--dtype", choices=list(DTYPES), nargs="+")

@@ -277,9 +277,9 @@ def build_configs(
     int8: bool = False, int4: bool = False,
 ) -> list[Config]:  # fmt: skip
     """The rows of a grid: "canonical" (fp16 and bf16, plus the extra rows in fp16), "quick", or
-    "custom" (``custom``: batch list, seq list, heads, kv heads, head dim). ``fp8`` / ``int8`` /
-    ``int4``: each fp16 / bf16 row of head dim 128 (custom: every 16-bit row) also with such a
-    cache, after it."""
+    "custom" (``custom``: batch list, seq list, heads, kv heads (an int or a list), head dim).
+    ``fp8`` / ``int8`` / ``int4``: each fp16 / bf16 row of head dim 128 (custom: every 16-bit row)
+    also with such a cache, after it."""
     cfgs = _grid_configs(grid, dtypes, extras, custom)
     kinds = [k for k, on in (("fp8", fp8), ("int8", int8), ("int4", int4)) if on]
     if not kinds:
@@ -303,9 +303,11 @@ def _grid_configs(grid: str, dtypes: list[str] | None, extras: bool, custom) -> 
             cfgs += [Config("small-head B*S=16K", 16384 // s, 16, 16, 64, s, "fp16") for s in SMALL_HEAD_SEQS]
         return cfgs
     batches, seqs, heads, kv_heads, head_dim = custom
+    kv_list = [kv_heads] if isinstance(kv_heads, int) else list(kv_heads)
     return [
-        Config("custom", b, heads, kv_heads, head_dim, s, dt)
+        Config("custom", b, heads, hkv, head_dim, s, dt)
         for dt in (dtypes or ["fp16"])
+        for hkv in kv_list
         for b in batches
         for s in seqs
     ]
