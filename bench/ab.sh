@@ -8,11 +8,14 @@
 # SOAK=1 runs each build's GPU soak (tests/test_soak.py; MMHA_SOAK_STEPS steps), before the grid.
 # MMHA_KERNELS=fp16 (setup.py) builds only the kernel sets the grid runs, in a fraction of the time
 # (the BASE copy is slimmed by bench/slim_tree.py, so a tree from before that option takes it too).
+# The arguments are parsed first (check_bench_args, device_env.sh): a bad one stops the call
+# before any build.
 # Usage: BASE=.base bash bench/ab.sh --grid canonical --dtype fp16 --peers sdpa_cudnn --no-secondary
 #        BASE=.base bash bench/ab.sh --mods --peers sdpa_mask   (the score modifiers' rows)
 #        BASE=.base bash bench/ab.sh --paged --rows 1 3 13       (paged rows, by canonical index)
 source "$(dirname "$0")/device_env.sh"
 BASE=${BASE:?set BASE to the earlier tree}
+check_bench_args "$@"
 if [ ! -f /tmp/mmha_base/.built ]; then
   rm -rf /tmp/mmha_base && cp -r "$BASE" /tmp/mmha_base
   # MMHA_KERNELS: the base builds those kernel sets only too, whatever its age (bench/slim_tree.py).

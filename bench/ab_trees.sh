@@ -7,11 +7,14 @@
 # `python -m mmha.bench` arguments run with each build in turn, twice (a, b, c, a, b, c), and
 # bench/ab_table.py prints each build's rows beside the first's ($OUT/ab.md, a caption line first;
 # the runs themselves in $OUT/ab_runs.tgz).
+# The arguments are parsed first (check_bench_args, device_env.sh): a bad one stops the call
+# before any build.
 # Usage: TREES="main:.t915 branch:." MMHA_KERNELS=fp16 bash bench/ab_trees.sh --grid canonical \
 #          --dtype fp16 --peers --no-secondary
 source "$(dirname "$0")/device_env.sh"
 TREES=${TREES:?set TREES to "label:path ..." (the first is the baseline)}
 read -r -a trees <<<"$TREES"
+check_bench_args "$@"
 jobs=$(( ${MAX_JOBS:-16} / ${#trees[@]} )); [ "$jobs" -ge 1 ] || jobs=1
 for t in "${trees[@]}"; do
   label=${t%%:*} src=${t#*:} dst=/tmp/ab_${t%%:*}

@@ -13,3 +13,12 @@ build() {
     exit 1
   }
 }
+
+# Parse `python -m mmha.bench "$@"`'s arguments alone (mmha/bench/args.py; no GPU, no build), so a
+# bad one stops the script before its builds take device time.
+check_bench_args() {
+  MMHA_BENCH_CHECK_ARGS=1 python -m mmha.bench "$@" >/dev/null || {
+    echo "python -m mmha.bench $*: the arguments do not parse (above); nothing built"
+    exit 2
+  }
+}

@@ -5,10 +5,14 @@ GPU: bench/validate.sh)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from mmha.bench import report
+from mmha.bench.args import CHECK_ARGS
 from mmha.bench.methods import PEERS
 from mmha.bench.problems import CANONICAL, Config, build_configs
 
@@ -497,3 +501,27 @@ def test_tree_sweep_plans_and_arguments(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--splits", "4"])
     assert "apply to --tree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--tree"], ["--mods"], ["--paged"], ["--epilogue"]])
+def test_check_args_parses_and_stops(extra, monkeypatch, capsys):
+    from mmha.bench.cli import main
+
+    monkeypatch.setenv(CHECK_ARGS, "1")
+    with pytest.raises(SystemExit) as ok:
+        main([*extra, "--out", "unused"])
+    assert ok.value.code == 0 and "arguments ok" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main([*extra, "--no-such-flag"])
+    assert bad.value.code == 2
+
+
+def test_ab_trees_refuses_bad_arguments_before_building(tmp_path):
+    root = Path(__file__).parent.parent
+    label = f"argcheck{os.getpid()}"
+    env = {**os.environ, "OUT": str(tmp_path), "TREES": f"{label}:."}
+    run = subprocess.run(["bash", "bench/ab_trees.sh", "--kv-heads", "eight"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "the arguments do not parse" in run.stdout and "invalid int value: 'eight'" in run.stderr
+    assert not Path(f"/tmp/ab_{label}").exists() and not list(tmp_path.glob("build_*.log"))

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import report
+from .args import parse_args
 from .methods import PEERS
 from .problems import DTYPES, build_configs
 from .runner import gpu_header, progress, run_config, write_outputs
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each 16-bit row of head dim 128 also with an int4 cache (mmha.int4)")  # fmt: skip
     p.add_argument("--full", action="store_true", help="print every column (the files always have them)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     if args.quick:
         args.grid = "quick"
     if not torch.cuda.is_available():

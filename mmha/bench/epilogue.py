@@ -27,6 +27,7 @@ import torch
 
 from .. import ops
 from ..epilogue import OutEpilogue
+from .args import parse_args
 from .methods import mmha_fn
 from .problems import CANONICAL, TOLERANCE, Config, layer_problems
 from .runner import gpu_header, print_report
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--tile-source", choices=list(ops.TILE_SOURCES), default="auto", help="of every call")
     ap.add_argument("--out", type=Path, default=Path("bench_epilogue"))
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     if not torch.cuda.is_available():
         print("python -m mmha.bench --epilogue needs a CUDA GPU")
         return 1

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, reference
 from ..spec import AttentionSpec, alibi_slopes
+from .args import parse_args
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .runner import print_report
 from .timing import decode_us
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     ap.add_argument("--out", type=Path, default=Path("bench_mods"))
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     if not torch.cuda.is_available():
         print("python -m mmha.bench --mods needs a CUDA GPU")
         return 1

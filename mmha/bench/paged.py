@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import ops, paging
+from .args import parse_args
 from .methods import MMHA, mmha_fn
 from .problems import CANONICAL, QUICK, TOLERANCE, Config, layer_problems
 from .runner import gpu_header, print_report, time_method
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
     ap.add_argument("--rows", type=int, nargs="+", help="indices into the canonical grid (default: all)")
     ap.add_argument("--out", type=Path, default=Path("bench_paged"))
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     if not torch.cuda.is_available():
         print("python -m mmha.bench --paged needs a CUDA GPU")
         return 1

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, quant, reference, tree
 from . import floor
+from .args import parse_args
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
 from .runner import print_report
 from .timing import decode_us
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--int8", action="store_true", help="each Llama-shaped row again over an int8 cache")
     ap.add_argument("--only", nargs="+", metavar="B,CTX,T", help="rows of these batch, context, nodes")
     ap.add_argument("--out", type=Path, default=Path("bench_tree"))
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     try:
         chosen = select(rows(args.quick, args.int8), args.only)
     except ValueError as exc:
