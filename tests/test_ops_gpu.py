@@ -16,6 +16,7 @@ from helpers import (
 )
 
 from mmha import dispatch, ops
+from mmha._constants import ROW_STEP
 
 pytestmark = gpu
 
@@ -78,6 +79,34 @@ def test_tile_sources_agree_bit_for_bit(dtype, head_dim, splits):
         case = make_case(len(lengths), 8, 2, head_dim, lengths, 4096, dtype, seed=head_dim + splits)
         outs.append(check_case(case, splits, tile_source=source))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", TILE_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 4), (32, 4)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_lean_kernels_agree_with_the_others_bit_for_bit(dtype, head_dim, heads, splits, source):
+    # A call with none of the features lean kernels leave out runs a lean unit's kernel
+    # (csrc/kernels/lean_kernels.h); the same call with every row's mode given (ROW_STEP, the
+    # same step) runs the kernel that has them all. Same output, lse and cache writes, bit for
+    # bit, and the lean one matches the reference.
+    hq, hkv = heads
+    lengths = [0, 63, 64, 100, 1000, 4095]
+    modes = torch.full((len(lengths),), ROW_STEP, dtype=torch.int32, device="cuda")
+    runs = []
+    for row_active in (None, modes):
+        case = make_case(len(lengths), hq, hkv, head_dim, lengths, 4096, dtype, seed=head_dim + hq + splits)
+        if row_active is None:
+            _, _, ref_k, ref_v = run_reference(case)
+        out, lse = run_kernel(case, splits, tile_source=source, row_active=row_active)
+        torch.cuda.synchronize()
+        if row_active is None:
+            check_against_reference(case, out, lse)
+            check_cache_writes(case, ref_k, ref_v)
+        runs.append((out, lse, case.k_cache, case.v_cache))
+    for what, a, b in zip(("out", "lse", "k cache", "v cache"), *runs, strict=True):
+        assert_bits_equal(a, b, what)
 
 
 def test_capacity_not_a_multiple_of_32_runs_cp_async():

@@ -12,17 +12,19 @@
 #include <type_traits>
 
 #include "mmha_params.h"
+#include "lean_kernels.h"
 #include "vec.cuh"
 
 namespace mmha {
 
-__device__ __forceinline__ bool paged(const CacheParams& c) { return c.block_tables != nullptr; }
+__device__ __forceinline__ bool paged(const CacheParams& c) { return !kLeanKernels && c.block_tables != nullptr; }
 
 // Whether a block table entry names a block of the pool.
 __device__ __forceinline__ bool block_ok(const CacheParams& c, int id) { return id >= 0 && id < c.num_blocks; }
 
 // Row b's mode (row_active; kRowStep for every row without it).
 __device__ __forceinline__ int32_t row_mode(const RowParams& r, int b) {
+  if constexpr (kLeanKernels) return kRowStep;
   return r.modes == nullptr ? kRowStep : r.modes[b];
 }
 

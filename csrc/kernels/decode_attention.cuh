@@ -27,6 +27,7 @@
 #include "mmha_params.h"
 #include "new_token.cuh"
 #include "output_epilogue.cuh"
+#include "lean_kernels.h"
 #include "score_mods.cuh"
 #include "split_merge.cuh"
 #include "tile_producer.cuh"
@@ -520,11 +521,17 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
 }
 
 // EPI: the output epilogue (output_epilogue.cuh) is compiled in; a kernel of its own, so that the
-// plain kernels' code and registers do not change (1 or kEpilogueColumns columns: columns_block).
+// other kernels' code and registers do not change (1 or kEpilogueColumns columns: columns_block).
 // FUSED: the twin that checks and appends a small tree itself (kFusedTrees).
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
+// LEAN: a lean unit's kernel (lean_kernels.h); the parameter keeps its symbol apart from the
+// other units' kernel of the same shape, and every host function below that names a kernel
+// carries it for the same reason (their default: the unit's kLeanKernels).
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
+          bool LEAN = kLeanKernels>
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
+  static_assert(LEAN == kLeanKernels, "a lean kernel is compiled in a lean unit, and only there");
+  static_assert(!LEAN || (!EPI && !FUSED && QB != kWideColumns && kTiles<C>), "lean kernels: one-token tile items");
   if constexpr (QB == kWideColumns) {
     run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
@@ -557,7 +564,8 @@ constexpr int stages_smem_bytes(int stages) {
 // CUDA-core loop has static arrays only). Above the default 48 KB the kernel must opt in, once per
 // device (the attribute is per device), for the largest launch it may see: kMaxStages, or what
 // the device allows.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
+          bool LEAN = kLeanKernels>
 cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes = 0) {
   if constexpr (!kTiles<T>) {
     smem_bytes = 0;
@@ -575,23 +583,23 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>);
+    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>);
     if (err != cudaSuccess) return err;
     const int most = stages_smem_bytes<C, HEAD_DIM>(kMaxStages) + tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
-    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>,
+    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
     if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
     return err;
   }
 }
 
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
 int blocks_per_sm_of(int stages) {
   int smem_bytes = 0;
   int blocks = 0;
-  if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(stages, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>,
+  if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(stages, smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>,
                                                     kBlockThreads<T>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -602,7 +610,8 @@ int blocks_per_sm_of(int stages) {
 // Blocks of the grid: one per item on the CUDA-core loop; on the tile loop, as many as are
 // resident at once (its occupancy at p.sched.stages stages; `resident`: SMs times that, 0 where
 // none fits), at most one per item.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
+          bool LEAN = kLeanKernels>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_t* resident = nullptr) {
   const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
@@ -613,7 +622,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED>, kBlockThreads<T>, smem_bytes);
+          &per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>, kBlockThreads<T>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
     if (resident != nullptr) *resident = static_cast<int64_t>(sms) * per_sm;
@@ -626,9 +635,9 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_
 // A small tree step in one launch (the FUSED twin), where it keeps the plan's grid: the node area
 // after the stages must leave the blocks that run at once as they are. Returns cudaErrorNotReady
 // (nothing launched) where it does not.
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
 cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stream) {
-  if constexpr (!kFusedTrees<T, C, QB, EPI>) {
+  if constexpr (LEAN || !kFusedTrees<T, C, QB, EPI>) {
     return cudaErrorNotReady;
   } else {
     if (p.tree.nodes > kFusedTreeNodes) return cudaErrorNotReady;
@@ -646,21 +655,22 @@ cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stre
   }
 }
 
-template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   int smem_bytes = 0;
-  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI>(kTiles<T> ? p.sched.stages : kMinStages, smem_bytes);
+  cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(
+      kTiles<T> ? p.sched.stages : kMinStages, smem_bytes);
   if (err != cudaSuccess) return err;
   int blocks = 0;
-  err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI>(p, smem_bytes, blocks);
+  err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(p, smem_bytes, blocks);
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
   if (p.tree.parents == nullptr) {
-    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
-  if constexpr (kInt4<C>) {
-    return cudaErrorInvalidValue;  // int4 tree steps: the host refuses them
+  if constexpr (kInt4<C> || LEAN) {
+    return cudaErrorInvalidValue;  // int4 tree steps: the host refuses them; lean kernels: the dispatch
   } else {
     err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
     if (err != cudaErrorNotReady) return err;
@@ -691,16 +701,16 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
 template <typename C, int HEAD_DIM>
 constexpr bool kHasTma = kTiles<C> && !kInt4<C> && v_whole_lines(HEAD_DIM, static_cast<int>(sizeof(C)));
 
-template <typename T, typename C, int HEAD_DIM, int QB, bool EPI>
+template <typename T, typename C, int HEAD_DIM, int QB, bool EPI, bool LEAN = kLeanKernels>
 cudaError_t launch_source(const MmhaParams& params, cudaStream_t stream) {
   if (params.sched.tile_source == TileSource::kTma) {
     if constexpr (kHasTma<C, HEAD_DIM>) {
-      return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma, EPI>(params, stream);
+      return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kTma, EPI, LEAN>(params, stream);
     } else {
       return cudaErrorInvalidValue;
     }
   }
-  return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync, EPI>(params, stream);
+  return launch_kernel<T, C, HEAD_DIM, QB, TileSource::kCpAsync, EPI, LEAN>(params, stream);
 }
 
 // Kernels with the output epilogue exist for QB kEpilogueColumns, and for one and
@@ -710,6 +720,7 @@ constexpr bool kHasEpilogue = QB == kEpilogueColumns || (kTiles<T> && (QB == 1 |
 
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  static_assert(!kLeanKernels || sizeof(T) == 0, "a lean unit instantiates launch_lean_decode_attention only");
   if (params.output.epilogue) {
     if constexpr (kHasEpilogue<T, QB> && !kInt4<C>) return launch_source<T, C, HEAD_DIM, QB, true>(params, stream);
     return cudaErrorInvalidValue;
@@ -717,8 +728,16 @@ cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t strea
   return launch_source<T, C, HEAD_DIM, QB, false>(params, stream);
 }
 
+// A call lean_call accepts, in a lean unit's kernel (lean_kernels.h): no epilogue, no tree.
+template <typename T, typename C, int HEAD_DIM, int QB>
+cudaError_t launch_lean_decode_attention(const MmhaParams& params, cudaStream_t stream) {
+  static_assert(kLeanKernels || sizeof(T) == 0, "lean kernels are instantiated in the lean units only");
+  return launch_source<T, C, HEAD_DIM, QB, false, true>(params, stream);
+}
+
 template <typename T, typename C, int HEAD_DIM, int QB>
 int decode_attention_blocks_per_sm(int stages, TileSource source) {
+  static_assert(!kLeanKernels || sizeof(T) == 0, "a lean unit instantiates launch_lean_decode_attention only");
   if (source == TileSource::kTma) {
     if constexpr (kHasTma<C, HEAD_DIM>) return blocks_per_sm_of<T, C, HEAD_DIM, QB, TileSource::kTma, false>(stages);
     return 0;

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "decode_launch.h"
+#include "lean_kernels.h"
 #include "vec.cuh"
 
 #define MMHA_STR_(...) #__VA_ARGS__
@@ -63,13 +64,26 @@ constexpr bool kHasHeadDim = !std::is_same_v<C, u4> || HEAD_DIM % kInt4Channels 
 template <typename C, int HEAD_DIM>
 constexpr bool kHasWide = !std::is_same_v<C, float> && !std::is_same_v<C, u4> && HEAD_DIM <= kWideMaxHeadDim;
 
+// Lean kernels (lean_kernels.h) exist for 16-bit caches of 16-bit activations.
+template <typename T, typename C>
+constexpr bool kHasLean = std::is_same_v<T, C> && !std::is_same_v<T, float>;
+
+// A query-group block's kernels: the lean units' where lean_call accepts the call, else the others.
+template <typename T, typename C, int HEAD_DIM, int QB>
+cudaError_t launch_narrow(const MmhaParams& p, cudaStream_t stream) {
+  if constexpr (kHasLean<T, C>) {
+    if (lean_call(p)) return launch_lean_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
+  }
+  return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
+}
+
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t dispatch_q_group_block(const MmhaParams& p, cudaStream_t stream) {
   if constexpr (!kHasHeadDim<C, HEAD_DIM>) {
     return cudaErrorInvalidValue;
   } else {
 #define MMHA_CASE(QB) \
-  case QB: return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
+  case QB: return launch_narrow<T, C, HEAD_DIM, QB>(p, stream);
     switch (p.sched.q_group_block) {
       MMHA_FOR_EACH_Q_GROUP_BLOCK(MMHA_CASE)
 #undef MMHA_CASE

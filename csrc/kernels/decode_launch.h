@@ -14,6 +14,11 @@ namespace mmha {
 template <typename T, typename C, int HEAD_DIM, int Q_GROUP_BLOCK>
 cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t stream);
 
+// The same for a call lean_call accepts (lean_kernels.h), in the lean units' kernels
+// (instantiations/*_lean.cu: 16-bit caches, query-group blocks up to 8).
+template <typename T, typename C, int HEAD_DIM, int Q_GROUP_BLOCK>
+cudaError_t launch_lean_decode_attention(const MmhaParams& params, cudaStream_t stream);
+
 // Resident blocks per SM of one instantiation with `stages` stages on the current device (0 if it
 // cannot run there, or has no kernel for that tile source).
 template <typename T, typename C, int HEAD_DIM, int Q_GROUP_BLOCK>

@@ -128,7 +128,7 @@ def render_python() -> str:
 
 
 INSTANTIATION = """// {note}
-#include "../decode_attention.cuh"
+{define}#include "../decode_attention.cuh"
 
 namespace mmha {{
 {lines}
@@ -155,7 +155,16 @@ def render_instantiations() -> dict[Path, str]:
                     "int, TileSource);"
                     for qb in qbs
                 )
-                out[HERE / "instantiations" / file] = INSTANTIATION.format(note=HEADER_NOTE, lines=lines)
+                out[HERE / "instantiations" / file] = INSTANTIATION.format(note=HEADER_NOTE, define="", lines=lines)
+            if name in table.LEAN_KINDS:
+                lines = "\n".join(
+                    f"template cudaError_t launch_lean_decode_attention<{ctype}, {cache}, {head_dim}, {qb}>("
+                    "const MmhaParams&, cudaStream_t);"
+                    for qb in blocks
+                )
+                out[HERE / "instantiations" / f"decode_{name}_hd{head_dim}_lean.cu"] = INSTANTIATION.format(
+                    note=HEADER_NOTE, define="#define MMHA_LEAN_KERNELS 1  // lean_kernels.h\n", lines=lines
+                )
     return out
 
 

@@ -13,6 +13,7 @@
 #include "int4_step.cuh"
 #include "mmha_params.h"
 #include "new_token.cuh"
+#include "lean_kernels.h"
 #include "tree_step.cuh"
 #include "vec.cuh"
 #include "work_items.cuh"
@@ -105,7 +106,11 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
+#if MMHA_LEAN_KERNELS
+  const QKNormParams qn{};  // lean kernels: no norms (lean_kernels.h)
+#else
   const QKNormParams& qn = p.qk_norm;
+#endif
   const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
   // Column g's raw q and its bias (a one-token step's from q_rows, a tree step's from its node's row).
   const auto q_of = [&](int g, const T*& q_bias) -> const T* {
@@ -266,7 +271,11 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+#if MMHA_LEAN_KERNELS
+  const QKNormParams qn{};  // lean kernels: no norms (lean_kernels.h)
+#else
   const QKNormParams& qn = p.qk_norm;
+#endif
   const auto k_row = [&](int t) {
     return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(w.b) * p.tree.nodes + t) * p.qkv_row_stride +
            (p.num_heads + w.kvh) * HEAD_DIM;

@@ -19,12 +19,14 @@
 
 #include "attend_common.cuh"
 #include "mmha_params.h"
+#include "lean_kernels.h"
 #include "ptx.cuh"
 
 namespace mmha {
 
 // The first slot a row whose new token sits at pos attends to.
 __device__ __forceinline__ int window_start(const ScoreModParams& m, int pos) {
+  if constexpr (kLeanKernels) return 0;
   return m.window > 0 ? max(0, pos - m.window + 1) : 0;
 }
 
@@ -46,6 +48,13 @@ struct ScoreTransform {
 
   // heads[i]: the query head of slot i (< 0: a padding head, slope 0).
   __device__ __forceinline__ void init(const ScoreModParams& m, const int (&heads)[N]) {
+    if constexpr (kLeanKernels) {
+      on = false;
+      cap = inv_cap = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) slope[i] = 0.f;
+      return;
+    }
     cap = m.softcap > 0.f ? m.softcap * kLog2e : 0.f;
     inv_cap = cap > 0.f ? 1.f / cap : 0.f;
     on = cap > 0.f || m.alibi_slopes != nullptr;
@@ -80,6 +89,7 @@ struct TreeMask {
 
 // Head h's sink in the log2 domain; -inf without sinks.
 __device__ __forceinline__ float sink_log2(const ScoreModParams& m, int h) {
+  if constexpr (kLeanKernels) return -INFINITY;
   return m.sinks != nullptr ? m.sinks[h] * kLog2e : -INFINITY;
 }
 

@@ -257,6 +257,10 @@ KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
     ("fp16_u4", "__half", "u4"),
     ("bf16_u4", "__nv_bfloat16", "u4"),
 ]
+# Kernel sets that also have lean units (csrc/kernels/lean_kernels.h: the one-token kernels of
+# calls without tree steps, pages, score modifiers, row modes, q/k norms or the epilogue, their
+# code left out): decode_<set>_hd<D>_lean.cu.
+LEAN_KINDS = ("fp16", "bf16")
 # Cache types without the wide items of tree steps (fp32: the CUDA-core loop).
 NO_WIDE = ("float", "u4")
 # Cache types whose head dims are whole 16-byte chunks of codes (int4: multiples of INT4_CHANNELS).

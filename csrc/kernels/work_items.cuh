@@ -13,6 +13,7 @@
 
 #include "cache_slots.cuh"
 #include "mmha_params.h"
+#include "lean_kernels.h"
 #include "score_mods.cuh"
 
 namespace mmha {
@@ -46,7 +47,7 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
   return p.rows.batch * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
 }
 
-__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return p.tree.parents != nullptr; }
+__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return !kLeanKernels && p.tree.parents != nullptr; }
 
 // n / f.d for 0 <= n < 2^31 (FastDivisor).
 __device__ __forceinline__ int fast_div(int n, const FastDivisor& f) {
