@@ -55,6 +55,7 @@ def _counts(node_counts):
 def install() -> None:
     """Patches mmha and the test helpers (before the test module is imported)."""
     from mmha import cache, ops, reference
+    from mmha._constants import ROW_STEP
 
     def decode_attention(qkv, k, v, lengths, *, return_lse=False, block_tables=None, **kw):
         kw = {n: x for n, x in kw.items() if n not in _SCHEDULE}
@@ -68,6 +69,9 @@ def install() -> None:
         qkv, k, v, lengths, parents, *, node_counts=None, return_lse=False, block_tables=None, **kw
     ):
         kw = {n: x for n, x in kw.items() if n not in _SCHEDULE}
+        modes = kw.pop("row_active", None)  # every row's mode ROW_STEP is the same step; others: not here
+        if modes is not None and not bool((modes == ROW_STEP).all()):
+            raise NotImplementedError("dry run: a tree step's row modes other than ROW_STEP")
         kw.update(node_counts=_counts(node_counts), return_lse=True)
         if block_tables is not None:
             out = reference.decode_tree_paged(qkv, k, v, block_tables, lengths, parents, **kw)

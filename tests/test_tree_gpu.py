@@ -16,7 +16,7 @@ from test_generate import random_prompts
 from test_tree import random_tree
 
 from mmha import dispatch, ops, reference, spec
-from mmha._constants import FUSED_TREE_NODES
+from mmha._constants import FUSED_TREE_NODES, ROW_STEP
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -154,6 +154,45 @@ def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
     assert sum("tree_prepare_kernel" in n for n in names) == (0 if fused else 1), names
     if dtype != torch.int8:
         check_tree(case, qkv, parents, counts, scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads, nodes", [((32, 8), 4), ((16, 8), FUSED_TREE_NODES), ((8, 2), 3)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_lean_twin_agrees_with_the_full_twin_bit_for_bit(dtype, heads, nodes, splits, source):
+    """A small tree over contiguous 16-bit caches with no modifiers, row modes or norms runs a lean
+    unit's fused twin (csrc/kernels/lean_kernels.h); the same step with every row's mode given
+    (ROW_STEP, the same step) runs the twin that has every feature. Both in one launch; same
+    output, lse and caches bit for bit, and the lean one matches the reference. Rows start next to
+    tile edges and use fewer nodes than the step has."""
+    hq, hkv = heads
+    lengths = [0, 60, 125, 700]
+    counts = [nodes, nodes, max(1, nodes - 2), 1]
+    case, qkv, parents, counts, scales = tree_case(
+        len(lengths), hq, hkv, 128, lengths, 1024, dtype, nodes, "random", seed=nodes + splits, counts=counts,
+        bias=True,
+    )  # fmt: skip
+    kw = dict(num_splits=splits, tile_source=source)
+    modes = torch.full((len(lengths),), ROW_STEP, dtype=torch.int32, device="cuda")
+    runs, names = [], []
+    for row_active in (None, modes):
+        names.append(
+            launched_kernels(
+                lambda r=row_active: run_tree(case, qkv, parents, counts, scales, row_active=r, **kw)
+            )
+        )
+        runs.append(run_tree(case, qkv, parents, counts, scales, row_active=row_active, **kw))
+    # One launch each: the twin (FUSED true), lean (LEAN true) or not.
+    for got, lean in zip(names, (True, False), strict=True):
+        twins = [n for n in got if "decode_attention_kernel" in n]
+        assert len(twins) == 1 and not any("tree_prepare_kernel" in n for n in got), got
+        assert twins[0].endswith(f"Lb1ELb{int(lean)}EEEvNS_10MmhaParamsE") or f"true, {str(lean).lower()}>" in twins[0], (
+            twins
+        )  # fmt: skip
+    check_tree(case, qkv, parents, counts, scales, **kw)
+    for what, a, b in zip(("out", "lse", "k cache", "v cache"), *runs, strict=True):
+        assert_bits_equal(a, b, what)
 
 
 def padded_tree(qkv, parents, width):

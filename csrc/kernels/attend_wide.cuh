@@ -102,7 +102,7 @@ struct WideConsumer {
   __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
                                        int lane) {
     busy = 16 * warp < w.nh;
-    tree.on = tree_step(p);
+    tree.on = tree_step<false>(p);
     tree.base = w.pos;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -147,7 +147,7 @@ struct WideConsumer {
     // pass 0 (one-byte caches only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
     // Lane k holds node n0 + k's position (at most 16 nodes per warp): one load for all of them.
     const int my_col = max(first, (n0 + lane) * group - w.c0);
-    const int my_pos = n0 + lane <= n1 ? query_position(p, w, column_of(p, w, my_col)) : 0;
+    const int my_pos = n0 + lane <= n1 ? query_position<false>(p, w, column_of(p, w, my_col)) : 0;
     float q_unit = 1.f;
     float qmax = 0.f;
     for (int pass = kBytes ? 0 : 1; pass < 2; ++pass) {

@@ -154,7 +154,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
-      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step(p) && !FUSED ? -1 : h.pos;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step<FUSED>(p) && !FUSED ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) {
@@ -175,7 +175,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (tid == 0 && first_item) timeline_mark(p, kTlQueryBuilt);
       if constexpr (!FUSED) mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
-             tree_step(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);
+             tree_step<FUSED>(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);
       if constexpr (FUSED) mbar_arrive(&s_item.empty[h.slot]);  // and with the slot's root paths
       if constexpr (kInt4<C>) {  // the row's last K group into the residual area (quantised where it completes)
         const int rk = int4_residual_tile(w);
@@ -454,7 +454,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   WorkItem w = work_item_head<QB>(p, blockIdx.x);
   work_item_range(p, w, p.rows.lengths[w.b], row_nodes(p, w.b), Simt::KEYS);
   if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel
-    poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? 0 : kStatusLength, tid, nthreads);
+    poison_row<T, HEAD_DIM, EPI>(p, w, tree_step<false>(p) ? 0 : kStatusLength, tid, nthreads);
     return;
   }
   if (w.idle) poison_row<T, HEAD_DIM, EPI>(p, w, 0, tid, nthreads, true);
@@ -487,7 +487,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   const AttendArgs<T, HEAD_DIM> args{slots, w.start, w.lo, w.end, w.newslot, p.scale * kLog2e};
   int heads[QB];
   TreeMask<QB> tree;
-  tree.on = tree_step(p);
+  tree.on = tree_step<false>(p);
   tree.base = w.pos;
 #pragma unroll
   for (int g = 0; g < QB; ++g) {
@@ -531,7 +531,7 @@ template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI
 __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
   static_assert(LEAN == kLeanKernels, "a lean kernel is compiled in a lean unit, and only there");
-  static_assert(!LEAN || (!EPI && !FUSED && QB != kWideColumns && kTiles<C>), "lean kernels: one-token tile items");
+  static_assert(!LEAN || (!EPI && QB != kWideColumns && kTiles<C>), "lean kernels: tile items (one-token, or a fused twin's tree)");
   if constexpr (QB == kWideColumns) {
     run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
@@ -637,20 +637,20 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_
 // (nothing launched) where it does not.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
 cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stream) {
-  if constexpr (LEAN || !kFusedTrees<T, C, QB, EPI>) {
+  if constexpr (!kFusedTrees<T, C, QB, EPI>) {
     return cudaErrorNotReady;
   } else {
     if (p.tree.nodes > kFusedTreeNodes) return cudaErrorNotReady;
     int smem_bytes = 0;
     cudaError_t err =
-        prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, true>(p.sched.stages, smem_bytes, p.tree.nodes);
+        prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, true, LEAN>(p.sched.stages, smem_bytes, p.tree.nodes);
     if (err != cudaSuccess) return err;
     int fused_blocks = 0;
     int64_t resident = 0;
-    err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI, true>(p, smem_bytes, fused_blocks, &resident);
+    err = grid_blocks<T, C, HEAD_DIM, QB, SRC, EPI, true, LEAN>(p, smem_bytes, fused_blocks, &resident);
     if (err != cudaSuccess) return err;
     if (resident == 0 || fused_blocks != blocks) return cudaErrorNotReady;
-    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, true><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, true, LEAN><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
 }
@@ -669,8 +669,12 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
     decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
-  if constexpr (kInt4<C> || LEAN) {
-    return cudaErrorInvalidValue;  // int4 tree steps: the host refuses them; lean kernels: the dispatch
+  if constexpr (kInt4<C>) {
+    return cudaErrorInvalidValue;  // int4 tree steps: the host refuses them
+  } else if constexpr (LEAN) {
+    // A lean unit has the fused twin only: where it does not keep the plan's grid,
+    // cudaErrorNotReady (nothing launched) sends the dispatch to the other units' kernels.
+    return launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI, LEAN>(p, blocks, stream);
   } else {
     err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
     if (err != cudaErrorNotReady) return err;
@@ -728,7 +732,8 @@ cudaError_t launch_decode_attention(const MmhaParams& params, cudaStream_t strea
   return launch_source<T, C, HEAD_DIM, QB, false>(params, stream);
 }
 
-// A call lean_call accepts, in a lean unit's kernel (lean_kernels.h): no epilogue, no tree.
+// A call lean_call accepts, in a lean unit's kernel (lean_kernels.h): no epilogue; a tree only in
+// the fused twin (cudaErrorNotReady, nothing launched, where the twin does not take it).
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_lean_decode_attention(const MmhaParams& params, cudaStream_t stream) {
   static_assert(kLeanKernels || sizeof(T) == 0, "lean kernels are instantiated in the lean units only");

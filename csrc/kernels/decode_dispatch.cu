@@ -72,7 +72,10 @@ constexpr bool kHasLean = std::is_same_v<T, C> && !std::is_same_v<T, float>;
 template <typename T, typename C, int HEAD_DIM, int QB>
 cudaError_t launch_narrow(const MmhaParams& p, cudaStream_t stream) {
   if constexpr (kHasLean<T, C>) {
-    if (lean_call(p)) return launch_lean_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
+    if (lean_call(p)) {
+      const cudaError_t err = launch_lean_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
+      if (err != cudaErrorNotReady) return err;  // (a tree the lean twin does not take: below)
+    }
   }
   return launch_decode_attention<T, C, HEAD_DIM, QB>(p, stream);
 }

@@ -114,7 +114,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
   const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
   // Column g's raw q and its bias (a one-token step's from q_rows, a tree step's from its node's row).
   const auto q_of = [&](int g, const T*& q_bias) -> const T* {
-    if (!tree_step(p)) {
+    if (!tree_step<FUSED>(p)) {
       q_bias = bias ? bias + (w.h0 + g) * HEAD_DIM : nullptr;
       return q_rows + g * HEAD_DIM;
     }
@@ -133,7 +133,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
         const T* q_bias;
         const T* q = q_of(g, q_bias);
         inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
-      } else if (g == QB && w.owner() && !(FUSED && tree_step(p)) && qn.k_weight != nullptr) {
+      } else if (g == QB && w.owner() && !(FUSED && tree_step<FUSED>(p)) && qn.k_weight != nullptr) {
         inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
       }
       if (lane == 0) s_inv[g] = inv;
@@ -143,7 +143,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
   const auto q_norm = [&](int g) {
     return qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_inv[g], qn.cast_first} : HeadNorm{};
   };
-  if (!tree_step(p)) {
+  if (!tree_step<FUSED>(p)) {
     for (int idx = tid; idx < QB * HEAD_DIM; idx += nthreads) {
       const int g = idx / HEAD_DIM;
       const int d = idx % HEAD_DIM;
@@ -186,7 +186,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
       const Column c = column_of(p, w, g);
       float sn = 0.f, cs = 1.f;
-      if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
+      if (rp.rotated) sincosf(static_cast<float>(query_position<FUSED>(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
       float x0, x1;
       rotate_values<T>(s_q[g][rp.d0], s_q[g][rp.d1], rp, sn, cs, x0, x1, q_norm(g));
       s_q[g][rp.d0] = x0;
@@ -206,7 +206,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       if (g < w.nh) {
         const Column c = column_of(p, w, g);
         float sn = 0.f, cs = 1.f;
-        if (rp.rotated) sincosf(static_cast<float>(query_position(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
+        if (rp.rotated) sincosf(static_cast<float>(query_position<FUSED>(p, w, c, slot_depth)) * rp.inv_freq, &sn, &cs);
         rotate_pair(global_q<T, HEAD_DIM>(p, c), bias ? bias + c.head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1,
                     q_norm(g));
       }
@@ -214,7 +214,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       s_q[g][rp.d1] = x1;
     }
   }
-  if (w.owner() && !(FUSED && tree_step(p))) {
+  if (w.owner() && !(FUSED && tree_step<FUSED>(p))) {
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =

@@ -163,7 +163,7 @@ struct RawRows {
       // One-token steps: the item's columns are consecutive heads of the row. A tree step's
       // consumers read their columns from qkv themselves.
       const T* q_row = global_q<T, HEAD_DIM>(p, Column{w.b, 0, w.h0});
-      const int staged = tree_step(p) ? 0 : w.nh * HEAD_DIM;
+      const int staged = tree_step<false>(p) ? 0 : w.nh * HEAD_DIM;
 #pragma unroll
       for (int j = 0; j < Q_PER_LANE; ++j) {
         const int idx = lane + 32 * j;
@@ -217,7 +217,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
     DecidedItem d = decide_item<C, QB, FUSED>(p, index, lane, FUSED);
     WorkItem& w = d.w;
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel, a fused one's here
-      poison_row<T, HEAD_DIM, EPI>(p, w, tree_step(p) ? d.tree_flags : kStatusLength, lane, 32);
+      poison_row<T, HEAD_DIM, EPI>(p, w, tree_step<FUSED>(p) ? d.tree_flags : kStatusLength, lane, 32);
     } else if (w.idle) {
       poison_row<T, HEAD_DIM, EPI>(p, w, 0, lane, 32, true);
     } else if (!d.scales_ok) {

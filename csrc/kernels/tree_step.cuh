@@ -155,7 +155,7 @@ static_assert(sizeof(TreeNodes<float, 64>) % 16 == 0, "the K/V rows start 16-byt
 
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
-  static_assert(!kLeanKernels || sizeof(T) == 0, "tree steps: not in a lean unit (lean_kernels.h)");
+  static_assert(!kLeanKernels || sizeof(T) == 0, "the check-and-append launch: not in a lean unit (lean_kernels.h)");
   constexpr int VEC = kVec<C>;
   const int b = blockIdx.x / p.num_kv_heads;
   const int kvh = blockIdx.x - b * p.num_kv_heads;

@@ -47,7 +47,12 @@ __device__ __forceinline__ int num_items(const MmhaParams& p) {
   return p.rows.batch * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
 }
 
-__device__ __forceinline__ bool tree_step(const MmhaParams& p) { return !kLeanKernels && p.tree.parents != nullptr; }
+// Whether the step is a tree step. FUSED: the fused twin, which runs tree steps only (a lean unit's
+// twin too); other kernels of a lean unit run none.
+template <bool FUSED>
+__device__ __forceinline__ bool tree_step(const MmhaParams& p) {
+  return FUSED || (!kLeanKernels && p.tree.parents != nullptr);
+}
 
 // n / f.d for 0 <= n < 2^31 (FastDivisor).
 __device__ __forceinline__ int fast_div(int n, const FastDivisor& f) {
@@ -110,7 +115,7 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   w.pos = pos;
   w.nodes = nodes;
   w.bad = pos < 0 || nodes < 1 || pos > p.cache.max_seq_len - added;
-  w.newslot = (tree_step(p) && !FUSED) || mode == kRowAttend ? -1 : pos;
+  w.newslot = (tree_step<FUSED>(p) && !FUSED) || mode == kRowAttend ? -1 : pos;
   const int len = w.bad ? 1 : pos + added;
   w.lo = w.bad ? 0 : window_start(p.mods, pos);
   if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
@@ -125,13 +130,14 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
 }
 
 // The new tokens of row b: 1 for a one-token step, else the tree's node count (-1: refused).
-__device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step(p) ? p.tree.rows[b] : 1; }
+__device__ __forceinline__ int row_nodes(const MmhaParams& p, int b) { return tree_step<false>(p) ? p.tree.rows[b] : 1; }
 
 // The rotary position of column g's query: pos, or pos + its node's depth (a fused tree's from
 // its item slot's depths, else from the workspace).
+template <bool FUSED>
 __device__ __forceinline__ int query_position(const MmhaParams& p, const WorkItem& w, const Column& c,
                                               const int* slot_depth = nullptr) {
-  if (!tree_step(p)) return w.pos;
+  if (!tree_step<FUSED>(p)) return w.pos;
   return w.pos + (slot_depth != nullptr ? slot_depth[c.node] : p.tree.depth[c.qrow]);
 }
 
