@@ -81,7 +81,7 @@ elif [ "${TESTS:-1}" != 0 ]; then
     workers=(-n "${WORKERS:-12}")
     [ "${WORKERS:-12}" != 0 ] || workers=()
     timeout -s INT "$left" python -m pytest "${args[@]}" "${workers[@]}" -v -p no:cacheprovider \
-      --timeout "${TEST_TIMEOUT:-300}" -rfE >"$logs/pytest.log" 2>&1
+      --timeout "${TEST_TIMEOUT:-300}" -rfE --durations=40 >"$logs/pytest.log" 2>&1
     rc=$?
     wait "$collect_pid"
     python tests/unreached.py "$logs/collected.txt" "$logs/pytest.log" >"$logs/unrun.txt" 2>"$logs/unrun_count.txt"
@@ -90,6 +90,8 @@ elif [ "${TESTS:-1}" != 0 ]; then
       echo "pytest: $(grep -c ' PASSED ' "$logs/pytest.log") passed, $(grep -c ' SKIPPED ' "$logs/pytest.log") skipped"
       echo "pytest: $(cat "$logs/unrun_count.txt") (REST=1 runs them)"
       grep -E '^(FAILED|ERROR) ' "$logs/pytest.log" | head -40
+      # The slowest tests (pytest --durations; printed when the run ends, not when it is cut off).
+      sed -n '/slowest 40 durations/,/^$/p' "$logs/pytest.log" | sed -n 2,11p
       tail -n 1 "$logs/pytest.log"
     } >>"$summary"
   fi
