@@ -481,6 +481,26 @@ def test_ab_table_reads_tree_runs(tmp_path):
     assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary | 22.1, 22.2 | 19.9, 20.0 | 0.901 |" in lines
 
 
+def test_sweep_extra_plans_parse_and_bad_ones_are_named(capsys):
+    """python -m mmha.bench.sweep --plans SxT: (splits, stages) pairs for the canonical rows; a
+    malformed or out-of-range one, or --plans with --tree, refused by name before any GPU is looked
+    for."""
+    from mmha import dispatch
+    from mmha.bench import sweep
+
+    assert sweep.parse_plan("4x6") == (4, 6)
+    assert sweep.parse_plan("1X2") == (1, 2)
+    for bad, says in (("4", "takes SxT"), ("4x", "takes SxT"), ("ax6", "takes SxT"),
+                      (f"{dispatch.MAX_SPLITS + 1}x3", "splits in [1, "),
+                      (f"2x{dispatch.MAX_STAGES + 1}", "stages in [")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            sweep.main(["--plans", bad])
+        assert says in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit):
+        sweep.main(["--tree", "--plans", "4x6"])
+    assert "--plans applies to the canonical rows" in capsys.readouterr().err
+
+
 def test_tree_sweep_plans_and_arguments(capsys):
     """python -m mmha.bench.sweep --tree: the dispatcher's splits at every stage count up to its
     own, then each extra split count at two stages and at the dispatcher's; bad --only / --splits

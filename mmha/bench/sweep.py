@@ -9,9 +9,12 @@ plan, after checking the dispatcher's plan against the fp32 reference. ``--tree`
 benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
 count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
 count's output checked against the reference; ``--splits``: also these split counts, each at two
-stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only.
+stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only. ``--plans SxT ...``:
+the canonical rows also at these plans, e.g. ``4x6``: 4 splits over a ring of 6 stages, whose
+shared memory leaves one block per SM, so a grid of more items than SMs takes them from the work
+counter as its blocks free up.
 
-    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras]
+    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6]
     python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32]
 """
 
@@ -46,8 +49,25 @@ EXTRAS = (
 )
 
 
-def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, str]]:
-    """(plan, tile source) pairs to time on this row, the dispatcher's own pick first."""
+def parse_plan(text: str) -> tuple[int, int]:
+    """``SxT`` (``4x6``) as (splits, stages), each within what the kernels take."""
+    try:
+        splits, stages = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--plans takes SxT (splits x stages, e.g. 4x6), got {text!r}") from None
+    if not 1 <= splits <= dispatch.MAX_SPLITS or not dispatch.MIN_STAGES <= stages <= dispatch.MAX_STAGES:
+        raise ValueError(
+            f"--plans {text}: splits in [1, {dispatch.MAX_SPLITS}] and stages in "
+            f"[{dispatch.MIN_STAGES}, {dispatch.MAX_STAGES}]"
+        )
+    return splits, stages
+
+
+def candidates(
+    cfg: Config, plan: dispatch.Plan, extra: tuple[tuple[int, int], ...] = ()
+) -> list[tuple[dispatch.Plan, str]]:
+    """(plan, tile source) pairs to time on this row, the dispatcher's own pick first; ``extra``:
+    (splits, stages) pairs besides (those past the row's tiles or the block's shared memory left out)."""
     dev = ops.device_spec(torch.cuda.current_device())
     tiles = -(-cfg.seq_len // dispatch.TILE_KEYS)
     out = [(plan, "auto")]
@@ -64,6 +84,10 @@ def candidates(cfg: Config, plan: dispatch.Plan) -> list[tuple[dispatch.Plan, st
         for st in range(dispatch.MIN_STAGES, most + 1):
             bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
             out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
+    for splits, st in extra:
+        if splits <= tiles and st <= most:
+            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
+            out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
     if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9:
         out.append((plan, "cp_async"))
     return list(dict.fromkeys(out))
@@ -73,14 +97,14 @@ def name(plan: dispatch.Plan, source: str) -> str:
     return plan_str(plan) + (" cp" if source == "cp_async" else "")
 
 
-def sweep_row(cfg: Config) -> dict:
+def sweep_row(cfg: Config, extra: tuple[tuple[int, int], ...] = ()) -> dict:
     probs = layer_problems(cfg, "mmha")
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
                         cfg.torch_dtype)  # fmt: skip
     err = probs[0].error(mmha_fn(probs[0], plan)())
     assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
     times = {}
-    for cand, source in candidates(cfg, plan):
+    for cand, source in candidates(cfg, plan, extra):
         times[name(cand, source)] = timing.decode_us([mmha_fn(p, cand, source) for p in probs], replays=15)[
             "us"
         ]
@@ -170,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--splits", type=int, nargs="*", default=[], help="--tree: also these split counts")
     p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
+    p.add_argument("--plans", nargs="+", default=[], metavar="SxT",
+                   help="the canonical rows also at these plans (splits x stages, e.g. 4x6)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
     if (args.splits or args.only) and not args.tree:
         p.error("--splits and --only apply to --tree")
+    if args.plans and args.tree:
+        p.error("--plans applies to the canonical rows (--tree takes --splits)")
+    try:
+        extra = tuple(parse_plan(t) for t in args.plans)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.tree:
         from .tree import rows as tree_rows
         from .tree import select
@@ -203,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         cfgs += [Config("extra", b, hq, hkv, d, s, args.dtype) for b, hq, hkv, d, s in EXTRAS]
     results = []
     for cfg in cfgs:
-        results.append(sweep_row(cfg))
+        results.append(sweep_row(cfg, extra))
         print(f"{cfg.label}: plan {results[-1]['plan']} {results[-1]['plan_us']:.1f} us, best "
               f"{results[-1]['best']} {results[-1]['best_us']:.1f} us",
               file=sys.stderr, flush=True)  # fmt: skip
