@@ -154,7 +154,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
-      w.pos = h.pos, w.nodes = h.nodes, w.newslot = tree_step<FUSED>(p) && !FUSED ? -1 : h.pos;
+      w.pos = h.pos, w.nodes = h.nodes, w.newslot = !FUSED && tree_step<false>(p) ? -1 : h.pos;
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       if constexpr (PRE_N > 0) {

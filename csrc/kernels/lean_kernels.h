@@ -24,8 +24,8 @@ constexpr bool kLeanKernels = MMHA_LEAN_KERNELS != 0;
 inline bool lean_call(const MmhaParams& p) {
   const ScoreModParams& m = p.mods;
   return (p.tree.parents == nullptr || p.tree.nodes <= kFusedTreeNodes) && p.cache.block_tables == nullptr &&
-         p.rows.modes == nullptr &&
-         m.alibi_slopes == nullptr && m.sinks == nullptr && m.window == 0 && m.softcap == 0.f &&
+         p.rows.modes == nullptr && m.alibi_slopes == nullptr && m.sinks == nullptr && m.window == 0 &&
+         m.softcap == 0.f &&
          p.qk_norm.q_weight == nullptr && p.qk_norm.k_weight == nullptr && !p.output.epilogue;
 }
 

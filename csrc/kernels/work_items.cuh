@@ -115,7 +115,7 @@ __device__ __forceinline__ void work_item_range(const MmhaParams& p, WorkItem& w
   w.pos = pos;
   w.nodes = nodes;
   w.bad = pos < 0 || nodes < 1 || pos > p.cache.max_seq_len - added;
-  w.newslot = (tree_step<FUSED>(p) && !FUSED) || mode == kRowAttend ? -1 : pos;
+  w.newslot = (!FUSED && tree_step<false>(p)) || mode == kRowAttend ? -1 : pos;
   const int len = w.bad ? 1 : pos + added;
   w.lo = w.bad ? 0 : window_start(p.mods, pos);
   if (!w.bad && len <= w.lo) w.idle = true;  // an attend-only row with no slot in reach
