@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -545,3 +546,42 @@ def test_ab_trees_refuses_bad_arguments_before_building(tmp_path):
     assert run.returncode == 2, run.stdout + run.stderr
     assert "the arguments do not parse" in run.stdout and "invalid int value: 'eight'" in run.stderr
     assert not Path(f"/tmp/ab_{label}").exists() and not list(tmp_path.glob("build_*.log"))
+
+
+def test_patch_trees_makes_base_and_patched_trees(tmp_path):
+    """bench/patch_trees.sh in a clone: .tbase is HEAD's tree (carried: excluded from git), .tLABEL
+    HEAD's with the patch applied (its docs/ part left out), the TREES string printed; a patch that
+    does not apply, or a malformed argument, stops it with a message and a non-zero status."""
+    root = Path(__file__).parent.parent
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True, timeout=120)
+    shutil.copy(root / "bench" / "patch_trees.sh", clone / "bench")  # the working tree's, committed or not
+    setup = clone / "setup.py"
+    patch = tmp_path / "change.diff"
+    original = setup.read_text()
+    setup.write_text(original + "# a change\n")
+    (clone / "docs" / "status.md").write_text("a docs change that the trees leave out\n")
+    patch.write_text(
+        subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True, check=True).stdout
+    )
+    subprocess.run(["git", "checkout", "-q", "."], cwd=clone, check=True)
+
+    def run(*args):
+        return subprocess.run(["bash", "bench/patch_trees.sh", *args], cwd=clone, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    ok = run(f"new:{patch}")
+    assert ok.returncode == 0, ok.stderr
+    assert 'TREES="base:.tbase new:.tnew"' in ok.stdout and '[".tbase"]' in ok.stdout
+    assert (clone / ".tbase" / "setup.py").read_text() == original
+    assert (clone / ".tnew" / "setup.py").read_text() == original + "# a change\n"
+    assert not (clone / ".tnew" / "docs").exists()
+    assert "/.tbase/" in (clone / ".git" / "info" / "exclude").read_text()
+    assert run("nolabel").returncode == 2
+    assert run(f"base:{patch}").returncode == 2
+    setup.write_text("something else entirely\n")
+    subprocess.run(["git", "commit", "-qam", "moved"], cwd=clone, check=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})  # fmt: skip
+    stale = run(f"new:{patch}")
+    assert stale.returncode == 1 and "does not apply to HEAD" in stale.stderr
