@@ -133,7 +133,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
         const T* q_bias;
         const T* q = q_of(g, q_bias);
         inv = head_inv_rms<T, HEAD_DIM>(q, q_bias, qn.eps, lane);
-      } else if (g == QB && w.owner() && !(FUSED && tree_step<FUSED>(p)) && qn.k_weight != nullptr) {
+      } else if (g == QB && w.owner() && !FUSED && qn.k_weight != nullptr) {
         inv = head_inv_rms<T, HEAD_DIM>(rows.k, k_bias, qn.eps, lane);
       }
       if (lane == 0) s_inv[g] = inv;
@@ -214,7 +214,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       s_q[g][rp.d1] = x1;
     }
   }
-  if (w.owner() && !(FUSED && tree_step<FUSED>(p))) {
+  if (w.owner() && !FUSED) {
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =

@@ -257,9 +257,9 @@ KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
     ("fp16_u4", "__half", "u4"),
     ("bf16_u4", "__nv_bfloat16", "u4"),
 ]
-# Kernel sets that also have lean units (csrc/kernels/lean_kernels.h: the one-token kernels of
-# calls without tree steps, pages, score modifiers, row modes, q/k norms or the epilogue, their
-# code left out): decode_<set>_hd<D>_lean.cu.
+# Kernel sets that also have lean units (csrc/kernels/lean_kernels.h: the kernels of calls without
+# pages, score modifiers, row modes, q/k norms or the epilogue, their code left out: one-token
+# steps, and small trees in the fused twin): decode_<set>_hd<D>_lean.cu.
 LEAN_KINDS = ("fp16", "bf16")
 # Cache types without the wide items of tree steps (fp32: the CUDA-core loop).
 NO_WIDE = ("float", "u4")
