@@ -76,6 +76,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // 4 or more stages unless items are short) and 16-bit head dims <= 96 (6 stages on grids of one
   // item per SM; head dim 128 spills with it).
   constexpr bool kPairTiles = !kInt4<C> && (kFp8<C> || kInt8<C> || HEAD_DIM <= 96);
+  // Lean kernels of several columns put their split merges off until the block's last item
+  // (PendingMerges, split_merge.cuh), with the merge weights in s_q (free once an item is stored)
+  // and the list in s_w's place.
+  constexpr bool kDeferMerges = kLeanKernels && QB > 1 && HEAD_DIM >= kMaxSplits;
   __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then a twin's combine buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
@@ -85,7 +89,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   __shared__ float s_m[kConsumerWarps][QB];
   __shared__ float s_l[kConsumerWarps][QB];
   __shared__ float s_f[kConsumerWarps][QB];
-  __shared__ float s_w[QB][kMaxSplits];
+  __shared__ float s_w[kDeferMerges ? 1 : QB][kMaxSplits];
+  static_assert(!kDeferMerges || sizeof(PendingMerges) <= sizeof(s_w), "the list in s_w's place");
+  PendingMerges* pending = kDeferMerges ? reinterpret_cast<PendingMerges*>(&s_w[0][0]) : nullptr;
+  float(*weights)[kMaxSplits] = kDeferMerges ? reinterpret_cast<float(*)[kMaxSplits]>(&s_q[0][0]) : s_w;
   __shared__ bool s_last;
   __shared__ TileRing ring;
   __shared__ TileHeader s_hdr[kMaxStages];
@@ -113,6 +120,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       mbar_init(&ring.empty[s], CONSUMERS);
     }
     init_item_stage(s_item);
+    if constexpr (kDeferMerges) pending->n = 0;
     mbar_init_fence();
   }
   if (warp == kConsumerWarps && lane == 0) {
@@ -296,7 +304,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
       if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
       if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, first_item);
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, weights, s_last, value_scale, tid, CONSUMERS, sync, first_item,
+                                            pending);
       }
       sync();  // s_q, s_acc, s_m, s_l, s_f and s_w are free for the next item
       if (tid == 0 && first_item) {
@@ -307,6 +316,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       first_item = false;
     }
   }
+  if constexpr (kDeferMerges) merge_pending<T, HEAD_DIM, QB, EPI>(p, *pending, weights, tid, CONSUMERS, sync);
   if (tid == 0) timeline_mark(p, kTlConsumersDone);
 }
 

@@ -104,28 +104,37 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
 // store_item.
 constexpr int kMergeBatch = 16;  // value loads in flight per merging thread
 
+// Merges a lean kernel's consumers put off until their block's last item is done (lean_kernels.h:
+// the lean units' several-column kernels of head dim >= kMaxSplits): after the loop its registers
+// are free, so a thread's kMergeBatch value loads are all in flight, where inside the loop the
+// register cap left a rolling window of about three (SASS, fp16 head dim 128). The same merge
+// (merge_weights_first) either way: the same bits. Past kPendingMerges a block merges at once.
+constexpr int kPendingMerges = 4;
+struct PendingMerges {
+  struct Item {
+    int index;  // the item's number (work_item_head)
+    int nodes, active;
+    float value_scale;
+  };
+  Item item[kPendingMerges];
+  int n;
+  template <int QB>
+  __device__ __forceinline__ WorkItem work(const MmhaParams& p, int i) const {
+    WorkItem w = work_item_head<QB>(p, item[i].index);
+    w.nodes = item[i].nodes;
+    w.active = item[i].active;
+    return w;
+  }
+};
+
+// The merge of a several-column item's splits (merge_if_last): the weights, then the values.
 template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
-__device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (&s_w)[QB][kMaxSplits],
-                                              bool& s_last, float value_scale, int tid, int nthreads, Sync sync,
-                                              bool stamp = false) {
+__device__ __forceinline__ void merge_weights_first(const MmhaParams& p, const WorkItem& w,
+                                                    float (*s_w)[kMaxSplits], float value_scale, int tid,
+                                                    int nthreads, Sync sync, bool stamp = false) {
   const int num_splits = p.sched.num_splits;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  sync();  // every thread's partial stores are issued
-  if (tid == 0) {
-    int32_t* counter = p.sched.counters + (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.sched.q_groups + w.qg;
-    const int arrived = atomic_add_acq_rel_gpu(counter, 1);
-    s_last = arrived == w.active - 1;
-    if (s_last) *counter = 0;  // every active split has arrived: ready for the next launch
-    if (stamp) timeline_mark(p, kTlCounted);
-  }
-  sync();
-  if (!s_last) return;
-  if constexpr (QB == 1) {
-    merge_online<T, HEAD_DIM, EPI>(p, w, value_scale, tid, nthreads);
-    return;
-  }
-
   const SplitPartials<HEAD_DIM> part(p);
   constexpr int C4 = HEAD_DIM / 4;
   const auto acc4 = [&](int64_t h, int c, int s) {
@@ -195,15 +204,55 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
 #pragma unroll
       for (int u = 0; u < kMergeBatch; ++u) {
         const float wt = s + u < w.active ? s_w[g][s + u] : 0.f;
-        a.x += wt * v[u].x;
-        a.y += wt * v[u].y;
-        a.z += wt * v[u].z;
-        a.w += wt * v[u].w;
+        a.x = __fmaf_rn(wt, v[u].x, a.x);  // explicit: the same bits in and after the loop
+        a.y = __fmaf_rn(wt, v[u].y, a.y);
+        a.z = __fmaf_rn(wt, v[u].z, a.z);
+        a.w = __fmaf_rn(wt, v[u].w, a.w);
       }
     }
     if (stamp && idx == 0) timeline_mark(p, kTlSummed);
     store_out4<T, EPI>(p.output, h * HEAD_DIM + 4 * c, col.head * HEAD_DIM + 4 * c,
                        make_float4(a.x * value_scale, a.y * value_scale, a.z * value_scale, a.w * value_scale));
+  }
+}
+
+// defer: a lean kernel's list of merges put off (PendingMerges), or nullptr (merge now).
+template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
+__device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkItem& w, float (*s_w)[kMaxSplits],
+                                              bool& s_last, float value_scale, int tid, int nthreads, Sync sync,
+                                              bool stamp = false, PendingMerges* defer = nullptr) {
+  sync();  // every thread's partial stores are issued
+  if (tid == 0) {
+    int32_t* counter = p.sched.counters + (static_cast<int64_t>(w.b) * p.num_kv_heads + w.kvh) * p.sched.q_groups + w.qg;
+    const int arrived = atomic_add_acq_rel_gpu(counter, 1);
+    s_last = arrived == w.active - 1;
+    if (s_last) *counter = 0;  // every active split has arrived: ready for the next launch
+    if (stamp) timeline_mark(p, kTlCounted);
+    if (s_last && defer != nullptr && defer->n < kPendingMerges) {  // merged after the block's last item
+      const int index = ((w.b * p.num_kv_heads + w.kvh) * p.sched.q_groups + w.qg) * p.sched.num_splits + w.split;
+      defer->item[defer->n++] = {index, w.nodes, w.active, value_scale};
+      s_last = false;
+    }
+  }
+  sync();
+  if (!s_last) return;
+  if constexpr (QB == 1) {
+    merge_online<T, HEAD_DIM, EPI>(p, w, value_scale, tid, nthreads);
+  } else {
+    merge_weights_first<T, HEAD_DIM, QB, EPI>(p, w, s_w, value_scale, tid, nthreads, sync, stamp);
+  }
+}
+
+// The merges a block put off (merge_if_last's defer), after its last item; `sync` a barrier of the
+// nthreads (the list was written before one).
+template <typename T, int HEAD_DIM, int QB, bool EPI, class Sync>
+__device__ __forceinline__ void merge_pending(const MmhaParams& p, const PendingMerges& pending,
+                                              float (*s_w)[kMaxSplits], int tid, int nthreads, Sync sync) {
+  const int n = pending.n;
+  for (int i = 0; i < n; ++i) {
+    if (i > 0) sync();  // the weights of the merge before are read
+    merge_weights_first<T, HEAD_DIM, QB, EPI>(p, pending.work<QB>(p, i), s_w, pending.item[i].value_scale, tid,
+                                              nthreads, sync);
   }
 }
 
