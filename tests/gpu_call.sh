@@ -13,7 +13,9 @@
 # against 100-130 s for all); tests and sanitizer cases that need other sets fail with "operation
 # not supported", so pick them to match (pytest -k, CASES).
 # (default pytest args: tests -k "not cpu": the CPU-only tests, which CI runs, are the slowest under
-# 12 workers). TESTS=0 / SAN=0 skip a part. Tests a call's deadline cut off are listed in the logs
+# 12 workers; with TIER=kernels the end-to-end files of tests/end_to_end.txt are left out too: the
+# kernel tests for a change inside csrc/kernels, about half the suite's device time, the HF and
+# distributed files the other half). TESTS=0 / SAN=0 skip a part. Tests a call's deadline cut off are listed in the logs
 # (unrun.txt, by tests/unreached.py); REST=1 runs exactly those on the same machine (the build and
 # the logs stay while it is held).
 set -uo pipefail
@@ -25,6 +27,7 @@ if [ "${1:-}" = --stamp ]; then
   echo "$stamp"
   exit 0
 fi
+case "${TIER:-all}" in all | kernels) ;; *) echo "TIER must be all or kernels, got ${TIER}" >&2; exit 2 ;; esac
 OUT=${OUT:-$src/out}
 work=${WORK:-/tmp/mmha_call}
 logs=${work}_logs  # beside the work tree: a stand-in run (tests/test_gpu_call.py) keeps its own
@@ -68,6 +71,9 @@ if [ "${TESTS:-1}" != 0 ] && [ "$left" -lt 30 ]; then
 elif [ "${TESTS:-1}" != 0 ]; then
   args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(tests -k "not cpu")
+  if [ "${TIER:-all}" = kernels ]; then
+    while read -r f; do [ -z "$f" ] || args+=("--ignore=$f"); done < <(grep -v '^#' tests/end_to_end.txt)
+  fi
   if [ "${REST:-0}" != 0 ]; then  # the tests the last call's deadline cut off
     mapfile -t args <"$logs/unrun.txt" 2>/dev/null || args=()
     echo "pytest: REST=1, ${#args[@]} tests left by the last call" >>"$summary"

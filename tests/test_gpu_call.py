@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which("md5sum") is None or shutil.which("
 
 # gpu_call.sh's own knobs: a suite run under REST=1, SAN=0 or a short CALL_BUDGET must not pass
 # them on to the stand-in calls below.
-_KNOBS = {"MMHA_KERNELS", "REST", "SAN", "TESTS", "CASES", "CALL_BUDGET", "WORKERS", "WORK", "OUT"}
+_KNOBS = {"MMHA_KERNELS", "REST", "SAN", "TESTS", "TIER", "CASES", "CALL_BUDGET", "WORKERS", "WORK", "OUT"}
 
 
 def _stamp(kernels: str | None = None) -> str:
@@ -126,3 +126,17 @@ def test_a_build_of_other_kernel_sets_is_not_reused():
     whole, fp16, both = _stamp(), _stamp("fp16"), _stamp("fp16,fp16_s8")
     assert len({whole, fp16, both}) == 3 and all(len(s) == 32 for s in (whole, fp16, both))
     assert _stamp("fp16") == fp16
+
+
+def test_the_kernel_tier_leaves_out_existing_end_to_end_files_and_a_bad_tier_stops_first(tmp_path):
+    """TIER=kernels leaves out the files of tests/end_to_end.txt, each of which exists and is not
+    a kernel test file; any other TIER stops the call before its build, naming the knob."""
+    listed = [
+        s for s in (ROOT / "tests/end_to_end.txt").read_text().splitlines() if s and not s.startswith("#")
+    ]
+    assert listed and all((ROOT / f).is_file() for f in listed)
+    assert not {"tests/test_ops_gpu.py", "tests/test_tree_gpu.py", "tests/test_paging_gpu.py"} & set(listed)
+    env = {**{k: v for k, v in os.environ.items() if k not in _KNOBS}, "TIER": "fast", "OUT": str(tmp_path)}
+    run = subprocess.run(["bash", "tests/gpu_call.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 2 and "TIER must be all or kernels, got fast" in run.stderr
+    assert not (tmp_path / "gpu_call.tgz").exists()
