@@ -562,9 +562,10 @@ def test_patch_trees_makes_base_and_patched_trees(tmp_path):
     setup.write_text(original + "# a change\n")
     (clone / "docs" / "status.md").write_text("a docs change that the trees leave out\n")
     patch.write_text(
-        subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True, check=True).stdout
-    )
-    subprocess.run(["git", "checkout", "-q", "."], cwd=clone, check=True)
+        subprocess.run(["git", "diff", "--", "setup.py", "docs"], cwd=clone, capture_output=True, text=True,
+                       check=True).stdout
+    )  # fmt: skip
+    subprocess.run(["git", "checkout", "-q", "setup.py", "docs"], cwd=clone, check=True)
 
     def run(*args):
         return subprocess.run(["bash", "bench/patch_trees.sh", *args], cwd=clone, capture_output=True, text=True,
@@ -579,6 +580,21 @@ def test_patch_trees_makes_base_and_patched_trees(tmp_path):
     assert "/.tbase/" in (clone / ".git" / "info" / "exclude").read_text()
     assert run("nolabel").returncode == 2
     assert run(f"base:{patch}").returncode == 2
+    # Two patches joined by "+": both applied, in order, to one tree; a missing one stops it.
+    project = clone / "pyproject.toml"
+    project_text = project.read_text()
+    project.write_text(project_text + "# a second change\n")
+    second = tmp_path / "second.diff"
+    second.write_text(
+        subprocess.run(["git", "diff", "--", "pyproject.toml"], cwd=clone, capture_output=True, text=True,
+                       check=True).stdout
+    )  # fmt: skip
+    subprocess.run(["git", "checkout", "-q", "pyproject.toml"], cwd=clone, check=True)
+    both = run(f"both:{patch}+{second}")
+    assert both.returncode == 0, both.stderr
+    assert (clone / ".tboth" / "setup.py").read_text() == original + "# a change\n"
+    assert (clone / ".tboth" / "pyproject.toml").read_text() == project_text + "# a second change\n"
+    assert run(f"both:{patch}+{tmp_path / 'missing.diff'}").returncode == 2
     setup.write_text("something else entirely\n")
     subprocess.run(["git", "commit", "-qam", "moved"], cwd=clone, check=True,
                    env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
