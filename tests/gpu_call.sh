@@ -15,9 +15,9 @@
 # (default pytest args: tests -k "not cpu": the CPU-only tests, which CI runs, are the slowest under
 # 12 workers; with TIER=kernels the end-to-end files of tests/end_to_end.txt are left out too: the
 # kernel tests for a change inside csrc/kernels, about half the suite's device time, the HF and
-# distributed files the other half). TESTS=0 / SAN=0 skip a part. Tests a call's deadline cut off are listed in the logs
-# (unrun.txt, by tests/unreached.py); REST=1 runs exactly those on the same machine (the build and
-# the logs stay while it is held).
+# distributed files the other half). TESTS=0 / SAN=0 skip a part. Tests a call's deadline cut off
+# are listed in the logs (unrun.txt, by tests/unreached.py); REST=1 runs exactly those on the same
+# machine (the build and the logs stay while it is held).
 set -uo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 # The sources a build depends on and the kernel sets it holds (MMHA_KERNELS), as one digest.
