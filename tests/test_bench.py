@@ -601,3 +601,34 @@ def test_patch_trees_makes_base_and_patched_trees(tmp_path):
                         "GIT_COMMITTER_EMAIL": "t@t"})  # fmt: skip
     stale = run(f"new:{patch}")
     assert stale.returncode == 1 and "does not apply to HEAD" in stale.stderr
+
+
+def test_tree_kernel_times_sums_each_kernels_device_time_per_step():
+    """bench/tree_kernel_times.py: a kernel's self device time summed over its entries and divided
+    by the steps; host-side entries (no device time) left out; rows parsed as B,context,T."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tree_kernel_times.py"
+    spec = importlib.util.spec_from_file_location("tree_kernel_times", path)
+    ktimes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ktimes)
+    entry = lambda key, us: SimpleNamespace(key=key, self_device_time_total=us)  # noqa: E731
+    averages = [
+        entry("attention", 400.0),
+        entry("append", 50.0),
+        entry("attention", 100.0),
+        entry("aten::empty", 0.0),
+    ]
+    assert ktimes.per_kernel(averages, 10) == {"attention": 50.0, "append": 5.0}
+    row = ktimes.row_of("16,1024,64")
+    assert (row.batch, row.num_heads, row.num_kv_heads, row.head_dim, row.context, row.nodes) == (
+        16,
+        32,
+        8,
+        128,
+        1024,
+        64,
+    )
+    with pytest.raises(SystemExit, match="B,context,T"):
+        ktimes.row_of("16,1024")

@@ -94,6 +94,44 @@ struct WideConsumer {
     }
   }
 
+  // 16-bit caches stage q in the activations' type, each dim where it lies in the row (q_column):
+  // a warp's rows are copied there raw first and the pass in init rotates them in place, so all of
+  // a lane's loads are in flight at once where the pass read global memory a column at a time, one
+  // dependent round trip after another. One-byte caches permute the dims (and fp8 reads q twice).
+  template <typename T>
+  static constexpr bool kRawStaged = !kBytes && std::is_same_v<M, T>;
+
+  // The raw rows of the warp's columns [first, last) into its staging area: 16-byte async copies
+  // where qkv's rows allow them (no registers held; the consumers issue no other cp.async), else
+  // elements.
+  template <typename T>
+  __device__ __forceinline__ static void stage_raw_rows(const MmhaParams& p, const WorkItem& w, M* s_q, int warp,
+                                                        int lane, int first, int last) {
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row
+    static_assert(16 * CHUNKS % 32 == 0, "whole chunks per lane");
+    constexpr int PER = 16 * CHUNKS / 32;
+    const T* qkv = static_cast<const T*>(p.qkv);
+    const auto row_of = [&](int r) {
+      const Column c = column_of(p, w, first + r);
+      return qkv + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
+    };
+    if (reinterpret_cast<uintptr_t>(qkv) % 16 == 0 && p.qkv_row_stride % 8 == 0) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        const int idx = lane + 32 * k;
+        const int r = idx / CHUNKS;
+        const bool on = first + r < last;
+        cp_async16(s_q + q_at(warp, r, 8 * (idx % CHUNKS)), on ? row_of(r) + 8 * (idx % CHUNKS) : qkv, on);
+      }
+      cp_async_wait_all();
+    } else {
+      for (int idx = lane; idx < (last - first) * HEAD_DIM; idx += 32) {
+        s_q[q_at(warp, idx / HEAD_DIM, idx % HEAD_DIM)] = row_of(idx / HEAD_DIM)[idx % HEAD_DIM];
+      }
+    }
+    __syncwarp();
+  }
+
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
@@ -142,6 +180,7 @@ struct WideConsumer {
       }
       __syncwarp();
     }
+    if constexpr (kRawStaged<T>) stage_raw_rows<T>(p, w, s_q, warp, lane, first, last);
     const int n0 = (w.c0 + first) / group;
     const int n1 = (w.c0 + last - 1) / group;
     // pass 0 (one-byte caches only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
@@ -170,7 +209,16 @@ struct WideConsumer {
             float x0, x1;
             const HeadNorm hn =
                 qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
-            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
+            if constexpr (kRawStaged<T>) {  // the raw values from the staging area, as biased() adds them
+              const T* hb = bias ? bias + head * HEAD_DIM : nullptr;
+              const int r = cw - first;
+              float a = to_float(s_q[q_at(warp, r, rp.d0)]);
+              float b = to_float(s_q[q_at(warp, r, rp.d1)]);
+              if (hb != nullptr) a += to_float(hb[rp.d0]), b += to_float(hb[rp.d1]);
+              rotate_values<T>(a, b, rp, sn, cs, x0, x1, hn);
+            } else {
+              rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
+            }
             x0 *= scale_log2;
             x1 *= scale_log2;
             if (pass == 0) {
