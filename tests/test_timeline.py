@@ -155,10 +155,13 @@ def nvcc() -> str | None:
 
 @pytest.mark.skipif(nvcc() is None, reason="no nvcc")
 @pytest.mark.parametrize("timeline", [False, True], ids=["default", "MMHA_TIMELINE"])
-def test_device_code_has_events_only_in_the_diagnostic_build(timeline, tmp_path):
+@pytest.mark.parametrize("unit", ["decode_fp16_hd32", "decode_wide_fp16_hd32"], ids=["narrow", "wide"])
+def test_device_code_has_events_only_in_the_diagnostic_build(timeline, unit, tmp_path):
+    """Both kinds of kernel unit (narrow items, and tree steps' wide items) have events only in the
+    diagnostic build."""
     from torch.utils.cpp_extension import include_paths
 
-    src = ROOT / "csrc" / "kernels" / "instantiations" / "decode_fp16_hd32.cu"
+    src = ROOT / "csrc" / "kernels" / "instantiations" / f"{unit}.cu"
     cmd = [nvcc(), "-O3", "--expt-relaxed-constexpr", "-std=c++17", *(f"-I{p}" for p in include_paths()),
            f"-I{ROOT / 'csrc'}", "-gencode", "arch=compute_90a,code=compute_90a", "-ptx", str(src), "-o",
            str(tmp_path / "k.ptx"), *(["-DMMHA_TIMELINE"] if timeline else [])]  # fmt: skip

@@ -382,6 +382,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
   M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
+  if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
     for (int s = 0; s < p.sched.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
@@ -396,6 +397,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   }
   __syncthreads();
   grid_dependency_wait();  // a tree step's check and append (launch_kernel)
+  if (tid == 0) timeline_mark(p, kTlStart);
 
   if (warp == kConsumerWarps) {
     produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
@@ -412,12 +414,14 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   Wide c;
   WorkItem w;
   float value_scale = 1.f;
+  bool first_item = true;  // timeline_mark: the block's first item's events (thread 0's warp)
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);
     const TileHeader h = s_hdr[cur.s];
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
+      if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
@@ -426,8 +430,13 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
+      if (tid == 0 && first_item) timeline_mark(p, kTlQueryBuilt);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
+    if (tid == 0 && first_item) {
+      if (h.flags & kFirstTile) timeline_mark(p, kTlFirstLanded);
+      if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
+    }
     const int it = h.k0;
     if (it + kTileKeys > w.end || it < w.lo) {
       Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
@@ -437,8 +446,10 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.sched.stages);
     if (h.flags & kLastTile) {
+      if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
       if (c.busy) {
         c.finish();
+        if (tid == 0 && first_item) timeline_mark(p, kTlCombined);  // a warp's results are complete
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (Wide::column(warp, lane, r) < w.nh) {
@@ -446,12 +457,23 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
           }
         }
       }
+      if (tid == 0 && first_item) {
+        timeline_mark(p, kTlOutStored);
+        timeline_mark(p, kTlAppended);  // wide items append nothing (the check-and-append launch did)
+      }
       if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync);
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, first_item);
         sync();  // s_w is the q staging area again
       }
+      if (tid == 0 && first_item) {
+        timeline_mark(p, kTlItemDone);
+        timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last,
+                                                 (w.end - w.start + kTileKeys - 1) / kTileKeys));
+      }
+      first_item = false;
     }
   }
+  if (tid == 0) timeline_mark(p, kTlConsumersDone);
 }
 
 // The CUDA-core loop (fp32 caches): one block of kSimtWarps warps per item.
