@@ -289,6 +289,27 @@ def test_wide_items_over_tile_and_split_edges(source, splits):
     check_tree(case, qkv, parents, counts, num_splits=splits, tile_source=source)
 
 
+@pytest.mark.parametrize(
+    ("pad", "offset"), [(8, 0), (3, 0), (8, 1)], ids=["aligned", "odd_stride", "odd_start"]
+)
+def test_wide_items_q_rows_at_any_stride_and_start(pad, offset):
+    # Wide items copy their q rows by 16-byte cp.async where qkv's rows start 16-byte aligned and
+    # element by element otherwise (WideConsumer::stage_raw_rows): qkv as rows of a wider buffer
+    # (row stride W + pad), from its first element or the second, gives the contiguous qkv's bits.
+    nodes = 20
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 4) == dispatch.WIDE_COLUMNS
+    case, qkv, parents, counts, _ = tree_case(3, 16, 4, 128, [5, 300, 900], 1024, torch.float16, nodes, "random",
+                                              seed=pad + offset, bias=True, counts=[nodes, 7, nodes])  # fmt: skip
+    b, t, w = qkv.shape
+    buf = torch.full((offset + b * t * (w + pad),), float("nan"), dtype=qkv.dtype, device="cuda")
+    strided = buf[offset:].view(b, t, w + pad)[..., :w]
+    strided.copy_(qkv)
+    check_tree(case, strided, parents, counts, num_splits=2)
+    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), run_tree(case, strided, parents, counts, {}),
+                          run_tree(case, qkv, parents, counts, {}), strict=True):  # fmt: skip
+        assert_bits_equal(x, y, name)
+
+
 def test_wide_items_with_large_logits():
     # Scores far above the online softmax's slack in one tile and far below in the next: the
     # running max moves both ways within an item.
