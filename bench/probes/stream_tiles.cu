@@ -18,6 +18,12 @@
 // launch finds its bytes in L2) and GB/s of K/V read, for one launch between two events and for
 // launches back to back. A fourth argument MODE,TILE,STAGES[,WORK] runs that variant only (for
 // ncu); WORK: cycles each consumer spends on a tile before handing it back.
+// READERS=R (environment): R blocks walk each (row, kv head), neighbours in the grid, as a tree
+// step's R wide items of one kv head do (B=16 T=64 Hq=32 Hkv=8: R = 4), so all but the first read
+// of a tile come from L2; GB/s then counts what the SMs received (R times the K/V). Is the tile
+// stream alone what bounds those rows (their attention kernel: 205.5 us at 4K on an H200)?
+// SMEM=bytes (environment): each block takes at least that much dynamic shared memory, so that
+// as few blocks share an SM as in the kernel (wide items: two; 100000 gives two at 2 stages).
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
@@ -71,6 +77,7 @@ struct Args {
   int work;        // cycles each consumer spends on a tile before handing it back (the math's stand-in)
   unsigned* sink;  // keeps the consumers' reads alive
   const int* table;  // paged modes: pool block of (item, block of the item), [items][smax / PAGE]
+  int readers;       // blocks walking each item (READERS)
 };
 
 // One block per item. Consumers: wait for a tile, read one 16-byte word of it, hand the stage back.
@@ -81,7 +88,7 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
   extern __shared__ __align__(1024) unsigned char dyn[];
   unsigned char* ring = dyn + (1024 - smem_addr(dyn) % 1024) % 1024;
   __shared__ uint64_t full[MAX_STAGES], empty[MAX_STAGES];
-  const int item = blockIdx.x;
+  const int item = blockIdx.x / a.readers;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int nt = a.keys / a.tile;
   const int rot = item * 37 % nt;  // the product's rotation of the walk
@@ -170,8 +177,9 @@ __global__ void __launch_bounds__(CONSUMERS + 32) stream_kernel(const __grid_con
 // No ring: each block reads its item's K and V with 16-byte loads, 8 in flight per thread.
 __global__ void __launch_bounds__(CONSUMERS + 32) plain_kernel(Args a) {
   const int64_t item_bytes = static_cast<int64_t>(a.smax) * ROW;
-  const uint4* src[2] = {reinterpret_cast<const uint4*>(a.k + blockIdx.x * item_bytes),
-                         reinterpret_cast<const uint4*>(a.v + blockIdx.x * item_bytes)};
+  const int64_t item = blockIdx.x / a.readers;
+  const uint4* src[2] = {reinterpret_cast<const uint4*>(a.k + item * item_bytes),
+                         reinterpret_cast<const uint4*>(a.v + item * item_bytes)};
   const int n = a.keys * CHUNKS;  // 16-byte words of K (or V) an item reads
   unsigned acc = 0;
   for (int h = 0; h < 2; ++h) {
@@ -221,6 +229,9 @@ int main(int argc, char** argv) {
   const int hkv = argc > 2 ? std::atoi(argv[2]) : 8;
   const int keys = argc > 3 ? std::atoi(argv[3]) : 2048;
   const int items = batch * hkv, smax = keys;
+  const int readers = std::getenv("READERS") ? std::max(1, std::atoi(std::getenv("READERS"))) : 1;
+  const int grid = items * readers;
+  const size_t min_smem = std::getenv("SMEM") ? std::strtoul(std::getenv("SMEM"), nullptr, 10) : 0;
   const size_t bytes = static_cast<size_t>(items) * smax * ROW;  // K or V of one buffer
   char* buf[2][2];
   for (auto& b : buf)
@@ -246,8 +257,8 @@ int main(int argc, char** argv) {
   int sms = 0, smem_max = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  std::printf("B=%d Hkv=%d keys=%d: %d blocks on %d SMs, %.1f MB of K/V a launch\n", batch, hkv, keys, items, sms,
-              2.0 * bytes / 1e6);
+  std::printf("B=%d Hkv=%d keys=%d: %d blocks (%d a kv head) on %d SMs, %.1f MB of K/V a launch\n", batch, hkv,
+              keys, grid, readers, sms, 2.0 * bytes / 1e6);
   // The opt-in limit counts static shared memory too (the kernels' barriers): leave it room.
   smem_max -= 1024;
   CHECK(cudaFuncSetAttribute(stream_kernel<kTmaX>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
@@ -279,7 +290,7 @@ int main(int argc, char** argv) {
   }
 
   for (const Variant& v : variants) {
-    const size_t dyn = static_cast<size_t>(v.stages) * 2 * v.tile * D * 2 + 1024;
+    const size_t dyn = std::max(static_cast<size_t>(v.stages) * 2 * v.tile * D * 2 + 1024, min_smem);
     if (v.mode != kPlain && (dyn > static_cast<size_t>(smem_max) || keys % v.tile != 0)) continue;
     CUtensorMap kmap[2], vmap[2];
     for (int b = 0; b < 2; ++b) {
@@ -292,14 +303,14 @@ int main(int argc, char** argv) {
       vmap[b] = make_map(buf[b][1], D, smax, items, ROW, smax * ROW * 1ull, 64, v.tile, 1, CU_TENSOR_MAP_SWIZZLE_128B);
     }
     auto launch = [&](int b) {
-      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, v.work, sink, table};
+      Args a{buf[b][0], buf[b][1], keys, smax, v.stages, v.tile, v.work, sink, table, readers};
       switch (v.mode) {
-        case kTmaX: stream_kernel<kTmaX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
-        case kTmaRows: stream_kernel<kTmaRows><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
-        case kCpAsyncX: stream_kernel<kCpAsyncX><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
-        case kPagedBulk: stream_kernel<kPagedBulk><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
-        case kPagedCp: stream_kernel<kPagedCp><<<items, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
-        default: plain_kernel<<<items, CONSUMERS + 32>>>(a);
+        case kTmaX: stream_kernel<kTmaX><<<grid, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kTmaRows: stream_kernel<kTmaRows><<<grid, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kCpAsyncX: stream_kernel<kCpAsyncX><<<grid, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kPagedBulk: stream_kernel<kPagedBulk><<<grid, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        case kPagedCp: stream_kernel<kPagedCp><<<grid, CONSUMERS + 32, dyn>>>(kmap[b], vmap[b], a); break;
+        default: plain_kernel<<<grid, CONSUMERS + 32>>>(a);
       }
     };
     for (int i = 0; i < 4; ++i) launch(i & 1);
@@ -332,8 +343,9 @@ int main(int argc, char** argv) {
       std::snprintf(what, sizeof(what), "tile %3d keys, %d stages", v.tile, v.stages);
       if (v.work > 0) std::snprintf(what + std::strlen(what), sizeof(what) - std::strlen(what), ", %d cyc", v.work);
     }
+    const double read = 2.0 * bytes * readers;  // what the SMs received
     std::printf("%-34s %-34s %8.2f us %7.0f GB/s | in a row %8.2f us %7.0f GB/s\n", kModeNames[v.mode], what, us,
-                2.0 * bytes / us / 1e3, us_row, 2.0 * bytes / us_row / 1e3);
+                read / us / 1e3, us_row, read / us_row / 1e3);
   }
   return 0;
 }
