@@ -297,9 +297,11 @@ def test_wide_items_q_rows_at_any_stride_and_start(pad, offset):
     # element by element otherwise (WideConsumer::stage_raw_rows): qkv as rows of a wider buffer
     # (row stride W + pad), from its first element or the second, gives the contiguous qkv's bits.
     nodes = 20
-    assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 4) == dispatch.WIDE_COLUMNS
-    case, qkv, parents, counts, _ = tree_case(3, 16, 4, 128, [5, 300, 900], 1024, torch.float16, nodes, "random",
-                                              seed=pad + offset, bias=True, counts=[nodes, 7, nodes])  # fmt: skip
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 9 * 4) == dispatch.WIDE_COLUMNS
+    lengths = [5, 300, 900, 0, 44, 64, 130, 700, 1000]
+    counts = [nodes, 7, nodes, nodes, 1, nodes, 16, nodes, nodes]
+    case, qkv, parents, counts, _ = tree_case(9, 16, 4, 128, lengths, 1024, torch.float16, nodes, "random",
+                                              seed=pad + offset, bias=True, counts=counts)  # fmt: skip
     b, t, w = qkv.shape
     buf = torch.full((offset + b * t * (w + pad),), float("nan"), dtype=qkv.dtype, device="cuda")
     strided = buf[offset:].view(b, t, w + pad)[..., :w]

@@ -265,12 +265,10 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
 template <typename T, typename C, int HEAD_DIM>
 __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const WorkItem& w, TreeNodes<C, HEAD_DIM>& tn,
                                               int slot, float k_scale, float v_scale, int tid, int nthreads) {
-  constexpr int PAIRS = HEAD_DIM / 2;
   const int n0 = max(w.start - w.pos, 0);
   const int n1 = min(w.end - w.pos, w.nodes);
   const T* bias = static_cast<const T*>(p.qkv_bias);
-  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
-  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;  // the k norm's
 #if MMHA_LEAN_KERNELS
   const QKNormParams qn{};  // lean kernels: no norms (lean_kernels.h)
 #else
@@ -287,39 +285,17 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
     }
     named_barrier(1, nthreads);
   }
-  // Each thread reads its kPrefetchNodePairs pairs of k and v (and bias) before it converts or rotates
-  // any, unconditionally (clamped to a pair that exists), as the fused q build does.
-#pragma unroll 1
-  for (int base = n0 * PAIRS + tid; base < n1 * PAIRS; base += kPrefetchNodePairs * nthreads) {
-    RawPair<T> k_in[kPrefetchNodePairs], v_in[kPrefetchNodePairs], kb[kPrefetchNodePairs], vb[kPrefetchNodePairs];
-#pragma unroll
-    for (int j = 0; j < kPrefetchNodePairs; ++j) {
-      const int idx = min(base + j * nthreads, n1 * PAIRS - 1);
-      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-      k_in[j] = RawPair<T>::read(k_row(idx / PAIRS), rp);
-      v_in[j] = RawPair<T>::read(k_row(idx / PAIRS) + p.num_kv_heads * HEAD_DIM, rp);
-      if (bias) kb[j] = RawPair<T>::read(k_bias, rp), vb[j] = RawPair<T>::read(v_bias, rp);
-    }
-#pragma unroll
-    for (int j = 0; j < kPrefetchNodePairs; ++j) {
-      const int idx = base + j * nthreads;
-      if (idx >= n1 * PAIRS) break;
-      const int t = idx / PAIRS;
-      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-      float sn = 0.f, cs = 1.f;
-      if (rp.rotated) sincosf(static_cast<float>(w.pos + tn.depth[slot][t]) * rp.inv_freq, &sn, &cs);
-      float k0, k1;
-      const HeadNorm k_norm =
-          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
-      rotate_values<T>(k_in[j].a0(bias, kb[j]), k_in[j].a1(bias, kb[j]), rp, sn, cs, k0, k1, k_norm);
-      C* k = tn.k(t);
-      C* v = tn.v(t, p.tree.nodes);
-      k[rp.d0] = to_cache<C>(k0, k_scale);
-      k[rp.d1] = to_cache<C>(k1, k_scale);
-      v[rp.d0] = to_cache<C>(v_in[j].a0(bias, vb[j]), v_scale);
-      v[rp.d1] = to_cache<C>(v_in[j].a1(bias, vb[j]), v_scale);
-    }
-  }
+  node_pairs<T, HEAD_DIM, kPrefetchNodePairs>(
+      p, w.b, w.kvh, n0, n1, tid, nthreads, [&](int t) { return w.pos + tn.depth[slot][t]; },
+      [&](int t) { return qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{}; },
+      [&](int t, const RotaryPair& rp, float k0, float k1, float v0, float v1) {
+        C* k = tn.k(t);
+        C* v = tn.v(t, p.tree.nodes);
+        k[rp.d0] = to_cache<C>(k0, k_scale);
+        k[rp.d1] = to_cache<C>(k1, k_scale);
+        v[rp.d0] = to_cache<C>(v0, v_scale);
+        v[rp.d1] = to_cache<C>(v1, v_scale);
+      });
 }
 
 // The append of a fused tree step: an item holding node slots writes the nodes of its keys

@@ -34,6 +34,10 @@ namespace mmha {
 constexpr int kTreePrepareThreads = 128;
 // Nodes whose K/V one block appends (a row's blocks along y each derive the whole tree).
 constexpr int kTreeNodesPerBlock = 8;
+// (node, pair)s a thread of the append reads before it converts any (node_pairs): 2 keeps the
+// kernel at 64 registers, 8 blocks an SM (4: 80 registers, 6 blocks an SM, fewer than B=16 T=64's
+// 1,024 blocks in one wave).
+constexpr int kPrepareNodePairs = 2;
 
 // An int8 cache's node: its k (bias, norm, rotary at angle_pos) and v (bias) quantised per kv
 // head as a one-token step's new token (quantize_new_token_s8): a warp per node, each lane its
@@ -153,6 +157,47 @@ struct TreeNodes {
 };
 static_assert(sizeof(TreeNodes<float, 64>) % 16 == 0, "the K/V rows start 16-byte aligned");
 
+// Nodes [n0, n1) of row b, kv head kvh, a thread per (node, rotation pair): k after its bias, norm
+// (k_norm(t)) and rotary at angle_pos(t), v after its bias, handed to store(t, rp, k0, k1, v0, v1).
+// Each thread reads its PER pairs of k and v (and bias) before it converts or rotates any,
+// unconditionally (clamped to a pair that exists), so their loads are in flight together.
+template <typename T, int HEAD_DIM, int PER, class AnglePos, class KNorm, class Store>
+__device__ __forceinline__ void node_pairs(const MmhaParams& p, int b, int kvh, int n0, int n1, int tid,
+                                           int nthreads, AnglePos angle_pos, KNorm k_norm, Store store) {
+  constexpr int PAIRS = HEAD_DIM / 2;
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
+  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
+  const auto k_row = [&](int t) {
+    return static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * p.tree.nodes + t) * p.qkv_row_stride +
+           (p.num_heads + kvh) * HEAD_DIM;
+  };
+#pragma unroll 1
+  for (int base = n0 * PAIRS + tid; base < n1 * PAIRS; base += PER * nthreads) {
+    RawPair<T> k_in[PER], v_in[PER], kb[PER], vb[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int idx = min(base + j * nthreads, n1 * PAIRS - 1);
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      k_in[j] = RawPair<T>::read(k_row(idx / PAIRS), rp);
+      v_in[j] = RawPair<T>::read(k_row(idx / PAIRS) + p.num_kv_heads * HEAD_DIM, rp);
+      if (bias) kb[j] = RawPair<T>::read(k_bias, rp), vb[j] = RawPair<T>::read(v_bias, rp);
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int idx = base + j * nthreads;
+      if (idx >= n1 * PAIRS) break;
+      const int t = idx / PAIRS;
+      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
+      float sn = 0.f, cs = 1.f;
+      if (rp.rotated) sincosf(static_cast<float>(angle_pos(t)) * rp.inv_freq, &sn, &cs);
+      float k0, k1;
+      rotate_values<T>(k_in[j].a0(bias, kb[j]), k_in[j].a1(bias, kb[j]), rp, sn, cs, k0, k1, k_norm(t));
+      store(t, rp, k0, k1, v_in[j].a0(bias, vb[j]), v_in[j].a1(bias, vb[j]));
+    }
+  }
+}
+
 template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
   static_assert(!kLeanKernels || sizeof(T) == 0, "the check-and-append launch: not in a lean unit (lean_kernels.h)");
@@ -183,10 +228,12 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const int len = p.rows.lengths[b];
   const int n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
   const int parent = tid < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
-  {
-    const int t = blockIdx.y * kTreeNodesPerBlock + tid / (HEAD_DIM / 2);
+#pragma unroll
+  for (int j = 0; j < kPrepareNodePairs; ++j) {  // the (node, pair)s node_pairs reads first
+    const int idx = tid + j * kTreePrepareThreads;
+    const int t = blockIdx.y * kTreeNodesPerBlock + idx / (HEAD_DIM / 2);
     if (t < nodes && t < (blockIdx.y + 1) * kTreeNodesPerBlock) {
-      const RotaryPair rp = rotary_pair(tid % (HEAD_DIM / 2), p.rotary);
+      const RotaryPair rp = rotary_pair(idx % (HEAD_DIM / 2), p.rotary);
       const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
       prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
       prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
@@ -268,9 +315,8 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
-  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims (int8
-  // caches: a warp per node, append_node_s8).
-  constexpr int PAIRS = HEAD_DIM / 2;
+  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims
+  // (node_pairs; int8 caches: a warp per node, append_node_s8).
   const int t0 = blockIdx.y * kTreeNodesPerBlock;
   const int t1 = min(n, t0 + kTreeNodesPerBlock);
   // A k norm: each node's rsqrt(mean(k^2) + eps), a warp per node.
@@ -296,25 +342,17 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
                                   len + t, len + s_depth[t], b, tid % 32);
     }
   } else {
-    for (int idx = tid; idx < (t1 - t0) * PAIRS; idx += kTreePrepareThreads) {
-      const int t = t0 + idx / PAIRS;
-      const RotaryPair rp = rotary_pair(idx % PAIRS, p.rotary);
-      const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
-      const T* k_row = row + (p.num_heads + kvh) * HEAD_DIM;
-      const T* v_row = row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM;
-      const int slot = len + t;
-      const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked above
-      float sn = 0.f, cs = 1.f;
-      if (rp.rotated) sincosf(static_cast<float>(len + s_depth[t]) * rp.inv_freq, &sn, &cs);
-      float k0, k1;
-      const HeadNorm k_norm =
-          qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{};
-      rotate_pair(k_row, k_bias, rp, sn, cs, k0, k1, k_norm);
-      hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
-      hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
-      hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(biased(v_row, v_bias, rp.d0), v_scale);
-      hs.v[hs.v_at(blk, slot) + rp.d1] = to_cache<C>(biased(v_row, v_bias, rp.d1), v_scale);
-    }
+    node_pairs<T, HEAD_DIM, kPrepareNodePairs>(
+        p, b, kvh, t0, t1, tid, kTreePrepareThreads, [&](int t) { return len + s_depth[t]; },
+        [&](int t) { return qn.k_weight != nullptr ? HeadNorm{qn.k_weight, s_k_inv[t - t0], qn.cast_first} : HeadNorm{}; },
+        [&](int t, const RotaryPair& rp, float k0, float k1, float v0, float v1) {
+          const int slot = len + t;
+          const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked above
+          hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = to_cache<C>(k0, k_scale);
+          hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = to_cache<C>(k1, k_scale);
+          hs.v[hs.v_at(blk, slot) + rp.d0] = to_cache<C>(v0, v_scale);
+          hs.v[hs.v_at(blk, slot) + rp.d1] = to_cache<C>(v1, v_scale);
+        });
   }
   // The attention grid may launch once every block got here or returned; it still waits for this
   // grid's end (grid_dependency_wait) before it reads. Triggered at the start instead, its blocks
