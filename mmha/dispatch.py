@@ -98,6 +98,11 @@ MAX_KEYS_PER_SPLIT_SIMT = 4096
 # unit of work) by at least 10 %: e.g. 512 blocks on a 396-block wave run as 2 waves, the last
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
 SPLIT_GAIN = 0.9
+# A tree step's wide item (``WIDE_COLUMNS`` columns) builds its q rows (~10 us before its first
+# tile on the B=1 and B=16 T=64 1K timelines) and merges, so its splits keep at least this many
+# tiles (H200, decode timing, B=1 Hq=32 Hkv=8 T=64: 1K 40.3 us at 1 split against 46.3 at 8; 4K
+# 53.2 at 4 against 53.8 at 8 and 86.3 at 1; docs/data/sweep_tree_t64_h200.json).
+WIDE_MIN_SPLIT_TILES = 16
 
 VARIANTS = ("auto", "single_pass", "split")
 
@@ -378,6 +383,8 @@ def choose_variant(
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
         fill = sms * blocks_per_sm
+    if tiles and qb == WIDE_COLUMNS and not epilogue:  # wide items: splits of WIDE_MIN_SPLIT_TILES tiles
+        allowed = max(1, min(allowed, -(-seq_len // TILE_KEYS) // WIDE_MIN_SPLIT_TILES))
     if variant == "single_pass":
         splits = 1
     elif base < fill:

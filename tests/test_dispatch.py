@@ -154,11 +154,26 @@ def test_columns_block_of_tree_steps():
     assert dispatch.columns_block(5, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     assert dispatch.columns_block(256, tree=True, kv_rows=512, epilogue=True) == dispatch.EPILOGUE_COLUMNS
     # A tree plan of T = 64 nodes at G = 4 counts 4 wide items per (row, kv head) and fills
-    # every resident block.
-    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100, tree=True)
-    narrow = dispatch.choose_variant(1, 32 * 64, 8, 128, 4096, F16, H100)
+    # every resident block where the context holds splits of WIDE_MIN_SPLIT_TILES tiles.
+    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, 16384 + 64, F16, H100, tree=True)
+    narrow = dispatch.choose_variant(1, 32 * 64, 8, 128, 16384 + 64, F16, H100)
     assert H100.num_sms < plan.num_splits * 8 * 4 <= H100.num_sms * plan.blocks_per_sm
     assert narrow.num_splits == 1  # 8 * 32 narrow items already fill the SMs
+
+
+@pytest.mark.parametrize(("seq_len", "splits"), [(1024 + 64, 1), (1984, 1), (2048, 2), (4096 + 64, 4)])
+def test_wide_items_splits_keep_their_tiles(seq_len, splits):
+    # Wide items pay their q build per item: a split holds WIDE_MIN_SPLIT_TILES tiles or more,
+    # whatever the grid leaves empty; narrow items of the same rows still split to fill it.
+    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, tree=True)
+    assert plan.num_splits == splits
+    tiles = -(-seq_len // dispatch.TILE_KEYS)
+    assert tiles // plan.num_splits >= dispatch.WIDE_MIN_SPLIT_TILES or plan.num_splits == 1
+    forced = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, tree=True, variant="split")
+    assert forced.num_splits == max(2, splits)  # a forced split still splits
+    narrow = dispatch.choose_variant(1, 32 * 16, 8, 128, seq_len, F16, H100, tree=True)
+    assert dispatch.columns_block(64, True, True, 128, 8) == 8  # T = 16: 64 narrow items
+    assert narrow.num_splits == H100.num_sms * narrow.blocks_per_sm // 64 == 4
 
 
 @pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
