@@ -99,10 +99,16 @@ MAX_KEYS_PER_SPLIT_SIMT = 4096
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
 SPLIT_GAIN = 0.9
 # A tree step's wide item (``WIDE_COLUMNS`` columns) builds its q rows (~10 us before its first
-# tile on the B=1 and B=16 T=64 1K timelines) and merges, so its splits keep at least this many
-# tiles (H200, decode timing, B=1 Hq=32 Hkv=8 T=64: 1K 40.3 us at 1 split against 46.3 at 8; 4K
-# 53.2 at 4 against 53.8 at 8 and 86.3 at 1; docs/data/sweep_tree_t64_h200.json).
+# tile on the B=1 and B=16 T=64 1K timelines) and a split one merges (~15 us more on the merging
+# block), so its splits keep at least WIDE_MIN_SPLIT_TILES tiles; and a grid that already holds an
+# item per SM is split (to fill the second block of each SM) only into splits of
+# WIDE_SHARED_SPLIT_TILES tiles or more. H200, decode timing, Hq=32 Hkv=8, `python -m
+# mmha.bench.sweep --tree --splits` (docs/data/sweep_tree_wide_h200.json): B=1 T=64 1K 39.9 us at
+# 1 split, 40.7 at 4, 44.7 at 8; 4K 53.3 at 4, 53.0 at 8, 86.7 at 1; 16K 86.3 at 8 (32 tiles, 256
+# items), 104.5 at 4; B=16 T=16 (128 items) 1K 47.6 at 1, 63.9 at 2; 4K 99.9 at 1, 116.2 at 2 (32
+# tiles); 16K 308.7 at 2 (128 tiles), 328.9 at 1.
 WIDE_MIN_SPLIT_TILES = 16
+WIDE_SHARED_SPLIT_TILES = 128
 
 VARIANTS = ("auto", "single_pass", "split")
 
@@ -326,6 +332,15 @@ def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> i
     return stages
 
 
+def _wide_shared_splits(base: int, sms: int, splits: int, grains: int) -> int:
+    """Splits of ``base`` wide items of ``grains`` tiles where even two splits hold more items
+    than SMs: the planned ``splits`` if each keeps ``WIDE_SHARED_SPLIT_TILES`` tiles, else the most
+    that keep one item per SM (one where ``base`` alone fills them)."""
+    if grains // splits >= WIDE_SHARED_SPLIT_TILES:
+        return splits
+    return max(1, min(splits, sms // base))
+
+
 def choose_variant(
     batch: int,
     num_heads: int,
@@ -354,7 +369,8 @@ def choose_variant(
     fewer items than fill the GPU (``_tile_plan``), the sequence is cut into as many splits as
     fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
     SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
-    SPLIT_GAIN``. Never more than ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into
+    SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES`` tiles,
+    and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``. Never more than ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into
     splits of ``n // s`` or ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
     ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid smaller than a wave split to fill it, splits of
     ``MIN_KEYS_PER_SPLIT_SIMT`` to ``MAX_KEYS_PER_SPLIT_SIMT`` keys.
@@ -383,7 +399,8 @@ def choose_variant(
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
         fill = sms * blocks_per_sm
-    if tiles and qb == WIDE_COLUMNS and not epilogue:  # wide items: splits of WIDE_MIN_SPLIT_TILES tiles
+    wide = tiles and qb == WIDE_COLUMNS and not epilogue
+    if wide:
         allowed = max(1, min(allowed, -(-seq_len // TILE_KEYS) // WIDE_MIN_SPLIT_TILES))
     if variant == "single_pass":
         splits = 1
@@ -391,6 +408,8 @@ def choose_variant(
         splits = max(1, min(allowed, fill // base))
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
+    if wide and splits > 1 and 2 * base > sms:
+        splits = _wide_shared_splits(base, sms, splits, -(-seq_len // TILE_KEYS))
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         grains = -(-seq_len // TILE_KEYS)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree)

@@ -176,6 +176,17 @@ def test_wide_items_splits_keep_their_tiles(seq_len, splits):
     assert narrow.num_splits == H100.num_sms * narrow.blocks_per_sm // 64 == 4
 
 
+@pytest.mark.parametrize(("context", "splits"), [(1024, 1), (4096, 1), (8192, 1), (16384, 2)])
+def test_wide_items_that_fill_the_sms_split_only_when_long(context, splits):
+    # B=16 T=16: 128 wide items, one per SM; a second split (two blocks an SM, and a merge) only
+    # where each split keeps WIDE_SHARED_SPLIT_TILES tiles.
+    assert dispatch.base_blocks(16, 32 * 16, 8, dispatch.WIDE_COLUMNS) == 128 <= H100.num_sms
+    plan = dispatch.choose_variant(16, 32 * 16, 8, 128, context + 16, F16, H100, tree=True)
+    assert plan.num_splits == splits
+    tiles = -(-(context + 16) // dispatch.TILE_KEYS)
+    assert splits == 1 or tiles // splits >= dispatch.WIDE_SHARED_SPLIT_TILES
+
+
 @pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 @pytest.mark.parametrize("head_dim", dispatch.SUPPORTED_HEAD_DIMS)
