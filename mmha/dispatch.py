@@ -369,9 +369,10 @@ def choose_variant(
     fewer items than fill the GPU (``_tile_plan``), the sequence is cut into as many splits as
     fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
     SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
-    SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES`` tiles,
-    and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``. Never more than ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into
-    splits of ``n // s`` or ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
+    SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES``
+    tiles, and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``. Never more than
+    ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into splits of ``n // s`` or
+    ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
     ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid smaller than a wave split to fill it, splits of
     ``MIN_KEYS_PER_SPLIT_SIMT`` to ``MAX_KEYS_PER_SPLIT_SIMT`` keys.
 
