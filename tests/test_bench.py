@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -632,3 +633,56 @@ def test_tree_kernel_times_sums_each_kernels_device_time_per_step():
     )
     with pytest.raises(SystemExit, match="B,context,T"):
         ktimes.row_of("16,1024")
+
+
+def test_source_stalls_joins_the_source_page_with_the_line_table():
+    """bench/source_stalls.py: nvdisasm -gi's runs of comment lines give each instruction its chain
+    (innermost first), the source page's absolute addresses are moved onto the listing's offsets
+    by the operations they agree on, and samples sum per line (innermost, or N from the body)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "source_stalls.py"
+    spec = importlib.util.spec_from_file_location("source_stalls", path)
+    ss = importlib.util.module_from_spec(spec)
+    sys.modules["source_stalls"] = ss  # its dataclasses look their module up
+    spec.loader.exec_module(ss)
+    listing = "\n".join(
+        [
+            ".text._Z5otherv:",
+            '\t//## File "/x/other.cuh", line 1',
+            "        /*0000*/                   EXIT ;",
+            ".text._Z6kernelv:",
+            '\t//## File "/x/a.cuh", line 10 inlined at "/x/k.cuh", line 5',
+            '\t//## File "/x/k.cuh", line 5',
+            "        /*0000*/                   LDG.E R2, desc[UR4][R2.64] ;",
+            "        /*0010*/                   FADD R3, R2, R2 ;",
+            '\t//## File "/x/k.cuh", line 7',
+            "        /*0020*/               @P0 BRA `(.L_x_1) ;",
+        ]
+    )
+    table = ss.line_table(listing, "_Z6kernelv")
+    assert sorted(table) == [0, 16, 32] and table[16][0].chain == (("/x/a.cuh", 10), ("/x/k.cuh", 5))
+    assert table[16][0].label() == "a.cuh:10 (in k.cuh:5)" and table[16][0].label(1) == "k.cuh:5"
+    assert ss.line_table(listing)[0][1] == "EXIT"  # the first function without a name
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stalled_long_scoreboard"'
+    page = "\n".join(
+        [
+            '"Kernel","_Z6kernelv"',
+            head,
+            '"0x7f0000001000","LDG.E R2, desc[UR4][R2.64]","2","10","0"',
+            '"0x7f0000001010","FADD R3, R2, R2","6","10","5"',
+            '"0x7f0000001020","@P0 BRA `(.L_x_1)","4","1","0"',
+        ]
+    )
+    samples = ss.source_rows(page)
+    assert [s.samples for s in samples] == [2, 6, 4] and samples[1].reasons == {"stalled_long_scoreboard": 5}
+    offset, agree = ss.align(samples, table)
+    assert offset == -0x7F0000001000 and agree == 3
+    lines = dict(ss.by_source(samples, table, 0, offset))
+    assert lines["a.cuh:10 (in k.cuh:5)"].samples == 8 and lines["k.cuh:7"].samples == 4
+    assert lines["a.cuh:10 (in k.cuh:5)"].executed == 20
+    assert dict(ss.by_source(samples, table, 1, offset))["k.cuh:5"].samples == 8
+    text = ss.report(samples, table, top=5)
+    assert "agrees on 3 operations" in text and "long_scoreboard 62%" in text
+    with pytest.raises(ValueError, match="Address and Source"):
+        ss.source_rows('"a","b"\n"1","2"')
