@@ -20,6 +20,14 @@ done
 [ ${#rows[@]} -gt 0 ] || { echo "source_stalls.sh: give at least one row"; exit 2; }
 so=$(ls mmha/_C*.so 2>/dev/null | head -n 1)
 [ -n "$so" ] || { echo "source_stalls.sh: no built extension under mmha/"; exit 1; }
+# The profiled kernel's mangled name: the first value under a "Kernel Name" header of ncu's CSV.
+kernel_name='
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+col = rows[head].index("Kernel Name") if head is not None else 0
+print(next((r[col] for r in rows[head + 1:] if len(r) > col and r[col].startswith("_Z")), "") if head is not None else "")
+'
 cubins=$(mktemp -d)
 (cd "$cubins" && cuobjdump -xelf all "$OLDPWD/$so" >/dev/null)
 if [ "${WARM:-0}" = 1 ]; then
@@ -37,14 +45,15 @@ for row in "${rows[@]}"; do
     continue
   }
   ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"$OUT/source_$tag.csv"
-  name=$(ncu --import "$rep.ncu-rep" --page raw --csv --print-kernel-base mangled --metrics gpu__time_duration.sum |
-    python -c "import csv, sys; r = list(csv.reader(sys.stdin)); print(r[-1][r[0].index('Kernel Name')])")
+  name=$(ncu --import "$rep.ncu-rep" --page details --csv --print-kernel-base mangled | python -c "$kernel_name")
   cubin=$([ -n "$name" ] && grep -l -F "$name" "$cubins"/*.cubin | head -n 1)
   if [ -z "$cubin" ]; then
     echo "source_stalls.sh: $row: no cubin holds $name"
     continue
   fi
-  nvdisasm --print-line-info-inline -fun "$name" -c "$cubin" >"$OUT/kernel_$tag.sass"
+  # The kernel's own section of the cubin's listing (from its ".text.NAME:" label to the next one).
+  nvdisasm --print-line-info-inline -c "$cubin" |
+    awk -v n=".text.$name:" '$0 == n { on = 1; print; next } on && /^\.text\..*:$/ { exit } on' >"$OUT/kernel_$tag.sass"
   {
     echo "$row: $name ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date +%F), $caches)"
     python bench/source_stalls.py "$OUT/source_$tag.csv" "$OUT/kernel_$tag.sass" --function "$name" --top 40

@@ -333,9 +333,9 @@ def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> i
 
 
 def _wide_shared_splits(base: int, sms: int, splits: int, grains: int) -> int:
-    """Splits of ``base`` wide items of ``grains`` tiles where even two splits hold more items
-    than SMs: the planned ``splits`` if each keeps ``WIDE_SHARED_SPLIT_TILES`` tiles, else the most
-    that keep one item per SM (one where ``base`` alone fills them)."""
+    """The planned ``splits`` of ``base`` wide items of ``grains`` tiles, where two splits would
+    already put two blocks on some SMs: kept if each split holds ``WIDE_SHARED_SPLIT_TILES``
+    tiles, else cut to the most that keep one item per SM (at least 1)."""
     if grains // splits >= WIDE_SHARED_SPLIT_TILES:
         return splits
     return max(1, min(splits, sms // base))
@@ -400,9 +400,10 @@ def choose_variant(
         stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
         allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
         fill = sms * blocks_per_sm
+    grains = -(-seq_len // TILE_KEYS)
     wide = tiles and qb == WIDE_COLUMNS and not epilogue
     if wide:
-        allowed = max(1, min(allowed, -(-seq_len // TILE_KEYS) // WIDE_MIN_SPLIT_TILES))
+        allowed = max(1, min(allowed, grains // WIDE_MIN_SPLIT_TILES))
     if variant == "single_pass":
         splits = 1
     elif base < fill:
@@ -410,9 +411,8 @@ def choose_variant(
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
     if wide and splits > 1 and 2 * base > sms:
-        splits = _wide_shared_splits(base, sms, splits, -(-seq_len // TILE_KEYS))
+        splits = _wide_shared_splits(base, sms, splits, grains)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
-        grains = -(-seq_len // TILE_KEYS)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
