@@ -35,6 +35,8 @@ def times(root: Path, name: str, key: tuple[str, ...] = KEY) -> dict[tuple, list
     for run in (1, 2):
         for row in json.loads((root / f"{name}_{run}" / file).read_text())["rows"]:
             if "mmha_decode_us" in row:
+                if row.get("features"):  # a tree row's (mmha.bench.tree.Row.features), beside its shape
+                    row = {**row, "shape": f"{row['shape']} +{row['features']}"}
                 got.setdefault(tuple(row.get(k, "") for k in key), []).append(row["mmha_decode_us"])
     return got
 

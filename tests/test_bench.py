@@ -4,6 +4,7 @@ GPU: bench/validate.sh)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -268,6 +269,24 @@ def test_tree_int8_rows_follow_their_16_bit_twins():
     assert tree.target_tflops(old) is not None  # a kept JSON's row without "kv"
 
 
+def test_tree_bias_rows_follow_their_twins():
+    from mmha.bench import tree
+
+    plain, both = tree.rows(int8=True), tree.rows(int8=True, bias=True)
+    twins = [r for r in plain if r.num_heads == 32 and not r.kv]
+    assert len(both) == len(plain) + len(twins)
+    for r in twins:
+        twin = both[both.index(r) + 2]  # after the int8 twin
+        assert twin == dataclasses.replace(r, features="bias") and twin.kv_bytes == r.kv_bytes
+    assert all(r.features == "" for r in both if r.num_heads == 1 or r.kv)
+    assert [r.features for r in tree.rows(quick=True, bias=True)] == ["", "", "bias", "", "bias"]
+    row = {**dataclasses.asdict(dataclasses.replace(twins[0], features="bias")), "mmha_decode_us": 30.0, "best_peer_decode": "flex",
+           "best_peer_decode_us": 20.0, "ratio": 1.5}  # fmt: skip
+    (miss,) = tree.misses([row])
+    assert "binary +bias: 1.500x flex" in miss
+    assert "binary +bias" in tree.table([row])
+
+
 def test_tree_rows_chosen_by_batch_context_and_nodes():
     from mmha.bench import tree
 
@@ -463,7 +482,7 @@ def test_ab_table_sets_each_build_beside_the_first(tmp_path):
 
 def test_ab_table_reads_tree_runs(tmp_path):
     """bench/ab_table.py over `python -m mmha.bench --tree` runs (bench_tree.json): rows keyed by
-    batch, context, nodes and tree shape."""
+    batch, context, nodes and tree shape (with the row's features, such as a qkv bias)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -475,12 +494,16 @@ def test_ab_table_reads_tree_runs(tmp_path):
     shape = {"kv": "", "batch": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "context": 1024}
     for name, us in (("base", 22.0), ("new", 19.8)):
         for run in (1, 2):
-            rows = [{**shape, "nodes": 4, "shape": "binary", "mmha_decode_us": us + run / 10}]
+            rows = [
+                {**shape, "nodes": 4, "shape": "binary", "mmha_decode_us": us + run / 10},
+                {**shape, "nodes": 4, "shape": "binary", "features": "bias", "mmha_decode_us": 2 * us},
+            ]
             (tmp_path / f"{name}_{run}").mkdir()
             (tmp_path / f"{name}_{run}" / "bench_tree.json").write_text(json.dumps({"rows": rows}))
     lines = ab_table.table(tmp_path, "caption", [("base", "base"), ("new", "new")]).splitlines()
     assert "| kv | B | Hq | Hkv | D | context | T | tree |" in lines[1]
     assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary | 22.1, 22.2 | 19.9, 20.0 | 0.901 |" in lines
+    assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary +bias | 44.0, 44.0 | 39.6, 39.6 | 0.900 |" in lines
 
 
 def test_sweep_extra_plans_parse_and_bad_ones_are_named(capsys):

@@ -17,7 +17,10 @@ matrix product (``floor.read_gemm_tflops``) and dense attention through SDPA's f
 (``floor.read_attention_tflops``); a T = 64 row's miss of its 1.3x target names the TFLOP/s it
 would need against them. ``--int8``: each Llama-shaped row again over an int8 cache (codes with a
 scale per token and kv head, ``kv`` = "int8"; its bytes count codes and scales); the peers attend
-over the dequantised K/V in fp16, as a user without an int8 kernel would. ``--only B,CTX,T ...``
+over the dequantised K/V in fp16, as a user without an int8 kernel would. ``--bias``: each
+Llama-shaped row again with a qkv bias (``features`` = "bias", as Qwen2's layers have one), given
+to mmha's steps and the reference, and added to the peers' q (their K/V are the cache the tree
+step wrote, bias included). ``--only B,CTX,T ...``
 keeps the rows of those batch sizes, contexts and node counts. Writes bench_tree.json and
 bench_tree.md to ``--out``.
 """
@@ -59,6 +62,7 @@ class Row:
     nodes: int
     shape: str  # "binary", "chain" or "random"
     kv: str = ""  # "" (the activations' fp16) or "int8"
+    features: str = ""  # "" or "bias" (a qkv bias)
 
     @property
     def kv_bytes(self) -> int:
@@ -75,8 +79,9 @@ class Row:
         return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
 
 
-def rows(quick: bool = False, int8: bool = False) -> list[Row]:
-    """The rows; with ``int8`` each Llama-shaped row is followed by its int8 twin."""
+def rows(quick: bool = False, int8: bool = False, bias: bool = False) -> list[Row]:
+    """The rows; with ``int8`` each Llama-shaped row is followed by its int8 twin, with ``bias`` by
+    its twin with a qkv bias (after the int8 one)."""
     out = [Row(4, 1, 1, 64, ctx, 54, "random") for ctx in (10, 1024, 16384)]
     for b in (1, 16):
         for ctx in (1024, 4096, 16384):
@@ -84,9 +89,8 @@ def rows(quick: bool = False, int8: bool = False) -> list[Row]:
             out.append(Row(b, 32, 8, 128, ctx, 64, "chain"))
     if quick:
         out = [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
-    if int8:
-        out = [x for r in out for x in ([r, replace(r, kv="int8")] if r.num_heads == 32 else [r])]
-    return out
+    twins = [("int8", dict(kv="int8"))] * int8 + [("bias", dict(features="bias"))] * bias
+    return [x for r in out for x in [r] + [replace(r, **t) for _, t in twins if r.num_heads == 32]]
 
 
 def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
@@ -153,6 +157,9 @@ class Layer:
         k = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
         v = torch.randn(b, s_max, hkv, d, generator=g, device="cuda", dtype=torch.float16)
         self.qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g, device="cuda", dtype=torch.float16)
+        self.bias = None
+        if row.features == "bias":
+            self.bias = torch.randn((hq + 2 * hkv) * d, generator=g, device="cuda").mul(0.5).half()
         self.scales = {}
         if row.kv == "int8":  # per token and kv head (mmha.quant), as a step appends
             (kq, ks, _), (vq, vs, _) = (quant.quantize(x.transpose(1, 2), 8) for x in (k, v))
@@ -166,7 +173,7 @@ class Layer:
         self.parents_host = par
         self.parents = torch.tensor(par, dtype=torch.int32, device="cuda")
         # The nodes' own K/V written by one mmha tree step (what the peers attend over).
-        kw = dict(num_heads=hq, num_kv_heads=hkv, **self.scales)
+        kw = dict(num_heads=hq, num_kv_heads=hkv, qkv_bias=self.bias, **self.scales)
         ops.decode_tree(self.qkv, self.kc, self.vc, self.lengths, self.parents, **kw)
         kk = layout.unpack_k(self.kc, ctx + t, layout="bhsd")  # [B, Hkv, S, D]
         vv = self.vc[:, :, : ctx + t]
@@ -174,7 +181,8 @@ class Layer:
             kk = (kk.float() * self.scales["k_scale"][:, :, : ctx + t, None]).half()
             vv = (vv.float() * self.scales["v_scale"][:, :, : ctx + t, None]).half()
         self.kt, self.vt = kk.contiguous(), vv.contiguous()
-        self.q = self.qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2).contiguous()  # [B, Hq, T, D]
+        q = self.qkv[..., : hq * d] if self.bias is None else self.qkv[..., : hq * d] + self.bias[: hq * d]
+        self.q = q.view(b, t, hq, d).transpose(1, 2).contiguous()  # [B, Hq, T, D]
         mask = torch.zeros(b, t, ctx + t, dtype=torch.bool, device="cuda")
         mask[:, :, :ctx] = True
         for r, p in enumerate(par):
@@ -193,7 +201,7 @@ def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = No
     return lambda: ops.decode_tree(
         layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
-        num_splits=num_splits, stages=stages, **layer.scales,
+        num_splits=num_splits, stages=stages, qkv_bias=layer.bias, **layer.scales,
     )  # fmt: skip
 
 
@@ -203,7 +211,7 @@ def single_fn(layer: Layer):
     return lambda: ops.decode_attention(
         layer.one_token, layer.kc, layer.vc, layer.lengths, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate_lengths=False, max_len=row.context + 1,
-        **layer.scales,
+        qkv_bias=layer.bias, **layer.scales,
     )  # fmt: skip
 
 
@@ -251,7 +259,7 @@ def reference_out(layer: Layer) -> torch.Tensor:
     kc, vc = layer.kc.clone(), layer.vc.clone()
     scales = {k: v.clone() for k, v in layer.scales.items()}
     return reference.decode_tree(layer.qkv, kc, vc, layer.lengths, layer.parents, num_heads=row.num_heads,
-                                 num_kv_heads=row.num_kv_heads, **scales)  # fmt: skip
+                                 num_kv_heads=row.num_kv_heads, qkv_bias=layer.bias, **scales)  # fmt: skip
 
 
 def run_row(row: Row, peers: tuple[str, ...]) -> dict:
@@ -324,6 +332,7 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
     out = []
     for r in results:
         kv = f" kv={r['kv']}" if r.get("kv") else ""
+        kv += f" +{r['features']}" if r.get("features") else ""
         label = (f"B={r['batch']} Hq={r['num_heads']} Hkv={r['num_kv_heads']} ctx={r['context']} "
                  f"T={r['nodes']} {r['shape']}{kv}")  # fmt: skip
         if "mmha_decode_us" not in r:
@@ -352,7 +361,7 @@ def table(results: list[dict]) -> str:
         return f"{r[k]:.1f}" if k in r else "-"
 
     body = [[r["batch"], r["num_heads"], r["num_kv_heads"], r["head_dim"], r["context"], r["nodes"],
-             r["shape"], r.get("kv") or "fp16",
+             r["shape"] + (f" +{r['features']}" if r.get("features") else ""), r.get("kv") or "fp16",
              us(r, "mmha_decode_us"), us(r, "mmha_single_token_us"),
              f"{r['vs_single_token']:.2f}" if "vs_single_token" in r else "-",
              *[us(r, f"{p}_decode_us") for p in PEERS], f"{r['ratio']:.3f}" if "ratio" in r else "-",
@@ -370,11 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rows")
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     ap.add_argument("--int8", action="store_true", help="each Llama-shaped row again over an int8 cache")
+    ap.add_argument("--bias", action="store_true", help="each Llama-shaped row again with a qkv bias")
     ap.add_argument("--only", nargs="+", metavar="B,CTX,T", help="rows of these batch, context, nodes")
     ap.add_argument("--out", type=Path, default=Path("bench_tree"))
     args = parse_args(ap, argv)
     try:
-        chosen = select(rows(args.quick, args.int8), args.only)
+        chosen = select(rows(args.quick, args.int8, args.bias), args.only)
     except ValueError as exc:
         ap.error(str(exc))
     if not torch.cuda.is_available():
