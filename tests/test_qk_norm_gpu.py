@@ -124,6 +124,20 @@ def test_tree_steps_match_reference(nodes, splits, kv_dtype):
     check_tree(case, qkv, parents, counts, scales, num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("form", FORMS, ids=["llama", "gemma"])
+def test_wide_tree_items_q_norm_without_bias(form, dtype):
+    """Wide items' q pass with a q norm and no bias (test_tree_steps_match_reference has a bias),
+    in each norm form and both 16-bit types."""
+    nodes = 33
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 2) == dispatch.WIDE_COLUMNS
+    case, qkv, parents, counts, scales = tree_case(
+        3, 8, 2, 128, [0, 37, 500], 640, dtype, nodes, "random", seed=2, counts=[nodes, nodes - 5, nodes]
+    )
+    case.mods["qk_norm"] = _norm(128, nodes, sides="q", form=form)
+    check_tree(case, qkv, parents, counts, scales, num_splits=2)
+
+
 def test_graph_replay():
     """A step captured in a CUDA graph normalises each replay's new qkv."""
     case = make_case(2, 8, 2, 128, [10, 90], 256, torch.float16, seed=5, rotary_dim=128)
