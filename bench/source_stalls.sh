@@ -2,9 +2,10 @@
 # One device call: build, then Nsight Compute's warp sampling on the attention kernel of each row
 # (bench/profile_rows.py's rows and flags), joined with the kernel's line table by
 # bench/source_stalls.py: where its warps spend their samples, by CUDA source line. Per row under
-# $OUT: stalls_<row>.txt (by innermost line, then by the line two calls from the kernel body) and
-# the inputs to redo it anywhere (source_<row>.csv.gz, the source page; kernel_<row>.sass.gz,
-# nvdisasm -gi of the kernel in its cubin).
+# $OUT: stalls_<row>.txt (by innermost line, then by the line two calls from the kernel body); the
+# inputs to redo it anywhere (source_<row>.csv.gz, the source page; kernel_<row>.sass.gz, the
+# kernel's listing with its line table) and ncu's logs in one archive, $OUT/stalls_inputs.tgz (a
+# device call brings back few files).
 # Cold by default (ncu flushes the caches before the launch); WARM=1 profiles the third of four
 # launches without flushing. SKIP_BUILD=1 reuses the build in place.
 # Usage: MMHA_KERNELS=fp16 bash bench/source_stalls.sh --tree 16,1024,64 1,1024,64
@@ -65,3 +66,8 @@ for row in "${rows[@]}"; do
   rm -f "$rep.ncu-rep"
 done
 rm -rf "$cubins"
+inputs=$(cd "$OUT" && ls source_*.csv.gz kernel_*.sass.gz ncu_*.log 2>/dev/null)
+if [ -n "$inputs" ]; then
+  # shellcheck disable=SC2086
+  (cd "$OUT" && tar czf stalls_inputs.tgz $inputs && rm -f $inputs)
+fi
