@@ -84,10 +84,14 @@ elif [ "${TESTS:-1}" != 0 ]; then
     # The run's tests, listed beside it: those without an outcome when it ends go to unrun.txt.
     timeout "$left" python -m pytest "${args[@]}" --collect-only -q -p no:cacheprovider >"$logs/collected.txt" 2>&1 &
     collect_pid=$!
+    # pytest-xdist's workers and pytest-timeout's per-test limit where those plugins are installed
+    # (the GPU machines have both; without them the run is serial and unlimited per test).
     workers=(-n "${WORKERS:-12}")
-    [ "${WORKERS:-12}" != 0 ] || workers=()
+    { [ "${WORKERS:-12}" != 0 ] && python -c "import xdist" 2>/dev/null; } || workers=()
+    limit=(--timeout "${TEST_TIMEOUT:-300}")
+    python -c "import pytest_timeout" 2>/dev/null || limit=()
     timeout -s INT "$left" python -m pytest "${args[@]}" "${workers[@]}" -v -p no:cacheprovider \
-      --timeout "${TEST_TIMEOUT:-300}" -rfE --durations=40 >"$logs/pytest.log" 2>&1
+      "${limit[@]}" -rfE --durations=40 >"$logs/pytest.log" 2>&1
     rc=$?
     wait "$collect_pid"
     python tests/unreached.py "$logs/collected.txt" "$logs/pytest.log" >"$logs/unrun.txt" 2>"$logs/unrun_count.txt"
