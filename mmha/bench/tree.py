@@ -89,8 +89,8 @@ def rows(quick: bool = False, int8: bool = False, bias: bool = False) -> list[Ro
             out.append(Row(b, 32, 8, 128, ctx, 64, "chain"))
     if quick:
         out = [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
-    twins = [("int8", dict(kv="int8"))] * int8 + [("bias", dict(features="bias"))] * bias
-    return [x for r in out for x in [r] + [replace(r, **t) for _, t in twins if r.num_heads == 32]]
+    twins = [dict(kv="int8")] * int8 + [dict(features="bias")] * bias
+    return [x for r in out for x in [r] + [replace(r, **t) for t in twins if r.num_heads == 32]]
 
 
 def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
