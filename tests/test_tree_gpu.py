@@ -317,10 +317,10 @@ def test_wide_items_q_rows_at_any_stride_and_start(pad, offset):
 @pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
 def test_wide_items_partial_rotary(bias, interleaved, dtype):
     # The wide q pass over rotation pairs and the unrotated dims past rotary_dim, both pair
-    # layouts: without bias or q norm WideConsumer::rotate_plain_rows, with bias the general pass.
+    # layouts: without bias or q norm WideConsumer::rotate_plain_rows, with bias rotate_featured_rows.
     nodes = 32  # 128 columns per kv head: wide items whatever the grid
     assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 4) == dispatch.WIDE_COLUMNS
-    case, qkv, parents, counts, _ = tree_case(3, 16, 4, 128, [0, 300, 1000], 1024, dtype, nodes, "random",
+    case, qkv, parents, counts, _ = tree_case(3, 16, 4, 128, [0, 300, 990], 1024, dtype, nodes, "random",
                                               seed=7 + interleaved, bias=bias, counts=[nodes, 13, nodes])  # fmt: skip
     case.rotary.update(dim=48, interleaved=interleaved)
     check_tree(case, qkv, parents, counts, num_splits=2)

@@ -181,6 +181,61 @@ struct WideConsumer {
     }
   }
 
+  // The pass of init over raw-staged rows (kRawStaged) with a bias or a q norm (Qwen's, Gemma's):
+  // rotate_plain_rows's loop, each column's head's bias added and its norm applied as the general
+  // pass did (rotate_values; the same bits). head_base: the head of the item's column 0 at node 0
+  // (column c of node n is head head_base + c - n group). One body with the features tested at
+  // run time, where the plain pass's else branch was: as four template instantiations the plain
+  // rows' q build (fetched cold each item) stalled on instruction fetch, B=16 T=16 1K 46.1 -> 49.4
+  // us at the same instruction count; out of line (noinline) the call spilled in the tile loop
+  // (docs/experiments.md, 2026-11-29).
+  template <typename T>
+  __device__ __forceinline__ static void rotate_featured_rows(const MmhaParams& p, int c0, int head_base, M* s_q,
+                                                             int warp, int lane, int first, int last, int n0, int n1,
+                                                             int my_pos, float scale_log2, const float* inv) {
+    const T* bias = static_cast<const T*>(p.qkv_bias);
+    const QKNormParams& qn = p.qk_norm;
+    const int group = p.group;
+    for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffle below
+      const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
+      const bool on = i0 + lane < HEAD_DIM / 2;
+      const RotaryPair rp = rotary_pair(i, p.rotary);
+      for (int node = n0; node <= n1; ++node) {
+        const int c_lo = max(first, node * group - c0);
+        const int c_hi = on ? min(last, (node + 1) * group - c0) : c_lo;
+        const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
+        float sn = 0.f, cs = 1.f;
+        if (rp.rotated) sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
+        // column c's head's bias from node_bias + c HEAD_DIM
+        const T* node_bias = bias ? bias + static_cast<int64_t>(head_base - node * group) * HEAD_DIM : nullptr;
+        for (int c = c_lo; c < c_hi; c += 4) {
+          float a[4], b[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
+            const int r = min(c + k, c_hi - 1);
+            a[k] = to_float(s_q[q_at(warp, r - first, rp.d0)]);
+            b[k] = to_float(s_q[q_at(warp, r - first, rp.d1)]);
+            if (node_bias != nullptr) {  // as biased() adds it
+              a[k] += to_float(node_bias[r * HEAD_DIM + rp.d0]);
+              b[k] += to_float(node_bias[r * HEAD_DIM + rp.d1]);
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (c + k < c_hi) {
+              const HeadNorm hn =
+                  qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[c + k - first], qn.cast_first} : HeadNorm{};
+              float x0, x1;
+              rotate_values<T>(a[k], b[k], rp, sn, cs, x0, x1, hn);
+              s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
+              s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
+            }
+          }
+        }
+      }
+    }
+  }
+
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
@@ -238,12 +293,15 @@ struct WideConsumer {
     const int my_pos = n0 + lane <= n1 ? query_position<false>(p, w, column_of(p, w, my_col)) : 0;
     float q_unit = 1.f;
     float qmax = 0.f;
-    bool plain = false;  // the raw rows rotated in place by rotate_plain_rows
-    if constexpr (kRawStaged<T>) {
-      plain = bias == nullptr && qn.q_weight == nullptr;
-      if (plain) rotate_plain_rows(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2);
+    if constexpr (kRawStaged<T>) {  // the raw rows rotated in place
+      if (bias == nullptr && qn.q_weight == nullptr) {
+        rotate_plain_rows(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2);
+      } else {
+        rotate_featured_rows<T>(p, w.c0, w.kvh * group + w.c0, s_q, warp, lane, first, last, n0, n1, my_pos,
+                                scale_log2, s_norm[warp]);
+      }
     }
-    for (int pass = plain ? 2 : kBytes ? 0 : 1; pass < 2; ++pass) {
+    for (int pass = kRawStaged<T> ? 2 : kBytes ? 0 : 1; pass < 2; ++pass) {  // the other caches' pass
       for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffles below
         const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
         const bool on = i0 + lane < HEAD_DIM / 2;
@@ -263,16 +321,7 @@ struct WideConsumer {
             float x0, x1;
             const HeadNorm hn =
                 qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
-            if constexpr (kRawStaged<T>) {  // the raw values from the staging area, as biased() adds them
-              const T* hb = bias ? bias + head * HEAD_DIM : nullptr;
-              const int r = cw - first;
-              float a = to_float(s_q[q_at(warp, r, rp.d0)]);
-              float b = to_float(s_q[q_at(warp, r, rp.d1)]);
-              if (hb != nullptr) a += to_float(hb[rp.d0]), b += to_float(hb[rp.d1]);
-              rotate_values<T>(a, b, rp, sn, cs, x0, x1, hn);
-            } else {
-              rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
-            }
+            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
             x0 *= scale_log2;
             x1 *= scale_log2;
             if (pass == 0) {
