@@ -29,15 +29,26 @@ def bench_file(root: Path, name: str) -> Path:
 
 
 def times(root: Path, name: str, key: tuple[str, ...] = KEY) -> dict[tuple, list[float]]:
-    """Row key -> mmha_decode_us of runs 1 and 2 of build ``name``."""
+    """Row key -> mmha_decode_us of runs 1 and 2 of build ``name``. A tree row's one-token step on
+    the same caches (mmha_single_token_us) is a row of its own, shape "one-token", once per run
+    (the tree shapes of a row share it)."""
     got: dict[tuple, list[float]] = {}
     file = bench_file(root, name)
     for run in (1, 2):
+        single: set[tuple] = set()
         for row in json.loads((root / f"{name}_{run}" / file).read_text())["rows"]:
             if "mmha_decode_us" in row:
-                if row.get("features"):  # a tree row's (mmha.bench.tree.Row.features), beside its shape
-                    row = {**row, "shape": f"{row['shape']} +{row['features']}"}
+                feat = f" +{row['features']}" if row.get("features") else ""  # mmha.bench.tree.Row.features
+                row = {**row, "shape": f"{row['shape']}{feat}"} if feat else row
                 got.setdefault(tuple(row.get(k, "") for k in key), []).append(row["mmha_decode_us"])
+                if "mmha_single_token_us" in row:
+                    one = tuple(
+                        1 if k == "nodes" else f"one-token{feat}" if k == "shape" else row.get(k, "")
+                        for k in key
+                    )
+                    if one not in single:
+                        single.add(one)
+                        got.setdefault(one, []).append(row["mmha_single_token_us"])
     return got
 
 

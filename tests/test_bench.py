@@ -482,7 +482,8 @@ def test_ab_table_sets_each_build_beside_the_first(tmp_path):
 
 def test_ab_table_reads_tree_runs(tmp_path):
     """bench/ab_table.py over `python -m mmha.bench --tree` runs (bench_tree.json): rows keyed by
-    batch, context, nodes and tree shape (with the row's features, such as a qkv bias)."""
+    batch, context, nodes and tree shape (with the row's features, such as a qkv bias); each row's
+    one-token step on the same caches a row of its own (once, though two shapes carry it)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -494,8 +495,10 @@ def test_ab_table_reads_tree_runs(tmp_path):
     shape = {"kv": "", "batch": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "context": 1024}
     for name, us in (("base", 22.0), ("new", 19.8)):
         for run in (1, 2):
+            one = {"mmha_single_token_us": us / 2}
             rows = [
-                {**shape, "nodes": 4, "shape": "binary", "mmha_decode_us": us + run / 10},
+                {**shape, "nodes": 4, "shape": "binary", "mmha_decode_us": us + run / 10, **one},
+                {**shape, "nodes": 4, "shape": "chain", "mmha_decode_us": us, **one},
                 {**shape, "nodes": 4, "shape": "binary", "features": "bias", "mmha_decode_us": 2 * us},
             ]
             (tmp_path / f"{name}_{run}").mkdir()
@@ -504,6 +507,8 @@ def test_ab_table_reads_tree_runs(tmp_path):
     assert "| kv | B | Hq | Hkv | D | context | T | tree |" in lines[1]
     assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary | 22.1, 22.2 | 19.9, 20.0 | 0.901 |" in lines
     assert "| - | 1 | 32 | 8 | 128 | 1024 | 4 | binary +bias | 44.0, 44.0 | 39.6, 39.6 | 0.900 |" in lines
+    assert "| - | 1 | 32 | 8 | 128 | 1024 | 1 | one-token | 11.0, 11.0 | 9.9, 9.9 | 0.900 |" in lines
+    assert sum("one-token" in line for line in lines) == 1
 
 
 def test_sweep_extra_plans_parse_and_bad_ones_are_named(capsys):
