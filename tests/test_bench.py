@@ -285,6 +285,10 @@ def test_tree_bias_rows_follow_their_twins():
     (miss,) = tree.misses([row])
     assert "binary +bias: 1.500x flex" in miss
     assert "binary +bias" in tree.table([row])
+    every = tree.rows(bias=True, norm=True)
+    for r in twins:  # the norm twin after the bias one
+        assert every[every.index(r) + 2] == dataclasses.replace(r, features="norm")
+    assert [r.features for r in tree.rows(quick=True, norm=True)] == ["", "", "norm", "", "norm"]
 
 
 def test_tree_rows_chosen_by_batch_context_and_nodes():

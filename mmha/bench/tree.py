@@ -20,7 +20,10 @@ scale per token and kv head, ``kv`` = "int8"; its bytes count codes and scales);
 over the dequantised K/V in fp16, as a user without an int8 kernel would. ``--bias``: each
 Llama-shaped row again with a qkv bias (``features`` = "bias", as Qwen2's layers have one), given
 to mmha's steps and the reference, and added to the peers' q (their K/V are the cache the tree
-step wrote, bias included). ``--only B,CTX,T ...``
+step wrote, bias included). ``--norm``: each Llama-shaped row again with Qwen 3's per-head q and k
+RMSNorm (``features`` = "norm", ``mmha.spec.QKNorm``), in mmha's steps and the reference, and
+applied to the peers' q beforehand (``mmha.reference.rms_norm``; their K is the cache the tree step
+wrote, k norm included). ``--only B,CTX,T ...``
 keeps the rows of those batch sizes, contexts and node counts. Writes bench_tree.json and
 bench_tree.md to ``--out``.
 """
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch, layout, ops, quant, reference, tree
+from ..spec import PLAIN, AttentionSpec, QKNorm
 from . import floor
 from .args import parse_args
 from .problems import LAYER_BYTES, MAX_LAYERS, MIN_LAYERS, TOLERANCE
@@ -62,7 +66,7 @@ class Row:
     nodes: int
     shape: str  # "binary", "chain" or "random"
     kv: str = ""  # "" (the activations' fp16) or "int8"
-    features: str = ""  # "" or "bias" (a qkv bias)
+    features: str = ""  # "", "bias" (a qkv bias) or "norm" (q and k norms)
 
     @property
     def kv_bytes(self) -> int:
@@ -79,9 +83,9 @@ class Row:
         return max(MIN_LAYERS, min(MAX_LAYERS, math.ceil(LAYER_BYTES / self.kv_bytes)))
 
 
-def rows(quick: bool = False, int8: bool = False, bias: bool = False) -> list[Row]:
+def rows(quick: bool = False, int8: bool = False, bias: bool = False, norm: bool = False) -> list[Row]:
     """The rows; with ``int8`` each Llama-shaped row is followed by its int8 twin, with ``bias`` by
-    its twin with a qkv bias (after the int8 one)."""
+    its twin with a qkv bias, with ``norm`` by its twin with q and k norms (in that order)."""
     out = [Row(4, 1, 1, 64, ctx, 54, "random") for ctx in (10, 1024, 16384)]
     for b in (1, 16):
         for ctx in (1024, 4096, 16384):
@@ -89,7 +93,7 @@ def rows(quick: bool = False, int8: bool = False, bias: bool = False) -> list[Ro
             out.append(Row(b, 32, 8, 128, ctx, 64, "chain"))
     if quick:
         out = [out[0], out[3 + 4 * 1 + 2], out[3 + 4 * 4 + 2]]
-    twins = [dict(kv="int8")] * int8 + [dict(features="bias")] * bias
+    twins = [dict(kv="int8")] * int8 + [dict(features="bias")] * bias + [dict(features="norm")] * norm
     return [x for r in out for x in [r] + [replace(r, **t) for t in twins if r.num_heads == 32]]
 
 
@@ -160,6 +164,10 @@ class Layer:
         self.bias = None
         if row.features == "bias":
             self.bias = torch.randn((hq + 2 * hkv) * d, generator=g, device="cuda").mul(0.5).half()
+        self.attention = PLAIN
+        if row.features == "norm":  # trained-looking weights around 1
+            w = torch.randn(2, d, generator=g, device="cuda").mul(0.1).add(1.0)
+            self.attention = AttentionSpec(qk_norm=QKNorm(q_weight=w[0], k_weight=w[1], eps=1e-6))
         self.scales = {}
         if row.kv == "int8":  # per token and kv head (mmha.quant), as a step appends
             (kq, ks, _), (vq, vs, _) = (quant.quantize(x.transpose(1, 2), 8) for x in (k, v))
@@ -173,7 +181,7 @@ class Layer:
         self.parents_host = par
         self.parents = torch.tensor(par, dtype=torch.int32, device="cuda")
         # The nodes' own K/V written by one mmha tree step (what the peers attend over).
-        kw = dict(num_heads=hq, num_kv_heads=hkv, qkv_bias=self.bias, **self.scales)
+        kw = dict(num_heads=hq, num_kv_heads=hkv, qkv_bias=self.bias, attention=self.attention, **self.scales)
         ops.decode_tree(self.qkv, self.kc, self.vc, self.lengths, self.parents, **kw)
         kk = layout.unpack_k(self.kc, ctx + t, layout="bhsd")  # [B, Hkv, S, D]
         vv = self.vc[:, :, : ctx + t]
@@ -182,7 +190,11 @@ class Layer:
             vv = (vv.float() * self.scales["v_scale"][:, :, : ctx + t, None]).half()
         self.kt, self.vt = kk.contiguous(), vv.contiguous()
         q = self.qkv[..., : hq * d] if self.bias is None else self.qkv[..., : hq * d] + self.bias[: hq * d]
-        self.q = q.view(b, t, hq, d).transpose(1, 2).contiguous()  # [B, Hq, T, D]
+        q = q.view(b, t, hq, d)
+        if row.features == "norm":
+            qn = self.attention.qk_norm
+            q = reference.rms_norm(q, qn.q_weight, qn.eps, qn.offset, qn.cast_first)
+        self.q = q.transpose(1, 2).contiguous()  # [B, Hq, T, D]
         mask = torch.zeros(b, t, ctx + t, dtype=torch.bool, device="cuda")
         mask[:, :, :ctx] = True
         for r, p in enumerate(par):
@@ -201,7 +213,7 @@ def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = No
     return lambda: ops.decode_tree(
         layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
-        num_splits=num_splits, stages=stages, qkv_bias=layer.bias, **layer.scales,
+        num_splits=num_splits, stages=stages, qkv_bias=layer.bias, attention=layer.attention, **layer.scales,
     )  # fmt: skip
 
 
@@ -211,7 +223,7 @@ def single_fn(layer: Layer):
     return lambda: ops.decode_attention(
         layer.one_token, layer.kc, layer.vc, layer.lengths, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate_lengths=False, max_len=row.context + 1,
-        qkv_bias=layer.bias, **layer.scales,
+        qkv_bias=layer.bias, attention=layer.attention, **layer.scales,
     )  # fmt: skip
 
 
@@ -258,8 +270,10 @@ def reference_out(layer: Layer) -> torch.Tensor:
     row = layer.row
     kc, vc = layer.kc.clone(), layer.vc.clone()
     scales = {k: v.clone() for k, v in layer.scales.items()}
-    return reference.decode_tree(layer.qkv, kc, vc, layer.lengths, layer.parents, num_heads=row.num_heads,
-                                 num_kv_heads=row.num_kv_heads, qkv_bias=layer.bias, **scales)  # fmt: skip
+    return reference.decode_tree(
+        layer.qkv, kc, vc, layer.lengths, layer.parents, num_heads=row.num_heads,
+        num_kv_heads=row.num_kv_heads, qkv_bias=layer.bias, attention=layer.attention, **scales,
+    )  # fmt: skip
 
 
 def run_row(row: Row, peers: tuple[str, ...]) -> dict:
@@ -380,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     ap.add_argument("--int8", action="store_true", help="each Llama-shaped row again over an int8 cache")
     ap.add_argument("--bias", action="store_true", help="each Llama-shaped row again with a qkv bias")
+    ap.add_argument("--norm", action="store_true", help="each Llama-shaped row again with q and k norms")
     ap.add_argument("--only", nargs="+", metavar="B,CTX,T", help="rows of these batch, context, nodes")
     ap.add_argument("--out", type=Path, default=Path("bench_tree"))
     args = parse_args(ap, argv)
     try:
-        chosen = select(rows(args.quick, args.int8, args.bias), args.only)
+        chosen = select(rows(args.quick, args.int8, args.bias, args.norm), args.only)
     except ValueError as exc:
         ap.error(str(exc))
     if not torch.cuda.is_available():
