@@ -222,9 +222,9 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     return;
   }
   // Every load that needs nothing else first, together: the row's length and node count, this
-  // thread's parent, and (into L1) the qkv values of its first (node, pair) to append. The check
-  // is on the step's critical path (the attention grid waits for its end), so each dependent
-  // global round trip shows in the step.
+  // thread's parent, and (into L1) the qkv values of its first (node, pair) to append and their
+  // bias. The check is on the step's critical path (the attention grid waits for its end), so
+  // each dependent global round trip shows in the step.
   const int len = p.rows.lengths[b];
   const int n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
   const int parent = tid < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
@@ -239,6 +239,13 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
       prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
       prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d0);
       prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d1);
+      if (p.qkv_bias != nullptr) {  // and their bias, read beside them in the same round trip
+        const T* bias = static_cast<const T*>(p.qkv_bias);
+        prefetch_l1(bias + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
+        prefetch_l1(bias + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
+        prefetch_l1(bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d0);
+        prefetch_l1(bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d1);
+      }
     }
   }
   if (tid == 0) {
