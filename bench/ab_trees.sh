@@ -3,7 +3,10 @@
 # ("label:path", the first the baseline; "." is the working tree, others e.g. `git archive REV csrc
 # mmha setup.py tests bench pyproject.toml | tar -x -C .tREV`, carried along) is copied to
 # /tmp/ab_<label> and built once per machine, all side by side (MAX_JOBS split between them); with
-# MMHA_KERNELS only those kernel sets (older trees slimmed by bench/slim_tree.py). Then the same
+# MMHA_KERNELS only those kernel sets (older trees slimmed by bench/slim_tree.py), with
+# MMHA_HEAD_DIMS (e.g. 128) only those head dims' files (--grid quick and the tree benchmark's
+# Llama-shaped rows are head dim 128, its seed rows 64: four fp16 trees at 128 build 3 files each,
+# not 17; a step of another head dim fails "not supported"). Then the same
 # `python -m mmha.bench` arguments run with each build in turn, twice (a, b, c, a, b, c), and
 # bench/ab_table.py prints each build's rows beside the first's ($OUT/ab.md, a caption line first;
 # the runs themselves in $OUT/ab_runs.tgz).
@@ -23,9 +26,11 @@ for t in "${trees[@]}"; do
   [ -f "$dst/.built" ] && continue
   (
     rm -rf "$dst" && mkdir -p "$dst" && cp -r "$src"/. "$dst"/ && rm -rf "$dst"/.t* "$dst"/build
-    if [ -n "${MMHA_KERNELS:-}" ]; then
-      # shellcheck disable=SC2086
-      python bench/slim_tree.py "$dst" --keep ${MMHA_KERNELS//,/ } >/dev/null || exit 1
+    if [ -n "${MMHA_KERNELS:-}${MMHA_HEAD_DIMS:-}" ]; then
+      slim=()  # shellcheck disable=SC2206: the lists split at their commas
+      [ -z "${MMHA_KERNELS:-}" ] || slim+=(--keep ${MMHA_KERNELS//,/ })
+      [ -z "${MMHA_HEAD_DIMS:-}" ] || slim+=(--head-dims ${MMHA_HEAD_DIMS//,/ })
+      python bench/slim_tree.py "$dst" "${slim[@]}" >/dev/null || exit 1
     fi
     (cd "$dst" && MAX_JOBS=$jobs python setup.py build_ext --inplace >"$OUT/build_$label.log" 2>&1) || {
       grep -E "error" "$OUT/build_$label.log" | head -20

@@ -118,3 +118,30 @@ def test_slim_tree_stubs_the_sets_left_out(tmp_path):
         assert text.count("return 0;") == sum(w.startswith("template int ") for w in wanted)
     with pytest.raises(ValueError, match="--keep: no kernel sets"):
         slim.slim(tmp_path, ["fp8"])
+
+
+def test_slim_tree_keeps_only_the_head_dims_given(tmp_path):
+    """bench/slim_tree.py --head-dims (bench/ab_trees.sh's MMHA_HEAD_DIMS): of the kept sets only
+    the files of those head dims stay (one-token, lean and wide units alike); every set without
+    --keep."""
+    slim = _slim_tree()
+    src = ROOT / "csrc" / "kernels" / "instantiations"
+    dst = tmp_path / "csrc" / "kernels" / "instantiations"
+    dst.mkdir(parents=True)
+    for p in src.glob("*.cu"):
+        (dst / p.name).write_text(p.read_text())
+    assert slim.head_dim_of(Path("decode_fp16_hd128_lean.cu")) == 128
+    assert slim.head_dim_of(Path("decode_wide_bf16_s8_hd64.cu")) == 64
+    stubbed = slim.slim(tmp_path, ["fp16"], [128])
+    kept = sorted(p.name for p in dst.glob("*.cu") if p not in stubbed)
+    assert kept == ["decode_fp16_hd128.cu", "decode_fp16_hd128_lean.cu", "decode_wide_fp16_hd128.cu"]
+    for name in kept:
+        assert (dst / name).read_text() == (src / name).read_text()
+    with pytest.raises(ValueError, match="--head-dims: no head dims"):
+        slim.slim(tmp_path, None, [48])
+    fresh = tmp_path / "fresh"
+    (fresh / "csrc" / "kernels" / "instantiations").mkdir(parents=True)
+    for p in src.glob("*.cu"):
+        (fresh / "csrc" / "kernels" / "instantiations" / p.name).write_text(p.read_text())
+    stubbed = slim.slim(fresh, None, [64])
+    assert {p.name for p in stubbed} == {p.name for p in src.glob("*.cu") if slim.head_dim_of(p) != 64}
