@@ -27,8 +27,10 @@ for t in "${trees[@]}"; do
   (
     rm -rf "$dst" && mkdir -p "$dst" && cp -r "$src"/. "$dst"/ && rm -rf "$dst"/.t* "$dst"/build
     if [ -n "${MMHA_KERNELS:-}${MMHA_HEAD_DIMS:-}" ]; then
-      slim=()  # shellcheck disable=SC2206: the lists split at their commas
+      slim=()  # the lists split at their commas
+      # shellcheck disable=SC2206
       [ -z "${MMHA_KERNELS:-}" ] || slim+=(--keep ${MMHA_KERNELS//,/ })
+      # shellcheck disable=SC2206
       [ -z "${MMHA_HEAD_DIMS:-}" ] || slim+=(--head-dims ${MMHA_HEAD_DIMS//,/ })
       python bench/slim_tree.py "$dst" "${slim[@]}" >/dev/null || exit 1
     fi
