@@ -225,6 +225,36 @@ __device__ __forceinline__ void prefetch_item_bias(const MmhaParams& p, int inde
   lines((p.num_heads + p.num_kv_heads + w.kvh) * kRow, kRow, n);
 }
 
+// With q / k norms: their weights ([HEAD_DIM] fp32 each, the same for every item), prefetched into
+// L1 as the stager takes an item; the q build reads them beside each element (normed()).
+template <int HEAD_DIM>
+__device__ __forceinline__ void prefetch_norm_weights(const MmhaParams& p, int lane) {
+  constexpr int kTouch = HEAD_DIM / 32 + 1;  // 128-byte lines a weight may span
+  const float* w = lane < kTouch ? p.qk_norm.q_weight : p.qk_norm.k_weight;
+  const int j = lane < kTouch ? lane : lane - kTouch;
+  if (w != nullptr && j < kTouch) prefetch_l1(w + min(32 * j, HEAD_DIM - 1));
+}
+
+// A tree item with a q norm: its columns' q rows (each node's run of its kv head's group of heads
+// in its qkv row), prefetched into L1 by the stager as it takes the item. The consumers' norms
+// read them column after column (head_inv_rms, a warp reduction each), one L2 round trip a column
+// without this.
+template <typename T, int HEAD_DIM, int QB>
+__device__ __forceinline__ void prefetch_tree_q_rows(const MmhaParams& p, int index, int lane) {
+  constexpr int64_t kLine = 128;  // bytes
+  const WorkItem w = work_item_head<QB>(p, index);
+  const int n0 = w.c0 / p.group;
+  const int nodes = (w.c0 + w.nh - 1) / p.group - n0 + 1;
+  const int64_t run = static_cast<int64_t>(p.group) * HEAD_DIM * sizeof(T);  // bytes a node
+  const int touches = static_cast<int>(run / kLine) + 1;                    // lines a run may span
+  const char* q = static_cast<const char*>(p.qkv) + static_cast<int64_t>(w.kvh) * p.group * HEAD_DIM * sizeof(T);
+#pragma unroll 1
+  for (int i = lane; i < nodes * touches; i += 32) {
+    const int64_t row = static_cast<int64_t>(w.b) * p.tree.nodes + n0 + i / touches;
+    prefetch_l1(q + row * p.qkv_row_stride * static_cast<int64_t>(sizeof(T)) + min((i % touches) * kLine, run - 1));
+  }
+}
+
 // The stager warp of a tile-loop block: block j's first item is item j, later ones come from the
 // step's work counter. It decides each item (decide_item): one with nothing to read (a bad,
 // refused or idle row, a split past the row's keys) gets its output here and never reaches the
@@ -242,6 +272,12 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
     RawRows<T, HEAD_DIM, QB, !FUSED && QB != kWideColumns> raw;
     raw.load(p, index, lane);
     if (p.qkv_bias != nullptr) prefetch_item_bias<T, HEAD_DIM, QB>(p, index, lane);
+    // Tree items with q / k norms only (lean kernels have none): a one-token item's norm reads
+    // are few and the prefetch measured 1-2 % slower there.
+    if (!kLeanKernels && p.tree.nodes > 1 && (p.qk_norm.q_weight != nullptr || p.qk_norm.k_weight != nullptr)) {
+      prefetch_norm_weights<HEAD_DIM>(p, lane);
+      if (p.qk_norm.q_weight != nullptr) prefetch_tree_q_rows<T, HEAD_DIM, QB>(p, index, lane);
+    }
     DecidedItem d = decide_item<C, QB, FUSED>(p, index, lane, FUSED);
     WorkItem& w = d.w;
     if (w.bad) {  // a refused tree row's flag was raised by tree_prepare_kernel, a fused one's here

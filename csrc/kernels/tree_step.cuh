@@ -330,6 +330,19 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   __shared__ float s_k_inv[kTreeNodesPerBlock];
   const QKNormParams& qn = p.qk_norm;
   if (qn.k_weight != nullptr) {
+    // Every line of the block's k rows (and their bias and the weights) requested at once: the
+    // warps' norms below then wait for one round trip, not one a node.
+    constexpr int kTouch = HEAD_DIM * static_cast<int>(sizeof(T)) / 128 + 1;  // lines a row may span
+    constexpr int kStep = 128 / static_cast<int>(sizeof(T));                    // elements a line
+    for (int i = tid; i < (t1 - t0) * kTouch; i += kTreePrepareThreads) {
+      const int d = min(i % kTouch * kStep, HEAD_DIM - 1);
+      prefetch_l1(static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t0 + i / kTouch) * p.qkv_row_stride +
+                  (p.num_heads + kvh) * HEAD_DIM + d);
+    }
+    if (tid < HEAD_DIM / 32 + 1) {
+      prefetch_l1(qn.k_weight + min(32 * tid, HEAD_DIM - 1));
+      if (k_bias != nullptr) prefetch_l1(k_bias + min(tid * kStep, HEAD_DIM - 1));
+    }
     for (int t = t0 + tid / 32; t < t1; t += kTreePrepareThreads / 32) {  // warp-uniform
       const T* k_row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride +
                        (p.num_heads + kvh) * HEAD_DIM;
