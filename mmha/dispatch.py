@@ -109,6 +109,14 @@ SPLIT_GAIN = 0.9
 # tiles); 16K 308.7 at 2 (128 tiles), 328.9 at 1.
 WIDE_MIN_SPLIT_TILES = 16
 WIDE_SHARED_SPLIT_TILES = 128
+# A narrow tree item (fewer columns than a wide one) splits into at most ceil(tiles /
+# TREE_MIN_SPLIT_TILES): each split builds its columns' q rows and writes a partial per column (T
+# times a one-token item's), so a grid of one-tile splits costs more than the stream it shares.
+# H200, 2026-11-29, decode timing, `python -m mmha.bench.sweep --tree` (splits x stages): B=1 Hq=32
+# Hkv=8 T=4 1K (17 tiles) 16x2 13.8 / 13.8 us (the plan before), 9x2 13.4 / 13.3, 8x2 13.2-13.5,
+# 4x2 14.5; the seed's B=4 Hq=Hkv=1 D=64 T=54 1K 9x2 16.1, 8x2 16.5 (so the ceiling, not the
+# floor); 4K T=4 (65 tiles) 16x2 17.6 (kept), 13x2 18.2.
+TREE_MIN_SPLIT_TILES = 2
 
 VARIANTS = ("auto", "single_pass", "split")
 
@@ -370,7 +378,8 @@ def choose_variant(
     fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
     SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
     SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES``
-    tiles, and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``. Never more than
+    tiles, and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``; its narrow items into at
+    most ``ceil(tiles / TREE_MIN_SPLIT_TILES)`` splits. Never more than
     ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into splits of ``n // s`` or
     ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
     ``SIMT_BLOCKS_PER_SM`` blocks per SM, a grid smaller than a wave split to fill it, splits of
@@ -404,6 +413,8 @@ def choose_variant(
     wide = tiles and qb == WIDE_COLUMNS and not epilogue
     if wide:
         allowed = max(1, min(allowed, grains // WIDE_MIN_SPLIT_TILES))
+    elif tree and tiles:
+        allowed = max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
     if variant == "single_pass":
         splits = 1
     elif base < fill:

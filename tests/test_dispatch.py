@@ -176,6 +176,22 @@ def test_wide_items_splits_keep_their_tiles(seq_len, splits):
     assert narrow.num_splits == H100.num_sms * narrow.blocks_per_sm // 64 == 4
 
 
+@pytest.mark.parametrize(
+    ("context", "splits"), [(60, 1), (64, 1), (192, 2), (1024, 9), (2048, 16), (4096, 16), (16384, 16)]
+)
+def test_narrow_tree_items_keep_two_tiles_a_split(context, splits):
+    # B=1 Hq=32 Hkv=8 T=4: 16 narrow items of 8 columns; one-tile splits would fill the resident
+    # blocks, but each split builds its q rows and merges 4x a one-token item's partials.
+    seq_len = context + 4
+    plan = dispatch.choose_variant(1, 32 * 4, 8, 128, seq_len, F16, H100, tree=True)
+    assert plan.num_splits == splits
+    tiles = -(-seq_len // dispatch.TILE_KEYS)
+    assert plan.num_splits <= -(-tiles // dispatch.TREE_MIN_SPLIT_TILES)
+    # The one-token step of the same shape still splits down to one tile.
+    one = dispatch.choose_variant(1, 32, 8, 128, 1024 + 1, F16, H100)
+    assert one.num_splits == 16
+
+
 @pytest.mark.parametrize(("context", "splits"), [(1024, 1), (4096, 1), (8192, 1), (16384, 2)])
 def test_wide_items_that_fill_the_sms_split_only_when_long(context, splits):
     # B=16 T=16: 128 wide items, one per SM; a second split (two blocks an SM, and a merge) only
