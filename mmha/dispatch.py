@@ -340,6 +340,14 @@ def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> i
     return stages
 
 
+def _tree_splits_allowed(allowed: int, grains: int, wide: bool) -> int:
+    """The most splits a tree step's items of ``grains`` tiles take: a wide item's splits hold
+    ``WIDE_MIN_SPLIT_TILES`` tiles, a narrow item's ``TREE_MIN_SPLIT_TILES`` on average."""
+    if wide:
+        return max(1, min(allowed, grains // WIDE_MIN_SPLIT_TILES))
+    return max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
+
+
 def _wide_shared_splits(base: int, sms: int, splits: int, grains: int) -> int:
     """The planned ``splits`` of ``base`` wide items of ``grains`` tiles, where two splits would
     already put two blocks on some SMs: kept if each split holds ``WIDE_SHARED_SPLIT_TILES``
@@ -411,10 +419,8 @@ def choose_variant(
         fill = sms * blocks_per_sm
     grains = -(-seq_len // TILE_KEYS)
     wide = tiles and qb == WIDE_COLUMNS and not epilogue
-    if wide:
-        allowed = max(1, min(allowed, grains // WIDE_MIN_SPLIT_TILES))
-    elif tree and tiles:
-        allowed = max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
+    if tree and tiles:
+        allowed = _tree_splits_allowed(allowed, grains, wide)
     if variant == "single_pass":
         splits = 1
     elif base < fill:
