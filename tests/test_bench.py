@@ -555,6 +555,30 @@ def test_tree_sweep_plans_and_arguments(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--splits", "4"])
     assert "apply to --tree" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--int8"])
+    assert "apply to --tree" in capsys.readouterr().err
+
+
+def test_tree_rows_plan_at_their_cache_dtype(monkeypatch):
+    """An int8 tree row is planned as an int8 cache is (a deeper ring than fp16's at 4K), an fp16
+    row as fp16 (the plan the tree benchmark and the sweep report and time)."""
+    import torch
+
+    from mmha import dispatch, ops
+    from mmha.bench import tree
+
+    monkeypatch.setattr(ops, "device_spec", lambda index: dispatch.H100)
+    monkeypatch.setattr(ops, "_device_index", lambda device: 0)
+    rows = tree.select(tree.rows(int8=True), ["1,4096,4"])
+    assert [r.kv for r in rows] == ["", "int8"]
+    assert tree.plan_of(rows[0]).stages < tree.plan_of(rows[1]).stages
+    for r in rows:
+        kv = torch.int8 if r.kv else torch.float16
+        want = dispatch.choose_variant(r.batch, r.num_heads * r.nodes, r.num_kv_heads, r.head_dim,
+                                       r.context + r.nodes, torch.float16, dispatch.H100, kv_dtype=kv,
+                                       tree=True)  # fmt: skip
+        assert tree.plan_of(r) == want
 
 
 @pytest.mark.parametrize("extra", [[], ["--tree"], ["--mods"], ["--paged"], ["--epilogue"]])

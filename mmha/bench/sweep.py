@@ -9,13 +9,14 @@ plan, after checking the dispatcher's plan against the fp32 reference. ``--tree`
 benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
 count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
 count's output checked against the reference; ``--splits``: also these split counts, each at two
-stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only. ``--plans SxT ...``:
+stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only; ``--int8``: each
+Llama-shaped tree row's int8-cache twin too. ``--plans SxT ...``:
 the canonical rows also at these plans, e.g. ``4x6``: 4 splits over a ring of 6 stages, whose
 shared memory leaves one block per SM, so a grid of more items than SMs takes them from the work
 counter as its blocks free up.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6]
-    python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32]
+    python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--int8]
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
     times = {name: r["us"] for name, r in got.items()}
     best = min(times, key=times.get)
     label = (f"tree B={row.batch} Hq={row.num_heads} Hkv={row.num_kv_heads} D={row.head_dim} "
-             f"ctx={row.context} T={row.nodes} {row.shape}")  # fmt: skip
+             f"ctx={row.context} T={row.nodes} {row.shape}{' int8' if row.kv else ''}")  # fmt: skip
     return {
         "row": label, "kv_mb": row.kv_bytes / 1e6, "layers": row.layers, "plan": plan_str(plan),
         "plan_us": times[plan_str(plan)], "best": best, "best_us": times[best], "times_us": times,
@@ -194,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--splits", type=int, nargs="*", default=[], help="--tree: also these split counts")
     p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
+    p.add_argument("--int8", action="store_true", help="--tree: each Llama-shaped row's int8-cache twin too")
     p.add_argument("--plans", nargs="+", default=[], metavar="SxT",
                    help="the canonical rows also at these plans (splits x stages, e.g. 4x6)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
-    if (args.splits or args.only) and not args.tree:
-        p.error("--splits and --only apply to --tree")
+    if (args.splits or args.only or args.int8) and not args.tree:
+        p.error("--splits, --only and --int8 apply to --tree")
     if args.plans and args.tree:
         p.error("--plans applies to the canonical rows (--tree takes --splits)")
     try:
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         from .tree import select
 
         try:
-            picked = select(tree_rows(), args.only)
+            picked = select(tree_rows(int8=args.int8), args.only)
         except ValueError as exc:
             p.error(str(exc))
         if any(s < 1 or s > dispatch.MAX_SPLITS for s in args.splits):

@@ -129,9 +129,11 @@ def spec_row(spec: str) -> tuple[Row, int | None, int | None]:
 
 
 def plan_of(row: Row) -> dispatch.Plan:
-    """The dispatcher's plan for the row's tree step (fp16)."""
+    """The dispatcher's plan for the row's tree step (fp16 activations, the row's cache dtype)."""
+    kv_dtype = torch.int8 if row.kv == "int8" else None
     return ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim,
-                        row.context + row.nodes, torch.float16, tree=row.nodes > 1)  # fmt: skip
+                        row.context + row.nodes, torch.float16, kv_dtype=kv_dtype,
+                        tree=row.nodes > 1)  # fmt: skip
 
 
 def parents_of(shape: str, nodes: int, seed: int) -> list[int]:
