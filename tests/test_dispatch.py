@@ -179,9 +179,10 @@ def test_wide_items_splits_keep_their_tiles(seq_len, splits):
 @pytest.mark.parametrize(
     ("context", "splits"), [(60, 1), (64, 1), (192, 2), (1024, 9), (2048, 16), (4096, 16), (16384, 16)]
 )
-def test_narrow_tree_items_keep_two_tiles_a_split(context, splits):
-    # B=1 Hq=32 Hkv=8 T=4: 16 narrow items of 8 columns; one-tile splits would fill the resident
-    # blocks, but each split builds its q rows and merges 4x a one-token item's partials.
+def test_narrow_tree_items_split_into_at_most_half_their_tiles(context, splits):
+    # B=1 Hq=32 Hkv=8 T=4: 16 narrow items of 8 columns, at most ceil(tiles / 2) splits. One-tile
+    # splits would fill the resident blocks, but each split builds its q rows and merges 4x a
+    # one-token item's partials.
     seq_len = context + 4
     plan = dispatch.choose_variant(1, 32 * 4, 8, 128, seq_len, F16, H100, tree=True)
     assert plan.num_splits == splits
