@@ -117,6 +117,14 @@ WIDE_SHARED_SPLIT_TILES = 128
 # 4x2 14.5; the seed's B=4 Hq=Hkv=1 D=64 T=54 1K 9x2 16.1, 8x2 16.5 (so the ceiling, not the
 # floor); 4K T=4 (65 tiles) 16x2 17.6 (kept), 13x2 18.2.
 TREE_MIN_SPLIT_TILES = 2
+# Where two blocks share an SM, a tree step's items of at most TREE_SHORT_ITEM_TILES tiles take
+# SHARED_STAGES stages (as other steps' items of SHORT_ITEM_TILES do)
+# (H200, 2026-11-29, decode timing, `python -m mmha.bench.sweep --tree`, two runs each: B=1 Hq=32
+# Hkv=8 T=4 4K, 16 splits of 5 tiles, 17.5 / 17.5 us at 2 stages against 18.2 / 18.2 at 3, its
+# int8 twin 25.7 at 2 against 26.2 at 5; T=16 1K, 4 splits of 5, 23.2 / 23.2 against 23.4 / 23.4;
+# items of 17 tiles and more keep the deeper ring: T=16 4K 34.9-35.1 either way, T=4 16K 32.2 /
+# 32.7 at 3 against 32.8 / 33.2 at 2).
+TREE_SHORT_ITEM_TILES = 5
 
 VARIANTS = ("auto", "single_pass", "split")
 
@@ -333,7 +341,8 @@ def _tile_plan(
 
 def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> int:
     """The ring of a grid where two blocks share each SM (``SHARED_STAGES``, ``SHARED_STAGES_FP8``)."""
-    if tiles_per_item <= SHORT_ITEM_TILES or (elem == 2 and not tree):
+    short = TREE_SHORT_ITEM_TILES if tree else SHORT_ITEM_TILES
+    if tiles_per_item <= short or (elem == 2 and not tree):
         return min(stages, SHARED_STAGES)
     if elem == 1 and not tree:
         return min(stages, SHARED_STAGES_FP8)
