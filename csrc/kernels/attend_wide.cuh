@@ -132,6 +132,31 @@ struct WideConsumer {
     __syncwarp();
   }
 
+  // The node loop's head of init's q passes: per trip over the HEAD_DIM / 2 rotation pairs (warp-
+  // uniform: the shuffle) the lane's pair, then per node n0 .. n1 of the warp's columns [first, last)
+  // (node n0 + k's position in lane k's my_pos; c0 the item's first column) the node's columns
+  // [c_lo, c_hi) (empty for a lane past the pairs) and the pair's angle at its position:
+  // body(rp, node, c_lo, c_hi, sn, cs). UNROLL: the node loop's unroll count.
+  template <int UNROLL, typename Body>
+  __device__ __forceinline__ static void for_node_pairs(const MmhaParams& p, int c0, int lane, int first, int last,
+                                                        int n0, int n1, int my_pos, Body&& body) {
+    const int group = p.group;
+    for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {
+      const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
+      const bool on = i0 + lane < HEAD_DIM / 2;
+      const RotaryPair rp = rotary_pair(i, p.rotary);
+#pragma unroll UNROLL
+      for (int node = n0; node <= n1; ++node) {
+        const int c_lo = max(first, node * group - c0);
+        const int c_hi = on ? min(last, (node + 1) * group - c0) : c_lo;
+        const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
+        float sn = 0.f, cs = 1.f;
+        if (rp.rotated) sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
+        body(rp, node, c_lo, c_hi, sn, cs);
+      }
+    }
+  }
+
   // The pass of init over raw-staged rows (kRawStaged) with neither bias nor q norm, the usual
   // case: per node one angle, then the node's columns four at a time, the four's loads issued
   // before any of their stores. The general pass, with every feature's test in each column and
@@ -141,44 +166,34 @@ struct WideConsumer {
   __device__ __forceinline__ static void rotate_plain_rows(const MmhaParams& p, const WorkItem& w, M* s_q, int warp,
                                                            int lane, int first, int last, int n0, int n1, int my_pos,
                                                            float scale_log2) {
-    const int group = p.group;
-    for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffle below
-      const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
-      const bool on = i0 + lane < HEAD_DIM / 2;
-      const RotaryPair rp = rotary_pair(i, p.rotary);
-#pragma unroll 2
-      for (int node = n0; node <= n1; ++node) {
-        const int c_lo = max(first, node * group - w.c0);
-        const int c_hi = on ? min(last, (node + 1) * group - w.c0) : c_lo;
-        const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
-        float sn = 0.f, cs = 1.f;
-        if (rp.rotated) {
-          sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
-          if (rp.factor != 1.f) sn = __fmul_rn(sn, rp.factor), cs = __fmul_rn(cs, rp.factor);  // as rotate_prepared
+    const auto columns = [&](const RotaryPair& rp, int, int c_lo, int c_hi, float sn, float cs) {
+      if (rp.rotated && rp.factor != 1.f) {  // as rotate_prepared
+        sn = __fmul_rn(sn, rp.factor);
+        cs = __fmul_rn(cs, rp.factor);
+      }
+      for (int c = c_lo; c < c_hi; c += 4) {
+        float a[4], b[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
+          const int r = min(c + k, c_hi - 1) - first;
+          a[k] = to_float(s_q[q_at(warp, r, rp.d0)]);
+          b[k] = to_float(s_q[q_at(warp, r, rp.d1)]);
         }
-        for (int c = c_lo; c < c_hi; c += 4) {
-          float a[4], b[4];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
-            const int r = min(c + k, c_hi - 1) - first;
-            a[k] = to_float(s_q[q_at(warp, r, rp.d0)]);
-            b[k] = to_float(s_q[q_at(warp, r, rp.d1)]);
-          }
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            if (c + k < c_hi) {
-              float x0 = a[k], x1 = b[k];
-              if (rp.rotated) {  // rotate_prepared's roundings, its factor applied above
-                x0 = __fmaf_rn(a[k], cs, __fmul_rn(-b[k], sn));
-                x1 = __fmaf_rn(b[k], cs, __fmul_rn(a[k], sn));
-              }
-              s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
-              s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
+        for (int k = 0; k < 4; ++k) {
+          if (c + k < c_hi) {
+            float x0 = a[k], x1 = b[k];
+            if (rp.rotated) {  // rotate_prepared's roundings, its factor applied above
+              x0 = __fmaf_rn(a[k], cs, __fmul_rn(-b[k], sn));
+              x1 = __fmaf_rn(b[k], cs, __fmul_rn(a[k], sn));
             }
+            s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
+            s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
           }
         }
       }
-    }
+    };
+    for_node_pairs<2>(p, w.c0, lane, first, last, n0, n1, my_pos, columns);
   }
 
   // The pass of init over raw-staged rows (kRawStaged) with a bias or a q norm (Qwen's, Gemma's):
@@ -196,44 +211,35 @@ struct WideConsumer {
     const T* bias = static_cast<const T*>(p.qkv_bias);
     const QKNormParams& qn = p.qk_norm;
     const int group = p.group;
-    for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffle below
-      const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
-      const bool on = i0 + lane < HEAD_DIM / 2;
-      const RotaryPair rp = rotary_pair(i, p.rotary);
-      for (int node = n0; node <= n1; ++node) {
-        const int c_lo = max(first, node * group - c0);
-        const int c_hi = on ? min(last, (node + 1) * group - c0) : c_lo;
-        const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
-        float sn = 0.f, cs = 1.f;
-        if (rp.rotated) sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
-        // column c's head's bias from node_bias + c HEAD_DIM
-        const T* node_bias = bias ? bias + static_cast<int64_t>(head_base - node * group) * HEAD_DIM : nullptr;
-        for (int c = c_lo; c < c_hi; c += 4) {
-          float a[4], b[4];
+    const auto columns = [&](const RotaryPair& rp, int node, int c_lo, int c_hi, float sn, float cs) {
+      // column c's head's bias from node_bias + c HEAD_DIM
+      const T* node_bias = bias ? bias + static_cast<int64_t>(head_base - node * group) * HEAD_DIM : nullptr;
+      for (int c = c_lo; c < c_hi; c += 4) {
+        float a[4], b[4];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
-            const int r = min(c + k, c_hi - 1);
-            a[k] = to_float(s_q[q_at(warp, r - first, rp.d0)]);
-            b[k] = to_float(s_q[q_at(warp, r - first, rp.d1)]);
-            if (node_bias != nullptr) {  // as biased() adds it
-              a[k] += to_float(node_bias[r * HEAD_DIM + rp.d0]);
-              b[k] += to_float(node_bias[r * HEAD_DIM + rp.d1]);
-            }
+        for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
+          const int r = min(c + k, c_hi - 1);
+          a[k] = to_float(s_q[q_at(warp, r - first, rp.d0)]);
+          b[k] = to_float(s_q[q_at(warp, r - first, rp.d1)]);
+          if (node_bias != nullptr) {  // as biased() adds it
+            a[k] += to_float(node_bias[r * HEAD_DIM + rp.d0]);
+            b[k] += to_float(node_bias[r * HEAD_DIM + rp.d1]);
           }
+        }
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            if (c + k < c_hi) {
-              const HeadNorm hn =
-                  qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[c + k - first], qn.cast_first} : HeadNorm{};
-              float x0, x1;
-              rotate_values<T>(a[k], b[k], rp, sn, cs, x0, x1, hn);
-              s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
-              s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
-            }
+        for (int k = 0; k < 4; ++k) {
+          if (c + k < c_hi) {
+            const HeadNorm hn =
+                qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[c + k - first], qn.cast_first} : HeadNorm{};
+            float x0, x1;
+            rotate_values<T>(a[k], b[k], rp, sn, cs, x0, x1, hn);
+            s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
+            s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
           }
         }
       }
-    }
+    };
+    for_node_pairs<1>(p, c0, lane, first, last, n0, n1, my_pos, columns);
   }
 
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
@@ -302,38 +308,28 @@ struct WideConsumer {
       }
     }
     for (int pass = kRawStaged<T> ? 2 : kBytes ? 0 : 1; pass < 2; ++pass) {  // the other caches' pass
-      for (int i0 = 0; i0 < HEAD_DIM / 2; i0 += 32) {  // warp-uniform trips: the shuffles below
-        const int i = min(i0 + lane, HEAD_DIM / 2 - 1);
-        const bool on = i0 + lane < HEAD_DIM / 2;
-        const RotaryPair rp = rotary_pair(i, p.rotary);
-#pragma unroll 4
-        for (int node = n0; node <= n1; ++node) {
-          const int c_lo = max(first, node * group - w.c0);
-          const int c_hi = on ? min(last, (node + 1) * group - w.c0) : c_lo;
-          const Column c0 = column_of(p, w, c_lo);
-          const int pos = __shfl_sync(kFullMask, my_pos, node - n0);
-          float sn = 0.f, cs = 1.f;
-          if (rp.rotated) sincosf(static_cast<float>(pos) * rp.inv_freq, &sn, &cs);
-          for (int cw = c_lo; cw < c_hi; ++cw) {
-            const int head = c0.head + cw - c_lo;
-            const T* row =
-                static_cast<const T*>(p.qkv) + static_cast<int64_t>(c0.qrow) * p.qkv_row_stride + head * HEAD_DIM;
-            float x0, x1;
-            const HeadNorm hn =
-                qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
-            rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
-            x0 *= scale_log2;
-            x1 *= scale_log2;
-            if (pass == 0) {
-              qmax = fmaxf(qmax, fmaxf(fabsf(x0), fabsf(x1)));
-            } else {
-              const int r = cw - first;
-              s_q[q_at(warp, r, q_column(rp.d0))] = from_float<M>(x0 * q_unit);
-              s_q[q_at(warp, r, q_column(rp.d1))] = from_float<M>(x1 * q_unit);
-            }
+      const auto columns = [&](const RotaryPair& rp, int, int c_lo, int c_hi, float sn, float cs) {
+        const Column c0 = column_of(p, w, c_lo);
+        for (int cw = c_lo; cw < c_hi; ++cw) {
+          const int head = c0.head + cw - c_lo;
+          const T* row =
+              static_cast<const T*>(p.qkv) + static_cast<int64_t>(c0.qrow) * p.qkv_row_stride + head * HEAD_DIM;
+          float x0, x1;
+          const HeadNorm hn =
+              qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
+          rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
+          x0 *= scale_log2;
+          x1 *= scale_log2;
+          if (pass == 0) {
+            qmax = fmaxf(qmax, fmaxf(fabsf(x0), fabsf(x1)));
+          } else {
+            const int r = cw - first;
+            s_q[q_at(warp, r, q_column(rp.d0))] = from_float<M>(x0 * q_unit);
+            s_q[q_at(warp, r, q_column(rp.d1))] = from_float<M>(x1 * q_unit);
           }
         }
-      }
+      };
+      for_node_pairs<4>(p, w.c0, lane, first, last, n0, n1, my_pos, columns);
       if constexpr (kBytes) {
         if (pass == 0) {
 #pragma unroll
