@@ -561,7 +561,7 @@ def test_tree_sweep_plans_and_arguments(capsys):
 
 
 def test_tree_rows_plan_at_their_cache_dtype(monkeypatch):
-    """An int8 tree row is planned as an int8 cache is (a deeper ring than fp16's at 4K), an fp16
+    """An int8 tree row is planned as an int8 cache is (a deeper ring than fp16's at 16K), an fp16
     row as fp16 (the plan the tree benchmark and the sweep report and time)."""
     import torch
 
@@ -570,7 +570,7 @@ def test_tree_rows_plan_at_their_cache_dtype(monkeypatch):
 
     monkeypatch.setattr(ops, "device_spec", lambda index: dispatch.H100)
     monkeypatch.setattr(ops, "_device_index", lambda device: 0)
-    rows = tree.select(tree.rows(int8=True), ["1,4096,4"])
+    rows = tree.select(tree.rows(int8=True), ["1,16384,4"])
     assert [r.kv for r in rows] == ["", "int8"]
     assert tree.plan_of(rows[0]).stages < tree.plan_of(rows[1]).stages
     for r in rows:
