@@ -80,9 +80,8 @@ TILE_BLOCKS_PER_SM_HD256 = 1
 # stages, unpaired, in between). Tree steps keep the deepest ring unless their items are short
 # (TREE_SHORT_ITEM_TILES below; H100, 2026-11-26, `python -m mmha.bench.sweep --tree`,
 # docs/data/sweep_tree_h100.json: the plan within 1.3 % of the fastest stage count on every tree
-# row but the T=4 rows at 16K,
-# 0.2-3.7 % from 2 stages over three runs, one way and the other; B=4 Hq=Hkv=1
-# D=64 T=54 at 16K 35.9 us at 5 stages against 39.5 at 2), and grids of one item per SM keep it
+# row but the T=4 rows at 16K, 0.2-3.7 % from 2 stages over three runs, one way and the other;
+# B=4 Hq=Hkv=1 D=64 T=54 at 16K 35.9 us at 5 stages against 39.5 at 2), and grids of one item per SM keep it
 # (B=1 Hkv=8 S=4096, 16 splits of 4 tiles: 14.5 us at 3 stages, 14.9 at 2; B=1 Hkv=32 S=1024:
 # 12.7 against 12.8).
 SHORT_ITEM_TILES = 4
