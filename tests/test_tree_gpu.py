@@ -135,8 +135,8 @@ def launched_kernels(fn):
 def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
     """Trees of up to FUSED_TREE_NODES nodes on narrow items whose node area leaves the grid as
     planned (at head dim 128 over fp16: 16 nodes would fit beside three stages): the attention kernel
-    checks and appends them itself, no check-and-append launch before it. Wider trees and int8
-    caches keep that launch."""
+    checks and appends them itself, no check-and-append launch before it (int8 caches too: their
+    nodes quantised per token in the node area). Wider trees keep that launch."""
     if dtype == torch.int8:
         from test_int8_tree_gpu import int8_tree_case, kernel_tree
 
@@ -150,7 +150,7 @@ def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
         )  # fmt: skip
         names = launched_kernels(lambda: run_tree(case, qkv, parents, counts, scales))
     assert sum("decode_attention_kernel" in n for n in names) == 1, names
-    fused = nodes <= FUSED_TREE_NODES and dtype != torch.int8
+    fused = nodes <= FUSED_TREE_NODES
     assert sum("tree_prepare_kernel" in n for n in names) == (0 if fused else 1), names
     if dtype != torch.int8:
         check_tree(case, qkv, parents, counts, scales)

@@ -196,12 +196,13 @@ struct TileConsumer {
   // Keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys, TileLayout::k_off) are the
   // cache's keys [it, it + 16). The new slots pos .. pos + count - 1 (a one-token step's one, a
   // fused tree's nodes) take their K/V from shared memory (slot pos + r: row r of s_new_k /
-  // s_new_v, HEAD_DIM apart); V rows before lo (a window's start) or at or past end
+  // s_new_v, HEAD_DIM apart; int8: its K scale at s_new_scales[r], its V scale at
+  // s_new_scales[scale_stride + r]); V rows before lo (a window's start) or at or past end
   // (an attend-only row's pos included) are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
   __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
                                                int pos, int count, const C* s_new_k, const C* s_new_v, int lane,
-                                               const float* s_new_scales = nullptr) {
+                                               const float* s_new_scales = nullptr, int scale_stride = 1) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
       const int kk = idx / L::CHUNKS;
       const int c = idx % L::CHUNKS;
@@ -216,9 +217,11 @@ struct TileConsumer {
             *reinterpret_cast<const uint4*>(s_new_v + r + c * L::VEC);
       }
     }
-    if constexpr (kInt8) {  // the new token's scales (the producer's copies left its slot zero)
-      if (lane < 2 && it <= pos && pos < it + 16) {
-        reinterpret_cast<float*>(stage + L::SCALE_OFF)[lane * L::KEYS + key0 + pos - it] = s_new_scales[lane];
+    if constexpr (kInt8) {  // the new slots' scales (lanes 0-15 K's, 16-31 V's; a key a lane)
+      const int t = it + lane % 16;
+      if (t >= pos && t < pos + count) {
+        reinterpret_cast<float*>(stage + L::SCALE_OFF)[lane / 16 * L::KEYS + key0 + lane % 16] =
+            s_new_scales[lane / 16 * scale_stride + t - pos];
       }
     }
     fence_proxy_async_smem();

@@ -208,7 +208,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       } else if constexpr (FUSED) {
         if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
           TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, tn->k(0),
-                                               tn->v(0, p.tree.nodes), lane);
+                                               tn->v(0, p.tree.nodes), lane, tn->scales(p.tree.nodes), p.tree.nodes);
         }
       } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
         TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
@@ -577,7 +577,8 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
 // `nodes` nodes; 0 for kernels other than the twins.
 template <typename C, int HEAD_DIM, bool FUSED>
 constexpr int tree_node_bytes(int nodes) {
-  return FUSED ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) + 2 * nodes * HEAD_DIM * static_cast<int>(sizeof(C))
+  return FUSED ? static_cast<int>(sizeof(TreeNodes<C, HEAD_DIM>)) + 2 * nodes * HEAD_DIM * static_cast<int>(sizeof(C)) +
+                     TreeNodes<C, HEAD_DIM>::kScaleFloats * nodes * static_cast<int>(sizeof(float))
                : 0;
 }
 

@@ -28,12 +28,12 @@ template <typename C>
 constexpr bool kInt4 = std::is_same_v<C, u4>;
 
 // Which instances have a twin for fused small tree steps (the kernels' FUSED parameter; tree_step.cuh's
-// TreeNodes): narrow tile-loop items of two or more columns over 16-bit or fp8 caches, without
-// the output epilogue. (A tree of two or more nodes has two or more columns; int8 trees quantise
-// their nodes in tree_prepare_kernel.) A twin of its own: the fused code inlined into the one-token
+// TreeNodes): narrow tile-loop items of two or more columns over 16-bit, fp8 or int8 caches (int8
+// nodes quantised per token in the node area, their scales beside them), without the output
+// epilogue. (A tree of two or more nodes has two or more columns.) A twin of its own: the fused code inlined into the one-token
 // kernels made them slower (H200, 2026-11-28: B=1 Hkv=8 1K 11.1 -> 12.1 us).
 template <typename T, typename C, int QB, bool EPI>
-constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt8<C> && !kInt4<C> && !EPI;
+constexpr bool kFusedTrees = kTiles<T> && QB > 1 && QB != kWideColumns && !kInt4<C> && !EPI;
 
 // What a thread of a fused tree step reads from global memory before it uses any (one round trip
 // for them all): its q columns' elements, its nodes' k / v rotation pairs.

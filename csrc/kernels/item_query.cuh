@@ -261,7 +261,8 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
 // A fused tree step's item that holds node slots: those nodes' K/V (the nodes of its keys [start,
 // end)) into its node area, as tree_prepare_kernel appends them: bias, k norm (a warp per node,
 // then a barrier of the nthreads threads), rotary at pos + depth, rounded or quantised with the
-// fp8 scales; a thread per (node, rotation pair).
+// fp8 scales, a thread per (node, rotation pair); int8 codes and each node's scales
+// (quantize_node_s8), a warp per node.
 template <typename T, typename C, int HEAD_DIM>
 __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const WorkItem& w, TreeNodes<C, HEAD_DIM>& tn,
                                               int slot, float k_scale, float v_scale, int tid, int nthreads) {
@@ -285,17 +286,38 @@ __device__ __forceinline__ void build_tree_nodes(const MmhaParams& p, const Work
     }
     named_barrier(1, nthreads);
   }
-  node_pairs<T, HEAD_DIM, kPrefetchNodePairs>(
-      p, w.b, w.kvh, n0, n1, tid, nthreads, [&](int t) { return w.pos + tn.depth[slot][t]; },
-      [&](int t) { return qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{}; },
-      [&](int t, const RotaryPair& rp, float k0, float k1, float v0, float v1) {
-        C* k = tn.k(t);
-        C* v = tn.v(t, p.tree.nodes);
-        k[rp.d0] = to_cache<C>(k0, k_scale);
-        k[rp.d1] = to_cache<C>(k1, k_scale);
-        v[rp.d0] = to_cache<C>(v0, v_scale);
-        v[rp.d1] = to_cache<C>(v1, v_scale);
-      });
+  if constexpr (std::is_same_v<C, s8>) {  // a warp per node, quantised per token as the append's
+    float* scales = tn.scales(p.tree.nodes);
+    for (int t = n0 + tid / 32; t < n1; t += nthreads / 32) {  // warp-uniform: shuffles
+      const HeadNorm k_norm = qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{};
+      s8* k = tn.k(t);
+      s8* v = tn.v(t, p.tree.nodes);
+      quantize_node_s8<T, HEAD_DIM>(
+          p, k_row(t), k_row(t) + p.num_kv_heads * HEAD_DIM, k_bias,
+          bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr, k_norm, w.pos + tn.depth[slot][t],
+          w.b, tid % 32,
+          [&](const RotaryPair& rp, s8 k0, s8 k1, s8 v0, s8 v1) {
+            k[rp.d0] = k0, k[rp.d1] = k1;
+            v[rp.d0] = v0, v[rp.d1] = v1;
+          },
+          [&](float ks, float vs) {
+            scales[t] = ks;
+            scales[p.tree.nodes + t] = vs;
+          });
+    }
+  } else {
+    node_pairs<T, HEAD_DIM, kPrefetchNodePairs>(
+        p, w.b, w.kvh, n0, n1, tid, nthreads, [&](int t) { return w.pos + tn.depth[slot][t]; },
+        [&](int t) { return qn.k_weight != nullptr ? HeadNorm{qn.k_weight, tn.k_inv[t], qn.cast_first} : HeadNorm{}; },
+        [&](int t, const RotaryPair& rp, float k0, float k1, float v0, float v1) {
+          C* k = tn.k(t);
+          C* v = tn.v(t, p.tree.nodes);
+          k[rp.d0] = to_cache<C>(k0, k_scale);
+          k[rp.d1] = to_cache<C>(k1, k_scale);
+          v[rp.d0] = to_cache<C>(v0, v_scale);
+          v[rp.d1] = to_cache<C>(v1, v_scale);
+        });
+  }
 }
 
 // The append of a fused tree step: an item holding node slots writes the nodes of its keys
@@ -319,6 +341,16 @@ __device__ __forceinline__ void append_tree_nodes(const MmhaParams& p, const Wor
     *reinterpret_cast<uint4*>(slots.k + slots.k_at(blk, slot, c)) = *reinterpret_cast<const uint4*>(tn.k(t) + c * VEC);
     *reinterpret_cast<uint4*>(slots.v + slots.v_at(blk, slot) + c * VEC) =
         *reinterpret_cast<const uint4*>(tn.v(t, p.tree.nodes) + c * VEC);
+  }
+  if constexpr (std::is_same_v<C, s8>) {  // the nodes' scales beside their codes
+    const TokenScales ts = token_scales(p.cache, p.num_kv_heads, w.b, w.kvh);
+    const float* scales = tn.scales(p.tree.nodes);
+    const int n = s1 - s0;
+    for (int idx = tid; idx < 2 * n; idx += nthreads) {
+      const int slot = s0 + idx % n;
+      const int blk = slots.table != nullptr ? slots.block(slot) : 0;
+      (idx < n ? ts.k : ts.v)[ts.at(blk, slot)] = scales[(idx < n ? 0 : p.tree.nodes) + slot - w.pos];
+    }
   }
 }
 

@@ -41,14 +41,13 @@ constexpr int kPrepareNodePairs = 2;
 
 // An int8 cache's node: its k (bias, norm, rotary at angle_pos) and v (bias) quantised per kv
 // head as a one-token step's new token (quantize_new_token_s8): a warp per node, each lane its
-// rotation pairs kept in registers, the absolute maxima by shuffles; codes and the node's scales
-// (amax / 127) at slot. A scale that is not finite flags the row (kStatusScale).
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSlots<s8, HEAD_DIM>& hs,
-                                               const TokenScales& ts, const T* k_row, const T* v_row,
-                                               const T* k_bias, const T* v_bias, const HeadNorm& k_norm, int slot,
-                                               int angle_pos, int b, int lane) {
-  constexpr int VEC = kVec<s8>;
+// rotation pairs kept in registers, the absolute maxima by shuffles; each pair's codes go to
+// store(rp, k0, k1, v0, v1) and the node's scales (amax / 127) to scales(ks, vs), lane 0's call.
+// A scale that is not finite flags the row (kStatusScale).
+template <typename T, int HEAD_DIM, class Store, class Scales>
+__device__ __forceinline__ void quantize_node_s8(const MmhaParams& p, const T* k_row, const T* v_row, const T* k_bias,
+                                                 const T* v_bias, const HeadNorm& k_norm, int angle_pos, int b,
+                                                 int lane, Store store, Scales scales) {
   constexpr int PAIRS = HEAD_DIM / 2;
   constexpr int PER_LANE = (PAIRS + 31) / 32;
   float k[PER_LANE][2], v[PER_LANE][2];
@@ -74,23 +73,40 @@ __device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSl
     vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
   }
   const float ks = int8_scale(km), vs = int8_scale(vm);
-  const int blk = hs.table != nullptr ? hs.block(slot) : 0;  // checked by the caller
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) {
     const int pair = lane + 32 * j;
     if (pair < PAIRS) {
-      const RotaryPair rp = rotary_pair(pair, p.rotary);
-      hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = quantize_s8(k[j][0], ks);
-      hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = quantize_s8(k[j][1], ks);
-      hs.v[hs.v_at(blk, slot) + rp.d0] = quantize_s8(v[j][0], vs);
-      hs.v[hs.v_at(blk, slot) + rp.d1] = quantize_s8(v[j][1], vs);
+      store(rotary_pair(pair, p.rotary), quantize_s8(k[j][0], ks), quantize_s8(k[j][1], ks),
+            quantize_s8(v[j][0], vs), quantize_s8(v[j][1], vs));
     }
   }
   if (lane == 0) {
-    ts.k[ts.at(blk, slot)] = ks;
-    ts.v[ts.at(blk, slot)] = vs;
+    scales(ks, vs);
     if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + b, kStatusScale);
   }
+}
+
+// quantize_node_s8 into the cache at slot (a paged row's block checked by the caller).
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void append_node_s8(const MmhaParams& p, const HeadSlots<s8, HEAD_DIM>& hs,
+                                               const TokenScales& ts, const T* k_row, const T* v_row,
+                                               const T* k_bias, const T* v_bias, const HeadNorm& k_norm, int slot,
+                                               int angle_pos, int b, int lane) {
+  constexpr int VEC = kVec<s8>;
+  const int blk = hs.table != nullptr ? hs.block(slot) : 0;
+  quantize_node_s8<T, HEAD_DIM>(
+      p, k_row, v_row, k_bias, v_bias, k_norm, angle_pos, b, lane,
+      [&](const RotaryPair& rp, s8 k0, s8 k1, s8 v0, s8 v1) {
+        hs.k[hs.k_at(blk, slot, rp.d0 / VEC) + rp.d0 % VEC] = k0;
+        hs.k[hs.k_at(blk, slot, rp.d1 / VEC) + rp.d1 % VEC] = k1;
+        hs.v[hs.v_at(blk, slot) + rp.d0] = v0;
+        hs.v[hs.v_at(blk, slot) + rp.d1] = v1;
+      },
+      [&](float ks, float vs) {
+        ts.k[ts.at(blk, slot)] = ks;
+        ts.v[ts.at(blk, slot)] = vs;
+      });
 }
 
 // A small tree derived by one warp of the attention kernel's fused twin (decode_attention.cuh,
@@ -145,15 +161,19 @@ __device__ __forceinline__ WarpTree derive_tree(const MmhaParams& p, int b, int 
 // A fused tree step's node area, in dynamic shared memory after the tile loop's stages: each
 // node's k norm and, per item slot (the stager's two), the nodes' depths and root paths; then the
 // step's `nodes` K rows and V rows as the cache stores them (built by the items that hold their
-// slots, patched into their tiles, appended at the item's end), HEAD_DIM elements each.
+// slots, patched into their tiles, appended at the item's end), HEAD_DIM elements each; an int8
+// cache's nodes then have their K scales and V scales (`nodes` floats each: kScaleFloats a node).
 template <typename C, int HEAD_DIM>
 struct TreeNodes {
+  static constexpr int kScaleFloats = std::is_same_v<C, s8> ? 2 : 0;
   float k_inv[kFusedTreeNodes];
   int depth[2][kFusedTreeNodes];
   uint64_t anc[2][kFusedTreeNodes];
 
   __device__ __forceinline__ C* k(int t) { return reinterpret_cast<C*>(this + 1) + t * HEAD_DIM; }
   __device__ __forceinline__ C* v(int t, int nodes) { return reinterpret_cast<C*>(this + 1) + (nodes + t) * HEAD_DIM; }
+  // int8: node t's K scale at scales(nodes)[t], its V scale at scales(nodes)[nodes + t].
+  __device__ __forceinline__ float* scales(int nodes) { return reinterpret_cast<float*>(k(2 * nodes)); }
 };
 static_assert(sizeof(TreeNodes<float, 64>) % 16 == 0, "the K/V rows start 16-byte aligned");
 
