@@ -87,6 +87,21 @@ TILE_BLOCKS_PER_SM_HD256 = 1
 SHORT_ITEM_TILES = 4
 SHARED_STAGES = 2
 SHARED_STAGES_FP8 = 4
+# int8 caches (their stages hold the keys' token scales too) past one item per SM, items longer
+# than SHORT_ITEM_TILES: where a resident block streams at least INT8_DEEP_RING_TILES of the
+# grid's tiles, INT8_DEEP_STAGES (or the deepest ring that keeps two blocks per SM, if fewer);
+# where it streams fewer, INT8_SHARED_STAGES. H200, 2026-11-29, `python -m mmha.bench.sweep
+# --int8`, decode timing, head dim 128, against the 4 stages they had (docs/data/sweep_int8_h200.json):
+# B=16 Hkv=8 S=32768, 256 tiles a block, 261.1 / 265.4 us at 5 against 270.9 / 270.3; B=64
+# Hkv=32 S=1024 162.5 / 169.9 against 169.1 / 173.7; B=64 Hkv=32 S=4096 544.7 / 552.4 against
+# 553.9 / 560.0 (6 stages: 536.7 / 542.7, but 6 loses on B=1 Hkv=32 S=65536: 139.6 against
+# 137.5 at 5, and on B=64 Hkv=32 S=1024); B=16 Hkv=32 S=2048, 62 tiles a block, 80.0 against
+# 81.9. Fewer tiles a block: B=16 Hkv=8 S=2048, 15.5, 27.7 / 28.7 at 3 against 29.5 / 30.2;
+# B=1 Hkv=8 S=65536 (33 splits) 45.3 against 47.0; B=64 Hkv=8 S=1024 49.4 against 50.8; B=16
+# Hkv=32 S=512 30.1 against 30.6; B=1 Hkv=32 S=16384 44.6 against 44.8.
+INT8_DEEP_RING_TILES = 48
+INT8_DEEP_STAGES = 5
+INT8_SHARED_STAGES = 3
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -339,11 +354,17 @@ def _tile_plan(
     return stages, blocks_per_sm, allowed, fill
 
 
-def _shared_stages(stages: int, tiles_per_item: int, elem: int, tree: bool) -> int:
-    """The ring of a grid where two blocks share each SM (``SHARED_STAGES``, ``SHARED_STAGES_FP8``)."""
+def _shared_stages(
+    stages: int, tiles_per_item: int, elem: int, tree: bool, token_scales: bool = False, block_tiles: int = 0
+) -> int:
+    """The ring of a grid where two blocks share each SM (``SHARED_STAGES``, ``SHARED_STAGES_FP8``;
+    an int8 cache's ``INT8_DEEP_STAGES`` where a resident block streams ``INT8_DEEP_RING_TILES``
+    of the grid's tiles or more, ``block_tiles``, else ``INT8_SHARED_STAGES``)."""
     short = TREE_SHORT_ITEM_TILES if tree else SHORT_ITEM_TILES
     if tiles_per_item <= short or (elem == 2 and not tree):
         return min(stages, SHARED_STAGES)
+    if token_scales and not tree:
+        return min(stages, INT8_DEEP_STAGES if block_tiles >= INT8_DEEP_RING_TILES else INT8_SHARED_STAGES)
     if elem == 1 and not tree:
         return min(stages, SHARED_STAGES_FP8)
     return stages
@@ -439,7 +460,8 @@ def choose_variant(
     if wide and splits > 1 and 2 * base > sms:
         splits = _wide_shared_splits(base, sms, splits, grains)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
-        stages = _shared_stages(stages, -(-grains // splits), elem, tree)
+        block_tiles = base * grains // (sms * blocks_per_sm)
+        stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

@@ -555,9 +555,35 @@ def test_tree_sweep_plans_and_arguments(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--splits", "4"])
     assert "apply to --tree" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        sweep.main(["--int8"])
-    assert "apply to --tree" in capsys.readouterr().err
+
+
+def test_sweep_int8_rows_take_int8_ring_depths(monkeypatch):
+    """python -m mmha.bench.sweep --int8: an int8 row is planned and swept as an int8 cache (its
+    stages half the bytes and their token scales, so deeper rings than its fp16 twin's)."""
+    import torch
+
+    from mmha import dispatch, ops
+    from mmha.bench import sweep
+    from mmha.bench.problems import Config
+
+    monkeypatch.setattr(ops, "device_spec", lambda index: dispatch.H100)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    fp16 = Config("MHA b16", 16, 32, 32, 128, 8192, "fp16")
+    int8 = fp16.same_shape("int8")
+    deepest = {}
+    for cfg in (fp16, int8):
+        plan = dispatch.choose_variant(cfg.batch, 32, 32, 128, cfg.seq_len, torch.float16, dispatch.H100,
+                                       kv_dtype=cfg.kv_torch_dtype)  # fmt: skip
+        got = sweep.candidates(cfg, plan)
+        assert got[0] == (plan, "auto")
+        deepest[cfg.kv] = max(p.stages for p, _ in got)
+        ring = dict(act_bytes=2, token_scales=cfg.kv == "int8")
+        assert deepest[cfg.kv] == dispatch.max_stages(128, cfg.kv_elem, dispatch.H100, **ring)
+        for p, _ in got:  # blocks per SM as the stages of that cache fit
+            assert p.blocks_per_sm == plan.blocks_per_sm or p.blocks_per_sm == dispatch.tile_blocks_per_sm(
+                128, cfg.kv_elem, p.stages, dispatch.H100, **ring)  # fmt: skip
+    assert deepest["int8"] > deepest[""]
 
 
 def test_tree_rows_plan_at_their_cache_dtype(monkeypatch):

@@ -9,13 +9,14 @@ plan, after checking the dispatcher's plan against the fp32 reference. ``--tree`
 benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
 count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
 count's output checked against the reference; ``--splits``: also these split counts, each at two
-stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only; ``--int8``: each
-Llama-shaped tree row's int8-cache twin too. ``--plans SxT ...``:
+stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only. ``--int8``: each row's
+int8-cache twin after it, at int8's own plans (ring depths of its smaller stages); with
+``--tree``, each Llama-shaped tree row's. ``--plans SxT ...``:
 the canonical rows also at these plans, e.g. ``4x6``: 4 splits over a ring of 6 stages, whose
 shared memory leaves one block per SM, so a grid of more items than SMs takes them from the work
 counter as its blocks free up.
 
-    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6]
+    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6] [--int8]
     python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--int8]
 """
 
@@ -80,14 +81,16 @@ def candidates(
                     "auto",
                 )
             )
-    most = dispatch.max_stages(cfg.head_dim, cfg.elem, dev)
+    # The stages' bytes are the cache's (int8: with their token scales), the static arrays' the activations'.
+    ring = dict(act_bytes=cfg.elem, token_scales=cfg.kv == "int8")
+    most = dispatch.max_stages(cfg.head_dim, cfg.kv_elem, dev, **ring)
     for splits in sorted({1, plan.num_splits}):
         for st in range(dispatch.MIN_STAGES, most + 1):
-            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
+            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.kv_elem, st, dev, **ring)
             out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
     for splits, st in extra:
         if splits <= tiles and st <= most:
-            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.elem, st, dev)
+            bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.kv_elem, st, dev, **ring)
             out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
     if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9:
         out.append((plan, "cp_async"))
@@ -101,7 +104,7 @@ def name(plan: dispatch.Plan, source: str) -> str:
 def sweep_row(cfg: Config, extra: tuple[tuple[int, int], ...] = ()) -> dict:
     probs = layer_problems(cfg, "mmha")
     plan = ops.plan_for("cuda", cfg.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_len,
-                        cfg.torch_dtype)  # fmt: skip
+                        cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype)  # fmt: skip
     err = probs[0].error(mmha_fn(probs[0], plan)())
     assert err <= TOLERANCE[cfg.dtype], f"{cfg.label}: plan {plan_str(plan)} error {err:.3g}"
     times = {}
@@ -195,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--splits", type=int, nargs="*", default=[], help="--tree: also these split counts")
     p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
-    p.add_argument("--int8", action="store_true", help="--tree: each Llama-shaped row's int8-cache twin too")
+    p.add_argument("--int8", action="store_true",
+                   help="each row's int8-cache twin too (--tree: each Llama-shaped row's)")  # fmt: skip
     p.add_argument("--plans", nargs="+", default=[], metavar="SxT",
                    help="the canonical rows also at these plans (splits x stages, e.g. 4x6)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
-    if (args.splits or args.only or args.int8) and not args.tree:
-        p.error("--splits, --only and --int8 apply to --tree")
+    if (args.splits or args.only) and not args.tree:
+        p.error("--splits and --only apply to --tree")
     if args.plans and args.tree:
         p.error("--plans applies to the canonical rows (--tree takes --splits)")
     try:
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = [Config(g, b, 32, hkv, 128, s, args.dtype) for g, b, hkv, s in grid]
     if args.extras:
         cfgs += [Config("extra", b, hq, hkv, d, s, args.dtype) for b, hq, hkv, d, s in EXTRAS]
+    if args.int8:  # each row's int8 twin after it (int8's plans: its own stages and splits)
+        cfgs = [c for each in cfgs for c in (each, each.same_shape("int8"))]
     results = []
     for cfg in cfgs:
         results.append(sweep_row(cfg, extra))
