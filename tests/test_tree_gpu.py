@@ -138,7 +138,7 @@ def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
     checks and appends them itself, no check-and-append launch before it (int8 caches too: their
     nodes quantised per token in the node area). Wider trees keep that launch."""
     if dtype == torch.int8:
-        from test_int8_tree_gpu import int8_tree_case, kernel_tree
+        from test_int8_tree_gpu import check_int8_tree, int8_tree_case, kernel_tree
 
         case, ks, vs, qkv, parents, counts = int8_tree_case(2, 32, 8, 128, lengths, 1100, torch.float16, nodes,
                                                             seed=nodes)  # fmt: skip
@@ -152,7 +152,9 @@ def test_small_trees_run_in_one_launch(dtype, nodes, lengths):
     assert sum("decode_attention_kernel" in n for n in names) == 1, names
     fused = nodes <= FUSED_TREE_NODES
     assert sum("tree_prepare_kernel" in n for n in names) == (0 if fused else 1), names
-    if dtype != torch.int8:
+    if dtype == torch.int8:
+        check_int8_tree(case, ks, vs, qkv, parents, counts)
+    else:
         check_tree(case, qkv, parents, counts, scales)
 
 
