@@ -153,6 +153,17 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
   __shared__ ItemChannels<PRE_N, HEAD_DIM> s_pre;
   bool first_item = true;  // timeline_mark: the block's first item's events
+  // A fused tree step: the block's first item (item blockIdx.x, placed by arithmetic alone) has its
+  // q read from qkv and biased into s_q now, while the stager decides the item (its tree, depths
+  // and root paths) and the header waits on that; a first header of another item (the first one
+  // had nothing to read) reads its own.
+  int q_ready_item = -1;
+  if constexpr (FUSED) {
+    if (static_cast<int>(blockIdx.x) < items) {
+      fused_query_biased<T, HEAD_DIM, QB>(p, work_item_head<QB>(p, blockIdx.x), s_q, tid, CONSUMERS);
+      q_ready_item = static_cast<int>(blockIdx.x);
+    }
+  }
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);  // the header: an item's q can start before its tile lands
     const TileHeader h = s_hdr[cur.s];
@@ -175,7 +186,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if constexpr (kInt4<C>) tok4 = s_tok4;
       load_query_and_new_token<T, C, HEAD_DIM, QB, FUSED>(p, w, rows.q, rows, h.k_scale, h.v_scale, s_q, s_new_k,
                                                           s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot,
-                                                          tok4);
+                                                          tok4, h.item == q_ready_item);
+      q_ready_item = -1;
       if constexpr (FUSED) {
         if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
       }

@@ -83,6 +83,38 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
   }
 }
 
+// A fused tree step's q columns read from qkv, biased, into s_q (its rotation is
+// load_query_and_new_token's second pass): each thread reads a run of kPrefetchQ elements of a
+// column (and their bias) together, unconditionally (a column past the item's reads its last
+// one's; columns past w.nh get zeros). Needs of w only what work_item_head gives (b, kvh, c0,
+// nh), so the consumers may run it for the block's first item before its header.
+template <typename T, int HEAD_DIM, int QB>
+__device__ __forceinline__ void fused_query_biased(const MmhaParams& p, const WorkItem& w,
+                                                   float (&s_q)[QB][HEAD_DIM], int tid, int nthreads) {
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  constexpr int RUNS = QB * HEAD_DIM / kPrefetchQ;  // runs of kPrefetchQ elements of one column
+  static_assert(HEAD_DIM % kPrefetchQ == 0, "a run within one column");
+#pragma unroll 1
+  for (int r = tid; r < RUNS; r += nthreads) {
+    const int g = r / (HEAD_DIM / kPrefetchQ);
+    const int d0 = r % (HEAD_DIM / kPrefetchQ) * kPrefetchQ;
+    const Column c = column_of(p, w, min(g, w.nh - 1));
+    const T* q = global_q<T, HEAD_DIM>(p, c) + d0;
+    const T* q_bias = bias ? bias + c.head * HEAD_DIM + d0 : nullptr;
+    T raw[kPrefetchQ], raw_bias[kPrefetchQ];
+#pragma unroll
+    for (int j = 0; j < kPrefetchQ; ++j) {
+      raw[j] = q[j];
+      if (q_bias) raw_bias[j] = q_bias[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kPrefetchQ; ++j) {  // biased()
+      const float v = q_bias ? to_float(raw[j]) + to_float(raw_bias[j]) : to_float(raw[j]);
+      s_q[g][d0 + j] = g < w.nh ? v : 0.f;
+    }
+  }
+}
+
 // The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
 // s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
 // the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
@@ -94,7 +126,8 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
 // of this function made the kernels a fifth larger and the short rows up to 1.5 us slower
 // (docs/experiments.md, 2026-11-28).
 // A fused tree step (tn: its node area, slot: the item's slot there) takes its columns' depths
-// from the slot (its nodes' K/V: build_tree_nodes).
+// from the slot (its nodes' K/V: build_tree_nodes); q_biased_ready: s_q holds its biased q
+// already (fused_query_biased before the header).
 template <typename T, typename C, int HEAD_DIM, int QB, bool FUSED = false, typename Sync>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
@@ -102,7 +135,8 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
                                                          float* s_new_scales, int tid, int nthreads, Sync sync,
                                                          TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0,
-                                                         Int4Token<T, HEAD_DIM>* tok4 = nullptr) {
+                                                         Int4Token<T, HEAD_DIM>* tok4 = nullptr,
+                                                         bool q_biased_ready = false) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;  // rotary position (one-token steps)
   const RotaryParams rot = for_length(p.rotary, rpos + 1);  // tree steps take one table (host-checked)
@@ -153,32 +187,11 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
     }
   } else if constexpr (FUSED) {
     // A fused tree step: the same values in two passes. The twin stages no rows, and one pair at
-    // a time was a chain of dependent loads before the item's first tile: first each thread reads
-    // a run of kPrefetchQ elements of a column (and their bias) together, unconditionally (a
-    // column past the item's reads its last one's), and leaves them biased in s_q; then a thread
-    // per (column, pair) rotates them there.
+    // a time was a chain of dependent loads before the item's first tile: first the biased q
+    // (fused_query_biased, done before the header for the block's first item: q_biased_ready),
+    // then a thread per (column, pair) rotates them in s_q.
     constexpr int PAIRS = HEAD_DIM / 2;
-    constexpr int RUNS = QB * HEAD_DIM / kPrefetchQ;  // runs of kPrefetchQ elements of one column
-    static_assert(HEAD_DIM % kPrefetchQ == 0, "a run within one column");
-#pragma unroll 1
-    for (int r = tid; r < RUNS; r += nthreads) {
-      const int g = r / (HEAD_DIM / kPrefetchQ);
-      const int d0 = r % (HEAD_DIM / kPrefetchQ) * kPrefetchQ;
-      const Column c = column_of(p, w, min(g, w.nh - 1));
-      const T* q = global_q<T, HEAD_DIM>(p, c) + d0;
-      const T* q_bias = bias ? bias + c.head * HEAD_DIM + d0 : nullptr;
-      T raw[kPrefetchQ], raw_bias[kPrefetchQ];
-#pragma unroll
-      for (int j = 0; j < kPrefetchQ; ++j) {
-        raw[j] = q[j];
-        if (q_bias) raw_bias[j] = q_bias[j];
-      }
-#pragma unroll
-      for (int j = 0; j < kPrefetchQ; ++j) {  // biased()
-        const float v = q_bias ? to_float(raw[j]) + to_float(raw_bias[j]) : to_float(raw[j]);
-        s_q[g][d0 + j] = g < w.nh ? v : 0.f;
-      }
-    }
+    if (!q_biased_ready) fused_query_biased<T, HEAD_DIM, QB>(p, w, s_q, tid, nthreads);
     sync();
 #pragma unroll 1
     for (int idx = tid; idx < w.nh * PAIRS; idx += nthreads) {
