@@ -465,8 +465,8 @@ def main() -> None:
     if args.int8:
         lines += [
             "## int8 caches", "",
-            "`python -m mmha.bench --grid canonical --dtype fp16 --int8 --peers sdpa_cudnn"
-            " --no-secondary`: each canonical row again with an int8 cache (codes with a scale per token"
+            "`python -m mmha.bench --grid canonical --dtype fp16 --no-extras --int8 --peers"
+            " --no-secondary` (no peers: the bar is against mmha's own 16-bit time): each canonical row again with an int8 cache (codes with a scale per token"
             " and kv head; the int8 bytes count both), beside mmha's 16-bit time from the same run. The"
             " bar: on rows of >= 256 MB in 16 bits at most 0.55x mmha's 16-bit time.", "",
         ]  # fmt: skip
