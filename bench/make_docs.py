@@ -466,9 +466,10 @@ def main() -> None:
         lines += [
             "## int8 caches", "",
             "`python -m mmha.bench --grid canonical --dtype fp16 --no-extras --int8 --peers"
-            " --no-secondary` (no peers: the bar is against mmha's own 16-bit time): each canonical row again with an int8 cache (codes with a scale per token"
-            " and kv head; the int8 bytes count both), beside mmha's 16-bit time from the same run. The"
-            " bar: on rows of >= 256 MB in 16 bits at most 0.55x mmha's 16-bit time.", "",
+            " --no-secondary` (no peers: the bar is against mmha's own 16-bit time): each canonical row"
+            " again with an int8 cache (codes with a scale per token and kv head; the int8 bytes count"
+            " both), beside mmha's 16-bit time from the same run. The bar: on rows of >= 256 MB in 16"
+            " bits at most 0.55x mmha's 16-bit time.", "",
         ]  # fmt: skip
         lines += kv_sections(args.int8, "int8", int8_section)
     if args.int4:

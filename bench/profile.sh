@@ -6,6 +6,7 @@
 # Usage: bash bench/profile.sh 16,32,8,128,2048 16,32,32,128,8192@2x3
 #        bash bench/profile.sh 16,32,8,128,2048 --mod alibi   (a score modifier, as --mods runs it)
 #        bash bench/profile.sh --tree 1,1024,4                (a tree step of the tree benchmark's rows)
+#        bash bench/profile.sh --kv int8 --tree 16,4096,4    (the same row over its int8 twin)
 source "$(dirname "$0")/device_env.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   build

@@ -85,14 +85,15 @@ def tree_steps(args) -> None:
     from mmha.bench import tree
 
     for spec in args.rows:
-        row, splits, stages = tree.spec_row(spec)
+        row, splits, stages = tree.spec_row(spec, args.kv)
         layer = tree.Layer(row, seed=0)
         ref = tree.reference_out(layer)
         fn = tree.mmha_fn(layer, splits, stages)
         err = tree.error(fn(), layer, ref)
         assert err < TOLERANCE["fp16"], f"tree {spec}: max error {err}"
         launch_in_range(fn, args.iters)
-        print(f"tree {spec} {row.shape} max_err={err:.2e}", flush=True)
+        kv = f" kv={row.kv}" if row.kv else ""
+        print(f"tree {spec} {row.shape}{kv} max_err={err:.2e}", flush=True)
 
 
 def with_modifier(args) -> None:

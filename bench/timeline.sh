@@ -6,7 +6,7 @@
 # With MMHA_KERNELS (setup.py) only those kernel sets are built (a shorter build than the whole
 # one); a build of other sets is not reused.
 # Usage: [MMHA_KERNELS=fp16] bash bench/timeline.sh 16,32,8,128,2048 1,32,8,128,4096 [--replays 20]
-#          [--epilogue] [--paged 16] [--tree 1,1024,64]
+#          [--epilogue] [--paged 16] [--tree 1,1024,64] [--kv int8]  (--kv: rows and tree rows alike)
 source "$(dirname "$0")/device_env.sh"
 TL=/tmp/mmha_timeline
 sets="kernel sets: ${MMHA_KERNELS:-all}"

@@ -317,6 +317,13 @@ def test_tree_spec_rows_for_the_timeline_and_profiles():
         tree.spec_row("1,1024,4@8")
     with pytest.raises(ValueError, match="matches no row"):
         tree.spec_row("1,1000,4")
+    row, splits, stages = tree.spec_row("16,4096,4@1x6", "int8")  # a Llama-shaped row's int8 twin
+    assert (row.batch, row.context, row.nodes, row.shape, row.kv) == (16, 4096, 4, "binary", "int8")
+    assert (splits, stages) == (1, 6)
+    with pytest.raises(ValueError, match="no row over kv='int8'"):
+        tree.spec_row("4,1024,54", "int8")  # the seeds' row has no int8 twin
+    with pytest.raises(ValueError, match="kv='fp8'"):
+        tree.spec_row("16,4096,4", "fp8")
 
 
 def test_mods_rows_time_as_many_layers_as_their_reads_need():

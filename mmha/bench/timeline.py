@@ -7,7 +7,8 @@ events cost a few stores per block, so time the product with a normal build).
 Each row ``B,Hq,Hkv,D,S[@SPLITSxSTAGES]`` (fp16 unless ``--dtype``) runs as the decode timing
 runs it: its layers' calls back to back in one CUDA graph, each on its own cache, every output
 checked against the fp32 reference first; ``--tree B,CTX,T[@SxT]``: the tree benchmark's
-rows (``mmha.bench.tree``, binary trees) the same way. Each launch gets its own event buffer; after
+rows (``mmha.bench.tree``, binary trees; with ``--kv int8`` their int8 twins) the same way. Each
+launch gets its own event buffer; after
 ``--replays`` replays, each timed with CUDA events, the last one's events are read. Per replay:
 its time by the events against its blocks' time (the first launch's first block start to the
 last launch's last block end): what the graph spends outside the blocks. Per launch: its span
@@ -218,20 +219,22 @@ def stamped_summary(spec: str, dtype: str, calls: list, checks: list, replays: i
     return summary
 
 
-def run_tree_row(spec: str, replays: int) -> dict:
-    """A tree row of ``mmha.bench.tree`` (fp16), ``B,CTX,T[@SPLITSxSTAGES]``: its layers' tree
-    steps, each checked against the fp32 reference (on the first layer) first."""
+def run_tree_row(spec: str, replays: int, kv: str = "") -> dict:
+    """A tree row of ``mmha.bench.tree`` (fp16 activations), ``B,CTX,T[@SPLITSxSTAGES]``, over
+    ``kv`` caches ("" fp16, "int8"): its layers' tree steps, each checked against the fp32
+    reference (on the first layer) first."""
     from . import tree as tree_bench
     from .methods import plan_str
 
-    row, splits, stages = tree_bench.spec_row(spec)
+    row, splits, stages = tree_bench.spec_row(spec, kv)
     layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
     ref = tree_bench.reference_out(layers[0])
     calls = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
     checks = [lambda out: tree_bench.error(out, layers[0], ref)] + [lambda out: 0.0] * (len(layers) - 1)
     summary = stamped_summary(spec, "fp16", calls, checks, replays)
     name = plan_str(tree_bench.plan_of(row)) if splits is None else f"{splits}x{stages}"
-    summary.update(row=f"tree {spec} {row.shape}", kv="", plan=name, epilogue=False, block_size=0)
+    label = f"tree {spec} {row.shape}" + (f" kv={kv}" if kv else "")
+    summary.update(row=label, kv=kv, plan=name, epilogue=False, block_size=0)
     return summary
 
 
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="*", help="B,Hq,Hkv,D,S[@SPLITSxSTAGES]")
     p.add_argument("--tree", nargs="+", default=[], metavar="B,CTX,T[@SxT]",
-                   help="tree steps of mmha.bench.tree's rows (fp16, the binary shape)")  # fmt: skip
+                   help="mmha.bench.tree's rows' tree steps (binary; --kv int8: int8 twins)")  # fmt: skip
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--replays", type=int, default=20)
     p.add_argument(
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.rows and not args.tree:
         p.error("give rows, --tree rows or both")
+    if args.tree and args.kv not in ("", "int8"):
+        p.error(f"--tree rows take --kv int8 or no --kv, got --kv {args.kv}")
     from mmha._ext import _C
 
     if _C is None or not _C.timeline_built():
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_row(name, s["plan"], s["decode_us"], s), flush=True)
             torch.cuda.empty_cache()
     for spec in args.tree:
-        s = run_tree_row(spec, args.replays)
+        s = run_tree_row(spec, args.replays, args.kv)
         out.append(s)
         print(format_row(s["row"], s["plan"], s["decode_us"], s), flush=True)
         torch.cuda.empty_cache()

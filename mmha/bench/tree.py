@@ -114,12 +114,17 @@ def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
     return picked
 
 
-def spec_row(spec: str) -> tuple[Row, int | None, int | None]:
-    """``B,CTX,T[@SPLITSxSTAGES]``: the row of that batch, context and node count (its fp16 binary
-    tree where there is one), and the split and stage counts given (None: the dispatcher's)."""
+def spec_row(spec: str, kv: str = "") -> tuple[Row, int | None, int | None]:
+    """``B,CTX,T[@SPLITSxSTAGES]``: the row of that batch, context and node count (its binary tree
+    where there is one) over the cache format ``kv`` ("" the activations' fp16, or "int8": the
+    Llama-shaped rows' int8 twins), and the split and stage counts given (None: the dispatcher's)."""
+    if kv not in ("", "int8"):
+        raise ValueError(f"tree rows have fp16 or int8 caches (kv '' or 'int8'), got kv={kv!r}")
     shape, _, forced = spec.partition("@")
-    picked = select(rows(), [shape])
-    row = next((r for r in picked if r.shape == "binary" and not r.kv), picked[0])
+    picked = [r for r in select(rows(int8=bool(kv)), [shape]) if r.kv == kv]
+    if not picked:
+        raise ValueError(f"{spec!r} has no row over kv={kv!r} (int8 twins are the Llama-shaped rows')")
+    row = next((r for r in picked if r.shape == "binary"), picked[0])
     if not forced:
         return row, None, None
     parts = forced.lower().split("x")
