@@ -64,6 +64,28 @@ def test_launch_summary_phases():
     assert p["appended -> item done (merge)"][0] == pytest.approx(0.2)
 
 
+def test_the_second_item_has_phases_of_its_own():
+    # Block 0 runs two items, the second's events at kTlSecond + e; block 1 one item: the second
+    # item's phases come from block 0 alone, and the first item's are as before.
+    t0 = 10_000
+    second = dict(second_first_issued=44_000, second_header_seen=45_300, second_q_built=45_800,
+                  second_first_landed=46_500, second_last_landed=49_000, second_last_attended=49_400,
+                  second_combined=49_600, second_out_stored=50_200, second_appended=50_400,
+                  second_item_done=50_500)  # fmt: skip
+    b0 = {**block(t0, consumers_done=50_600), **{k: t0 + v for k, v in second.items()}}
+    b1 = block(t0 + 100)
+    p = tl.launch_summary(events([b0, b1]))["phases"]
+    assert p["first item done -> second header seen"] == (pytest.approx(0.1), pytest.approx(0.1), 1)
+    assert p["second: issued -> first tile landed"] == (pytest.approx(2.5), pytest.approx(2.5), 1)
+    assert p["  second: header -> q built"][0] == pytest.approx(0.5)
+    assert p["  second: q built -> first tile landed"][0] == pytest.approx(0.7)
+    assert p["second: first -> last tile landed"][0] == pytest.approx(2.5)
+    assert p["second: combined -> out stored"][0] == pytest.approx(0.6)
+    assert p["second: appended -> item done"][0] == pytest.approx(0.1)
+    assert p["first -> last tile landed"] == (pytest.approx(40.0), pytest.approx(40.0), 2)
+    assert len(tl.EVENTS) == 2 * len(tl.FIRST_EVENTS)
+
+
 def test_the_first_tile_wait_split_by_the_consumers_events():
     # Consumers see the header 0.6 us after the first copies, have q 0.8 us later, the tile 0.6 after.
     b0 = block(10_000, header_seen=1600, q_built=2400)

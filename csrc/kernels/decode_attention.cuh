@@ -152,7 +152,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // One-column items through the epilogue: its per-channel values, loaded at the first tile.
   constexpr int PRE_N = EPI && QB == 1 ? (HEAD_DIM + CONSUMERS - 1) / CONSUMERS : 0;
   __shared__ ItemChannels<PRE_N, HEAD_DIM> s_pre;
-  bool first_item = true;  // timeline_mark: the block's first item's events
+  int item_seq = 0;  // timeline_item: the block's items so far (the first two stamp their events)
   // A fused tree step: the block's first item (item blockIdx.x, placed by arithmetic alone) has its
   // q read from qkv and biased into s_q now, while the stager decides the item (its tree, depths
   // and root paths) and the header waits on that; a first header of another item (the first one
@@ -170,7 +170,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
-      if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
+      if (tid == 0) timeline_item(p, item_seq, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = !FUSED && tree_step<false>(p) ? -1 : h.pos;
@@ -192,7 +192,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
       }
       sync();
-      if (tid == 0 && first_item) timeline_mark(p, kTlQueryBuilt);
+      if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
       if constexpr (!FUSED) mbar_arrive(&s_item.empty[h.slot]);  // this thread is done with the staged q (it is in s_q now)
       c.init(s_q, w.nh, scale_log2 * h.k_scale, lane, p, [&](int g) { return column_of(p, w, g); },
              tree_step<FUSED>(p), w.pos, FUSED ? tn->anc[h.slot] : nullptr);
@@ -206,9 +206,9 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       }
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
-    if (tid == 0 && first_item) {
-      if (h.flags & kFirstTile) timeline_mark(p, kTlFirstLanded);
-      if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
+    if (tid == 0) {
+      if (h.flags & kFirstTile) timeline_item(p, item_seq, kTlFirstLanded);
+      if (h.flags & kLastTile) timeline_item(p, item_seq, kTlLastLanded);
     }
     const int it = h.k0 + key0;
     // The slots taken from shared memory: a one-token step's new token, a fused tree's nodes.
@@ -236,7 +236,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       const TileHeader h2 = s_hdr[nxt.s];
       unsigned char* stage2 = stages + nxt.s * L::STAGE_BYTES;
       mbar_wait(&ring.full[nxt.s], nxt.n & 1);
-      if (tid == 0 && first_item && (h2.flags & kLastTile)) timeline_mark(p, kTlLastLanded);
+      if (tid == 0 && (h2.flags & kLastTile)) timeline_item(p, item_seq, kTlLastLanded);
       const int it2 = h2.k0 + key0;
       if (it < w.end && it2 < w.end) {
         patch_if(stage, it);
@@ -262,7 +262,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (!kHeldStage || !(flags & kLastTile)) mbar_arrive(&ring.empty[cur.s]);  // done with the stage and its header
     cur.next(p.sched.stages);
     if (flags & kLastTile) {
-      if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
+      if (tid == 0) timeline_item(p, item_seq, kTlLastAttended);
       c.finish();
       float (*acc_w)[QB][HEAD_DIM] = nullptr;
       if constexpr (kWarpBuffers) {
@@ -281,7 +281,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if (tid < w.nh) fold_warps<kConsumerWarps, QB, kWarpBuffers || kHeldStage>(s_m, s_l, s_f, tid);
         sync();
       }
-      if (tid == 0 && first_item) timeline_mark(p, kTlCombined);
+      if (tid == 0) timeline_item(p, item_seq, kTlCombined);
       const auto release = [&] {  // the held stage: this thread's reads and writes before the copy engine's refill
         if constexpr (kHeldStage) {
           fence_proxy_async_smem();
@@ -305,7 +305,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         };
         store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
         release();
-        if (tid == 0 && first_item) timeline_mark(p, kTlOutStored);
+        if (tid == 0) timeline_item(p, item_seq, kTlOutStored);
         if constexpr (kInt4<C>) {
           append_int4_token<T, HEAD_DIM>(p, w, *s_tok4, tid, CONSUMERS);
         } else if constexpr (FUSED) {
@@ -314,18 +314,18 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
           append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
         }
       }
-      if (tid == 0 && first_item) timeline_mark(p, kTlAppended);
+      if (tid == 0) timeline_item(p, item_seq, kTlAppended);
       if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, weights, s_last, value_scale, tid, CONSUMERS, sync, first_item,
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, weights, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0,
                                             pending);
       }
       sync();  // s_q, s_acc, s_m, s_l, s_f and s_w are free for the next item
-      if (tid == 0 && first_item) {
-        timeline_mark(p, kTlItemDone);
+      if (tid == 0) timeline_item(p, item_seq, kTlItemDone);
+      if (tid == 0 && item_seq == 0) {
         timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last,
                                                  (w.end - w.start + kTileKeys - 1) / kTileKeys));
       }
-      first_item = false;
+      ++item_seq;
     }
   }
   if constexpr (kDeferMerges) merge_pending<T, HEAD_DIM, QB, EPI>(p, *pending, weights, tid, CONSUMERS, sync);
@@ -426,14 +426,14 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   Wide c;
   WorkItem w;
   float value_scale = 1.f;
-  bool first_item = true;  // timeline_mark: the block's first item's events (thread 0's warp)
+  int item_seq = 0;  // timeline_item: the block's items so far (the first two stamp their events; thread 0's warp)
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);
     const TileHeader h = s_hdr[cur.s];
     if (h.item < 0) break;
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
-      if (tid == 0 && first_item) timeline_mark(p, kTlHeaderSeen);
+      if (tid == 0) timeline_item(p, item_seq, kTlHeaderSeen);
       w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
       w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
       w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
@@ -442,12 +442,12 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
       c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
-      if (tid == 0 && first_item) timeline_mark(p, kTlQueryBuilt);
+      if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
     }
     mbar_wait(&ring.full[cur.s], cur.n & 1);
-    if (tid == 0 && first_item) {
-      if (h.flags & kFirstTile) timeline_mark(p, kTlFirstLanded);
-      if (h.flags & kLastTile) timeline_mark(p, kTlLastLanded);
+    if (tid == 0) {
+      if (h.flags & kFirstTile) timeline_item(p, item_seq, kTlFirstLanded);
+      if (h.flags & kLastTile) timeline_item(p, item_seq, kTlLastLanded);
     }
     const int it = h.k0;
     if (it + kTileKeys > w.end || it < w.lo) {
@@ -458,10 +458,10 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.sched.stages);
     if (h.flags & kLastTile) {
-      if (tid == 0 && first_item) timeline_mark(p, kTlLastAttended);
+      if (tid == 0) timeline_item(p, item_seq, kTlLastAttended);
       if (c.busy) {
         c.finish();
-        if (tid == 0 && first_item) timeline_mark(p, kTlCombined);  // a warp's results are complete
+        if (tid == 0) timeline_item(p, item_seq, kTlCombined);  // a warp's results are complete
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (Wide::column(warp, lane, r) < w.nh) {
@@ -469,20 +469,20 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
           }
         }
       }
-      if (tid == 0 && first_item) {
-        timeline_mark(p, kTlOutStored);
-        timeline_mark(p, kTlAppended);  // wide items append nothing (the check-and-append launch did)
+      if (tid == 0) {
+        timeline_item(p, item_seq, kTlOutStored);
+        timeline_item(p, item_seq, kTlAppended);  // wide items append nothing (the check-and-append launch did)
       }
       if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, first_item);
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0);
         sync();  // s_w is the q staging area again
       }
-      if (tid == 0 && first_item) {
-        timeline_mark(p, kTlItemDone);
+      if (tid == 0) timeline_item(p, item_seq, kTlItemDone);
+      if (tid == 0 && item_seq == 0) {
         timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last,
                                                  (w.end - w.start + kTileKeys - 1) / kTileKeys));
       }
-      first_item = false;
+      ++item_seq;
     }
   }
   if (tid == 0) timeline_mark(p, kTlConsumersDone);

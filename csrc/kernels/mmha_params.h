@@ -245,7 +245,9 @@ struct MmhaParams {
 // the producer's first item decided (its row's length read), the first tile's copies issued,
 // that tile landed, the item's last tile landed, its last tile attended, the consumers' combine
 // done, out (or the split's partial) stored, the new token appended, the split merge done (the
-// item finished), the consumers' last item finished, the producer's last header written.
+// item finished), the consumers' last item finished, the producer's last header written. The
+// block's second item stamps its own item events (issued to done) at kTlSecond + e: a block's
+// steady state, where its first item also pays the cold start (timeline_item, timeline.cuh).
 enum TimelineEvent : int {
   kTlEntered = 0,
   kTlStart,
@@ -266,7 +268,8 @@ enum TimelineEvent : int {
   kTlRole,        // not a time: the first item's role (timeline_role, timeline.cuh)
   kTlWeighed,     // the merging block: the splits' weights in shared memory
   kTlSummed,      // the merging block: thread 0's first sums of the splits' values
-  kTimelineEvents
+  kTlSecond       // the events above: the second item's event e is at kTlSecond + e
 };
+constexpr int kTimelineEvents = 2 * kTlSecond;
 
 }  // namespace mmha

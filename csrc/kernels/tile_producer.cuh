@@ -375,7 +375,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const bool check_before = checks_before<FUSED>(p, w);
     for (int i = 0; i < nt; ++i) {
       if (cur.n > 0) mbar_wait(&ring.empty[cur.s], (cur.n - 1) & 1);
-      if (seq == 0 && i == 0 && lane == 0) timeline_mark(p, kTlFirstIssued);
+      if (i == 0 && lane == 0) timeline_item(p, seq, kTlFirstIssued);
       Source::issue(ta, pages, stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane, kg);
       if constexpr (kInt8<C>) {
         stage_token_scales<HEAD_DIM>(ta, token_scales(p.cache, p.num_kv_heads, w.b, w.kvh), pages,

@@ -24,6 +24,18 @@ __device__ __forceinline__ void timeline_mark(const MmhaParams& p, int e) {
 #endif
 }
 
+// Event e of the block's item seq (counted from 0) at the current time: the first item's at e,
+// the second's at kTlSecond + e, later items' not at all.
+__device__ __forceinline__ void timeline_item(const MmhaParams& p, int seq, int e) {
+#ifdef MMHA_TIMELINE
+  if (seq < 2) timeline_mark(p, seq == 0 ? e : kTlSecond + e);
+#else
+  (void)p;
+  (void)seq;
+  (void)e;
+#endif
+}
+
 // Event e of this block set to a value, not a time (kTlRole).
 __device__ __forceinline__ void timeline_value(const MmhaParams& p, int e, uint64_t v) {
 #ifdef MMHA_TIMELINE

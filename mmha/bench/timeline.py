@@ -17,7 +17,8 @@ block, for its first item (``PHASES``): start after the launch's first block, it
 instruction -> start (barriers set up), first instruction -> first item decided (the producer's;
 its row's length read), start -> first copies issued -> first tile landed -> last tile landed ->
 last tile attended -> combined -> out stored (or the split's partial) -> token appended -> item
-done (the split merge), then the block's later items, and how far apart the blocks end. Printed
+done (the split merge), then the block's later items, the same phases of its second item (a
+steady state: the first also pays the cold start), and how far apart the blocks end. Printed
 as medians over the layers of each launch's median (and slowest) block; ``--json`` writes them.
 """
 
@@ -31,12 +32,15 @@ from pathlib import Path
 
 import torch
 
-# Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order.
-EVENTS = (
+# Events of timeline.cuh (TimelineEvent in csrc/kernels/mmha_params.h), in order: the block's
+# (and its first item's), then the same names for its second item ("second_" + name, kTlSecond + e:
+# only its item events are stamped).
+FIRST_EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
     "out_stored", "appended", "item_done", "consumers_done", "producer_done", "header_seen", "q_built",
     "counted", "role", "weighed", "summed",
 )  # fmt: skip
+EVENTS = FIRST_EVENTS + tuple(f"second_{e}" for e in FIRST_EVENTS)
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
     ("start after the launch's first block", None, "start"),
@@ -59,6 +63,17 @@ PHASES = (
     ("    weights -> first sums", "weighed", "summed"),
     ("    first sums -> item done", "summed", "item_done"),
     ("first item done -> consumers done", "item_done", "consumers_done"),
+    # The block's second item (a steady state: the first one pays the cold start too).
+    ("first item done -> second header seen", "item_done", "second_header_seen"),
+    ("second: issued -> first tile landed", "second_first_issued", "second_first_landed"),
+    ("  second: header -> q built", "second_header_seen", "second_q_built"),
+    ("  second: q built -> first tile landed", "second_q_built", "second_first_landed"),
+    ("second: first -> last tile landed", "second_first_landed", "second_last_landed"),
+    ("second: last tile landed -> attended", "second_last_landed", "second_last_attended"),
+    ("second: attended -> combined", "second_last_attended", "second_combined"),
+    ("second: combined -> out stored", "second_combined", "second_out_stored"),
+    ("second: out stored -> token appended", "second_out_stored", "second_appended"),
+    ("second: appended -> item done", "second_appended", "second_item_done"),
 )
 # Room for every block a launch may have (the persistent grid is at most SMs x blocks per SM).
 MAX_BLOCKS = 4096
