@@ -93,6 +93,24 @@ def make_case(
     )
 
 
+def launched_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels ``fn`` launches (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def lean_kernel_name(name: str) -> bool:
+    """Whether a decode_attention_kernel's name (mangled, or as the profiler demangles it) is a lean
+    unit's (csrc/kernels/lean_kernels.h: its last template argument, LEAN, true)."""
+    if name.startswith("_Z"):
+        return name.endswith("Lb1EEEvNS_10MmhaParamsE")
+    return name.rsplit("(", 1)[0].rstrip().endswith("true>")
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bitwise view, so NaN slots compare equal to themselves."""
     return t.contiguous().view(torch.uint8)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FLOOR, assert_bits_equal, gpu
+from helpers import FLOOR, assert_bits_equal, gpu, launched_kernels, lean_kernel_name
 from int8_cases import int8_case, to_pages
 
 from mmha import layout, ops, paging, reference
+from mmha._constants import ROW_STEP
 from mmha.cache import KVCache
 
 pytestmark = gpu
@@ -135,6 +136,41 @@ def test_v_scales_over_orders_of_magnitude(spread, splits):
         2, 8, 2, 128, [700, 1500], 1536, torch.float16, seed=int(spread), v_spread=spread
     )
     check_int8(case, ks, vs, num_splits=splits)
+
+
+# TMA reads int8 caches only at head dims that are multiples of 128 (the op says so for 64).
+LEAN_SOURCES = [("cp_async", 64), ("cp_async", 128), ("cp_async", 256), ("tma", 128), ("tma", 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(8, 8), (16, 4), (32, 4)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source,head_dim", LEAN_SOURCES)
+def test_lean_kernels_agree_with_the_others_bit_for_bit(dtype, head_dim, heads, splits, source):
+    """A one-token int8 step with none of the features lean kernels leave out runs a lean unit's
+    kernel (csrc/kernels/lean_kernels.h); the same step with every row's mode given (ROW_STEP, the
+    same step) runs the kernel that has them all. Same output, lse, codes and scales, bit for bit,
+    and the lean one matches the reference. Rows whose new token sits at a tile's first, last and a
+    middle key, one empty, one filling the cache."""
+    hq, hkv = heads
+    lengths = [0, 63, 64, 100, 1000, 4095]
+    case, ks, vs = int8_case(
+        len(lengths), hq, hkv, head_dim, lengths, 4096, dtype, seed=head_dim + hq + splits
+    )
+    modes = torch.full((len(lengths),), ROW_STEP, dtype=torch.int32, device="cuda")
+    kw = dict(num_splits=splits, tile_source=source)
+    runs = []
+    for row_active in (None, modes):
+        names = launched_kernels(lambda r=row_active: run_kernel(case, ks, vs, row_active=r, **kw))
+        kernels = [n for n in names if "decode_attention_kernel" in n]
+        assert len(kernels) == 1 and lean_kernel_name(kernels[0]) == (row_active is None), names
+        out, lse, got = run_kernel(case, ks, vs, row_active=row_active, **kw)
+        runs.append((out, lse, *got))
+    ref, ref_lse, want = run_reference_int8(case, ks, vs)
+    assert_outputs_close(runs[0][0], runs[0][1], ref, ref_lse, dtype)
+    assert_caches_as_reference(runs[0][2:], want, rotary=False)
+    for what, a, b in zip(("out", "lse", "k cache", "v cache", "k scale", "v scale"), *runs, strict=True):
+        assert_bits_equal(a, b, what)
 
 
 def test_determinism_and_split_agreement():

@@ -12,12 +12,13 @@ import random
 
 import pytest
 import torch
-from helpers import FLOOR, assert_bits_equal, gpu
+from helpers import FLOOR, assert_bits_equal, gpu, launched_kernels, lean_kernel_name
 from int8_cases import int8_case, to_pages
 from test_int8_gpu import assert_caches_as_reference
 from test_tree import random_tree
 
 from mmha import dispatch, layout, ops, reference
+from mmha._constants import ROW_STEP
 
 pytestmark = gpu
 
@@ -190,3 +191,33 @@ def test_non_finite_node_is_flagged(which):
     assert err <= 2e-2 * max(1.0, ref[0].double().abs().max().item())
     with pytest.raises(ops.ScaleError, match=r"rows \[1\]"):
         ws.check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_lean_twin_agrees_with_the_full_twin_bit_for_bit(dtype, splits, source):
+    """A small int8 tree over contiguous caches with no modifiers, row modes or norms runs a lean
+    unit's fused twin (csrc/kernels/lean_kernels.h); the same step with every row's mode given
+    (ROW_STEP, the same step) runs the twin that has every feature. Both in one launch; same
+    output, lse, codes and scales bit for bit, and the lean one matches the reference. Rows start
+    next to tile edges and use fewer nodes than the step has."""
+    lengths = [0, 60, 125, 700]
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        len(lengths), 32, 8, 128, lengths, 1024, dtype, 4, seed=4 + splits, counts=[4, 4, 2, 1]
+    )
+    kw = dict(num_splits=splits, tile_source=source)
+    modes = torch.full((len(lengths),), ROW_STEP, dtype=torch.int32, device="cuda")
+    runs = []
+    for row_active in (None, modes):
+        names = launched_kernels(
+            lambda r=row_active: kernel_tree(case, ks, vs, qkv, parents, counts, row_active=r, **kw)
+        )
+        twins = [n for n in names if "decode_attention_kernel" in n]
+        assert len(twins) == 1 and not any("tree_prepare_kernel" in n for n in names), names
+        assert lean_kernel_name(twins[0]) == (row_active is None), twins
+        out, lse, got = kernel_tree(case, ks, vs, qkv, parents, counts, row_active=row_active, **kw)
+        runs.append((out, lse, *got))
+    check_int8_tree(case, ks, vs, qkv, parents, counts, **kw)
+    for what, a, b in zip(("out", "lse", "k cache", "v cache", "k scale", "v scale"), *runs, strict=True):
+        assert_bits_equal(a, b, what)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from fp8_cases import quantize_cache
-from helpers import FLOOR, assert_bits_equal, gpu, make_case
+from helpers import FLOOR, assert_bits_equal, gpu, launched_kernels, make_case
 from test_generate import random_prompts
 from test_tree import random_tree
 
@@ -116,16 +116,6 @@ def test_tree_rotary_frequency_table(nodes):
     g = torch.Generator().manual_seed(nodes)
     case.rotary.update(inv_freq=(torch.rand(32, generator=g) ** 3).cuda(), attention_factor=1.2)
     check_tree(case, qkv, parents, counts, scales)
-
-
-def launched_kernels(fn):
-    """Names of the CUDA kernels `fn` launches (torch's profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, FP8, torch.int8], ids=str)

@@ -64,9 +64,9 @@ constexpr bool kHasHeadDim = !std::is_same_v<C, u4> || HEAD_DIM % kInt4Channels 
 template <typename C, int HEAD_DIM>
 constexpr bool kHasWide = !std::is_same_v<C, float> && !std::is_same_v<C, u4> && HEAD_DIM <= kWideMaxHeadDim;
 
-// Lean kernels (lean_kernels.h) exist for 16-bit caches of 16-bit activations.
+// Lean kernels (lean_kernels.h) exist for 16-bit activations over 16-bit or int8 caches.
 template <typename T, typename C>
-constexpr bool kHasLean = std::is_same_v<T, C> && !std::is_same_v<T, float>;
+constexpr bool kHasLean = !std::is_same_v<T, float> && (std::is_same_v<T, C> || std::is_same_v<C, s8>);
 
 // A query-group block's kernels: the lean units' where lean_call accepts the call, else the others.
 template <typename T, typename C, int HEAD_DIM, int QB>

@@ -1,9 +1,11 @@
-// Lean kernels: the units instantiations/*_lean.cu are compiled with MMHA_LEAN_KERNELS=1, and
-// their kernels serve steps over contiguous caches with no score modifiers, row modes, q/k norms
-// or output epilogue (lean_call): one-token steps, and small trees in the fused twin. In them the
-// features' predicates (paged, row_mode, window_start, sink_log2, ScoreTransform::init, the q/k
-// norm's weights) are constant, and so is tree_step (false, the twin's true), so none of that code
-// is compiled in: at head dim 128, 1,760-2,576 SASS instructions fewer a one-token kernel (sm_90a).
+// Lean kernels: the units instantiations/*_lean.cu (16-bit activations over 16-bit or int8
+// caches: table.py's LEAN_KINDS) are compiled with MMHA_LEAN_KERNELS=1, and their kernels serve
+// steps over contiguous caches with no score modifiers, row modes, q/k norms or output epilogue
+// (lean_call): one-token steps, and small trees in the fused twin. In them the features'
+// predicates (paged, row_mode, window_start, sink_log2, ScoreTransform::init, the q/k norm's
+// weights) are constant, and so is tree_step (false, the twin's true), so none of that code is
+// compiled in: at head dim 128, 1,760-2,576 SASS instructions fewer a 16-bit kernel, 1,088-3,072
+// fewer an int8 one (sm_90a).
 // A tree the twin does not take (more than kFusedTreeNodes nodes, or a grid the node area would
 // change) goes to the other units, whose kernels have every feature: every other unit has
 // kLeanKernels false. Torch-free.

@@ -260,7 +260,7 @@ KINDS = [(name, ctype, ctype) for name, ctype in DTYPES.items()] + [
 # Kernel sets that also have lean units (csrc/kernels/lean_kernels.h: the kernels of calls without
 # pages, score modifiers, row modes, q/k norms or the epilogue, their code left out: one-token
 # steps, and small trees in the fused twin): decode_<set>_hd<D>_lean.cu.
-LEAN_KINDS = ("fp16", "bf16")
+LEAN_KINDS = ("fp16", "bf16", "fp16_s8", "bf16_s8")
 # Cache types without the wide items of tree steps (fp32: the CUDA-core loop).
 NO_WIDE = ("float", "u4")
 # Cache types whose head dims are whole 16-byte chunks of codes (int4: multiples of INT4_CHANNELS).
