@@ -492,7 +492,7 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
     cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.qkv.device().index());
     const int stage = cache_stage_bytes(cache_dtype, p.head_dim);
     const int fixed = tile_static_smem(p.head_dim, static_cast<int>(a.qkv.element_size()), qb) + 1024 +
-                      cache_extra_bytes(cache_dtype, p.head_dim);
+                      cache_extra_bytes(cache_dtype, p.head_dim, qb);
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
   }
   MMHA_CHECK(a.stages >= kMinStages && a.stages <= max_stages, "stages must be in [", kMinStages, ", ", max_stages,

@@ -137,6 +137,13 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     return wide if qb == WIDE_COLUMNS else narrow
 
 
+def wide_widened_bytes(head_dim: int, token_scales: bool, qb: int) -> int:
+    # an int8 cache's wide items at head dims 64 and 128: one tile's K and V widened to fp16 after the
+    # stages, the warpgroup's operands (reserved on every GPU; used where the kernel multiplies with wgmma)
+    tile = TILE_KEYS * head_dim * 4
+    return ((tile if head_dim % 64 == 0 else 0) if token_scales else 0) if qb == WIDE_COLUMNS else 0
+
+
 def tile_smem_bytes(head_dim: int, elem_bytes: int, token_scales: bool, stages: int) -> int:
     # dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes
     return stages * tile_stage_bytes(head_dim, elem_bytes, token_scales) + 1024

@@ -50,6 +50,7 @@ from ._constants import (  # noqa: F401  (re-exported: the dispatcher's view of 
     tile_stage_bytes,
     tile_static_smem,
     v_whole_lines,
+    wide_widened_bytes,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -246,13 +247,19 @@ def stage_bytes(head_dim: int, elem_bytes: int, token_scales: bool = False, int4
     return int4_stage_bytes(head_dim) if int4 else tile_stage_bytes(head_dim, elem_bytes, token_scales)
 
 
+def extra_smem(head_dim: int, qb: int, token_scales: bool = False, int4: bool = False) -> int:
+    """Dynamic shared memory of a tile-loop block past its stages (mirrors ``cache_extra_bytes``):
+    an int4 cache's residual area, an int8 cache's widened tile on wide items."""
+    return int4_residual_bytes(head_dim) if int4 else wide_widened_bytes(head_dim, token_scales, qb)
+
+
 def tile_block_smem(
     head_dim: int, elem_bytes: int, stages: int, qb: int = 8, act_bytes: int | None = None,
     token_scales: bool = False, int4: bool = False,
 ) -> int:  # fmt: skip
     """Shared memory of one tile-loop block, at most: stages, alignment slack, static arrays."""
     static = tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    extra = int4_residual_bytes(head_dim) if int4 else 0
+    extra = extra_smem(head_dim, qb, token_scales, int4)
     return stages * stage_bytes(head_dim, elem_bytes, token_scales, int4) + 1024 + static + extra
 
 
@@ -273,7 +280,7 @@ def max_stages(
 ) -> int:  # fmt: skip
     """Most stages one block of this head dim may take (what the operator accepts)."""
     fixed = 1024 + tile_static_smem(head_dim, act_bytes or elem_bytes, qb)
-    fixed += int4_residual_bytes(head_dim) if int4 else 0
+    fixed += extra_smem(head_dim, qb, token_scales, int4)
     stage = stage_bytes(head_dim, elem_bytes, token_scales, int4)
     return min(MAX_STAGES, (device.smem_per_block - fixed) // stage)
 

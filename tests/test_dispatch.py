@@ -76,6 +76,23 @@ def test_occupancy_model():
     assert dispatch.tile_stages(256, 2, H100) == (3, 1)
 
 
+def test_int8_wide_items_reserve_the_widened_tile():
+    """int8 wide items at head dims 64 and 128 keep one tile widened to fp16 (K and V of 64 keys)
+    after the stages; other items, head dims and caches reserve nothing there. The ring still
+    leaves two blocks per SM at head dim 128."""
+    wide = dispatch.WIDE_COLUMNS
+    assert dispatch.extra_smem(128, wide, token_scales=True) == 64 * 128 * 2 * 2
+    assert dispatch.extra_smem(64, wide, token_scales=True) == 64 * 64 * 2 * 2
+    assert dispatch.extra_smem(96, wide, token_scales=True) == 0
+    assert dispatch.extra_smem(128, 8, token_scales=True) == 0
+    assert dispatch.extra_smem(128, wide) == 0
+    with_tile = dispatch.tile_block_smem(128, 1, 3, wide, 2, token_scales=True)
+    assert with_tile - dispatch.tile_block_smem(128, 1, 3, 8, 2, token_scales=True) >= 64 * 128 * 4
+    stages, blocks = dispatch.tile_stages(128, 1, H100, wide, act_bytes=2, token_scales=True)
+    assert blocks == 2 and stages > dispatch.MIN_STAGES
+    assert stages < dispatch.tile_stages(128, 1, H100, 8, act_bytes=2, token_scales=True)[0]
+
+
 def test_wave_cost():
     assert [dispatch.wave_cost(n, 396) for n in (1, 396, 397, 512, 1536)] == [1, 1, 2, 2, 4]
 

@@ -17,7 +17,12 @@
 // biased halves 1152 + code), with the narrow consumer's per-key scales: a score is (its product
 // - 1152 x the column's q sum) x the key's K scale; P goes to the V mma as P x the key's V scale /
 // v_unit (the warp's largest V scale so far), and finish() takes 1152 x the sum of those P values
-// off O and multiplies it by v_unit. Their scales beside the scores halve the softmax step.
+// off O and multiplies it by v_unit. Their scales beside the scores halve the softmax step. On
+// sm_90a at head dims 64 and 128 an int8 tile is widened once per block instead (widen: the four
+// warps together, into a 16-bit tile's layout after the stages) and the warpgroup multiplies it as
+// it does a 16-bit tile: K as 1152 + code, its scales and bias with the scores as above; V
+// dequantised there (code x V scale / v_unit), so P goes to the V product as for a 16-bit cache
+// and finish() only multiplies O by v_unit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,13 +54,24 @@ struct WideConsumer {
   static constexpr bool kBytes = kFp8 || kInt8;     // one-byte caches (ByteTileOperands)
   static constexpr int KSTEPS = HEAD_DIM / 16;      // K steps of S, M tiles of V^T
   static constexpr int KBLOCKS = kTileKeys / 16;    // 16-key blocks of a tile
-  // 16-key blocks per online-softmax step (int8: 2, its scales and sums beside the scores spilled
-  // 188-252 bytes at 4, docs/experiments.md).
-  static constexpr int PART_BLOCKS = kInt8 ? 2 : 4;
   static constexpr float kRescaleSlack = 8.f;       // as in TileConsumer
-  // sm_90a, 16-bit caches with swizzled V lines: the four warps multiply as one warpgroup (wgmma),
-  // q and the tile's K and V read from shared memory where they lie; else mma.sync per warp.
-  static constexpr bool kWg = kWgmma && !kBytes && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128);
+  // sm_90a, int8 caches at head dims 64 and 128: each tile widened to fp16 in shared memory (WL's
+  // layout, after the stages: wide_widened_bytes) for the warpgroup's products.
+  static constexpr bool kWidened = kWgmma && kInt8 && (HEAD_DIM == 64 || HEAD_DIM == 128);
+  using WL = TileLayout<__half, HEAD_DIM>;
+  static_assert(!(kInt8 && (HEAD_DIM == 64 || HEAD_DIM == 128)) ||
+                    WL::K_BYTES + WL::V_BYTES == wide_widened_bytes(HEAD_DIM, true, kWideColumns),
+                "the widened tile fills what the host reserves");
+  // sm_90a, 16-bit caches with swizzled V lines, and widened int8 tiles: the four warps multiply as
+  // one warpgroup (wgmma), q and the tile's K and V read from shared memory where they lie; else
+  // mma.sync per warp.
+  static constexpr bool kWg =
+      kWidened || (kWgmma && !kBytes && L::V_SWIZZLE && (HEAD_DIM == 64 || HEAD_DIM == 128));
+  // The layout the warpgroup's descriptors name (the widened tile's, or the stage's).
+  using GL = std::conditional_t<kWidened, WL, L>;
+  // 16-key blocks per online-softmax step (int8 on mma.sync: 2, its scales and sums beside the
+  // scores spilled 188-252 bytes at 4, docs/experiments.md; wgmma takes a whole tile).
+  static constexpr int PART_BLOCKS = kInt8 && !kWg ? 2 : 4;
 
   const M* sq;             // the warp's q (staging area), read as A fragments at every tile
   float m[2], l[2];        // columns g, g + 8 of the warp's 16
@@ -83,10 +99,11 @@ struct WideConsumer {
   }
   static_assert(!kWg || 64 * HEAD_DIM * 2 <= 4 * Q_STAGE_BYTES, "wgmma q area: the four warps' staging areas");
 
-  // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches; for
-  // one-byte caches, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are columns 2tq + 8h + e).
+  // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches and
+  // widened tiles; for one-byte caches, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are
+  // columns 2tq + 8h + e).
   __device__ __forceinline__ static int q_column(int d) {
-    if constexpr (kBytes) {
+    if constexpr (kBytes && !kWidened) {
       const int j = d / 16, r = d % 16;
       return 16 * j + 2 * (r / 4) + 8 * ((r / 2) % 2) + r % 2;
     } else {
@@ -457,22 +474,108 @@ struct WideConsumer {
     fence_proxy_async_smem();
   }
 
+  // kWidened: a stage's int8 K and V codes as the 16-bit tile of WL's layout that the warpgroup
+  // multiplies, by all consumer threads together (the four warps; CONSUMERS of them). K as the
+  // biased halves 1152 + code (exact; the keys' scales and the bias stay with the scores). V
+  // dequantised: code x its key's V scale / v_unit, rounded once to fp16 (|value| <= 127), keys
+  // outside [lo, end) zero (their stray scales never read), so P reaches the V product as it is,
+  // as for a 16-bit cache. v_unit, the largest V scale of the item's keys so far, is raised first
+  // where the tile's largest in-range scale outgrows it (acc rescaled: no product is in flight
+  // between tiles); every warp finds the same maximum. Each thread's chunks keep one K key (or one
+  // V 16-dim chunk) across its trips, so the offsets are a base plus a constant per trip. Reads are
+  // 16 contiguous bytes a thread.
+  template <int CONSUMERS>
+  __device__ __forceinline__ void widen(const unsigned char* stage, unsigned char* wide, int it, int lo, int end,
+                                        int tid, int lane) {
+    constexpr int C8 = HEAD_DIM / 16;  // one-byte chunks of a key
+    static_assert(CONSUMERS % kTileKeys == 0 && CONSUMERS % C8 == 0 && kTileKeys * C8 % CONSUMERS == 0,
+                  "widen: whole trips per thread");
+    constexpr int TRIPS = kTileKeys * C8 / CONSUMERS;
+    asm volatile("" : "+r"(tid));  // addresses derived here, not held across the tile loop (as step)
+    const float* v_scales = reinterpret_cast<const float*>(stage + L::SCALE_OFF) + L::KEYS;
+    const auto in_range = [&](int key) { return it + key >= lo && it + key < end; };
+    float vmax = 0.f;
+#pragma unroll
+    for (int k = lane; k < kTileKeys; k += 32) vmax = fmaxf(vmax, in_range(k) ? v_scales[k] : 0.f);
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
+    if (vmax > v_unit) {  // block-uniform
+      const float r = v_unit / vmax;
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= r;
+        }
+      }
+      v_unit = vmax;
+    }
+    const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
+    // K: thread tid takes key tid % kTileKeys, chunks tid / kTileKeys + t CONSUMERS / kTileKeys.
+    {
+      const int k = tid % kTileKeys, c0 = tid / kTileKeys;
+      constexpr int DC = CONSUMERS / kTileKeys;
+#pragma unroll
+      for (int t = 0; t < TRIPS; ++t) {
+        const uint4 x = *reinterpret_cast<const uint4*>(stage + L::k_off(k, c0 + DC * t, WholeTile{}));
+        uint4 a, b;
+        s8x4_to_biased_half2x2(x.x, a.x, a.y);
+        s8x4_to_biased_half2x2(x.y, a.z, a.w);
+        s8x4_to_biased_half2x2(x.z, b.x, b.y);
+        s8x4_to_biased_half2x2(x.w, b.z, b.w);
+        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * (c0 + DC * t), WholeTile{})) = a;
+        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * (c0 + DC * t) + 1, WholeTile{})) = b;
+      }
+    }
+    // V: thread tid takes chunk tid % C8 of keys tid / C8 + t CONSUMERS / C8.
+    {
+      const int c = tid % C8, r0 = tid / C8;
+      constexpr int DR = CONSUMERS / C8;
+      const __half2 bias = __float2half2_rn(kInt8Bias);
+#pragma unroll
+      for (int t = 0; t < TRIPS; ++t) {
+        const int r = r0 + DR * t;
+        const uint4 x = *reinterpret_cast<const uint4*>(stage + L::v_off(r, c, WholeTile{}));
+        const __half2 ratio = __float2half2_rn(in_range(r) ? v_scales[r] * inv : 0.f);
+        uint32_t w[8];
+        s8x4_to_biased_half2x2(x.x, w[0], w[1]);
+        s8x4_to_biased_half2x2(x.y, w[2], w[3]);
+        s8x4_to_biased_half2x2(x.z, w[4], w[5]);
+        s8x4_to_biased_half2x2(x.w, w[6], w[7]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&w[j]), bias);  // the code, exact
+          h = __hmul2(h, ratio);
+          w[j] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        *reinterpret_cast<uint4*>(wide + WL::v_off(r, 2 * c, WholeTile{})) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(wide + WL::v_off(r, 2 * c + 1, WholeTile{})) = make_uint4(w[4], w[5], w[6], w[7]);
+      }
+    }
+  }
+
   // Attend over the keys of a stage (the cache's keys [it, it + kTileKeys); those before lo or at
   // or past end are masked), PART_BLOCKS 16-key blocks at a time (the scores of a whole tile
-  // would not fit the registers beside q and O).
-  __device__ __forceinline__ void step(const unsigned char* stage, int it, int lo, int end, int lane) {
+  // would not fit the registers beside q and O). kWidened: K and V from the widened tile `wide`,
+  // the scales from the stage.
+  __device__ __forceinline__ void step(const unsigned char* stage, const unsigned char* wide, int it, int lo, int end,
+                                       int lane) {
     // The fragments' shared-memory addresses depend on the lane only (and on constants): made
     // opaque here, the compiler derives them inside each tile instead of hoisting ~40 of them out
     // of the tile loop, where they spilled to local memory (reloaded every tile).
     asm volatile("" : "+r"(lane));
 #pragma unroll
     for (int part = 0; part < KBLOCKS / PART_BLOCKS; ++part) {
-      attend(stage, 16 * PART_BLOCKS * part, it + 16 * PART_BLOCKS * part, lo, end, lane);
+      attend(stage, wide, 16 * PART_BLOCKS * part, it + 16 * PART_BLOCKS * part, lo, end, lane);
     }
   }
 
-  // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it.
-  __device__ __forceinline__ void attend(const unsigned char* stage, int key0, int it, int lo, int end, int lane) {
+  // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it (kWg: K and V where
+  // GL lays them out, the stage's own or the widened tile).
+  __device__ __forceinline__ void attend(const unsigned char* stage, const unsigned char* wide, int key0, int it, int lo,
+                                         int end, int lane) {
+    const unsigned char* ops = kWidened ? wide : stage;
     const int tq = lane % 4;
     float s[PART_BLOCKS][2][4];  // [16-key block][8-key half]: columns g (0, 1), g + 8 (2, 3); keys 2tq, 2tq + 1
 #pragma unroll
@@ -491,7 +594,7 @@ struct WideConsumer {
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc(sq + j * 2 * 64 * 8, 64 * 16, 128, false),
-                                 wgmma_desc(stage + L::k_off(0, 2 * j, WholeTile{}), L::KEYS * 16, 128, false), j > 0);
+                                 wgmma_desc(ops + GL::k_off(0, 2 * j, WholeTile{}), GL::KEYS * 16, 128, false), j > 0);
       }
       wgmma_commit_and_wait();
     } else {
@@ -588,7 +691,7 @@ struct WideConsumer {
           acc[i][hh][3] *= alpha[1];
         }
       }
-      if constexpr (kInt8) {
+      if constexpr (kInt8 && !kWidened) {
         p_sum[0] *= alpha[0];
         p_sum[1] *= alpha[1];
       }
@@ -605,7 +708,7 @@ struct WideConsumer {
         }
       }
     }
-    if constexpr (kInt8) weigh_by_v_scales(s, stage, key0, it, lo, end, lane);
+    if constexpr (kInt8 && !kWidened) weigh_by_v_scales(s, stage, key0, it, lo, end, lane);  // widen: V dequantised
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
     if constexpr (kWg) {
@@ -618,12 +721,13 @@ struct WideConsumer {
         pa[kb][1] = pack_rn<M>(s[kb][0][2], s[kb][0][3]);
         pa[kb][2] = pack_rn<M>(s[kb][1][0], s[kb][1][1]);
         pa[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
+        if constexpr (kInt8 && !kWidened) add_p_sums(pa[kb]);
       }
       wgmma_fence();
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
         const uint64_t v_desc =
-            wgmma_desc(stage + L::K_BYTES + (key0 + 16 * kb) * L::V_LINE_BYTES, L::KEYS * L::V_LINE_BYTES, 1024, true);
+            wgmma_desc(ops + GL::K_BYTES + (key0 + 16 * kb) * GL::V_LINE_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
         if constexpr (HEAD_DIM == 128) {
           wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), pa[kb], v_desc, 1);
         } else {
@@ -636,13 +740,7 @@ struct WideConsumer {
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
         const uint32_t pa[4] = {pack_rn<M>(s[kb][0][0], s[kb][0][1]), pack_rn<M>(s[kb][0][2], s[kb][0][3]),
                                 pack_rn<M>(s[kb][1][0], s[kb][1][1]), pack_rn<M>(s[kb][1][2], s[kb][1][3])};
-        if constexpr (kInt8) {  // the fp16 values the V mma takes: rows g (pa 0, 2) and g + 8 (1, 3)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pa[r]));
-            p_sum[r & 1] += f.x + f.y;
-          }
-        }
+        if constexpr (kInt8) add_p_sums(pa);
 #pragma unroll
         for (int i = 0; i < KSTEPS; i += 2) {
           uint32_t v[2][2][2];
@@ -656,6 +754,16 @@ struct WideConsumer {
           }
         }
       }
+    }
+  }
+
+  // int8: the fp16 values of P the V product takes (a 16-key block's A fragment: rows g in words 0,
+  // 2 and g + 8 in 1, 3) into the lane's sums.
+  __device__ __forceinline__ void add_p_sums(const uint32_t (&pa)[4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pa[r]));
+      p_sum[r & 1] += f.x + f.y;
     }
   }
 
@@ -712,7 +820,16 @@ struct WideConsumer {
       l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
       l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
     }
-    if constexpr (kInt8) {
+    if constexpr (kWidened) {  // V came dequantised in units of v_unit (widen)
+#pragma unroll
+      for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= v_unit;
+        }
+      }
+    } else if constexpr (kInt8) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 1);
@@ -741,10 +858,10 @@ struct WideConsumer {
     for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        if constexpr (kBytes) {  // out_dim(i, g, h) = 16 i + 2 g + h: the pair is h = 0, 1
+        if constexpr (kBytes && !kWidened) {  // out_dim(i, g, h) = 16 i + 2 g + h: the pair is h = 0, 1
           pair(Ops::out_dim(i, 2 * tq + k, 0), acc[i][0][2 * r + k], acc[i][1][2 * r + k]);
-        } else {  // out_dim(i, g, h) = 16 i + g + 8 h: the pair is g = 2 tq, 2 tq + 1
-          pair(Ops::out_dim(i, 2 * tq, k), acc[i][k][2 * r], acc[i][k][2 * r + 1]);
+        } else {  // 16-bit tiles' out_dim(i, g, h) = 16 i + g + 8 h: the pair is g = 2 tq, 2 tq + 1
+          pair(TileOperands<__half, HEAD_DIM>::out_dim(i, 2 * tq, k), acc[i][k][2 * r], acc[i][k][2 * r + 1]);
         }
       }
     }

@@ -135,6 +135,12 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   const int narrow = ((((((((((((((qb * head_dim) * 4) + ((2 * head_dim) * elem_bytes)) + (((2 * (qb + 2)) * head_dim) * elem_bytes)) + ((qb * 64) * 4)) + (((2 * kConsumerWarps) * qb) * 4)) + ((qb + 1) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + warp_buffers) + epilogue_channels) + 256);
   return ((qb == kWideColumns) ? wide : narrow);
 }
+// an int8 cache's wide items at head dims 64 and 128: one tile's K and V widened to fp16 after the stages,
+// the warpgroup's operands (reserved on every GPU; used where the kernel multiplies with wgmma)
+constexpr int wide_widened_bytes(int head_dim, bool token_scales, int qb) {
+  const int tile = ((kTileKeys * head_dim) * 4);
+  return ((qb == kWideColumns) ? (token_scales ? (((head_dim % 64) == 0) ? tile : 0) : 0) : 0);
+}
 // dynamic shared memory of a tile-loop block: its stages and slack to align them to 1024 bytes
 constexpr int tile_smem_bytes(int head_dim, int elem_bytes, bool token_scales, int stages) {
   return ((stages * tile_stage_bytes(head_dim, elem_bytes, token_scales)) + 1024);

@@ -365,7 +365,9 @@ __device__ __forceinline__ void store_wide_row(const MmhaParams& p, const WorkIt
 // producer and ring, consumers that each hold 16 columns over all keys of every tile. At an
 // item's first tile each warp builds its q from qkv while the tile is in flight; tiles that end
 // past the item's keys have their stray V rows zeroed by all consumers together (named barrier
-// 1); at the last tile each warp stores its columns, and a split's last item merges.
+// 1); widened int8 tiles (Wide::kWidened) are widened by all consumers together between two such
+// barriers (the first: every warp's products of the last tile are done); at the last tile each
+// warp stores its columns, and a split's last item merges.
 template <typename T, typename C, int HEAD_DIM, TileSource SRC>
 __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
@@ -392,6 +394,8 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;  // the items only (no raw q)
   extern __shared__ __align__(16) unsigned char s_dyn[];
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+  // The widened tile after the stages (stages_smem_bytes counts it; 1024-aligned: whole stages).
+  unsigned char* widened = stages + p.sched.stages * L::STAGE_BYTES;
   auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
   M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
   if (tid == 0) timeline_mark(p, kTlEntered);
@@ -450,11 +454,16 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       if (h.flags & kLastTile) timeline_item(p, item_seq, kTlLastLanded);
     }
     const int it = h.k0;
-    if (it + kTileKeys > w.end || it < w.lo) {
+    if constexpr (Wide::kWidened) {
+      sync();  // every warp's products of the last tile have read the widened tile
+      c.template widen<CONSUMERS>(stage, widened, it, w.lo, w.end, tid, lane);
+      fence_proxy_async_smem();  // read by wgmma
+      sync();
+    } else if (it + kTileKeys > w.end || it < w.lo) {
       Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
       sync();
     }
-    if (Wide::kWg || c.busy) c.step(stage, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
+    if (Wide::kWg || c.busy) c.step(stage, widened, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
     mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
     cur.next(p.sched.stages);
     if (h.flags & kLastTile) {
@@ -594,14 +603,15 @@ constexpr int tree_node_bytes(int nodes) {
                : 0;
 }
 
-// The tile loop's stages at `stages` and what follows them (int4: the residual area), with the
-// slack that aligns them.
-template <typename C, int HEAD_DIM>
+// The tile loop's stages at `stages` and what follows them (int4: the residual area; int8 wide
+// items: the widened tile), with the slack that aligns them.
+template <typename C, int HEAD_DIM, int QB>
 constexpr int stages_smem_bytes(int stages) {
   if constexpr (kInt4<C>) {
     return stages * int4_stage_bytes(HEAD_DIM) + 1024 + int4_residual_bytes(HEAD_DIM);
   } else {
-    return tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages);
+    return tile_smem_bytes(HEAD_DIM, static_cast<int>(sizeof(C)), kInt8<C>, stages) +
+           wide_widened_bytes(HEAD_DIM, kInt8<C>, QB);
   }
 }
 
@@ -617,7 +627,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     return cudaSuccess;
   } else {
     if (stages < kMinStages || stages > kMaxStages) return cudaErrorInvalidValue;
-    smem_bytes = stages_smem_bytes<C, HEAD_DIM>(stages) + tree_node_bytes<C, HEAD_DIM, FUSED>(tree_nodes);
+    smem_bytes = stages_smem_bytes<C, HEAD_DIM, QB>(stages) + tree_node_bytes<C, HEAD_DIM, FUSED>(tree_nodes);
     static std::atomic<uint64_t> opted_in{0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
@@ -630,7 +640,7 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     cudaFuncAttributes attr{};
     err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>);
     if (err != cudaSuccess) return err;
-    const int most = stages_smem_bytes<C, HEAD_DIM>(kMaxStages) + tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
+    const int most = stages_smem_bytes<C, HEAD_DIM, QB>(kMaxStages) + tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
     err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);

@@ -21,9 +21,11 @@ constexpr int cache_stage_bytes(DType cache_dtype, int head_dim) {
   return cache_dtype == DType::kInt4 ? int4_stage_bytes(head_dim)
                                      : tile_stage_bytes(head_dim, elem_bytes(cache_dtype), cache_dtype == DType::kInt8);
 }
-// Dynamic shared memory of a tile-loop block past its stages (int4: the row's last K group).
-constexpr int cache_extra_bytes(DType cache_dtype, int head_dim) {
-  return cache_dtype == DType::kInt4 ? int4_residual_bytes(head_dim) : 0;
+// Dynamic shared memory of a tile-loop block past its stages at qb columns per item (int4: the
+// row's last K group; int8 wide items: a tile widened to fp16).
+constexpr int cache_extra_bytes(DType cache_dtype, int head_dim, int qb) {
+  return cache_dtype == DType::kInt4 ? int4_residual_bytes(head_dim)
+                                     : wide_widened_bytes(head_dim, cache_dtype == DType::kInt8, qb);
 }
 
 // Division of a non-negative int32 n by a divisor d >= 1 fixed for the launch, as a multiply-high, an

@@ -182,6 +182,15 @@ FUNCTIONS = [
         "staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
     ),
     (
+        "wide_widened_bytes",
+        [("head_dim", "int"), ("token_scales", "bool"), ("qb", "int")],
+        "int",
+        [("tile", "TILE_KEYS * head_dim * 4")],
+        "((tile if head_dim % 64 == 0 else 0) if token_scales else 0) if qb == WIDE_COLUMNS else 0",
+        "an int8 cache's wide items at head dims 64 and 128: one tile's K and V widened to fp16 after the "
+        "stages, the warpgroup's operands (reserved on every GPU; used where the kernel multiplies with wgmma)",
+    ),
+    (
         "tile_smem_bytes",
         [("head_dim", "int"), ("elem_bytes", "int"), ("token_scales", "bool"), ("stages", "int")],
         "int",
