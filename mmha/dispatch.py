@@ -103,6 +103,11 @@ SHARED_STAGES_FP8 = 4
 INT8_DEEP_RING_TILES = 48
 INT8_DEEP_STAGES = 5
 INT8_SHARED_STAGES = 3
+# int8 one-token items of at most SHORT_ITEM_TILES tiles past one item per SM: INT8_SHORT_STAGES
+# (their stages are half a 16-bit one's, so four cost what two do there). H200, 2026-11-30,
+# `python -m mmha.bench.sweep --int8` (docs/data/sweep_int8_misses_h200.json): B=64 Hkv=32 S=256,
+# 4 tiles an item, 58.1 us at 4 against 63.3 at 2 (3: 60.5, 5: 59.2, 6: 60.6).
+INT8_SHORT_STAGES = 4
 # The CUDA-core loop (fp32 caches): resident 128-thread blocks per SM (96-148 registers, up to
 # 24 KB of static shared memory), and the fewest keys a split of it should own.
 SIMT_BLOCKS_PER_SM = 3
@@ -365,9 +370,12 @@ def _shared_stages(
     stages: int, tiles_per_item: int, elem: int, tree: bool, token_scales: bool = False, block_tiles: int = 0
 ) -> int:
     """The ring of a grid where two blocks share each SM (``SHARED_STAGES``, ``SHARED_STAGES_FP8``;
-    an int8 cache's ``INT8_DEEP_STAGES`` where a resident block streams ``INT8_DEEP_RING_TILES``
-    of the grid's tiles or more, ``block_tiles``, else ``INT8_SHARED_STAGES``)."""
+    an int8 cache's ``INT8_SHORT_STAGES`` over short one-token items, ``INT8_DEEP_STAGES`` where a
+    resident block streams ``INT8_DEEP_RING_TILES`` of the grid's tiles or more, ``block_tiles``,
+    else ``INT8_SHARED_STAGES``)."""
     short = TREE_SHORT_ITEM_TILES if tree else SHORT_ITEM_TILES
+    if token_scales and not tree and tiles_per_item <= short:
+        return min(stages, INT8_SHORT_STAGES)
     if tiles_per_item <= short or (elem == 2 and not tree):
         return min(stages, SHARED_STAGES)
     if token_scales and not tree:

@@ -120,7 +120,7 @@ def test_forced_variants():
     assert dispatch.choose_variant(1, 32 * 4, 8, 128, 16388, F16, H100, tree=True).stages == 3  # 17 tiles
     assert dispatch.choose_variant(16, 32, 32, 128, 512, F16, H100).stages == 2
     # int8 caches: INT8_DEEP_STAGES where a resident block streams INT8_DEEP_RING_TILES tiles or
-    # more of the grid, INT8_SHARED_STAGES where fewer; short items 2 as the others'.
+    # more of the grid, INT8_SHARED_STAGES where fewer; short one-token items INT8_SHORT_STAGES.
     s8 = torch.int8
     deep = dispatch.choose_variant(16, 32, 8, 128, 32768, F16, H100, kv_dtype=s8)  # 256 tiles a block
     assert (deep.num_splits, deep.stages) == (2, dispatch.INT8_DEEP_STAGES)
@@ -129,7 +129,10 @@ def test_forced_variants():
     assert (few.num_splits, few.stages) == (2, dispatch.INT8_SHARED_STAGES)
     assert dispatch.choose_variant(1, 32, 8, 128, 65536, F16, H100, kv_dtype=s8).stages == 3  # 31 a block
     assert dispatch.choose_variant(16, 32, 32, 128, 2048, F16, H100, kv_dtype=s8).stages == 5  # 62 a block
-    assert dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, kv_dtype=s8).stages == 2  # 4 tiles
+    assert (
+        dispatch.choose_variant(64, 32, 32, 128, 256, F16, H100, kv_dtype=s8).stages
+        == dispatch.INT8_SHORT_STAGES
+    )
 
 
 def test_pure_function_of_its_arguments():

@@ -80,6 +80,7 @@ struct WideConsumer {
   float k_bias[2];         // int8: 1152 x the q sum of columns g, g + 8 (as the mma takes q)
   float p_sum[2];          // int8: this lane's sum of the P values fed to the V mma (columns g, g + 8)
   float v_unit;            // int8: the largest V scale of the warp's keys so far
+  float v_inv;             // kWidened: 1 / v_unit (0 while v_unit is 0)
   bool busy;               // the warp holds columns of the item (warp-uniform)
   TreeMask<2> tree;
 
@@ -275,7 +276,7 @@ struct WideConsumer {
       tree.anc[h] = tree.on && cw < w.nh ? p.tree.anc[column_of(p, w, cw).qrow] : 0;
     }
     s_unit = 1.f;
-    v_unit = 0.f;
+    v_unit = v_inv = 0.f;
     k_bias[0] = k_bias[1] = p_sum[0] = p_sum[1] = 0.f;
     sq = s_q;
     m[0] = m[1] = -INFINITY;
@@ -487,11 +488,15 @@ struct WideConsumer {
   template <int CONSUMERS>
   __device__ __forceinline__ void widen(const unsigned char* stage, unsigned char* wide, int it, int lo, int end,
                                         int tid, int lane) {
-    constexpr int C8 = HEAD_DIM / 16;  // one-byte chunks of a key
+    constexpr int C8 = HEAD_DIM / 16;         // one-byte chunks of a key
+    constexpr int DC = CONSUMERS / kTileKeys;  // K: a thread's chunks DC apart
+    constexpr int DR = CONSUMERS / C8;         // V: a thread's keys DR apart
     static_assert(CONSUMERS % kTileKeys == 0 && CONSUMERS % C8 == 0 && kTileKeys * C8 % CONSUMERS == 0,
                   "widen: whole trips per thread");
+    static_assert(DR % 8 == 0, "widen: a thread's V keys share their swizzle phase");
     constexpr int TRIPS = kTileKeys * C8 / CONSUMERS;
-    asm volatile("" : "+r"(tid));  // addresses derived here, not held across the tile loop (as step)
+    unsigned t = static_cast<unsigned>(tid);
+    asm volatile("" : "+r"(t));  // addresses derived here, not held across the tile loop (as step)
     const float* v_scales = reinterpret_cast<const float*>(stage + L::SCALE_OFF) + L::KEYS;
     const auto in_range = [&](int key) { return it + key >= lo && it + key < end; };
     float vmax = 0.f;
@@ -499,8 +504,9 @@ struct WideConsumer {
     for (int k = lane; k < kTileKeys; k += 32) vmax = fmaxf(vmax, in_range(k) ? v_scales[k] : 0.f);
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
-    if (vmax > v_unit) {  // block-uniform
-      const float r = v_unit / vmax;
+    if (vmax > v_unit) {  // block-uniform, and rare past an item's first tiles
+      v_inv = 1.f / vmax;
+      const float r = v_unit * v_inv;
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
@@ -511,33 +517,37 @@ struct WideConsumer {
       }
       v_unit = vmax;
     }
-    const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
-    // K: thread tid takes key tid % kTileKeys, chunks tid / kTileKeys + t CONSUMERS / kTileKeys.
+    // K: thread t takes key t % kTileKeys, chunks t / kTileKeys + DC x trip.
     {
-      const int k = tid % kTileKeys, c0 = tid / kTileKeys;
-      constexpr int DC = CONSUMERS / kTileKeys;
+      const int k = static_cast<int>(t % kTileKeys), c0 = static_cast<int>(t / kTileKeys);
 #pragma unroll
-      for (int t = 0; t < TRIPS; ++t) {
-        const uint4 x = *reinterpret_cast<const uint4*>(stage + L::k_off(k, c0 + DC * t, WholeTile{}));
+      for (int trip = 0; trip < TRIPS; ++trip) {
+        const int c = c0 + DC * trip;
+        const uint4 x = *reinterpret_cast<const uint4*>(stage + L::k_off(k, c, WholeTile{}));
         uint4 a, b;
         s8x4_to_biased_half2x2(x.x, a.x, a.y);
         s8x4_to_biased_half2x2(x.y, a.z, a.w);
         s8x4_to_biased_half2x2(x.z, b.x, b.y);
         s8x4_to_biased_half2x2(x.w, b.z, b.w);
-        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * (c0 + DC * t), WholeTile{})) = a;
-        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * (c0 + DC * t) + 1, WholeTile{})) = b;
+        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * c, WholeTile{})) = a;
+        *reinterpret_cast<uint4*>(wide + WL::k_off(k, 2 * c + 1, WholeTile{})) = b;
       }
     }
-    // V: thread tid takes chunk tid % C8 of keys tid / C8 + t CONSUMERS / C8.
+    // V: thread t takes chunk t % C8 of keys t / C8 + DR x trip (DR a multiple of 8: each trip's
+    // offsets are the first's plus a constant, in the stage and in the widened tile alike).
     {
-      const int c = tid % C8, r0 = tid / C8;
-      constexpr int DR = CONSUMERS / C8;
+      const int c = static_cast<int>(t % C8), r0 = static_cast<int>(t / C8);
+      const unsigned char* src = stage + L::v_off(r0, c, WholeTile{});
+      unsigned char* lo_dst = wide + WL::v_off(r0, 2 * c, WholeTile{});
+      unsigned char* hi_dst = wide + WL::v_off(r0, 2 * c + 1, WholeTile{});
+      const int src_step = L::v_off(DR, 0, WholeTile{}) - L::v_off(0, 0, WholeTile{});
+      const int dst_step = WL::v_off(DR, 0, WholeTile{}) - WL::v_off(0, 0, WholeTile{});
       const __half2 bias = __float2half2_rn(kInt8Bias);
 #pragma unroll
-      for (int t = 0; t < TRIPS; ++t) {
-        const int r = r0 + DR * t;
-        const uint4 x = *reinterpret_cast<const uint4*>(stage + L::v_off(r, c, WholeTile{}));
-        const __half2 ratio = __float2half2_rn(in_range(r) ? v_scales[r] * inv : 0.f);
+      for (int trip = 0; trip < TRIPS; ++trip) {
+        const int r = r0 + DR * trip;
+        const uint4 x = *reinterpret_cast<const uint4*>(src + trip * src_step);
+        const __half2 ratio = __float2half2_rn(in_range(r) ? v_scales[r] * v_inv : 0.f);
         uint32_t w[8];
         s8x4_to_biased_half2x2(x.x, w[0], w[1]);
         s8x4_to_biased_half2x2(x.y, w[2], w[3]);
@@ -549,8 +559,8 @@ struct WideConsumer {
           h = __hmul2(h, ratio);
           w[j] = *reinterpret_cast<const uint32_t*>(&h);
         }
-        *reinterpret_cast<uint4*>(wide + WL::v_off(r, 2 * c, WholeTile{})) = make_uint4(w[0], w[1], w[2], w[3]);
-        *reinterpret_cast<uint4*>(wide + WL::v_off(r, 2 * c + 1, WholeTile{})) = make_uint4(w[4], w[5], w[6], w[7]);
+        *reinterpret_cast<uint4*>(lo_dst + trip * dst_step) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(hi_dst + trip * dst_step) = make_uint4(w[4], w[5], w[6], w[7]);
       }
     }
   }
