@@ -507,14 +507,7 @@ struct WideConsumer {
     if (vmax > v_unit) {  // block-uniform, and rare past an item's first tiles
       v_inv = 1.f / vmax;
       const float r = v_unit * v_inv;
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= r;
-        }
-      }
+      scale_acc(r);
       v_unit = vmax;
     }
     // K: thread t takes key t % kTileKeys, chunks t / kTileKeys + DC x trip.
@@ -799,14 +792,7 @@ struct WideConsumer {
     for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
     if (vmax > v_unit) {  // warp-uniform
       const float r = v_unit / vmax;
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= r;
-        }
-      }
+      scale_acc(r);
       p_sum[0] *= r;
       p_sum[1] *= r;
       v_unit = vmax;
@@ -822,6 +808,18 @@ struct WideConsumer {
     }
   }
 
+  // O times f (every accumulator of the lane).
+  __device__ __forceinline__ void scale_acc(float f) {
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][hh][e] *= f;
+      }
+    }
+  }
+
   // The item's sums over the quad (every lane of a quad then holds its columns' l); int8: O
   // without the codes' bias, back from units of v_unit.
   __device__ __forceinline__ void finish() {
@@ -831,14 +829,7 @@ struct WideConsumer {
       l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
     }
     if constexpr (kWidened) {  // V came dequantised in units of v_unit (widen)
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][hh][e] *= v_unit;
-        }
-      }
+      scale_acc(v_unit);
     } else if constexpr (kInt8) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
