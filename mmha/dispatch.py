@@ -120,16 +120,27 @@ MAX_KEYS_PER_SPLIT_SIMT = 4096
 # one under a third full; 3 splits make 1536 blocks in 4 nearly full waves (1.33 vs 2).
 SPLIT_GAIN = 0.9
 # A tree step's wide item (``WIDE_COLUMNS`` columns) builds its q rows (~10 us before its first
-# tile on the B=1 and B=16 T=64 1K timelines) and a split one merges (~15 us more on the merging
-# block), so its splits keep at least WIDE_MIN_SPLIT_TILES tiles; and a grid that already holds an
-# item per SM is split (to fill the second block of each SM) only into splits of
-# WIDE_SHARED_SPLIT_TILES tiles or more. H200, decode timing, Hq=32 Hkv=8, `python -m
-# mmha.bench.sweep --tree --splits` (docs/data/sweep_tree_wide_h200.json): B=1 T=64 1K 39.9 us at
-# 1 split, 40.7 at 4, 44.7 at 8; 4K 53.3 at 4, 53.0 at 8, 86.7 at 1; 16K 86.3 at 8 (32 tiles, 256
+# tile on the B=1 and B=16 T=64 1K timelines) and a split one merges, so its splits keep at least
+# WIDE_MIN_SPLIT_TILES tiles. Splits that put a second block on some SMs (those blocks then share
+# the SM's tensor cores) keep WIDE_DOUBLED_SPLIT_TILES tiles (int8, whose tiles cost the consumers
+# more than their bytes: WIDE_DOUBLED_SPLIT_TILES_INT8), else stop at one item per SM; and a grid
+# that already holds an item per SM is split (to fill the second block of each SM) only into
+# splits of WIDE_SHARED_SPLIT_TILES tiles or more. H200, decode timing, Hq=32 Hkv=8, `python -m
+# mmha.bench.sweep --tree --int8 --splits ...` on merge_wide (split_merge.cuh), in
+# docs/data/sweep_tree_wide_merge_h200.json: B=1 T=64 1K 30.2 us at 4 splits, 35.2 at 8, 37.6 at 1;
+# int8 54.7 at 4, 56.5 at 8, 73.6 at 1; 4K (its 4 x 4 form) 45.5 at 4, 49.8 at 8, int8 72.4 at 8,
+# 77.2 at 4. Before it (docs/data/sweep_tree_wide_h200.json): B=1 T=64 16K 86.3 at 8 (32 tiles, 256
 # items), 104.5 at 4; B=16 T=16 (128 items) 1K 47.6 at 1, 63.9 at 2; 4K 99.9 at 1, 116.2 at 2 (32
 # tiles); 16K 308.7 at 2 (128 tiles), 328.9 at 1.
-WIDE_MIN_SPLIT_TILES = 16
+WIDE_MIN_SPLIT_TILES = 4
+WIDE_DOUBLED_SPLIT_TILES = 16
+WIDE_DOUBLED_SPLIT_TILES_INT8 = 8
 WIDE_SHARED_SPLIT_TILES = 128
+# int8 wide items (each tile widened in shared memory before the warpgroup's products) take
+# WIDE_INT8_STAGES (the same file, before merge_wide): B=1 T=64 1K 62.1 us at 4 x 2 against 63.6 at
+# 4 x 3, 4K 77.2 at 8 x 2 against 80.0 at 8 x 3; B=16 T=64 1K (the 4 x 4 form's run) 162.5 at 1 x 2 against
+# 169.0 at 1 x 3.
+WIDE_INT8_STAGES = 2
 # A narrow tree item (fewer columns than a wide one) splits into at most ceil(tiles /
 # TREE_MIN_SPLIT_TILES): each split builds its columns' q rows and writes a partial per column (T
 # times a one-token item's), so a grid of one-tile splits costs more than the stream it shares.
@@ -393,11 +404,19 @@ def _tree_splits_allowed(allowed: int, grains: int, wide: bool) -> int:
     return max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
 
 
-def _wide_shared_splits(base: int, sms: int, splits: int, grains: int) -> int:
-    """The planned ``splits`` of ``base`` wide items of ``grains`` tiles, where two splits would
-    already put two blocks on some SMs: kept if each split holds ``WIDE_SHARED_SPLIT_TILES``
-    tiles, else cut to the most that keep one item per SM (at least 1)."""
-    if grains // splits >= WIDE_SHARED_SPLIT_TILES:
+def _wide_shared_splits(base: int, sms: int, splits: int, grains: int, int8: bool) -> int:
+    """The planned ``splits`` of ``base`` wide items of ``grains`` tiles, where they put two blocks
+    on some SMs: kept if each split holds ``WIDE_SHARED_SPLIT_TILES`` tiles (a grid of more than
+    half an item per SM already) or ``WIDE_DOUBLED_SPLIT_TILES`` (``_INT8``), else cut to the most
+    that keep one item per SM (at least 1)."""
+    need = (
+        WIDE_SHARED_SPLIT_TILES
+        if 2 * base > sms
+        else WIDE_DOUBLED_SPLIT_TILES_INT8
+        if int8
+        else WIDE_DOUBLED_SPLIT_TILES
+    )
+    if grains // splits >= need:
         return splits
     return max(1, min(splits, sms // base))
 
@@ -431,7 +450,9 @@ def choose_variant(
     fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
     SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
     SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES``
-    tiles, and past one item per SM only into ``WIDE_SHARED_SPLIT_TILES``; its narrow items into at
+    tiles, past one item per SM only into ``WIDE_DOUBLED_SPLIT_TILES`` (``_INT8``), or
+    ``WIDE_SHARED_SPLIT_TILES`` where the unsplit grid holds more than half an item per SM
+    (``_wide_shared_splits``; int8 wide items on ``WIDE_INT8_STAGES``); its narrow items into at
     most ``ceil(tiles / TREE_MIN_SPLIT_TILES)`` splits. Never more than
     ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into splits of ``n // s`` or
     ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
@@ -472,11 +493,13 @@ def choose_variant(
         splits = max(1, min(allowed, fill // base))
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
-    if wide and splits > 1 and 2 * base > sms:
-        splits = _wide_shared_splits(base, sms, splits, grains)
+    if wide and splits > 1 and base * splits > sms:
+        splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         block_tiles = base * grains // (sms * blocks_per_sm)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
+    if wide and kv_dtype == torch.int8:
+        stages = min(stages, WIDE_INT8_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

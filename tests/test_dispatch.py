@@ -196,15 +196,25 @@ def test_columns_block_of_tree_steps():
     assert narrow.num_splits == 1  # 8 * 32 narrow items already fill the SMs
 
 
-@pytest.mark.parametrize(("seq_len", "splits"), [(1024 + 64, 1), (1984, 1), (2048, 2), (4096 + 64, 4)])
-def test_wide_items_splits_keep_their_tiles(seq_len, splits):
-    # Wide items pay their q build per item: a split holds WIDE_MIN_SPLIT_TILES tiles or more,
-    # whatever the grid leaves empty; narrow items of the same rows still split to fill it.
-    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, tree=True)
+@pytest.mark.parametrize(
+    ("seq_len", "int8", "splits"),
+    [(1024 + 64, False, 4), (1984, False, 4), (2048, False, 4), (4096 + 64, False, 4), (16384 + 64, False, 8),
+     (1024 + 64, True, 4), (4096 + 64, True, 8), (16384 + 64, True, 8)],
+)  # fmt: skip
+def test_wide_items_splits_keep_their_tiles(seq_len, int8, splits):
+    # Wide items pay their q build per item and a split's merge: a split holds WIDE_MIN_SPLIT_TILES
+    # tiles or more, and past one item per SM WIDE_DOUBLED_SPLIT_TILES (int8: _INT8); narrow items
+    # of the same rows still split to fill the resident blocks.
+    kv = torch.int8 if int8 else None
+    plan = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, tree=True, kv_dtype=kv)
     assert plan.num_splits == splits
     tiles = -(-seq_len // dispatch.TILE_KEYS)
-    assert tiles // plan.num_splits >= dispatch.WIDE_MIN_SPLIT_TILES or plan.num_splits == 1
-    forced = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, tree=True, variant="split")
+    assert tiles // plan.num_splits >= dispatch.WIDE_MIN_SPLIT_TILES
+    doubled = dispatch.WIDE_DOUBLED_SPLIT_TILES_INT8 if int8 else dispatch.WIDE_DOUBLED_SPLIT_TILES
+    assert plan.num_splits * 32 <= H100.num_sms or tiles // plan.num_splits >= doubled
+    if int8:
+        assert plan.stages == dispatch.WIDE_INT8_STAGES  # the widened tile's ring
+    forced = dispatch.choose_variant(1, 32 * 64, 8, 128, seq_len, F16, H100, "split", kv_dtype=kv, tree=True)
     assert forced.num_splits == max(2, splits)  # a forced split still splits
     narrow = dispatch.choose_variant(1, 32 * 16, 8, 128, seq_len, F16, H100, tree=True)
     assert dispatch.columns_block(64, True, True, 128, 8) == 8  # T = 16: 64 narrow items

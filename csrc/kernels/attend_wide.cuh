@@ -820,6 +820,19 @@ struct WideConsumer {
     }
   }
 
+  // O zeroed once stored: its registers are then free for the split merge that may follow (the
+  // compiler otherwise carries O across it to the next item's products, and spills the loop).
+  __device__ __forceinline__ void clear_acc() {
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][hh][e] = 0.f;
+      }
+    }
+  }
+
   // The item's sums over the quad (every lane of a quad then holds its columns' l); int8: O
   // without the codes' bias, back from units of v_unit.
   __device__ __forceinline__ void finish() {

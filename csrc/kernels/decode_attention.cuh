@@ -478,6 +478,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
           }
         }
       }
+      c.clear_acc();
       if (tid == 0) {
         timeline_item(p, item_seq, kTlOutStored);
         timeline_item(p, item_seq, kTlAppended);  // wide items append nothing (the check-and-append launch did)

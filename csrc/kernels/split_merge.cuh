@@ -91,6 +91,83 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
   }
 }
 
+// The merge of a wide item (kWideColumns columns, tree steps): a thread per (column, kWideChunks
+// float4 chunks), online over the splits like merge_online, kWideBatch splits' (max, sum) and values
+// loaded together, so a round of nthreads / (C4 / kWideChunks) columns costs one L2 round trip per
+// kWideBatch splits: 8 for 64 columns of head dim 128 on 128 threads at up to 4 splits, where the
+// weights-first merge took 24 (a round per 8 columns' weights, then one per (column, chunk) round of
+// the values; B=1 T=64 1K: 15.8 us on the merging block's timeline). Four chunks a thread (4 round
+// trips) spilled the wide kernels' tile loop (their O stays live across the merge unless cleared:
+// WideConsumer::clear_acc) and cost rows that never merge 6-7 % (docs/data/ab_wide_merge_forms_h200.md).
+constexpr int kWideChunks = 2;
+constexpr int kWideBatch = 4;
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void merge_wide(const MmhaParams& p, const WorkItem& w, float value_scale, int tid,
+                                           int nthreads) {
+  constexpr int C4 = HEAD_DIM / 4;
+  static_assert(C4 % kWideChunks == 0, "whole chunk groups per column");
+  constexpr int TPC = C4 / kWideChunks;  // threads per column
+  const int num_splits = p.sched.num_splits;
+  const SplitPartials<HEAD_DIM> part(p);
+  const int per_round = nthreads / TPC;
+  const int sub = tid % TPC;
+  for (int g = tid / TPC; g < w.nh; g += per_round) {
+    const Column col = column_of(p, w, g);
+    if (col.node >= w.nodes) continue;
+    const int64_t h = col.flat(p.num_heads);
+    const float4* acc = reinterpret_cast<const float4*>(part.acc + h * num_splits * HEAD_DIM) + sub;
+    const float2* ml = part.ml + h * num_splits;
+    float mx = sink_log2(p.mods, col.head);  // the head's sink joins the max and the sum once
+    float sum = mx == -INFINITY ? 0.f : 1.f;
+    float4 a[kWideChunks];
+#pragma unroll
+    for (int j = 0; j < kWideChunks; ++j) a[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < w.active; s += kWideBatch) {
+      float2 ms[kWideBatch];
+      float4 v[kWideBatch][kWideChunks];
+#pragma unroll
+      for (int u = 0; u < kWideBatch; ++u) {
+        const bool on = s + u < w.active;
+        ms[u] = on ? __ldcg(ml + s + u) : make_float2(-INFINITY, 0.f);
+#pragma unroll
+        for (int j = 0; j < kWideChunks; ++j) {
+          v[u][j] = on ? __ldcg(acc + (s + u) * C4 + TPC * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+      float top = mx;
+#pragma unroll
+      for (int u = 0; u < kWideBatch; ++u) top = fmaxf(top, ms[u].x);
+      const float m_ref = top == -INFINITY ? 0.f : top;
+      const float r = exp2f(mx - m_ref);  // what the batches before summed, to the new max
+      sum *= r;
+#pragma unroll
+      for (int j = 0; j < kWideChunks; ++j) a[j] = make_float4(a[j].x * r, a[j].y * r, a[j].z * r, a[j].w * r);
+#pragma unroll
+      for (int u = 0; u < kWideBatch; ++u) {
+        const float e = exp2f(ms[u].x - m_ref);
+        sum += ms[u].y * e;
+#pragma unroll
+        for (int j = 0; j < kWideChunks; ++j) {
+          a[j].x += e * v[u][j].x;
+          a[j].y += e * v[u][j].y;
+          a[j].z += e * v[u][j].z;
+          a[j].w += e * v[u][j].w;
+        }
+      }
+      mx = top;
+    }
+    if (sub == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
+    const float k = value_scale / sum;
+#pragma unroll
+    for (int j = 0; j < kWideChunks; ++j) {
+      const int d = 4 * (sub + TPC * j);
+      store_out4<T, false>(p.output, h * HEAD_DIM + d, col.head * HEAD_DIM + d,
+                           make_float4(a[j].x * k, a[j].y * k, a[j].z * k, a[j].w * k));
+    }
+  }
+}
+
 // Split sequence: the item that makes the count of this (row, column block) reach the row's
 // active splits merges every split's partial. `sync` is a barrier of the nthreads taking part.
 // The count is one release-acquire atomic of thread 0 after the barrier (cumulative over the
@@ -238,6 +315,8 @@ __device__ __forceinline__ void merge_if_last(const MmhaParams& p, const WorkIte
   if (!s_last) return;
   if constexpr (QB == 1) {
     merge_online<T, HEAD_DIM, EPI>(p, w, value_scale, tid, nthreads);
+  } else if constexpr (QB == kWideColumns && !EPI) {
+    merge_wide<T, HEAD_DIM>(p, w, value_scale, tid, nthreads);
   } else {
     merge_weights_first<T, HEAD_DIM, QB, EPI>(p, w, s_w, value_scale, tid, nthreads, sync, stamp);
   }

@@ -145,15 +145,16 @@ def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
     layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
     ref = tree_bench.reference_out(layers[0])
     plan = tree_bench.plan_of(row)
+    ws = tree_bench.workspace_for(row)  # one for every plan and layer: a large row's plans fit the GPU
     methods = {}
     for each in tree_plans(plan, splits):
         name = plan_str(each)
-        fns = [tree_bench.mmha_fn(layer, each.num_splits, each.stages) for layer in layers]
+        fns = [tree_bench.mmha_fn(layer, each.num_splits, each.stages, ws) for layer in layers]
         err = tree_bench.error(fns[0](), layers[0], ref)
         assert err <= TOLERANCE["fp16"], f"tree row {row}: plan {name} error {err:.3g}"
         methods[name] = fns
     got = timing.decode_us_rounds(methods, rounds=4)
-    del layers, methods
+    del layers, methods, ws
     torch.cuda.empty_cache()
     times = {name: r["us"] for name, r in got.items()}
     best = min(times, key=times.get)

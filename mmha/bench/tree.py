@@ -211,12 +211,18 @@ class Layer:
         self.row = row
 
 
-def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = None):
-    """mmha's tree step on ``layer``, at the dispatcher's plan or the split / stage counts given."""
-    row = layer.row
-    ws = ops.Workspace.allocate(
+def workspace_for(row) -> ops.Workspace:
+    """A workspace that serves ``row``'s tree steps at any plan (one stream: shareable by all)."""
+    return ops.Workspace.allocate(
         "cuda", row.batch, row.num_heads, row.head_dim, dispatch.MAX_SPLITS, row.nodes
     )
+
+
+def mmha_fn(layer: Layer, num_splits: int | None = None, stages: int | None = None, workspace=None):
+    """mmha's tree step on ``layer``, at the dispatcher's plan or the split / stage counts given;
+    ``workspace``: one to share (the steps timed one after another on one stream), else its own."""
+    row = layer.row
+    ws = workspace_for(row) if workspace is None else workspace
     return lambda: ops.decode_tree(
         layer.qkv, layer.kc, layer.vc, layer.lengths, layer.parents, num_heads=row.num_heads,
         num_kv_heads=row.num_kv_heads, workspace=ws, validate=False, max_len=row.context + row.nodes,
