@@ -379,14 +379,7 @@ struct WideConsumer {
         k_bias[h] = kInt8Bias * sum;
       }
     }
-#pragma unroll
-    for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][hh][e] = 0.f;
-      }
-    }
+    clear_acc();
   }
 
   // B fragments of K^T for K steps j and j + 1 (where it exists) over keys key0 .. key0 + 15:

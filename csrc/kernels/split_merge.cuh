@@ -99,6 +99,8 @@ __device__ __forceinline__ void merge_online(const MmhaParams& p, const WorkItem
 // the values; B=1 T=64 1K: 15.8 us on the merging block's timeline). Four chunks a thread (4 round
 // trips) spilled the wide kernels' tile loop (their O stays live across the merge unless cleared:
 // WideConsumer::clear_acc) and cost rows that never merge 6-7 % (docs/data/ab_wide_merge_forms_h200.md).
+// Kept apart from merge_online: one template for both moved the one-token kernels' merge code
+// and put spills back into the wide kernels' tile loop (fp16 TMA kernel 0 -> 21 spill instructions).
 constexpr int kWideChunks = 2;
 constexpr int kWideBatch = 4;
 
