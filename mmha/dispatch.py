@@ -372,6 +372,8 @@ def _tile_plan(
     stages, blocks_per_sm = tile_stages(
         head_dim, elem, device, qb, act_bytes=act, token_scales=token_scales, int4=int4
     )
+    if tree and token_scales and qb == WIDE_COLUMNS:  # int8 wide items: WIDE_INT8_STAGES
+        stages = min(stages, WIDE_INT8_STAGES)
     allowed = max(1, min(MAX_SPLITS, -(-seq_len // TILE_KEYS)))
     fill = sms * (blocks_per_sm if elem == 1 or tree else 1)
     return stages, blocks_per_sm, allowed, fill
@@ -408,7 +410,9 @@ def _wide_shared_splits(base: int, sms: int, splits: int, grains: int, int8: boo
     """The planned ``splits`` of ``base`` wide items of ``grains`` tiles, where they put two blocks
     on some SMs: kept if each split holds ``WIDE_SHARED_SPLIT_TILES`` tiles (a grid of more than
     half an item per SM already) or ``WIDE_DOUBLED_SPLIT_TILES`` (``_INT8``), else cut to the most
-    that keep one item per SM (at least 1)."""
+    that keep one item per SM (at least 1); splits that keep one item per SM stay as they are."""
+    if splits == 1 or base * splits <= sms:
+        return splits
     need = (
         WIDE_SHARED_SPLIT_TILES
         if 2 * base > sms
@@ -450,9 +454,8 @@ def choose_variant(
     fill it, at most one per tile of ``TILE_KEYS`` keys. Otherwise a partial last wave still idles
     SMs: the sequence is split when that lowers ``ceil(items * s / wave) / s`` by at least ``1 -
     SPLIT_GAIN``. A tree step's wide items split into no fewer than ``WIDE_MIN_SPLIT_TILES``
-    tiles, past one item per SM only into ``WIDE_DOUBLED_SPLIT_TILES`` (``_INT8``), or
-    ``WIDE_SHARED_SPLIT_TILES`` where the unsplit grid holds more than half an item per SM
-    (``_wide_shared_splits``; int8 wide items on ``WIDE_INT8_STAGES``); its narrow items into at
+    tiles, past one item per SM into ``WIDE_DOUBLED_SPLIT_TILES`` (``_INT8``) or, where the unsplit
+    grid holds over half an item per SM, ``WIDE_SHARED_SPLIT_TILES``; its narrow items into at
     most ``ceil(tiles / TREE_MIN_SPLIT_TILES)`` splits. Never more than
     ``MAX_SPLITS`` splits; the kernel cuts a row of n tiles into splits of ``n // s`` or
     ``n // s + 1`` tiles. CUDA-core loop (fp32), one block per item:
@@ -493,13 +496,10 @@ def choose_variant(
         splits = max(1, min(allowed, fill // base))
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
-    if wide and splits > 1 and base * splits > sms:
-        splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8)
+    splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8) if wide else splits
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         block_tiles = base * grains // (sms * blocks_per_sm)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
-    if wide and kv_dtype == torch.int8:
-        stages = min(stages, WIDE_INT8_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":
