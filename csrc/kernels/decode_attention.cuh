@@ -382,8 +382,9 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   const int items = num_items(p);
 
   using M = typename Wide::M;
-  // The warps' q staging areas at an item's first tile, the split merge's weights at its last
-  // (a barrier ends every merge before any warp stages its next q).
+  // The warps' q staging areas. merge_wide reads no shared memory: the merge weights' share of
+  // BUF_BYTES and the barrier after a merge are the weights-first merge's, kept (with the static
+  // shared memory that tile_static_smem counts for them) until a device A/B drops them together.
   constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES > QB * kMaxSplits * 4
                                 ? kConsumerWarps * Wide::Q_STAGE_BYTES
                                 : QB * kMaxSplits * 4;
@@ -485,7 +486,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       }
       if (p.sched.num_splits > 1) {
         merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0);
-        sync();  // s_w is the q staging area again
+        sync();  // see BUF_BYTES: merge_wide no longer needs it
       }
       if (tid == 0) timeline_item(p, item_seq, kTlItemDone);
       if (tid == 0 && item_seq == 0) {
