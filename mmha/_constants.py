@@ -127,10 +127,10 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     # against 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's buffer),
     # the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), per-warp max
     # and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, warp buffers,
-    # a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging (or
-    # merge weights), the q norm's scales, barriers, headers, the item slots
+    # a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging, the q
+    # norm's scales, barriers, headers, the item slots
     wide_staging = CONSUMER_WARPS * 16 * (head_dim + 8) * 2
-    wide = max(wide_staging, qb * 64 * 4) + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
+    wide = wide_staging + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
     warp_buffers = CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0
     epilogue_channels = 3 * head_dim * 4 if qb == 1 else 0
     narrow = qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256

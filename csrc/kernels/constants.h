@@ -125,11 +125,11 @@ constexpr int int4_residual_bytes(int head_dim) {
 // 21.8 compiled at 8 heads of head_dim 256). Narrow items: q in fp32 (then the combine's buffer), the new
 // token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), per-warp max and sum,
 // the q/k norms' scales, ring and staging barriers, tile headers, the item slots, warp buffers, a one-column
-// item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging (or merge weights), the
-// q norm's scales, barriers, headers, the item slots
+// item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging, the q norm's scales,
+// barriers, headers, the item slots
 constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   const int wide_staging = (((kConsumerWarps * 16) * (head_dim + 8)) * 2);
-  const int wide = ((((((max_of(wide_staging, ((qb * 64) * 4)) + ((kConsumerWarps * 16) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + 256);
+  const int wide = ((((((wide_staging + ((kConsumerWarps * 16) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + 256);
   const int warp_buffers = (((qb * head_dim) <= kWarpBufferValues) ? (((kConsumerWarps * qb) * head_dim) * 4) : 0);
   const int epilogue_channels = ((qb == 1) ? ((3 * head_dim) * 4) : 0);
   const int narrow = ((((((((((((((qb * head_dim) * 4) + ((2 * head_dim) * elem_bytes)) + (((2 * (qb + 2)) * head_dim) * elem_bytes)) + ((qb * 64) * 4)) + (((2 * kConsumerWarps) * qb) * 4)) + ((qb + 1) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + warp_buffers) + epilogue_channels) + 256);

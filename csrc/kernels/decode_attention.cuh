@@ -382,12 +382,8 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   const int items = num_items(p);
 
   using M = typename Wide::M;
-  // The warps' q staging areas. merge_wide reads no shared memory: the merge weights' share of
-  // BUF_BYTES and the barrier after a merge are the weights-first merge's, kept (with the static
-  // shared memory that tile_static_smem counts for them) until a device A/B drops them together.
-  constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES > QB * kMaxSplits * 4
-                                ? kConsumerWarps * Wide::Q_STAGE_BYTES
-                                : QB * kMaxSplits * 4;
+  // The warps' q staging areas (merge_wide, the split merge, reads no shared memory).
+  constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES;
   __shared__ __align__(16) unsigned char s_buf[BUF_BYTES];
   __shared__ bool s_last;
   __shared__ TileRing ring;
@@ -397,7 +393,6 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
   // The widened tile after the stages (stages_smem_bytes counts it; 1024-aligned: whole stages).
   unsigned char* widened = stages + p.sched.stages * L::STAGE_BYTES;
-  auto& s_w = *reinterpret_cast<float(*)[QB][kMaxSplits]>(s_buf);
   M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
   if (tid == 0) timeline_mark(p, kTlEntered);
   if (tid == 0) {
@@ -485,8 +480,11 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
         timeline_item(p, item_seq, kTlAppended);  // wide items append nothing (the check-and-append launch did)
       }
       if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, s_w, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0);
-        sync();  // see BUF_BYTES: merge_wide no longer needs it
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, nullptr, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0);
+        // merge_wide leaves nothing shared to wait for, but without this barrier the cp.async
+        // kernel's registers are allocated otherwise and its tree masks spill (nvdisasm -g, head
+        // dim 128: 10 more spill loads and stores in the tile loop); one named barrier a split item.
+        sync();
       }
       if (tid == 0) timeline_item(p, item_seq, kTlItemDone);
       if (tid == 0 && item_seq == 0) {

@@ -157,7 +157,7 @@ FUNCTIONS = [
             ("wide_staging", "CONSUMER_WARPS * 16 * (head_dim + 8) * 2"),
             (
                 "wide",
-                "max(wide_staging, qb * 64 * 4) + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64"
+                "wide_staging + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64"
                 " + ITEM_SLOTS_BYTES + 256",
             ),
             (
@@ -179,7 +179,7 @@ FUNCTIONS = [
         "buffer), the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), "
         "per-warp max and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, "
         "warp buffers, a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q "
-        "staging (or merge weights), the q norm's scales, barriers, headers, the item slots",
+        "staging, the q norm's scales, barriers, headers, the item slots",
     ),
     (
         "wide_widened_bytes",
