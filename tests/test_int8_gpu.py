@@ -52,8 +52,11 @@ def assert_outputs_close(out, lse, ref, ref_lse, dtype):
 
 def assert_caches_as_reference(got, want, rotary):
     """The append as the reference stores it: V's codes and scales bit for bit; K's too without
-    rotary (rotated k may sit one code away, its scale a few ulps: the kernel's sincos and torch's
-    differ in the last fp32 bit). Every other slot, stray codes and NaN scales included, bit for bit."""
+    rotary. Rotated k may sit one code away and its scale a little off: the kernel's angles are
+    fp32 (position x frequency, within 2^-24 of the float64 reference's relative, so up to S_max x
+    2^-24 radians off), which moves the largest |k| of a token by about as much relative (2.2e-5 at
+    positions 300-540, where a fixed 1e-5 failed). Every other slot, stray codes and NaN scales
+    included, bit for bit."""
     kc, vc, ks, vs = got
     rk, rv, rks, rvs = want
     assert_bits_equal(vc, rv, "v_cache")
@@ -63,7 +66,8 @@ def assert_caches_as_reference(got, want, rotary):
         assert_bits_equal(ks, rks, "k_scale")
         return
     assert (kc.int() - rk.int()).abs().max().item() <= 1, "rotated k more than one code from the reference"
-    assert torch.allclose(ks, rks, rtol=1e-5, atol=0, equal_nan=True), "rotated k's scale"
+    rtol = 1e-5 + 2 * ks.shape[-1] * 2.0**-24  # the largest position's fp32 angle error, twice
+    assert torch.allclose(ks, rks, rtol=rtol, atol=0, equal_nan=True), "rotated k's scale"
 
 
 def check_int8(case, ks, vs, rotary=False, **kw):

@@ -123,6 +123,29 @@ def test_int8_wide_items_over_tile_and_split_edges(splits, source):
     check_int8_tree(case, ks, vs, qkv, parents, [40, 40, 17, 40], num_splits=splits, tile_source=source)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("feature", ["partial_interleaved", "bias", "q_norm"])
+def test_int8_wide_items_q_features(feature, dtype):
+    """Wide items' q over an int8 cache, staged raw and rotated in place after a first pass for
+    the warp's largest |q| (WideConsumer::rotate_plain_rows, rotate_featured_rows): a partial
+    rotary in the interleaved pair layout, a qkv bias, a q norm; bf16 rows become fp16 in place."""
+    from test_qk_norm_gpu import _norm
+
+    nodes = 33  # 132 columns per kv head: wide items
+    assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 2) == dispatch.WIDE_COLUMNS
+    case, ks, vs = int8_case(3, 8, 2, 128, [0, 70, 500], 640, dtype, seed=len(feature), bias=feature == "bias",
+                             rotary_dim=128)  # fmt: skip
+    if feature == "partial_interleaved":
+        case.rotary.update(dim=48, interleaved=True)
+    if feature == "q_norm":
+        case.mods["qk_norm"] = _norm(128, nodes, sides="q")
+    g = torch.Generator().manual_seed(len(feature) + 1)
+    qkv = torch.randn(3, nodes, 12 * 128, generator=g).to(dtype).cuda()
+    rng = random.Random(len(feature))
+    parents = torch.tensor([random_tree(rng, nodes, "random") for _ in range(3)], dtype=torch.int32).cuda()
+    check_int8_tree(case, ks, vs, qkv, parents, [nodes, nodes - 4, nodes], num_splits=2)
+
+
 def test_int8_wide_items_with_large_logits():
     """q x 30: scores far past the rescale slack, so the running maxima move often."""
     case, ks, vs, qkv, parents, counts = int8_tree_case(

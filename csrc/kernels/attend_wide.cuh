@@ -112,12 +112,14 @@ struct WideConsumer {
     }
   }
 
-  // 16-bit caches stage q in the activations' type, each dim where it lies in the row (q_column):
-  // a warp's rows are copied there raw first and the pass in init rotates them in place, so all of
-  // a lane's loads are in flight at once where the pass read global memory a column at a time, one
-  // dependent round trip after another. One-byte caches permute the dims (and fp8 reads q twice).
+  // 16-bit caches and widened int8 tiles stage q in 16 bits, each dim where it lies in the row
+  // (q_column is the identity): a warp's rows are copied there raw first (in the activations' type)
+  // and init's passes rotate them in place (into M), so all of a lane's loads are in flight at once
+  // where the general pass reads global memory a column at a time, one dependent round trip after
+  // another (twice for one-byte caches: 25 of a B=1 T=64 1K int8 step's 57 us, H200 timeline).
+  // fp8 caches and int8 ones on mma.sync permute the dims (q_column) and keep the general pass.
   template <typename T>
-  static constexpr bool kRawStaged = !kBytes && std::is_same_v<M, T>;
+  static constexpr bool kRawStaged = sizeof(T) == 2 && (kWidened || (!kBytes && std::is_same_v<M, T>));
 
   // The raw rows of the warp's columns [first, last) into its staging area: 16-byte async copies
   // where qkv's rows allow them (no registers held; the consumers issue no other cp.async), else
@@ -129,6 +131,7 @@ struct WideConsumer {
     static_assert(16 * CHUNKS % 32 == 0, "whole chunks per lane");
     constexpr int PER = 16 * CHUNKS / 32;
     const T* qkv = static_cast<const T*>(p.qkv);
+    T* s_t = reinterpret_cast<T*>(s_q);  // M's slots (both 16 bits), raw until rotated
     const auto row_of = [&](int r) {
       const Column c = column_of(p, w, first + r);
       return qkv + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
@@ -139,12 +142,12 @@ struct WideConsumer {
         const int idx = lane + 32 * k;
         const int r = idx / CHUNKS;
         const bool on = first + r < last;
-        cp_async16(s_q + q_at(warp, r, 8 * (idx % CHUNKS)), on ? row_of(r) + 8 * (idx % CHUNKS) : qkv, on);
+        cp_async16(s_t + q_at(warp, r, 8 * (idx % CHUNKS)), on ? row_of(r) + 8 * (idx % CHUNKS) : qkv, on);
       }
       cp_async_wait_all();
     } else {
       for (int idx = lane; idx < (last - first) * HEAD_DIM; idx += 32) {
-        s_q[q_at(warp, idx / HEAD_DIM, idx % HEAD_DIM)] = row_of(idx / HEAD_DIM)[idx % HEAD_DIM];
+        s_t[q_at(warp, idx / HEAD_DIM, idx % HEAD_DIM)] = row_of(idx / HEAD_DIM)[idx % HEAD_DIM];
       }
     }
     __syncwarp();
@@ -181,9 +184,14 @@ struct WideConsumer {
   // each column's loads waiting for the last one's stores (the same array, for all the compiler
   // knows), ran about 90 instructions a column on one warp per scheduler: most of the 10 us
   // between an item's header and its q (B=1 T=64 1K). Same values as that pass, bit for bit.
-  __device__ __forceinline__ static void rotate_plain_rows(const MmhaParams& p, const WorkItem& w, M* s_q, int warp,
-                                                           int lane, int first, int last, int n0, int n1, int my_pos,
-                                                           float scale_log2) {
+  // Reads the rows as T (staged raw) and writes M; measure (one-byte caches' first pass): stores
+  // nothing and returns the lane's largest |q| (then q_unit scales the stores, as in init).
+  template <typename T>
+  __device__ __forceinline__ static float rotate_plain_rows(const MmhaParams& p, const WorkItem& w, M* s_q, int warp,
+                                                            int lane, int first, int last, int n0, int n1, int my_pos,
+                                                            float scale_log2, float q_unit, bool measure) {
+    const T* s_t = reinterpret_cast<const T*>(s_q);
+    float qmax = 0.f;
     const auto columns = [&](const RotaryPair& rp, int, int c_lo, int c_hi, float sn, float cs) {
       if (rp.rotated && rp.factor != 1.f) {  // as rotate_prepared
         sn = __fmul_rn(sn, rp.factor);
@@ -194,8 +202,8 @@ struct WideConsumer {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
           const int r = min(c + k, c_hi - 1) - first;
-          a[k] = to_float(s_q[q_at(warp, r, rp.d0)]);
-          b[k] = to_float(s_q[q_at(warp, r, rp.d1)]);
+          a[k] = to_float(s_t[q_at(warp, r, rp.d0)]);
+          b[k] = to_float(s_t[q_at(warp, r, rp.d1)]);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -205,13 +213,30 @@ struct WideConsumer {
               x0 = __fmaf_rn(a[k], cs, __fmul_rn(-b[k], sn));
               x1 = __fmaf_rn(b[k], cs, __fmul_rn(a[k], sn));
             }
-            s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
-            s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
+            store_or_measure(s_q, q_at(warp, c + k - first, rp.d0), q_at(warp, c + k - first, rp.d1),
+                             x0 * scale_log2, x1 * scale_log2, q_unit, measure, qmax);
           }
         }
       }
     };
     for_node_pairs<2>(p, w.c0, lane, first, last, n0, n1, my_pos, columns);
+    return qmax;
+  }
+
+  // A rotated pair's two values (q x scale_log2) into their slots times q_unit, or (measure: one-
+  // byte caches' first pass) into the lane's largest |q| only: the general pass's two passes, in
+  // the same roundings.
+  __device__ __forceinline__ static void store_or_measure(M* s_q, int i0, int i1, float x0, float x1, float q_unit,
+                                                          bool measure, float& qmax) {
+    if (kBytes && measure) {
+      qmax = fmaxf(qmax, fmaxf(fabsf(x0), fabsf(x1)));
+    } else if constexpr (kBytes) {
+      s_q[i0] = from_float<M>(x0 * q_unit);
+      s_q[i1] = from_float<M>(x1 * q_unit);
+    } else {
+      s_q[i0] = from_float<M>(x0);
+      s_q[i1] = from_float<M>(x1);
+    }
   }
 
   // The pass of init over raw-staged rows (kRawStaged) with a bias or a q norm (Qwen's, Gemma's):
@@ -223,9 +248,12 @@ struct WideConsumer {
   // us at the same instruction count; out of line (noinline) the call spilled in the tile loop
   // (docs/experiments.md, 2026-11-29).
   template <typename T>
-  __device__ __forceinline__ static void rotate_featured_rows(const MmhaParams& p, int c0, int head_base, M* s_q,
-                                                             int warp, int lane, int first, int last, int n0, int n1,
-                                                             int my_pos, float scale_log2, const float* inv) {
+  __device__ __forceinline__ static float rotate_featured_rows(const MmhaParams& p, int c0, int head_base, M* s_q,
+                                                              int warp, int lane, int first, int last, int n0, int n1,
+                                                              int my_pos, float scale_log2, const float* inv,
+                                                              float q_unit, bool measure) {
+    const T* s_t = reinterpret_cast<const T*>(s_q);
+    float qmax = 0.f;
     const T* bias = static_cast<const T*>(p.qkv_bias);
     const QKNormParams& qn = p.qk_norm;
     const int group = p.group;
@@ -237,8 +265,8 @@ struct WideConsumer {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
           const int r = min(c + k, c_hi - 1);
-          a[k] = to_float(s_q[q_at(warp, r - first, rp.d0)]);
-          b[k] = to_float(s_q[q_at(warp, r - first, rp.d1)]);
+          a[k] = to_float(s_t[q_at(warp, r - first, rp.d0)]);
+          b[k] = to_float(s_t[q_at(warp, r - first, rp.d1)]);
           if (node_bias != nullptr) {  // as biased() adds it
             a[k] += to_float(node_bias[r * HEAD_DIM + rp.d0]);
             b[k] += to_float(node_bias[r * HEAD_DIM + rp.d1]);
@@ -251,13 +279,30 @@ struct WideConsumer {
                 qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[c + k - first], qn.cast_first} : HeadNorm{};
             float x0, x1;
             rotate_values<T>(a[k], b[k], rp, sn, cs, x0, x1, hn);
-            s_q[q_at(warp, c + k - first, rp.d0)] = from_float<M>(x0 * scale_log2);
-            s_q[q_at(warp, c + k - first, rp.d1)] = from_float<M>(x1 * scale_log2);
+            store_or_measure(s_q, q_at(warp, c + k - first, rp.d0), q_at(warp, c + k - first, rp.d1),
+                             x0 * scale_log2, x1 * scale_log2, q_unit, measure, qmax);
           }
         }
       }
     };
     for_node_pairs<1>(p, c0, lane, first, last, n0, n1, my_pos, columns);
+    return qmax;
+  }
+
+  // One-byte caches: from the lanes' largest |q| the power of two that brings the warp's q to
+  // [2^7, 2^8) (returned: q_unit) and its inverse on the scores (s_unit); 1 where q is 0 or not finite.
+  __device__ __forceinline__ float set_units(float qmax) {
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+    float q_unit = 1.f;
+    if (qmax > 0.f && qmax <= 3.0e38f) {
+      int e = 0;
+      frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
+      const int shift = max(-100, min(100, 8 - e));
+      q_unit = ldexpf(1.f, shift);
+      s_unit = ldexpf(1.f, -shift);
+    }
+    return q_unit;
   }
 
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
@@ -317,12 +362,26 @@ struct WideConsumer {
     const int my_pos = n0 + lane <= n1 ? query_position<false>(p, w, column_of(p, w, my_col)) : 0;
     float q_unit = 1.f;
     float qmax = 0.f;
-    if constexpr (kRawStaged<T>) {  // the raw rows rotated in place
-      if (bias == nullptr && qn.q_weight == nullptr) {
-        rotate_plain_rows(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2);
+    if constexpr (kRawStaged<T>) {  // the raw rows rotated in place (widened int8: their |q| first)
+      const bool plain = bias == nullptr && qn.q_weight == nullptr;
+      const int head_base = w.kvh * group + w.c0;
+      if constexpr (kBytes) {
+#pragma unroll 1
+        for (int pass = 0; pass < 2; ++pass) {  // one call site each: the code once
+          const bool measure = pass == 0;
+          if (plain) {
+            qmax = rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, q_unit, measure);
+          } else {
+            qmax = rotate_featured_rows<T>(p, w.c0, head_base, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2,
+                                           s_norm[warp], q_unit, measure);
+          }
+          if (measure) q_unit = set_units(qmax);
+        }
+      } else if (plain) {
+        rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, 1.f, false);
       } else {
-        rotate_featured_rows<T>(p, w.c0, w.kvh * group + w.c0, s_q, warp, lane, first, last, n0, n1, my_pos,
-                                scale_log2, s_norm[warp]);
+        rotate_featured_rows<T>(p, w.c0, head_base, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2,
+                                s_norm[warp], 1.f, false);
       }
     }
     for (int pass = kRawStaged<T> ? 2 : kBytes ? 0 : 1; pass < 2; ++pass) {  // the other caches' pass
@@ -349,17 +408,7 @@ struct WideConsumer {
       };
       for_node_pairs<4>(p, w.c0, lane, first, last, n0, n1, my_pos, columns);
       if constexpr (kBytes) {
-        if (pass == 0) {
-#pragma unroll
-          for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
-          if (qmax > 0.f && qmax <= 3.0e38f) {
-            int e = 0;
-            frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
-            const int shift = max(-100, min(100, 8 - e));
-            q_unit = ldexpf(1.f, shift);
-            s_unit = ldexpf(1.f, -shift);
-          }
-        }
+        if (pass == 0) q_unit = set_units(qmax);
       }
     }
     // Rows of columns past the item's: zeros.
