@@ -37,6 +37,7 @@
 #include "score_mods.cuh"
 #include "tile_layout.cuh"
 #include "tile_operands.cuh"
+#include "timeline.cuh"
 #include "warp_combine.cuh"
 #include "wgmma.cuh"
 #include "work_items.cuh"
@@ -310,8 +311,10 @@ struct WideConsumer {
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
   // fp8: a first pass finds the warp's largest |q|.
   template <typename T>
+  // stamp: the block's item number where this thread stamps the q build's events (timeline.cuh;
+  // an MMHA_TIMELINE build), else 2 or more.
   __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
-                                       int lane) {
+                                       int lane, int stamp) {
     busy = 16 * warp < w.nh;
     tree.on = tree_step<false>(p);
     tree.base = w.pos;
@@ -353,13 +356,17 @@ struct WideConsumer {
       }
       __syncwarp();
     }
-    if constexpr (kRawStaged<T>) stage_raw_rows<T>(p, w, s_q, warp, lane, first, last);
+    if constexpr (kRawStaged<T>) {
+      stage_raw_rows<T>(p, w, s_q, warp, lane, first, last);
+      timeline_item(p, stamp, kTlQueryStaged);
+    }
     const int n0 = (w.c0 + first) / group;
     const int n1 = (w.c0 + last - 1) / group;
     // pass 0 (one-byte caches only): the warp's largest |q|; pass 1: q * q_unit into the staging area.
     // Lane k holds node n0 + k's position (at most 16 nodes per warp): one load for all of them.
     const int my_col = max(first, (n0 + lane) * group - w.c0);
     const int my_pos = n0 + lane <= n1 ? query_position<false>(p, w, column_of(p, w, my_col)) : 0;
+    timeline_item_after(p, stamp, kTlQueryPlaced, my_pos);
     float q_unit = 1.f;
     float qmax = 0.f;
     if constexpr (kRawStaged<T>) {  // the raw rows rotated in place (widened int8: their |q| first)
@@ -411,6 +418,7 @@ struct WideConsumer {
         if (pass == 0) q_unit = set_units(qmax);
       }
     }
+    timeline_item(p, stamp, kTlQueryRotated);
     // Rows of columns past the item's: zeros.
     for (int idx = lane; idx < (first + 16 - last) * HEAD_DIM; idx += 32) {
       s_q[q_at(warp, last - first + idx / HEAD_DIM, idx % HEAD_DIM)] = from_float<M>(0.f);

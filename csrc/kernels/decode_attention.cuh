@@ -440,7 +440,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
       value_scale = h.v_scale;
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
-      c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane);
+      c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane, tid == 0 ? item_seq : 2);
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
       if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
     }

@@ -270,6 +270,9 @@ enum TimelineEvent : int {
   kTlRole,        // not a time: the first item's role (timeline_role, timeline.cuh)
   kTlWeighed,     // the merging block: the splits' weights in shared memory
   kTlSummed,      // the merging block: thread 0's first sums of the splits' values
+  kTlQueryStaged,   // wide items, warp 0: its q rows staged raw (their copies landed)
+  kTlQueryPlaced,   // wide items, warp 0: its nodes' positions read
+  kTlQueryRotated,  // wide items, warp 0: its q rotated (then the barrier: kTlQueryBuilt)
   kTlSecond       // the events above: the second item's event e is at kTlSecond + e
 };
 constexpr int kTimelineEvents = 2 * kTlSecond;

@@ -36,6 +36,28 @@ __device__ __forceinline__ void timeline_item(const MmhaParams& p, int seq, int 
 #endif
 }
 
+// As timeline_item, the time read once `dep` (a value loaded from memory) has arrived: the timer
+// read is predicated on a test of dep, so it waits for the load as a use of dep would.
+__device__ __forceinline__ void timeline_item_after(const MmhaParams& p, int seq, int e, int dep) {
+#ifdef MMHA_TIMELINE
+  if (seq < 2 && p.timeline != nullptr && static_cast<int>(blockIdx.x) < p.timeline_blocks) {
+    uint64_t t;
+    asm volatile(
+        "{\n\t.reg .pred q;\n\tsetp.ne.s32 q, %1, -1;\n\t@q mov.u64 %0, %%globaltimer;\n\t"
+        "@!q mov.u64 %0, %%globaltimer;\n\t}"
+        : "=l"(t)
+        : "r"(dep)
+        : "memory");
+    p.timeline[static_cast<int64_t>(blockIdx.x) * kTimelineEvents + (seq == 0 ? e : kTlSecond + e)] = t;
+  }
+#else
+  (void)p;
+  (void)seq;
+  (void)e;
+  (void)dep;
+#endif
+}
+
 // Event e of this block set to a value, not a time (kTlRole).
 __device__ __forceinline__ void timeline_value(const MmhaParams& p, int e, uint64_t v) {
 #ifdef MMHA_TIMELINE

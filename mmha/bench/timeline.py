@@ -38,7 +38,7 @@ import torch
 FIRST_EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
     "out_stored", "appended", "item_done", "consumers_done", "producer_done", "header_seen", "q_built",
-    "counted", "role", "weighed", "summed",
+    "counted", "role", "weighed", "summed", "q_staged", "q_placed", "q_rotated",
 )  # fmt: skip
 EVENTS = FIRST_EVENTS + tuple(f"second_{e}" for e in FIRST_EVENTS)
 # (name, from event, to event): a block's phases, all but the first of its first item.
@@ -50,6 +50,11 @@ PHASES = (
     ("issued -> first tile landed", "first_issued", "first_landed"),
     ("  issued -> consumers see the header", "first_issued", "header_seen"),
     ("  header -> q (and tree nodes) built", "header_seen", "q_built"),
+    # Wide items: warp 0's steps of the q build, then the barrier that waits for the other warps.
+    ("    header -> q rows staged (wide)", "header_seen", "q_staged"),
+    ("    staged -> node positions read", "q_staged", "q_placed"),
+    ("    positions -> warp 0's q rotated", "q_placed", "q_rotated"),
+    ("    rotated -> every warp's q", "q_rotated", "q_built"),
     ("  q built -> first tile landed", "q_built", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
@@ -67,6 +72,9 @@ PHASES = (
     ("first item done -> second header seen", "item_done", "second_header_seen"),
     ("second: issued -> first tile landed", "second_first_issued", "second_first_landed"),
     ("  second: header -> q built", "second_header_seen", "second_q_built"),
+    ("    second: header -> q rows staged (wide)", "second_header_seen", "second_q_staged"),
+    ("    second: staged -> positions read", "second_q_staged", "second_q_placed"),
+    ("    second: positions -> warp 0's q rotated", "second_q_placed", "second_q_rotated"),
     ("  second: q built -> first tile landed", "second_q_built", "second_first_landed"),
     ("second: first -> last tile landed", "second_first_landed", "second_last_landed"),
     ("second: last tile landed -> attended", "second_last_landed", "second_last_attended"),
