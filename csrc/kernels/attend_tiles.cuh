@@ -152,17 +152,7 @@ struct TileConsumer {
     float q_unit = 1.f;
     s_unit = 1.f;
     v_unit = 0.f;
-    if constexpr (kBytes) {
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
-      if (qmax > 0.f && qmax <= 3.0e38f) {
-        int e = 0;
-        frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
-        const int shift = max(-100, min(100, 8 - e));
-        q_unit = ldexpf(1.f, shift);
-        s_unit = ldexpf(1.f, -shift);
-      }
-    }
+    if constexpr (kBytes) q_unit = byte_q_unit(qmax, s_unit);
 #pragma unroll
     for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll

@@ -290,22 +290,6 @@ struct WideConsumer {
     return qmax;
   }
 
-  // One-byte caches: from the lanes' largest |q| the power of two that brings the warp's q to
-  // [2^7, 2^8) (returned: q_unit) and its inverse on the scores (s_unit); 1 where q is 0 or not finite.
-  __device__ __forceinline__ float set_units(float qmax) {
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
-    float q_unit = 1.f;
-    if (qmax > 0.f && qmax <= 3.0e38f) {
-      int e = 0;
-      frexpf(qmax, &e);  // qmax in [2^(e-1), 2^e)
-      const int shift = max(-100, min(100, 8 - e));
-      q_unit = ldexpf(1.f, shift);
-      s_unit = ldexpf(1.f, -shift);
-    }
-    return q_unit;
-  }
-
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
@@ -382,7 +366,7 @@ struct WideConsumer {
             qmax = rotate_featured_rows<T>(p, w.c0, head_base, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2,
                                            s_norm[warp], q_unit, measure);
           }
-          if (measure) q_unit = set_units(qmax);
+          if (measure) q_unit = byte_q_unit(qmax, s_unit);
         }
       } else if (plain) {
         rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, 1.f, false);
@@ -415,7 +399,7 @@ struct WideConsumer {
       };
       for_node_pairs<4>(p, w.c0, lane, first, last, n0, n1, my_pos, columns);
       if constexpr (kBytes) {
-        if (pass == 0) q_unit = set_units(qmax);
+        if (pass == 0) q_unit = byte_q_unit(qmax, s_unit);
       }
     }
     timeline_item(p, stamp, kTlQueryRotated);
