@@ -293,10 +293,10 @@ struct WideConsumer {
   // q of the warp's columns (bias, q norm, rotary at the node's position), times scale_log2 (the softmax
   // scale in the log2 domain, with an fp8 cache's k scale), rounded to M in the warp's staging
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
-  // fp8: a first pass finds the warp's largest |q|.
+  // One-byte caches: a first pass finds the warp's largest |q|. stamp: the block's item number
+  // where this thread stamps the q build's events (timeline.cuh; an MMHA_TIMELINE build), else 2
+  // or more.
   template <typename T>
-  // stamp: the block's item number where this thread stamps the q build's events (timeline.cuh;
-  // an MMHA_TIMELINE build), else 2 or more.
   __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
                                        int lane, int stamp) {
     busy = 16 * warp < w.nh;
