@@ -15,6 +15,7 @@ import torch
 from helpers import FLOOR, assert_bits_equal, gpu, launched_kernels, lean_kernel_name
 from int8_cases import int8_case, to_pages
 from test_int8_gpu import assert_caches_as_reference
+from test_qk_norm_gpu import _norm
 from test_tree import random_tree
 
 from mmha import dispatch, layout, ops, reference
@@ -24,10 +25,10 @@ pytestmark = gpu
 
 
 def int8_tree_case(batch, hq, hkv, d, lengths, s_max, dtype, nodes, kind="random", *, seed=0, counts=None,
-                   rotary=True):  # fmt: skip
+                   rotary=True, bias=False):  # fmt: skip
     """An int8 case (unused slots: stray codes, NaN scales), qkv [B, T, W], parents, counts."""
     case, ks, vs = int8_case(
-        batch, hq, hkv, d, lengths, s_max, dtype, seed=seed, rotary_dim=d if rotary else 0
+        batch, hq, hkv, d, lengths, s_max, dtype, seed=seed, rotary_dim=d if rotary else 0, bias=bias
     )
     g = torch.Generator().manual_seed(seed + 1)
     qkv = torch.randn(batch, nodes, (hq + 2 * hkv) * d, generator=g).to(dtype).cuda()
@@ -129,21 +130,17 @@ def test_int8_wide_items_q_features(feature, dtype):
     """Wide items' q over an int8 cache, staged raw and rotated in place after a first pass for
     the warp's largest |q| (WideConsumer::rotate_plain_rows, rotate_featured_rows): a partial
     rotary in the interleaved pair layout, a qkv bias, a q norm; bf16 rows become fp16 in place."""
-    from test_qk_norm_gpu import _norm
-
     nodes = 33  # 132 columns per kv head: wide items
     assert dispatch.columns_block(4 * nodes, True, True, 128, 3 * 2) == dispatch.WIDE_COLUMNS
-    case, ks, vs = int8_case(3, 8, 2, 128, [0, 70, 500], 640, dtype, seed=len(feature), bias=feature == "bias",
-                             rotary_dim=128)  # fmt: skip
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        3, 8, 2, 128, [0, 70, 500], 640, dtype, nodes, seed=len(feature), counts=[nodes, nodes - 4, nodes],
+        bias=feature == "bias",
+    )  # fmt: skip
     if feature == "partial_interleaved":
         case.rotary.update(dim=48, interleaved=True)
     if feature == "q_norm":
         case.mods["qk_norm"] = _norm(128, nodes, sides="q")
-    g = torch.Generator().manual_seed(len(feature) + 1)
-    qkv = torch.randn(3, nodes, 12 * 128, generator=g).to(dtype).cuda()
-    rng = random.Random(len(feature))
-    parents = torch.tensor([random_tree(rng, nodes, "random") for _ in range(3)], dtype=torch.int32).cuda()
-    check_int8_tree(case, ks, vs, qkv, parents, [nodes, nodes - 4, nodes], num_splits=2)
+    check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2)
 
 
 def test_int8_wide_items_with_large_logits():
