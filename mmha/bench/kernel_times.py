@@ -6,8 +6,8 @@ their sum as a CUDA graph replays it, the attention's start overlapping the chec
 that moves work from one launch to the other can leave that sum where it was while each side
 moves, so this prints each side: a row's tree step runs ``--calls`` times eagerly under the torch
 profiler (which serialises the launches) and each mmha kernel's mean device time per launch is
-printed, with the launches a step makes of it. Beside them, the step's eager time by CUDA events
-without the profiler (the launches overlapping again).
+printed, with the launches a step makes of it. Beside them, the step's decode timing as the tree
+benchmark takes it (its layers' steps replayed in a CUDA graph, the launches overlapping again).
 
 Rows ``B,CTX,T[@SPLITSxSTAGES]`` as ``mmha.bench.timeline --tree`` takes them (the tree
 benchmark's rows, binary trees; ``--kv int8`` their int8 twins). Any build (no diagnostic build
@@ -52,48 +52,41 @@ def per_kernel(events, calls: int) -> list[dict]:
     return sorted(out, key=lambda r: (-r["per_step"], r["kernel"]))
 
 
-def step_us(fn, calls: int) -> float:
-    """The mean time of ``calls`` eager calls of ``fn`` back to back, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
 def run_row(spec: str, calls: int, kv: str = "") -> dict:
-    """A tree row's step (its first layer, checked against the fp32 reference first), timed eagerly
-    and then under the profiler: {row, plan, step_us, kernels}."""
+    """A tree row's step (checked against the fp32 reference first): its decode timing over the
+    row's layers, then its first layer's step under the profiler: {row, plan, decode_us, kernels}."""
     from torch.profiler import ProfilerActivity, profile
 
     from . import tree as tree_bench
     from .methods import plan_str
     from .problems import TOLERANCE
+    from .timing import decode_us
 
     row, splits, stages = tree_bench.spec_row(spec, kv)
-    layer = tree_bench.Layer(row, seed=0)
-    ref = tree_bench.reference_out(layer)
-    fn = tree_bench.mmha_fn(layer, splits, stages)
-    err = tree_bench.error(fn(), layer, ref)
+    layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
+    ref = tree_bench.reference_out(layers[0])
+    fns = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
+    err = tree_bench.error(fns[0](), layers[0], ref)
     tol = TOLERANCE["fp16"]
     if not err <= tol:
         raise RuntimeError(f"tree {spec}: error {err:.3e} against the reference (tolerance {tol})")
+    decode = decode_us(fns)["us"]
+    fn = fns[0]
     for _ in range(5):
         fn()
-    eager = step_us(fn, calls)
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     plan = plan_str(tree_bench.plan_of(row)) if splits is None else f"{splits}x{stages}"
     label = f"tree {spec} {row.shape}" + (f" kv={kv}" if kv else "")
-    return {"row": label, "plan": plan, "step_us": eager, "kernels": per_kernel(prof.key_averages(), calls)}
+    kernels = per_kernel(prof.key_averages(), calls)
+    return {"row": label, "plan": plan, "decode_us": decode, "kernels": kernels}
 
 
 def format_row(r: dict) -> str:
-    lines = [f"{r['row']} plan {r['plan']}: eager step {r['step_us']:.2f} us"]
+    lines = [f"{r['row']} plan {r['plan']}: decode timing {r['decode_us']:.2f} us; under the profiler:"]
     lines += [f"  {k['us']:8.2f} us  x{k['per_step']:g}  {k['kernel']}" for k in r["kernels"]]
     return "\n".join(lines)
 
