@@ -58,20 +58,16 @@ def run_row(spec: str, calls: int, kv: str = "") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from . import tree as tree_bench
-    from .methods import plan_str
     from .problems import TOLERANCE
     from .timing import decode_us
 
-    row, splits, stages = tree_bench.spec_row(spec, kv)
-    layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
-    ref = tree_bench.reference_out(layers[0])
-    fns = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
-    err = tree_bench.error(fns[0](), layers[0], ref)
+    st = tree_bench.spec_steps(spec, kv)
+    err = tree_bench.error(st.fns[0](), st.layers[0], st.ref)
     tol = TOLERANCE["fp16"]
     if not err <= tol:
         raise RuntimeError(f"tree {spec}: error {err:.3e} against the reference (tolerance {tol})")
-    decode = decode_us(fns)["us"]
-    fn = fns[0]
+    decode = decode_us(st.fns)["us"]
+    fn = st.fns[0]
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -79,10 +75,8 @@ def run_row(spec: str, calls: int, kv: str = "") -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    plan = plan_str(tree_bench.plan_of(row)) if splits is None else f"{splits}x{stages}"
-    label = f"tree {spec} {row.shape}" + (f" kv={kv}" if kv else "")
     kernels = per_kernel(prof.key_averages(), calls)
-    return {"row": label, "plan": plan, "decode_us": decode, "kernels": kernels}
+    return {"row": st.label, "plan": st.plan, "decode_us": decode, "kernels": kernels}
 
 
 def format_row(r: dict) -> str:

@@ -247,17 +247,12 @@ def run_tree_row(spec: str, replays: int, kv: str = "") -> dict:
     ``kv`` caches ("" fp16, "int8"): its layers' tree steps, each checked against the fp32
     reference (on the first layer) first."""
     from . import tree as tree_bench
-    from .methods import plan_str
 
-    row, splits, stages = tree_bench.spec_row(spec, kv)
-    layers = [tree_bench.Layer(row, seed=i) for i in range(row.layers)]
-    ref = tree_bench.reference_out(layers[0])
-    calls = [tree_bench.mmha_fn(layer, splits, stages) for layer in layers]
-    checks = [lambda out: tree_bench.error(out, layers[0], ref)] + [lambda out: 0.0] * (len(layers) - 1)
-    summary = stamped_summary(spec, "fp16", calls, checks, replays)
-    name = plan_str(tree_bench.plan_of(row)) if splits is None else f"{splits}x{stages}"
-    label = f"tree {spec} {row.shape}" + (f" kv={kv}" if kv else "")
-    summary.update(row=label, kv=kv, plan=name, epilogue=False, block_size=0)
+    st = tree_bench.spec_steps(spec, kv)
+    first = [lambda out: tree_bench.error(out, st.layers[0], st.ref)]
+    checks = first + [lambda out: 0.0] * (len(st.layers) - 1)
+    summary = stamped_summary(spec, "fp16", st.fns, checks, replays)
+    summary.update(row=st.label, kv=kv, plan=st.plan, epilogue=False, block_size=0)
     return summary
 
 

@@ -133,6 +133,33 @@ def spec_row(spec: str, kv: str = "") -> tuple[Row, int | None, int | None]:
     return row, int(parts[0]), int(parts[1])
 
 
+@dataclass
+class SpecSteps:
+    """A ``spec_row`` row's tree steps, one per layer (each on its own caches), at the forced plan
+    or the dispatcher's; ``ref``: the first layer's fp32 reference output (``reference_out``)."""
+
+    row: Row
+    label: str  # "tree B,CTX,T shape" (and " kv=int8")
+    plan: str  # "SPLITSxSTAGES"
+    layers: list
+    fns: list
+    ref: torch.Tensor
+
+
+def spec_steps(spec: str, kv: str = "") -> SpecSteps:
+    """The tree steps of ``spec_row(spec, kv)`` over the row's layers (the diagnostics' rows:
+    ``mmha.bench.timeline --tree``, ``mmha.bench.kernel_times``)."""
+    from .methods import plan_str
+
+    row, splits, stages = spec_row(spec, kv)
+    layers = [Layer(row, seed=i) for i in range(row.layers)]
+    ref = reference_out(layers[0])
+    fns = [mmha_fn(layer, splits, stages) for layer in layers]
+    plan = plan_str(plan_of(row)) if splits is None else f"{splits}x{stages}"
+    label = f"tree {spec} {row.shape}" + (f" kv={kv}" if kv else "")
+    return SpecSteps(row, label, plan, layers, fns, ref)
+
+
 def plan_of(row: Row) -> dispatch.Plan:
     """The dispatcher's plan for the row's tree step (fp16 activations, the row's cache dtype)."""
     kv_dtype = torch.int8 if row.kv == "int8" else None
