@@ -143,6 +143,39 @@ def test_int8_wide_items_q_features(feature, dtype):
     check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "factor", "attention_factor"),
+    [
+        (torch.float16, 1.0, 1.0),
+        (torch.float16, 1e-3, 1.0),
+        (torch.float16, 0.0, 1.0),
+        (torch.bfloat16, 1e5, 1.0),
+        (torch.bfloat16, 1e-30, 1.0),
+        (torch.float16, 1.0, 4.0),
+        (torch.float16, 1.0, 0.25),
+    ],
+    ids=["unit", "tiny", "zeros", "huge_bf16", "tiniest_bf16", "rotary_factor_4", "rotary_factor_quarter"],
+)
+def test_int8_wide_items_q_at_any_magnitude(dtype, factor, attention_factor):
+    """Wide items' plain q over an int8 cache takes its power of two from the raw rows before its
+    one rotation (WideConsumer::raw_rows_unit, its bound with the rotary's attention factor): q at
+    any magnitude, a bf16 q past fp16's range (x 1e5) and far below it (x 1e-30) included, a zero
+    q, and cos and sin x 4 and x 1/4. A large q comes with k as much smaller (the cache's K scales
+    and the nodes' k), a small one with k as much larger, so the scores stay where the softmax is
+    not one-hot."""
+    nodes = 33  # 132 columns per kv head: wide items
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        3, 8, 2, 128, [0, 70, 500], 640, dtype, nodes, seed=9, counts=[nodes, nodes - 4, nodes]
+    )
+    case.rotary["attention_factor"] = attention_factor
+    qkv = qkv.clone()
+    qkv[..., : 8 * 128] *= factor
+    if factor != 0:
+        qkv[..., 8 * 128 : 10 * 128] /= factor
+        ks = ks / factor
+    check_int8_tree(case, ks, vs, qkv, parents, counts, num_splits=2)
+
+
 def test_int8_wide_items_with_large_logits():
     """q x 30: scores far past the rescale slack, so the running maxima move often."""
     case, ks, vs, qkv, parents, counts = int8_tree_case(

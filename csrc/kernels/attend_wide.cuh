@@ -154,6 +154,39 @@ struct WideConsumer {
     __syncwarp();
   }
 
+  // One-byte caches' q_unit for plain raw-staged rows (no bias, no q norm), found before their
+  // rotation: a rotation keeps a pair's norm, so no rotated value exceeds sqrt(2) x the rotary
+  // factor (where above 1) x the rows' largest raw |value| (times |scale_log2|). The power of two
+  // that brings that bound (with 1.5 for sqrt(2)) into [2^7, 2^8) leaves the rotated q's largest
+  // in [2^4.9 / factor, 2^8), fp16's normal range, where scaling by a power of two is exact: the
+  // scores (undone by s_unit) are byte_q_unit's bit for bit but for q's values that land in fp16's
+  // subnormals (under 2^-14 once scaled: about 2^-19 of the largest and less).
+  // One rotation instead of byte_q_unit's measure pass and store pass. Sets s_unit to its inverse;
+  // where the rows are 0 or their largest not finite both stay 1 (as byte_q_unit leaves them).
+  template <typename T>
+  __device__ __forceinline__ static float raw_rows_unit(const MmhaParams& p, const M* s_q, int warp, int lane,
+                                                        int rows, float scale_log2, float& s_unit) {
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row, as stage_raw_rows copies them
+    const T* s_t = reinterpret_cast<const T*>(s_q);
+    float mx = 0.f;
+    for (int idx = lane; idx < rows * CHUNKS; idx += 32) {
+      const uint4 v = *reinterpret_cast<const uint4*>(s_t + q_at(warp, idx / CHUNKS, 8 * (idx % CHUNKS)));
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(to_float(e[k])));
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    const float gain = 1.5f * fabsf(scale_log2) * fmaxf(1.f, fabsf(p.rotary.factor));
+    if (!(mx > 0.f && mx <= 3.0e38f && gain > 0.f && gain <= 3.0e38f)) return 1.f;
+    int e_raw = 0, e_gain = 0;
+    frexpf(mx, &e_raw);  // mx in [2^(e_raw-1), 2^e_raw)
+    frexpf(gain, &e_gain);
+    const int shift = max(-100, min(100, 8 - e_raw - e_gain));
+    s_unit = ldexpf(1.f, -shift);
+    return ldexpf(1.f, shift);
+  }
+
   // The node loop's head of init's q passes: per trip over the HEAD_DIM / 2 rotation pairs (warp-
   // uniform: the shuffle) the lane's pair, then per node n0 .. n1 of the warp's columns [first, last)
   // (node n0 + k's position in lane k's my_pos; c0 the item's first column) the node's columns
@@ -357,8 +390,15 @@ struct WideConsumer {
       const bool plain = bias == nullptr && qn.q_weight == nullptr;
       const int head_base = w.kvh * group + w.c0;
       if constexpr (kBytes) {
+        // Plain rows: q_unit from the raw rows (raw_rows_unit), then one rotation; with a bias or a
+        // q norm a first pass finds the rotated q's largest |q| (byte_q_unit).
+        int pass = 0;
+        if (plain) {
+          q_unit = raw_rows_unit<T>(p, s_q, warp, lane, last - first, scale_log2, s_unit);
+          pass = 1;
+        }
 #pragma unroll 1
-        for (int pass = 0; pass < 2; ++pass) {  // one call site each: the code once
+        for (; pass < 2; ++pass) {  // one call site each: the code once
           const bool measure = pass == 0;
           if (plain) {
             qmax = rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, q_unit, measure);
