@@ -162,7 +162,8 @@ struct WideConsumer {
   // scores (undone by s_unit) are byte_q_unit's bit for bit but for q's values that land in fp16's
   // subnormals (under 2^-14 once scaled: about 2^-19 of the largest and less).
   // One rotation instead of byte_q_unit's measure pass and store pass. Sets s_unit to its inverse;
-  // where the rows are 0 or their largest not finite both stay 1 (as byte_q_unit leaves them).
+  // where the rows are 0 or their largest not finite both stay 1 (as byte_q_unit leaves them). The
+  // exponents are added rather than byte_q_unit given the product, which can overflow where q does not.
   template <typename T>
   __device__ __forceinline__ static float raw_rows_unit(const MmhaParams& p, const M* s_q, int warp, int lane,
                                                         int rows, float scale_log2, float& s_unit) {
