@@ -413,12 +413,6 @@ struct TileConsumer {
     stash_warp<QB, HEAD_DIM, KSTEPS>(m, l, acc, s_m, s_l, acc_w, warp, lane,
                                      [](int i, int g, int h) { return Ops::out_dim(i, g, h); });
   }
-
-  // The block combine warp by warp into buf (combine_warps, warp_combine.cuh).
-  __device__ __forceinline__ void combine(float (*s_m)[QB], float (*s_l)[QB], float* buf, int warp, int lane) {
-    combine_warps<QB, HEAD_DIM, KSTEPS>(m, l, acc, s_m, s_l, buf, warp, lane,
-                                        [](int i, int g, int h) { return Ops::out_dim(i, g, h); });
-  }
 };
 
 // What the producer tells the consumers about the tile in stage s (written before the tile's

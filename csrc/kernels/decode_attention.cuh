@@ -61,11 +61,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
 
   // The block combine goes through a buffer per warp: static ones for small items; for larger
   // ones the item's last stage, which the consumers hold until the store is done (kHeldStage;
-  // H200, one-token rows of 8 columns at head dim 128: 0.94-0.96x warp by warp in s_q), except
-  // in the fused twins, whose B=1 tree steps it made 1.1x slower (docs/experiments.md): there
-  // warp by warp in s_q (TileConsumer::combine).
+  // H200, one-token rows of 8 columns at head dim 128: 0.94-0.96x warp by warp in s_q), the
+  // fused twins' too (their warp-by-warp combine in s_q, TileConsumer::combine, took 1.86 us of a
+  // B=1 T=4 1K tree step against the one-token step's 0.61).
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
-  constexpr bool kHeldStage = !kWarpBuffers && !FUSED && !kInt4<C>;
+  constexpr bool kHeldStage = !kWarpBuffers && !kInt4<C>;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
   constexpr bool kFold = QB > 1;
   // A single pass stores four values per thread (store_item's VEC) for several columns (not in a
@@ -273,7 +273,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         acc_w = reinterpret_cast<float (*)[QB][HEAD_DIM]>(stages + held * L::STAGE_BYTES);
         sync();  // every warp is done reading the stage's keys
         c.stash(s_m, s_l, acc_w, warp, lane);
-      } else {
+      } else {  // int4 items: warp by warp into s_q
         sync();  // every consumer holds its q fragments: s_q becomes the combine buffer
         c.combine(s_m, s_l, &s_q[0][0], warp, lane);
       }

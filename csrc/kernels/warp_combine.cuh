@@ -50,14 +50,13 @@ __device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&
 }
 
 // With a buffer per warp (acc_w: static buffers for small items, QB * HEAD_DIM <=
-// kWarpBufferValues; else, outside the fused twins, the item's last stage): each warp writes its
+// kWarpBufferValues; else the item's last stage, int4 items aside): each warp writes its
 // (max, sum) to s_m / s_l and its accumulator as it is to acc_w[warp], then one barrier (named
 // barrier 1); the store sums acc[w] * 2^(s_m[w] - M) over the warps in a fixed order (warps_acc;
 // fold_warps and folded_acc for several columns), the same values as combine_warps gives,
 // without its barrier per warp. Every form writes its multiply-adds as __fmaf_rn (a warp's first
-// term a plain product), so none rounds apart from another by what the compiler contracts: a
-// small tree in one launch (the twin, warp by warp) equals the same tree in two (held stage)
-// bit for bit.
+// term a plain product), so none rounds apart from another by what the compiler contracts (an
+// int4 item combines warp by warp, combine_warps).
 template <int QB, int HEAD_DIM, int KSTEPS, class OutDim>
 __device__ __forceinline__ void stash_warp(const float (&m)[2], float (&l)[2], const float (&acc)[KSTEPS][4],
                                            float (*s_m)[QB], float (*s_l)[QB], float (*acc_w)[QB][HEAD_DIM],
