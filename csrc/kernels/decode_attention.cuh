@@ -62,8 +62,8 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // The block combine goes through a buffer per warp: static ones for small items; for larger
   // ones the item's last stage, which the consumers hold until the store is done (kHeldStage;
   // H200, one-token rows of 8 columns at head dim 128: 0.94-0.96x warp by warp in s_q), the
-  // fused twins' too (their warp-by-warp combine in s_q, TileConsumer::combine, took 1.86 us of a
-  // B=1 T=4 1K tree step against the one-token step's 0.61).
+  // fused twins' too (their former warp-by-warp combine in s_q took 1.86 us of a B=1 T=4 1K
+  // tree step against the one-token step's 0.61).
   constexpr bool kWarpBuffers = QB * HEAD_DIM <= kWarpBufferValues;
   constexpr bool kHeldStage = !kWarpBuffers && !kInt4<C>;
   // Several columns: their combine numbers once per column (fold_warps), not at every value.
