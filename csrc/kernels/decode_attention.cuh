@@ -160,7 +160,11 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   int q_ready_item = -1;
   if constexpr (FUSED) {
     if (static_cast<int>(blockIdx.x) < items) {
-      fused_query_biased<T, HEAD_DIM, QB>(p, work_item_head<QB>(p, blockIdx.x), s_q, tid, CONSUMERS);
+      const WorkItem first = work_item_head<QB>(p, blockIdx.x);
+      // The last split's items own the nodes wherever the row has keys for every split: their
+      // nodes' k / v rows are read after the header (build_tree_nodes), on the step's tail.
+      if (first.split == p.sched.num_splits - 1) prefetch_tree_node_rows<T, HEAD_DIM>(p, first, tid, CONSUMERS);
+      fused_query_biased<T, HEAD_DIM, QB>(p, first, s_q, tid, CONSUMERS);
       q_ready_item = static_cast<int>(blockIdx.x);
     }
   }

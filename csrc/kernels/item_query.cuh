@@ -115,6 +115,26 @@ __device__ __forceinline__ void fused_query_biased(const MmhaParams& p, const Wo
   }
 }
 
+// A fused tree step's node rows (each node's k and v rows of item w's kv head in its qkv row)
+// into L1, a line a thread: the item that owns the nodes reads them in build_tree_nodes, after
+// its header (the stager's derivation of the tree) and the q build; the consumers issue this
+// beside the block's first item's q reads, before the header. Needs of w only b and kvh.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void prefetch_tree_node_rows(const MmhaParams& p, const WorkItem& w, int tid, int nthreads) {
+  constexpr int64_t kLine = 128;                   // bytes
+  constexpr int64_t kRow = sizeof(T) * HEAD_DIM;  // bytes a row
+  constexpr int kTouch = static_cast<int>(kRow / kLine) + 1;  // lines a row may span
+  const char* qkv = static_cast<const char*>(p.qkv);
+#pragma unroll 1
+  for (int i = tid; i < p.tree.nodes * 2 * kTouch; i += nthreads) {
+    const int t = i / (2 * kTouch);
+    const int kv = i / kTouch % 2;  // 0: the k row, 1: the v row
+    const int64_t row = static_cast<int64_t>(w.b) * p.tree.nodes + t;
+    const int64_t at = row * p.qkv_row_stride + (p.num_heads + kv * p.num_kv_heads + w.kvh) * HEAD_DIM;
+    prefetch_l1(qkv + at * static_cast<int64_t>(sizeof(T)) + min((i % kTouch) * kLine, kRow - 1));
+  }
+}
+
 // The item's query columns in fp32 (bias, rotary at the column's position: query_position) into
 // s_q: a one-token step's column g (head h0 + g) from q_rows + g * HEAD_DIM (a staging slot or
 // the qkv row), a tree step's from its node's qkv row; for the item whose chunk holds the new token of a one-token
