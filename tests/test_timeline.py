@@ -123,6 +123,28 @@ def test_roles_split_owners_from_the_rest_and_the_merge_phases():
     assert "owner items done after the start" in text and "(1 blocks, 1 grains, split 2)" in text
 
 
+def test_owner_items_have_phases_of_their_own():
+    # Two other blocks land their first tile 2 us after issuing it; the owner 3.5 us after (its
+    # nodes built first): the medians over all three blocks and over the owner alone.
+    rest = [{**block(10_000), "role": role(s, grains=2)} for s in (0, 1)]
+    owner = {**block(10_000, first_landed=4_500), "role": role(2, owner=True)}
+    s = tl.launch_summary(events([*rest, owner]))
+    assert s["roles"]["owner"]["phases"]["issued -> first tile landed"] == (
+        pytest.approx(3.5), pytest.approx(3.5), 1)  # fmt: skip
+    row = tl.row_summary([s, s])["phases"]["issued -> first tile landed"]
+    assert row == {
+        "median_us": pytest.approx(2.0),
+        "max_us": pytest.approx(3.5),
+        "owners_us": pytest.approx(3.5),
+    }
+    text = tl.format_row("tree 1,1024,4", "9x2", 12.3, tl.row_summary([s, s]))
+    assert "owners us" in text
+    # One-token rows have no owner items: no column.
+    plain = tl.launch_summary(events(rest))
+    assert "owners_us" not in tl.row_summary([plain])["phases"]["issued -> first tile landed"]
+    assert "owners us" not in tl.format_row("16,32,8,128,2048", "1x2", 20.0, tl.row_summary([plain]))
+
+
 def test_main_needs_rows_or_tree_rows():
     with pytest.raises(SystemExit):
         tl.main([])

@@ -19,7 +19,9 @@ its row's length read), start -> first copies issued -> first tile landed -> las
 last tile attended -> combined -> out stored (or the split's partial) -> token appended -> item
 done (the split merge), then the block's later items, the same phases of its second item (a
 steady state: the first also pays the cold start), and how far apart the blocks end. Printed
-as medians over the layers of each launch's median (and slowest) block; ``--json`` writes them.
+as medians over the layers of each launch's median (and slowest) block, and for tree steps the
+median over the items that own the new nodes alone (they build and append them: the step's tail);
+``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -100,16 +102,6 @@ def launch_summary(events: torch.Tensor) -> dict:
         raise ValueError("no block of this launch stamped its start: is this a build with MMHA_TIMELINE=1?")
     start = int(col["start"][ran].min())
     ends = torch.maximum(col["consumers_done"], col["producer_done"])[ran]
-    phases = {}
-    for name, a, b in PHASES:
-        if a is None:
-            got = col[b][ran] - start
-        else:
-            both = ran & (col[a] > 0) & (col[b] > 0)
-            got = col[b][both] - col[a][both]
-        if got.numel():
-            us = (got.double() / 1e3).tolist()
-            phases[name] = (statistics.median(us), max(us), len(us))
     return {
         "roles": role_summary(col, ran, start),
         "start_ns": start,
@@ -117,15 +109,31 @@ def launch_summary(events: torch.Tensor) -> dict:
         "span_us": (int(ends.max()) - start) / 1e3,
         "blocks": int(ran.sum()),
         "end_spread_us": float(ends.max() - ends.min()) / 1e3,
-        "phases": phases,
+        "phases": block_phases(col, ran, start),
     }
+
+
+def block_phases(col: dict, sel: torch.Tensor, start: int) -> dict:
+    """``PHASES`` over the blocks of ``sel`` that stamped both events: name -> ``(median_us,
+    max_us, blocks)``."""
+    phases = {}
+    for name, a, b in PHASES:
+        if a is None:
+            got = col[b][sel] - start
+        else:
+            both = sel & (col[a] > 0) & (col[b] > 0)
+            got = col[b][both] - col[a][both]
+        if got.numel():
+            us = (got.double() / 1e3).tolist()
+            phases[name] = (statistics.median(us), max(us), len(us))
+    return phases
 
 
 def role_summary(col: dict, ran: torch.Tensor, start: int) -> dict:
     """Where blocks end by their first item's role (the "role" event): the items that hold the new
     slots (owners) against the rest, and the blocks that merged a split row: name -> (median,
     slowest) of the item's end after the launch's start, us, with the median grains and split of
-    the group."""
+    the group and its blocks' ``phases`` (``block_phases``)."""
     role = col["role"]
     have = ran & (role > 0) & (col["item_done"] > 0)
     done = (col["item_done"] - start).double() / 1e3
@@ -144,16 +152,19 @@ def role_summary(col: dict, ran: torch.Tensor, start: int) -> dict:
             "done_us": (statistics.median(d), max(d)),
             "grains": statistics.median((role[sel] >> 10).tolist()),
             "split": statistics.median(((role[sel] >> 1) & 0x7F).tolist()),
+            "phases": block_phases(col, sel, start),
         }
     return out
 
 
 def row_summary(launches: list[dict]) -> dict:
     """Medians over a graph's launches (in launch order): span, gap from each launch's last block
-    to the next one's first, end spread, and each phase's median and slowest block."""
+    to the next one's first, end spread, each phase's median and slowest block, and where the
+    launches have owner items (tree steps), each phase's median over the owners alone."""
     med = statistics.median
     gaps = [(b["start_ns"] - a["end_ns"]) / 1e3 for a, b in zip(launches[:-1], launches[1:], strict=True)]
     names = [n for n, _, _ in PHASES if all(n in x["phases"] for x in launches)]
+    owners = [x["roles"]["owner"]["phases"] if "owner" in x["roles"] else {} for x in launches]
     return {
         "launches": len(launches),
         "blocks": med(x["blocks"] for x in launches),
@@ -161,7 +172,9 @@ def row_summary(launches: list[dict]) -> dict:
         "gap_us": med(gaps) if gaps else None,
         "end_spread_us": med(x["end_spread_us"] for x in launches),
         "phases": {n: {"median_us": med(x["phases"][n][0] for x in launches),
-                       "max_us": med(x["phases"][n][1] for x in launches)} for n in names},
+                       "max_us": med(x["phases"][n][1] for x in launches),
+                       **({"owners_us": med(o[n][0] for o in owners)} if all(n in o for o in owners) else {})}
+                   for n in names},
         "roles": {r: {"blocks": med(x["roles"][r]["blocks"] for x in launches),
                       "done_us": [med(x["roles"][r]["done_us"][i] for x in launches) for i in (0, 1)],
                       "grains": med(x["roles"][r]["grains"] for x in launches),
@@ -183,7 +196,8 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
         f"{spec} plan {plan}: {s['launches']} launches of {s['blocks']:.0f} blocks, decode timing "
         f"{decode_us:.2f} us, span {s['span_us']:.2f} us, gap to the next launch {gap} us, blocks end "
         f"{s['end_spread_us']:.2f} us apart",
-        f"  {'phase (first item of each block)':40s} {'median us':>10s} {'slowest us':>11s}",
+        f"  {'phase (first item of each block)':40s} {'median us':>10s} {'slowest us':>11s}"
+        + (f" {'owners us':>10s}" if any("owners_us" in v for v in s["phases"].values()) else ""),
     ]
     if "replay" in s:
         r = s["replay"]
@@ -191,7 +205,8 @@ def format_row(spec: str, plan: str, decode_us: float, s: dict) -> str:
                 f"outside them {r['outside_us']:.2f} us (median {s['replay_median_us']:.2f})")  # fmt: skip
         lines.insert(1, text)
     for name, v in s["phases"].items():
-        lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}")
+        owners = f" {v['owners_us']:10.2f}" if "owners_us" in v else ""
+        lines.append(f"  {name:40s} {v['median_us']:10.2f} {v['max_us']:11.2f}{owners}")
     for name, v in s.get("roles", {}).items():
         label = f"{name} items done after the start"
         done, slowest = v["done_us"]
