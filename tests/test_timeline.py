@@ -213,3 +213,18 @@ def test_device_code_has_events_only_in_the_diagnostic_build(timeline, unit, tmp
     assert done.returncode == 0, done.stderr[-2000:]
     ptx = (tmp_path / "k.ptx").read_text()
     assert ("%globaltimer" in ptx) == timeline
+
+
+def test_the_node_build_the_patch_and_the_merges_put_off_have_phases():
+    # An owner: its nodes built 0.9 us after the header (its q 1.2), its one tile's nodes patched
+    # 0.3 us after the tile landed and attended 0.5 after that; the merges it put off begin after
+    # its item and end with its consumers. A block that stamps none of them adds nothing.
+    owner = {**block(10_000, header_seen=1_500, nodes_built=2_400, q_built=2_700, last_landed=43_000,
+                     patched=43_300, last_attended=43_800, merges_begin=45_250, consumers_done=47_250),
+             "role": role(2, owner=True)}  # fmt: skip
+    other = {**block(10_000), "role": role(0, grains=2)}
+    p = tl.launch_summary(events([owner, other]))["phases"]
+    assert p["    header -> nodes built (owners, thread 0)"] == (pytest.approx(0.9), pytest.approx(0.9), 1)
+    assert p["  last tile landed -> new slots patched"] == (pytest.approx(0.3), pytest.approx(0.3), 1)
+    assert p["  patched -> attended"] == (pytest.approx(0.5), pytest.approx(0.5), 1)
+    assert p["  merges put off: begin -> consumers done"] == (pytest.approx(2.0), pytest.approx(2.0), 1)

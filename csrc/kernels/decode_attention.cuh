@@ -193,7 +193,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                           tok4, h.item == q_ready_item);
       q_ready_item = -1;
       if constexpr (FUSED) {
-        if (w.owner()) build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
+        if (w.owner()) {
+          build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
+          if (tid == 0) timeline_item(p, item_seq, kTlNodesBuilt);
+        }
       }
       sync();
       if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
@@ -225,10 +228,12 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
           TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, tn->k(0),
                                                tn->v(0, p.tree.nodes), lane, tn->scales(p.tree.nodes), p.tree.nodes);
+          if (tid == 0) timeline_item(p, item_seq, kTlPatched);
         }
       } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
         TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
                                              s_new_scales);
+        if (tid == 0) timeline_item(p, item_seq, kTlPatched);
       }
     };
     int flags = h.flags;
@@ -332,7 +337,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       ++item_seq;
     }
   }
-  if constexpr (kDeferMerges) merge_pending<T, HEAD_DIM, QB, EPI>(p, *pending, weights, tid, CONSUMERS, sync);
+  if constexpr (kDeferMerges) {
+    if (tid == 0 && pending->n > 0) timeline_mark(p, kTlMergesBegin);
+    merge_pending<T, HEAD_DIM, QB, EPI>(p, *pending, weights, tid, CONSUMERS, sync);
+  }
   if (tid == 0) timeline_mark(p, kTlConsumersDone);
 }
 

@@ -40,7 +40,8 @@ import torch
 FIRST_EVENTS = (
     "entered", "start", "decided", "first_issued", "first_landed", "last_landed", "last_attended", "combined",
     "out_stored", "appended", "item_done", "consumers_done", "producer_done", "header_seen", "q_built",
-    "counted", "role", "weighed", "summed", "q_staged", "q_placed", "q_rotated",
+    "counted", "role", "weighed", "summed", "q_staged", "q_placed", "q_rotated", "nodes_built", "patched",
+    "merges_begin",
 )  # fmt: skip
 EVENTS = FIRST_EVENTS + tuple(f"second_{e}" for e in FIRST_EVENTS)
 # (name, from event, to event): a block's phases, all but the first of its first item.
@@ -57,9 +58,14 @@ PHASES = (
     ("    staged -> node positions read", "q_staged", "q_placed"),
     ("    positions -> warp 0's q rotated", "q_placed", "q_rotated"),
     ("    rotated -> every warp's q", "q_rotated", "q_built"),
+    # A fused tree's owners: thread 0's share of the nodes, then the barrier that waits for the rest.
+    ("    header -> nodes built (owners, thread 0)", "header_seen", "nodes_built"),
     ("  q built -> first tile landed", "q_built", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
+    # Items whose last tile takes new slots from shared memory: the patch, then the step.
+    ("  last tile landed -> new slots patched", "last_landed", "patched"),
+    ("  patched -> attended", "patched", "last_attended"),
     ("attended -> combined", "last_attended", "combined"),
     ("combined -> out stored", "combined", "out_stored"),
     ("out stored -> token appended", "out_stored", "appended"),
@@ -70,6 +76,8 @@ PHASES = (
     ("    weights -> first sums", "weighed", "summed"),
     ("    first sums -> item done", "summed", "item_done"),
     ("first item done -> consumers done", "item_done", "consumers_done"),
+    # Lean kernels' merges put off until the block's last item (split_merge.cuh, merge_pending).
+    ("  merges put off: begin -> consumers done", "merges_begin", "consumers_done"),
     # The block's second item (a steady state: the first one pays the cold start too).
     ("first item done -> second header seen", "item_done", "second_header_seen"),
     ("second: issued -> first tile landed", "second_first_issued", "second_first_landed"),
