@@ -228,12 +228,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         if ((t < w.newslot + w.nodes && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
           TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, w.nodes, tn->k(0),
                                                tn->v(0, p.tree.nodes), lane, tn->scales(p.tree.nodes), p.tree.nodes);
-          if (tid == 0) timeline_item(p, item_seq, kTlPatched);
         }
       } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
         TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
                                              s_new_scales);
-        if (tid == 0) timeline_item(p, item_seq, kTlPatched);
       }
     };
     int flags = h.flags;
@@ -250,6 +248,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (it < w.end && it2 < w.end) {
         patch_if(stage, it);
         patch_if(stage2, it2);
+        if (tid == 0 && (h2.flags & kLastTile)) timeline_item(p, item_seq, kTlPatched);
         const unsigned char* both[2] = {stage, stage2};
         const int its[2] = {it, it2};
         c.template steps<2>(both, key0, kg, its, w.lo, w.end, w.pos, lane);
@@ -257,6 +256,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
         unsigned char* one = it < w.end ? stage : stage2;
         const int t = it < w.end ? it : it2;
         patch_if(one, t);
+        if (tid == 0 && (h2.flags & kLastTile)) timeline_item(p, item_seq, kTlPatched);
         c.step(one, key0, kg, t, w.lo, w.end, w.pos, lane);
       }
       mbar_arrive(&ring.empty[cur.s]);
@@ -264,6 +264,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       flags = h2.flags;
     } else if (it < w.end) {
       patch_if(stage, it);
+      if (tid == 0 && (h.flags & kLastTile)) timeline_item(p, item_seq, kTlPatched);
       c.step(stage, key0, kg, it, w.lo, w.end, w.pos, lane);
     }
     // kHeldStage: the item's last stage is the combine's, held until the store.

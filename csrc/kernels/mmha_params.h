@@ -274,7 +274,7 @@ enum TimelineEvent : int {
   kTlQueryPlaced,   // wide items, warp 0: its nodes' positions read
   kTlQueryRotated,  // wide items, warp 0: its q rotated (then the barrier: kTlQueryBuilt)
   kTlNodesBuilt,    // a fused tree's owner, thread 0: its share of the nodes built (then kTlQueryBuilt)
-  kTlPatched,       // thread 0: new slots (a token, a fused tree's nodes) patched into a tile's stage
+  kTlPatched,       // thread 0: the last tile's new slots (a token, a fused tree's nodes) patched, if any
   kTlMergesBegin,   // a lean kernel's block: the merges it put off begin (after its last item)
   kTlSecond         // the events above: the second item's event e is at kTlSecond + e
 };

@@ -63,7 +63,8 @@ PHASES = (
     ("  q built -> first tile landed", "q_built", "first_landed"),
     ("first -> last tile landed", "first_landed", "last_landed"),
     ("last tile landed -> attended", "last_landed", "last_attended"),
-    # Items whose last tile takes new slots from shared memory: the patch, then the step.
+    # Thread 0's warp: its part of the last tile's new slots from shared memory (a token, a fused
+    # tree's nodes; nothing where the tile has none), then the tile's step.
     ("  last tile landed -> new slots patched", "last_landed", "patched"),
     ("  patched -> attended", "patched", "last_attended"),
     ("attended -> combined", "last_attended", "combined"),
