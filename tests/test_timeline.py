@@ -228,3 +228,14 @@ def test_the_node_build_the_patch_and_the_merges_put_off_have_phases():
     assert p["  last tile landed -> new slots patched"] == (pytest.approx(0.3), pytest.approx(0.3), 1)
     assert p["  patched -> attended"] == (pytest.approx(0.5), pytest.approx(0.5), 1)
     assert p["  merges put off: begin -> consumers done"] == (pytest.approx(2.0), pytest.approx(2.0), 1)
+
+
+def test_an_earlier_replays_stamp_is_not_a_phase():
+    # The buffer is zeroed once before the replays: a block that merged in an earlier replay and
+    # not in the last one still holds that replay's merges_begin, ~2 ms before its start.
+    merged = {**block(5_000_000, merges_begin=45_250, consumers_done=47_250), "role": role(2)}
+    stale = {**block(5_000_000), "merges_begin": 3_000_000, "weighed": 3_000_100, "role": role(2)}
+    s = tl.launch_summary(events([merged, stale]))
+    assert s["phases"]["  merges put off: begin -> consumers done"] == (pytest.approx(2.0), pytest.approx(2.0), 1)
+    assert "    counted -> weights (merging block)" not in s["phases"]
+    assert s["roles"]["other"]["blocks"] == 2  # the role bits are kept as they are

@@ -44,6 +44,9 @@ FIRST_EVENTS = (
     "merges_begin",
 )  # fmt: skip
 EVENTS = FIRST_EVENTS + tuple(f"second_{e}" for e in FIRST_EVENTS)
+# Columns that are not a time after the block's start: its first instruction, its first item's role
+# (bits, role_summary).
+STAMPED_BEFORE_START = ("entered", "role", "second_entered", "second_role")
 # (name, from event, to event): a block's phases, all but the first of its first item.
 PHASES = (
     ("start after the launch's first block", None, "start"),
@@ -107,6 +110,12 @@ def launch_summary(events: torch.Tensor) -> dict:
     e = events.long().cpu()
     col = {name: e[:, i] for i, name in enumerate(EVENTS)}
     ran = col["start"] > 0
+    # The buffer is zeroed once before the replays, and some events are a block's in one replay and
+    # not the next (the merges put off by the row's last block to arrive, the merging block's
+    # weights): a stamp from before the block's start in this launch is an earlier replay's.
+    for name in EVENTS:
+        if name not in STAMPED_BEFORE_START:
+            col[name] = torch.where(col[name] >= col["start"], col[name], 0)
     if not bool(ran.any()):
         raise ValueError("no block of this launch stamped its start: is this a build with MMHA_TIMELINE=1?")
     start = int(col["start"][ran].min())
