@@ -10,6 +10,10 @@
 //   cpnohint the same without the L2 prefetch hint
 // each over freshly written partials and over partials written a launch before (the writers
 // then only count). Prints the median ns of 50 launches per form.
+// Measured on an H200 (2026-11-30; docs/data/ab_merge_reads_h200.md): ldcg 3.2 us against cp.async
+// 0.83 us for 16 splits x 4 columns. The kernel's whole merge took 1.74 us with ldcg loads, and a
+// staged form of it did not beat them, so this probe's ldcg form does not model the kernel's
+// reads (its loads are issued differently); the decode timing decides, not this probe.
 //
 // Build and run on an sm_90 GPU:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/merge_reads \
