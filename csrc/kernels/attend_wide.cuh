@@ -668,11 +668,15 @@ struct WideConsumer {
       // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
       // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
       static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
+      // One descriptor each for q and K, the K steps' moved along them (wgmma_desc_plus).
+      const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
+      const uint64_t k_desc = wgmma_desc(ops + GL::k_off(0, 0, WholeTile{}), GL::KEYS * 16, 128, false);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
-        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc(sq + j * 2 * 64 * 8, 64 * 16, 128, false),
-                                 wgmma_desc(ops + GL::k_off(0, 2 * j, WholeTile{}), GL::KEYS * 16, 128, false), j > 0);
+        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
+                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{}) - GL::k_off(0, 0, WholeTile{})),
+                                 j > 0);
       }
       wgmma_commit_and_wait();
     } else {
@@ -801,11 +805,12 @@ struct WideConsumer {
         pa[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
         if constexpr (kInt8 && !kWidened) add_p_sums(pa[kb]);
       }
+      const uint64_t v_desc0 =
+          wgmma_desc(ops + GL::K_BYTES + key0 * GL::V_LINE_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
       wgmma_fence();
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-        const uint64_t v_desc =
-            wgmma_desc(ops + GL::K_BYTES + (key0 + 16 * kb) * GL::V_LINE_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
+        const uint64_t v_desc = wgmma_desc_plus(v_desc0, 16 * kb * GL::V_LINE_BYTES);
         if constexpr (HEAD_DIM == 128) {
           wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), pa[kb], v_desc, 1);
         } else {

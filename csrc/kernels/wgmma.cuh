@@ -38,6 +38,15 @@ __device__ __forceinline__ uint64_t wgmma_desc(const void* p, int lbo, int sbo, 
          static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32 | (swizzle128 ? uint64_t{1} << 62 : 0);
 }
 
+// Descriptor d with its start moved by `bytes` (a multiple of 16, the moved start still inside
+// shared memory): one add to the low word, which holds the start (bits 0-13) and lbo (16-29); a
+// start under 256 KB carries nothing into lbo. A batch's descriptors made this way from one
+// wgmma_desc cost an add each instead of a conversion and three bit operations.
+__device__ __forceinline__ uint64_t wgmma_desc_plus(uint64_t d, int bytes) {
+  const uint32_t lo = static_cast<uint32_t>(d) + static_cast<uint32_t>(bytes >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // Before the first wgmma of a batch: orders the warpgroup's register writes (accumulators, A).
 __device__ __forceinline__ void wgmma_fence() {
 #if MMHA_WGMMA

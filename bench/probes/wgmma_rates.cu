@@ -1,0 +1,406 @@
+// How fast do a wide tree item's products run on one SM, and what bounds them? The wgmma consumer
+// (csrc/kernels/attend_wide.cuh) multiplies, per 64-key tile and warpgroup of 64 query columns,
+// S = q K^T as 8 x m64n64k16 with q and K both read from shared memory (SS), waits, makes P, then
+// O += P V as 4 x m64n128k16 with P from registers (RS), and waits. Reading q (16 KB) and K (16 KB)
+// from shared memory for every 64 x 64 S is 128 bytes a cycle at the tensor pipe's rate, all of
+// shared memory's bandwidth, beside the tile's own arrival (32 KB a tile) and V's reads. Each form
+// below repeats one tile's work in a loop on operands that stay in shared memory:
+//   s_ss      S only, q from shared memory (as the kernel)
+//   s_rs      S only, q from registers (A fragments loaded once)
+//   pv        P V only
+//   tile_ss   S (SS), wait, P V, wait
+//   tile_rs   S (RS), wait, P V, wait
+//   soft_ss   tile_ss with the softmax between (max, two shuffles, 32 exp2 a thread, sums, packs)
+//   soft_rs   soft_ss with q from registers
+//   soft_ss128 / soft_rs128  S over 128 keys a product (m64n128k16), one softmax, P V over 128 keys
+// each with 1 and 2 blocks an SM (the kernel runs 2), without and with a copy warp that brings
+// 32 KB a tile into the block's shared memory by bulk copies (from an L2-resident buffer), as the
+// tile's arrival does. Prints TFLOP/s over the whole GPU (2 x 64 x 64 x 128 x 2 a 64-key tile).
+//
+// Build and run on an sm_90 GPU:
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_rates \
+//     bench/probes/wgmma_rates.cu && /tmp/wgmma_rates [ITERS]   (default 2000 tiles a block)
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include "../../csrc/kernels/ptx.cuh"
+#include "../../csrc/kernels/wgmma.cuh"
+
+using namespace mmha;
+
+#define CHECK(x)                                                                                  \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+constexpr int D = 128;     // head dim
+constexpr int KEYS = 128;  // keys laid out in the K / V areas (the 128-key forms use all of them)
+constexpr int Q_BYTES = 64 * D * 2;
+constexpr int K_BYTES = KEYS * D * 2;
+constexpr int V_BYTES = KEYS * D * 2;
+constexpr int COPY_BYTES = 32 * 1024;  // a 64-key tile's K and V, brought as two copies into
+constexpr int COPY_AREA = 16 * 1024;   // an area of half that (two blocks an SM fit)
+constexpr int SMEM = 1024 + Q_BYTES + K_BYTES + V_BYTES + COPY_AREA + 1024;
+
+enum Form { kSSs, kSRs, kPv, kTileSs, kTileRs, kSoftSs, kSoftRs, kSoftSs128, kSoftRs128, kForms };
+const char* kNames[] = {"s_ss", "s_rs", "pv", "tile_ss", "tile_rs", "soft_ss", "soft_rs", "soft_ss128", "soft_rs128"};
+
+// S over 128 keys from shared memory: m64n128k16, A and B K-major without swizzle.
+__device__ __forceinline__ void wgmma_n128_ss(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+#if MMHA_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(scale_d));
+#endif
+}
+
+// S over 128 keys with q from registers.
+__device__ __forceinline__ void wgmma_n128_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  wgmma_m64n128k16_rs<__half, 0>(d, a, b, scale_d);
+}
+
+// The softmax stand-in over a warpgroup's scores (a thread's N values, 4 lanes a column pair as the
+// kernel's): running max, two shuffles, exp2, sums; P packed as the V product's A fragments.
+template <int N>
+__device__ __forceinline__ void softmax(float (&s)[N], float (&m)[2], float (&l)[2], uint32_t (&pa)[N / 8][4]) {
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int i = 0; i < N; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    m[h] = mx[h];
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    s[i] = exp2f(s[i] - mx[(i >> 1) & 1]);
+    l[(i >> 1) & 1] += s[i];
+  }
+#pragma unroll
+  for (int kb = 0; kb < N / 8; ++kb) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const __half2 h = __floats2half2_rn(s[8 * kb + 2 * w], s[8 * kb + 2 * w + 1]);
+      pa[kb][w] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+}
+
+template <int FORM>
+__global__ void __launch_bounds__(160, 2) rates(const unsigned char* src, float* sink, int iters, int copies) {
+  extern __shared__ unsigned char raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* sq = smem;
+  unsigned char* sk = sq + Q_BYTES;
+  unsigned char* sv = sk + K_BYTES;
+  unsigned char* scopy = sv + V_BYTES;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(scopy + COPY_AREA);
+  const int tid = threadIdx.x;
+  // Operands: small finite halves from a hash (the products' values do not matter, their rate does).
+  for (int i = tid; i < (Q_BYTES + K_BYTES + V_BYTES) / 2; i += blockDim.x) {
+    const uint32_t h = (i * 2654435761u) >> 22;
+    reinterpret_cast<__half*>(sq)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
+  }
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    mbar_init_fence();
+  }
+  fence_proxy_async_smem();
+  __syncthreads();
+  if (tid >= 128) {  // the copy warp: 32 KB a round, one lane
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (copies && tid == 128) {
+      for (int r = 0; r < iters; ++r) {
+        mbar_expect_tx(bar, COPY_BYTES);
+        bulk_load(scopy, src + (blockIdx.x % 64) * COPY_BYTES, COPY_AREA, bar);
+        bulk_load(scopy, src + (blockIdx.x % 64) * COPY_BYTES + COPY_AREA, COPY_AREA, bar);
+        mbar_arrive(bar);  // the phase's one arrival; it completes once the bytes have landed
+        mbar_wait(bar, r & 1);
+      }
+    }
+#endif
+    return;
+  }
+  const int warp = tid / 32, lane = tid % 32;
+  uint32_t qa[D / 16][4];  // q's A fragments (the RS forms)
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    // [D / 8][64 rows][8]: the warp's rows 16 warp .. +15, dims 16 j .. +15
+    const int r = 16 * warp + (lane % 8) + 8 * ((lane / 8) % 2), c = 2 * j + lane / 16;
+    ldmatrix_x4<false>(qa[j], reinterpret_cast<const __half*>(sq) + (c * 64 + r) * 8);
+  }
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+  uint32_t pa8[8][4];
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) pa8[kb][w] = 0x3c003c00u ^ (kb * 4 + w + lane);
+  }
+  constexpr bool k128 = FORM == kSoftSs128 || FORM == kSoftRs128;
+  constexpr bool rs = FORM == kSRs || FORM == kTileRs || FORM == kSoftRs || FORM == kSoftRs128;
+  constexpr bool do_s = FORM != kPv;
+  constexpr bool do_pv = FORM != kSSs && FORM != kSRs;
+  constexpr bool soft = FORM == kSoftSs || FORM == kSoftRs || FORM == kSoftSs128 || FORM == kSoftRs128;
+  const int rounds = k128 ? iters / 2 : iters;
+  for (int it = 0; it < rounds; ++it) {
+    float s[k128 ? 64 : 32];
+    if constexpr (do_s) {
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const uint64_t kd = wgmma_desc(sk + 2 * j * KEYS * 16, KEYS * 16, 128, false);
+        if constexpr (k128) {
+          if constexpr (rs) {
+            wgmma_n128_rs(reinterpret_cast<float(&)[64]>(s), qa[j], kd, j > 0);
+          } else {
+            wgmma_n128_ss(reinterpret_cast<float(&)[64]>(s), wgmma_desc(sq + j * 2 * 64 * 16, 64 * 16, 128, false), kd,
+                          j > 0);
+          }
+        } else if constexpr (rs) {
+          wgmma_m64n64k16_rs<__half, 0>(reinterpret_cast<float(&)[32]>(s), qa[j], kd, j > 0);
+        } else {
+          wgmma_m64n64k16_ss<__half, 0>(reinterpret_cast<float(&)[32]>(s),
+                                        wgmma_desc(sq + j * 2 * 64 * 16, 64 * 16, 128, false), kd, j > 0);
+        }
+      }
+      wgmma_commit_and_wait();
+    }
+    constexpr int PB = k128 ? 8 : 4;  // 16-key blocks of P
+    uint32_t pa[PB][4];
+    if constexpr (soft) {
+      softmax(s, m, l, pa);
+    } else {
+#pragma unroll
+      for (int kb = 0; kb < PB; ++kb) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) pa[kb][w] = pa8[kb][w] ^ (do_s ? __float_as_uint(s[(8 * kb + 2 * w) % (k128 ? 64 : 32)]) >> 31 : 0u);
+      }
+    }
+    if constexpr (do_pv) {
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < PB; ++kb) {
+        wgmma_m64n128k16_rs<__half, 1>(acc, pa[kb], wgmma_desc(sv + 16 * kb * 128, KEYS * 128, 1024, true), 1);
+      }
+      wgmma_commit_and_wait();
+    } else if constexpr (!soft) {
+      acc[it % 2] += __uint_as_float(pa[0][0]) * 1e-30f;
+    }
+  }
+  float t = l[0] + l[1];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) t += acc[i];
+  if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
+}
+
+
+// The tile loop's ring: a copy warp brings each 64-key tile (K 16 KB as [16][KEYS][16 B], V 16 KB) into
+// one of STAGES stages by two bulk copies (full barrier), the warpgroup waits for it, runs soft_ss
+// on it (or S and P V only: SOFT = false) and hands it back (empty barrier). Block b reads the
+// `tiles` tiles of group b / R: R neighbouring blocks read the same tiles, as a kv head's R wide
+// items do (B=16 T=64 Hq=32 Hkv=8: R = 4), so all but the first read of a tile may come from L2.
+template <int STAGES, bool SOFT>
+__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers) {
+  extern __shared__ unsigned char raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* sq = smem;
+  unsigned char* st = sq + Q_BYTES;  // stages of 32 KB
+  __shared__ uint64_t full[STAGES], empty[STAGES];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < Q_BYTES / 2; i += blockDim.x) {
+    const uint32_t h = (i * 2654435761u) >> 22;
+    reinterpret_cast<__half*>(sq)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
+  }
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 128);
+    }
+    mbar_init_fence();
+  }
+  fence_proxy_async_smem();
+  __syncthreads();
+  const unsigned char* mine = src + static_cast<size_t>(blockIdx.x / readers) * tiles * COPY_BYTES;
+  if (tid >= 128) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tid == 128) {
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % STAGES;
+        if (t >= STAGES) mbar_wait(&empty[s], (t / STAGES - 1) & 1);
+        mbar_expect_tx(&full[s], COPY_BYTES);
+        bulk_load(st + s * COPY_BYTES, mine + static_cast<size_t>(t) * COPY_BYTES, COPY_AREA, &full[s]);
+        bulk_load(st + s * COPY_BYTES + COPY_AREA, mine + static_cast<size_t>(t) * COPY_BYTES + COPY_AREA, COPY_AREA,
+                  &full[s]);
+        mbar_arrive(&full[s]);
+      }
+    }
+#endif
+    return;
+  }
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % STAGES;
+    mbar_wait(&full[s], (t / STAGES) & 1);
+    const unsigned char* sk = st + s * COPY_BYTES;
+    const unsigned char* sv = sk + COPY_AREA;
+    float sc[32];
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      wgmma_m64n64k16_ss<__half, 0>(sc, wgmma_desc(sq + j * 2 * 64 * 16, 64 * 16, 128, false),
+                                    wgmma_desc(sk + 2 * j * 64 * 16, 64 * 16, 128, false), j > 0);
+    }
+    wgmma_commit_and_wait();
+    uint32_t pa[4][4];
+    if constexpr (SOFT) {
+      softmax(sc, m, l, pa);
+    } else {
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) pa[kb][w] = 0x3c003c00u ^ (__float_as_uint(sc[8 * kb + 2 * w]) >> 31);
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      wgmma_m64n128k16_rs<__half, 1>(acc, pa[kb], wgmma_desc(sv + 16 * kb * 128, 64 * 128, 1024, true), 1);
+    }
+    wgmma_commit_and_wait();
+    mbar_arrive(&empty[s]);
+  }
+  float t = l[0] + l[1];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) t += acc[i];
+  if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
+}
+
+template <int STAGES, bool SOFT>
+void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink) {
+  const int smem = 1024 + Q_BYTES + STAGES * COPY_BYTES;
+  CHECK(cudaFuncSetAttribute(ring<STAGES, SOFT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int fit = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, ring<STAGES, SOFT>, 160, smem));
+  if (fit < per_sm) {
+    std::printf("  %d stages: %d block(s) an SM fit\n", STAGES, fit);
+    return;
+  }
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  const int blocks = sms * per_sm;
+  float best = 1e30f;
+  for (int r = 0; r < 6; ++r) {
+    // each launch its own half of the buffer: no launch finds the last one's tiles in L2
+    const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * COPY_BYTES;
+    CHECK(cudaEventRecord(a));
+    ring<STAGES, SOFT><<<blocks, 160, smem>>>(base, sink, tiles, readers);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (r > 0) best = ms < best ? ms : best;
+  }
+  CHECK(cudaGetLastError());
+  const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
+  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile, %s: %.0f TFLOP/s, %.1f us, %.2f TB/s into the SMs\n",
+              STAGES, per_sm, per_sm > 1 ? "s" : "", readers, readers > 1 ? "s" : "", SOFT ? "softmax" : "products only",
+              flop / (best * 1e-3) / 1e12, best * 1e3, double(COPY_BYTES) * tiles * blocks / (best * 1e-3) / 1e12);
+}
+
+template <int FORM>
+float run(int sms, int per_sm, int iters, int copies, const unsigned char* src, float* sink) {
+  CHECK(cudaFuncSetAttribute(rates<FORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  rates<FORM><<<sms * per_sm, 160, SMEM>>>(src, sink, iters, copies);  // warm-up
+  float best = 1e30f;
+  for (int r = 0; r < 5; ++r) {
+    CHECK(cudaEventRecord(a));
+    rates<FORM><<<sms * per_sm, 160, SMEM>>>(src, sink, iters, copies);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    best = ms < best ? ms : best;
+  }
+  CHECK(cudaGetLastError());
+  const bool both = FORM != kSSs && FORM != kSRs && FORM != kPv;
+  const double flop = 2.0 * 64 * 64 * D * (both ? 2 : 1) * iters * double(sms) * per_sm;
+  return static_cast<float>(flop / (best * 1e-3) / 1e12);
+}
+
+template <int... F>
+void all(std::integer_sequence<int, F...>, int sms, int iters, const unsigned char* src, float* sink) {
+  for (int copies = 0; copies < 2; ++copies) {
+    for (int per_sm = 1; per_sm <= 2; ++per_sm) {
+      std::printf("%d block%s an SM, %s:", per_sm, per_sm > 1 ? "s" : "", copies ? "tile copies" : "no copies");
+      ((std::printf(" %s %.0f", kNames[F], run<F>(sms, per_sm, iters, copies, src, sink))), ...);
+      std::printf("  TFLOP/s\n");
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  const int iters = argc > 1 ? std::atoi(argv[1]) : 2000;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  unsigned char* src;
+  float* sink;
+  CHECK(cudaMalloc(&src, 64 * COPY_BYTES));
+  CHECK(cudaMemset(src, 0, 64 * COPY_BYTES));
+  CHECK(cudaMalloc(&sink, 4 * prop.multiProcessorCount * 128 * sizeof(float)));
+  if (argc > 1 && std::string(argv[1]) == "ring") {
+    const int tiles = argc > 2 ? std::atoi(argv[2]) : 256;
+    const int sms = prop.multiProcessorCount;
+    const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
+    unsigned char* big;
+    CHECK(cudaMalloc(&big, bytes));
+    CHECK(cudaMemset(big, 0, bytes));
+    std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
+    for (int readers : {4, 1}) {
+      run_ring<2, true>(sms, 2, tiles, readers, big, sink);
+      run_ring<3, true>(sms, 2, tiles, readers, big, sink);
+      run_ring<4, true>(sms, 1, tiles, readers, big, sink);
+      run_ring<2, false>(sms, 2, tiles, readers, big, sink);
+      run_ring<3, false>(sms, 2, tiles, readers, big, sink);
+    }
+    return 0;
+  }
+  std::printf("%s, %d SMs, %d tiles a block, %d bytes of shared memory a block\n", prop.name,
+              prop.multiProcessorCount, iters, SMEM);
+  all(std::make_integer_sequence<int, kForms>{}, prop.multiProcessorCount, iters, src, sink);
+  return 0;
+}
