@@ -35,18 +35,10 @@
 #include <cstring>
 #include <vector>
 
-#include "../../csrc/kernels/ptx.cuh"  // the kernels' own copy and barrier wrappers
+#include "../../csrc/kernels/ptx.cuh"
+#include "probe_check.h"  // the kernels' own copy and barrier wrappers
 
 using namespace mmha;
-
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 // Head dim of 16-bit elements (-DPROBE_D=64 gives the byte pattern of an fp8 cache of head dim 128:
 // 128-byte rows, 8 chunks of 16 bytes, 1 KB runs a 64-key tile).

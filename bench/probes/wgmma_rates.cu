@@ -30,18 +30,10 @@
 #include <utility>
 
 #include "../../csrc/kernels/ptx.cuh"
+#include "probe_check.h"
 #include "../../csrc/kernels/wgmma.cuh"
 
 using namespace mmha;
-
-#define CHECK(x)                                                                                  \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 constexpr int D = 128;     // head dim
 constexpr int KEYS = 128;  // keys laid out in the K / V areas (the 128-key forms use all of them)
@@ -219,7 +211,6 @@ __global__ void __launch_bounds__(160, 2) rates(const unsigned char* src, float*
   for (int i = 0; i < 64; ++i) t += acc[i];
   if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
 }
-
 
 // The tile loop's ring: a copy warp brings each 64-key tile (K 16 KB as [16][KEYS][16 B], V 16 KB) into
 // one of STAGES stages by two bulk copies (full barrier), the warpgroup waits for it, runs soft_ss
