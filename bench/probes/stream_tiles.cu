@@ -35,8 +35,8 @@
 #include <cstring>
 #include <vector>
 
-#include "../../csrc/kernels/ptx.cuh"
-#include "probe_check.h"  // the kernels' own copy and barrier wrappers
+#include "../../csrc/kernels/ptx.cuh"  // the kernels' own copy and barrier wrappers
+#include "probe_check.h"
 
 using namespace mmha;
 
