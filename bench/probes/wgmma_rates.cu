@@ -19,7 +19,9 @@
 //
 // Build and run on an sm_90 GPU:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_rates \
-//     bench/probes/wgmma_rates.cu && /tmp/wgmma_rates [ITERS]   (default 2000 tiles a block)
+//     bench/probes/wgmma_rates.cu && timeout 120 /tmp/wgmma_rates [ITERS]   (default 2000 tiles a block)
+// `/tmp/wgmma_rates ring [TILES]` runs the ring forms instead (ring's comment), then four readers
+// a tile that start 4, 16 and 64 tiles apart (default 256 tiles a block).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(160, 2) rates(const unsigned char* src, float*
 // `tiles` tiles of group b / R: R neighbouring blocks read the same tiles, as a kv head's R wide
 // items do (B=16 T=64 Hq=32 Hkv=8: R = 4), so all but the first read of a tile may come from L2.
 template <int STAGES, bool SOFT>
-__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers) {
+__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers, int skew) {
   extern __shared__ unsigned char raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   unsigned char* sq = smem;
@@ -242,13 +244,14 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
   if (tid >= 128) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (tid == 128) {
+      const int first = (static_cast<int>(blockIdx.x) % readers) * skew;  // this reader's first tile
       for (int t = 0; t < tiles; ++t) {
         const int s = t % STAGES;
+        const size_t at = static_cast<size_t>((first + t) % tiles) * COPY_BYTES;
         if (t >= STAGES) mbar_wait(&empty[s], (t / STAGES - 1) & 1);
         mbar_expect_tx(&full[s], COPY_BYTES);
-        bulk_load(st + s * COPY_BYTES, mine + static_cast<size_t>(t) * COPY_BYTES, COPY_AREA, &full[s]);
-        bulk_load(st + s * COPY_BYTES + COPY_AREA, mine + static_cast<size_t>(t) * COPY_BYTES + COPY_AREA, COPY_AREA,
-                  &full[s]);
+        bulk_load(st + s * COPY_BYTES, mine + at, COPY_AREA, &full[s]);
+        bulk_load(st + s * COPY_BYTES + COPY_AREA, mine + at + COPY_AREA, COPY_AREA, &full[s]);
         mbar_arrive(&full[s]);
       }
     }
@@ -297,7 +300,7 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
 }
 
 template <int STAGES, bool SOFT>
-void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink) {
+void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink, int skew = 0) {
   const int smem = 1024 + Q_BYTES + STAGES * COPY_BYTES;
   CHECK(cudaFuncSetAttribute(ring<STAGES, SOFT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int fit = 0;
@@ -315,7 +318,7 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
     // each launch its own half of the buffer: no launch finds the last one's tiles in L2
     const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * COPY_BYTES;
     CHECK(cudaEventRecord(a));
-    ring<STAGES, SOFT><<<blocks, 160, smem>>>(base, sink, tiles, readers);
+    ring<STAGES, SOFT><<<blocks, 160, smem>>>(base, sink, tiles, readers, skew);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms = 0.f;
@@ -324,8 +327,9 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
   }
   CHECK(cudaGetLastError());
   const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
-  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile, %s: %.0f TFLOP/s, %.1f us, %.2f TB/s into the SMs\n",
-              STAGES, per_sm, per_sm > 1 ? "s" : "", readers, readers > 1 ? "s" : "", SOFT ? "softmax" : "products only",
+  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile (%d tiles apart), %s: %.0f TFLOP/s, %.1f us, "
+              "%.2f TB/s into the SMs\n",
+              STAGES, per_sm, per_sm > 1 ? "s" : "", readers, readers > 1 ? "s" : "", skew, SOFT ? "softmax" : "products only",
               flop / (best * 1e-3) / 1e12, best * 1e3, double(COPY_BYTES) * tiles * blocks / (best * 1e-3) / 1e12);
 }
 
@@ -388,6 +392,9 @@ int main(int argc, char** argv) {
       run_ring<2, false>(sms, 2, tiles, readers, big, sink);
       run_ring<3, false>(sms, 2, tiles, readers, big, sink);
     }
+    // Readers apart: reader r of a tile group starts r x skew tiles in (and wraps), as a kv head's
+    // wide items that were not started together, or drift, read the same tiles at other times.
+    for (int skew : {4, 16, 64}) run_ring<2, true>(sms, 2, tiles, 4, big, sink, skew);
     return 0;
   }
   std::printf("%s, %d SMs, %d tiles a block, %d bytes of shared memory a block\n", prop.name,
