@@ -30,13 +30,15 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from source_stalls import _ADDR, _FUNC  # nvdisasm's listing: a function's section, an instruction
+from source_stalls import opcode as operation
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = ("HGMMA", "HMMA", "LDL", "STL", "R2UR")  # opcodes counted per kernel (S2R of SR_CgaCtaId apart)
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 PTXAS_PROPERTIES = re.compile(r"Function properties for (\w+)")
 PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 PTXAS_REGS = re.compile(r"Used (\d+) registers")
-INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 
 def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
@@ -58,10 +60,7 @@ def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
 
 def opcode(instruction: str) -> str:
     """The opcode of one SASS instruction, without its predicate and modifiers."""
-    words = instruction.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
-    return words[0].split(".")[0] if words else ""
+    return operation(instruction).split(".")[0]
 
 
 def parse_listing(text: str) -> dict[str, Counter]:
@@ -70,14 +69,14 @@ def parse_listing(text: str) -> dict[str, Counter]:
     out: dict[str, Counter] = {}
     current = None
     for line in text.splitlines():
-        if line.startswith(".text.") and line.rstrip().endswith(":"):
-            current = line.strip()[len(".text.") : -1]
+        if m := _FUNC.match(line.strip()):
+            current = m.group(1)
             out[current] = Counter()
             continue
-        m = INSTRUCTION.match(line)
+        m = _ADDR.search(line)
         if current is None or not m:
             continue
-        ins = m.group(1)
+        ins = m.group(2)
         counts = out[current]
         counts["instructions"] += 1
         counts[opcode(ins)] += 1

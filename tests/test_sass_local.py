@@ -8,6 +8,7 @@ PATH = Path(__file__).resolve().parents[1] / "bench" / "sass_local.py"
 
 
 def load():
+    sys.path.insert(0, str(PATH.parent))  # it reads listings with bench/source_stalls.py's parts
     spec = importlib.util.spec_from_file_location("sass_local", PATH)
     module = importlib.util.module_from_spec(spec)
     sys.modules["sass_local"] = module
