@@ -670,13 +670,12 @@ struct WideConsumer {
       static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
       // One descriptor each for q and K, the K steps' moved along them (wgmma_desc_plus).
       const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
-      const uint64_t k_desc = wgmma_desc(ops + GL::k_off(0, 0, WholeTile{}), GL::KEYS * 16, 128, false);
+      const uint64_t k_desc = wgmma_desc(ops, GL::KEYS * 16, 128, false);  // K's chunk 0 starts the stage
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
         wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
-                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{}) - GL::k_off(0, 0, WholeTile{})),
-                                 j > 0);
+                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
       }
       wgmma_commit_and_wait();
     } else {
