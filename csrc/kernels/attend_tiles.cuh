@@ -190,7 +190,8 @@ struct TileConsumer {
   // s_new_scales[scale_stride + r]); V rows before lo (a window's start) or at or past end
   // (an attend-only row's pos included) are zeroed (whatever the source left there, e.g. NaN from unused slots). Only the warp's own
   // rows are touched; the fence orders these writes before the copy engine refills the stage.
-  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, int kg, int it, int lo, int end,
+  template <typename G>
+  __device__ __forceinline__ static void patch(unsigned char* stage, int key0, G kg, int it, int lo, int end,
                                                int pos, int count, const C* s_new_k, const C* s_new_v, int lane,
                                                const float* s_new_scales = nullptr, int scale_stride = 1) {
     for (int idx = lane; idx < 16 * L::CHUNKS; idx += 32) {
@@ -220,18 +221,19 @@ struct TileConsumer {
 
   // Attend over keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys; the cache's keys
   // [it, it + 16), those before lo or at or past end masked), the query at slot pos.
-  __device__ __forceinline__ void step(const unsigned char* stage, int key0, int kg, int it, int lo, int end,
+  template <typename G>
+  __device__ __forceinline__ void step(const unsigned char* stage, int key0, G kg, int it, int lo, int end,
                                        int pos, int lane) {
     const unsigned char* stages[1] = {stage};
     const int its[1] = {it};
-    steps<1>(stages, key0, kg, its, lo, end, pos, lane);
+    steps<1, G>(stages, key0, kg, its, lo, end, pos, lane);
   }
 
   // Attend over keys [key0, key0 + 16) of N stages at once (the cache's keys [its[n], its[n] +
   // 16) of stage n): one online-softmax update for the 16 N keys (one max reduction, one rescale
   // test), so a warp pays its per-update work once per 16 N keys.
-  template <int N>
-  __device__ __forceinline__ void steps(const unsigned char* const (&stage)[N], int key0, int kg,
+  template <int N, typename G>
+  __device__ __forceinline__ void steps(const unsigned char* const (&stage)[N], int key0, G kg,
                                         const int (&its)[N], int lo, int end, int pos, int lane) {
     const int g = lane / 4;
     // S^T = K Q^T: s[n][0], s[n][1] = key g, heads 2tq, 2tq + 1; s[n][2], s[n][3] = key g + 8.

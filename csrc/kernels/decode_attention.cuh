@@ -143,7 +143,16 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   const float scale_log2 = p.scale * kLog2e;
   const auto sync = [] { named_barrier(1, CONSUMERS); };
   const int key0 = 16 * warp;
-  const int kg = L::k_group(p.cache);
+  // K's groups in a stage (TileLayout): lean kernels see contiguous caches only, whose tiles are
+  // one group, known here (the fragments' addresses then fold into their loads' offsets).
+  using KGroup = std::conditional_t<kLeanKernels && !kInt4<C>, WholeTile, int>;
+  const KGroup kg = [&] {
+    if constexpr (std::is_same_v<KGroup, int>) {
+      return L::k_group(p.cache);
+    } else {
+      return WholeTile{};
+    }
+  }();
   RingCursor cur;
   using Consumer = std::conditional_t<kInt4<C>, Int4Consumer<HEAD_DIM, QB>, TileConsumer<C, HEAD_DIM, QB>>;
   Consumer c;
