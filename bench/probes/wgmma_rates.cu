@@ -21,7 +21,9 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_rates \
 //     bench/probes/wgmma_rates.cu && timeout 120 /tmp/wgmma_rates [ITERS]   (default 2000 tiles a block)
 // `/tmp/wgmma_rates ring [TILES]` runs the ring forms instead (ring's comment), then four readers
-// a tile that start 4, 16 and 64 tiles apart (default 256 tiles a block).
+// a tile that start 4, 16 and 64 tiles apart (default 256 tiles a block). `/tmp/wgmma_rates
+// clusters [TILES]`: four readers a tile group free, launched as clusters, sharing their stages
+// across the cluster and within a window (RingMode), at equal rates and at rates that differ.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -214,19 +216,49 @@ __global__ void __launch_bounds__(160, 2) rates(const unsigned char* src, float*
   if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
 }
 
+// Cluster helpers (sm_90): one arrival on barrier `bar` of block `cta` of the cluster, and a
+// barrier of every thread of the cluster (not .aligned: called from different places).
+__device__ __forceinline__ void arrive_in(uint64_t* bar, uint32_t cta) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .b32 r;\n mapa.shared::cluster.u32 r, %0, %1;\n"
+      " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n}\n" ::"r"(smem_addr(bar)), "r"(cta)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+
+// How the R readers of a tile group keep together (ring's MODE): kFree, each on its own (a
+// plain launch); kClustered, launched as clusters of R but each on its own (placement only);
+// kShared, each consumer warp releasing a stage to every block of its cluster (a producer refills
+// stage s once all R blocks are done with it: at most the ring apart); kWindow, stages local and
+// milestone barriers: every consumer warp arrives on milestone t / kMile of every block of its
+// cluster after tile t (t % kMile == kMile - 1), a producer issues tile t once milestone (t -
+// kWindow + 1) / kMile - 1 is complete (at most kWindow + kMile - 1 tiles ahead).
+enum RingMode { kFree, kClustered, kShared, kWindow };
+const char* kModeNames[] = {"free", "clusters", "clusters, shared stages", "clusters, window"};
+constexpr int kMile = 2, kWindowTiles = 4, kMiles = 8;
+static_assert(kMiles * kMile >= kWindowTiles, "a wait never reads a phase ahead");
+
 // The tile loop's ring: a copy warp brings each 64-key tile (K 16 KB as [16][KEYS][16 B], V 16 KB) into
 // one of STAGES stages by two bulk copies (full barrier), the warpgroup waits for it, runs soft_ss
 // on it (or S and P V only: SOFT = false) and hands it back (empty barrier). Block b reads the
 // `tiles` tiles of group b / R: R neighbouring blocks read the same tiles, as a kv head's R wide
 // items do (B=16 T=64 Hq=32 Hkv=8: R = 4), so all but the first read of a tile may come from L2.
-template <int STAGES, bool SOFT>
-__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers, int skew) {
+template <int STAGES, bool SOFT, int MODE = kFree>
+__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers, int skew,
+                                               int jitter) {
   extern __shared__ unsigned char raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   unsigned char* sq = smem;
   unsigned char* st = sq + Q_BYTES;  // stages of 32 KB
-  __shared__ uint64_t full[STAGES], empty[STAGES];
+  __shared__ uint64_t full[STAGES], empty[STAGES], mile[kMiles];
   const int tid = threadIdx.x;
+  const int lane = tid % 32;
   for (int i = tid; i < Q_BYTES / 2; i += blockDim.x) {
     const uint32_t h = (i * 2654435761u) >> 22;
     reinterpret_cast<__half*>(sq)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
@@ -234,12 +266,14 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 128);
+      mbar_init(&empty[s], MODE == kShared ? 4 * readers : 128);
     }
+    for (int m = 0; m < kMiles; ++m) mbar_init(&mile[m], 4 * readers);
     mbar_init_fence();
   }
   fence_proxy_async_smem();
   __syncthreads();
+  if constexpr (MODE != kFree) cluster_barrier();  // every block's barriers set up
   const unsigned char* mine = src + static_cast<size_t>(blockIdx.x / readers) * tiles * COPY_BYTES;
   if (tid >= 128) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -249,6 +283,10 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
         const int s = t % STAGES;
         const size_t at = static_cast<size_t>((first + t) % tiles) * COPY_BYTES;
         if (t >= STAGES) mbar_wait(&empty[s], (t / STAGES - 1) & 1);
+        if constexpr (MODE == kWindow) {
+          const int m = t - kWindowTiles + 1;
+          if (m > 0 && m % kMile == 0) mbar_wait(&mile[(m / kMile - 1) % kMiles], ((m / kMile - 1) / kMiles) & 1);
+        }
         mbar_expect_tx(&full[s], COPY_BYTES);
         bulk_load(st + s * COPY_BYTES, mine + at, COPY_AREA, &full[s]);
         bulk_load(st + s * COPY_BYTES + COPY_AREA, mine + at + COPY_AREA, COPY_AREA, &full[s]);
@@ -256,6 +294,7 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
       }
     }
 #endif
+    if constexpr (MODE != kFree) cluster_barrier();  // no block leaves while others may arrive on it
     return;
   }
   float acc[64];
@@ -291,20 +330,34 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
       wgmma_m64n128k16_rs<__half, 1>(acc, pa[kb], wgmma_desc(sv + 16 * kb * 128, 64 * 128, 1024, true), 1);
     }
     wgmma_commit_and_wait();
-    mbar_arrive(&empty[s]);
+    if constexpr (MODE == kShared) {
+      __syncwarp();
+      if (lane < readers) arrive_in(&empty[s], lane);
+    } else {
+      mbar_arrive(&empty[s]);
+    }
+    if constexpr (MODE == kWindow) {
+      if (t % kMile == kMile - 1 && lane < readers) arrive_in(&mile[(t / kMile) % kMiles], lane);
+    }
+    // Readers at different rates (reader r sleeps r x jitter ns a tile), as blocks that share their
+    // SMs with other work drift apart.
+    if (jitter > 0) __nanosleep(static_cast<unsigned>(jitter * (static_cast<int>(blockIdx.x) % readers)));
   }
+  if constexpr (MODE != kFree) cluster_barrier();
   float t = l[0] + l[1];
 #pragma unroll
   for (int i = 0; i < 64; ++i) t += acc[i];
   if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
 }
 
-template <int STAGES, bool SOFT>
-void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink, int skew = 0) {
+template <int STAGES, bool SOFT, int MODE = kFree>
+void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink, int skew = 0,
+              int jitter = 0) {
   const int smem = 1024 + Q_BYTES + STAGES * COPY_BYTES;
-  CHECK(cudaFuncSetAttribute(ring<STAGES, SOFT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const auto kernel = ring<STAGES, SOFT, MODE>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int fit = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, ring<STAGES, SOFT>, 160, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 160, smem));
   if (fit < per_sm) {
     std::printf("  %d stages: %d block(s) an SM fit\n", STAGES, fit);
     return;
@@ -312,13 +365,30 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  const int blocks = sms * per_sm;
+  int blocks = sms * per_sm;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(readers);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(160);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.attrs = attr;
+  cfg.numAttrs = MODE == kFree ? 0 : 1;
+  if (MODE != kFree) {  // as many clusters as run at once (a GPC's odd slots stay empty)
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks / readers * readers));
+    int clusters = 0;
+    CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    blocks = clusters * readers < blocks ? clusters * readers : blocks / readers * readers;
+  }
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   float best = 1e30f;
   for (int r = 0; r < 6; ++r) {
     // each launch its own half of the buffer: no launch finds the last one's tiles in L2
     const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * COPY_BYTES;
     CHECK(cudaEventRecord(a));
-    ring<STAGES, SOFT><<<blocks, 160, smem>>>(base, sink, tiles, readers, skew);
+    CHECK(cudaLaunchKernelEx(&cfg, kernel, base, sink, tiles, readers, skew, jitter));
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms = 0.f;
@@ -327,10 +397,11 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
   }
   CHECK(cudaGetLastError());
   const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
-  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile (%d tiles apart), %s: %.0f TFLOP/s, %.1f us, "
-              "%.2f TB/s into the SMs\n",
+  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile (%d tiles apart), %s, %s, jitter %d ns, %d blocks: %.0f TFLOP/s, "
+              "%.1f us, %.2f TB/s into the SMs\n",
               STAGES, per_sm, per_sm > 1 ? "s" : "", readers, readers > 1 ? "s" : "", skew, SOFT ? "softmax" : "products only",
-              flop / (best * 1e-3) / 1e12, best * 1e3, double(COPY_BYTES) * tiles * blocks / (best * 1e-3) / 1e12);
+              kModeNames[MODE], jitter, blocks, flop / (best * 1e-3) / 1e12, best * 1e3,
+              double(COPY_BYTES) * tiles * blocks / (best * 1e-3) / 1e12);
 }
 
 template <int FORM>
@@ -395,6 +466,24 @@ int main(int argc, char** argv) {
     // Readers apart: reader r of a tile group starts r x skew tiles in (and wraps), as a kv head's
     // wide items that were not started together, or drift, read the same tiles at other times.
     for (int skew : {4, 16, 64}) run_ring<2, true>(sms, 2, tiles, 4, big, sink, skew);
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "clusters") {
+    // The four readers of a tile group kept together or not (RingMode), at rates that differ by
+    // jitter ns a tile per reader rank.
+    const int tiles = argc > 2 ? std::atoi(argv[2]) : 256;
+    const int sms = prop.multiProcessorCount;
+    const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
+    unsigned char* big;
+    CHECK(cudaMalloc(&big, bytes));
+    CHECK(cudaMemset(big, 0, bytes));
+    std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block, four readers a tile group\n", prop.name, sms, tiles);
+    for (int jitter : {0, 100, 300}) {
+      run_ring<2, true, kFree>(sms, 2, tiles, 4, big, sink, 0, jitter);
+      run_ring<2, true, kClustered>(sms, 2, tiles, 4, big, sink, 0, jitter);
+      run_ring<2, true, kShared>(sms, 2, tiles, 4, big, sink, 0, jitter);
+      run_ring<2, true, kWindow>(sms, 2, tiles, 4, big, sink, 0, jitter);
+    }
     return 0;
   }
   std::printf("%s, %d SMs, %d tiles a block, %d bytes of shared memory a block\n", prop.name,
