@@ -448,7 +448,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&src, 64 * COPY_BYTES));
   CHECK(cudaMemset(src, 0, 64 * COPY_BYTES));
   CHECK(cudaMalloc(&sink, 4 * prop.multiProcessorCount * 128 * sizeof(float)));
-  if (argc > 1 && std::string(argv[1]) == "ring") {
+  const std::string form = argc > 1 ? argv[1] : "";
+  if (form == "ring" || form == "clusters") {
     const int tiles = argc > 2 ? std::atoi(argv[2]) : 256;
     const int sms = prop.multiProcessorCount;
     const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
@@ -456,6 +457,17 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&big, bytes));
     CHECK(cudaMemset(big, 0, bytes));
     std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
+    if (form == "clusters") {
+      // The four readers of a tile group kept together or not (RingMode), at rates that differ
+      // by jitter ns a tile per reader rank.
+      for (int jitter : {0, 100, 300}) {
+        run_ring<2, true, kFree>(sms, 2, tiles, 4, big, sink, 0, jitter);
+        run_ring<2, true, kClustered>(sms, 2, tiles, 4, big, sink, 0, jitter);
+        run_ring<2, true, kShared>(sms, 2, tiles, 4, big, sink, 0, jitter);
+        run_ring<2, true, kWindow>(sms, 2, tiles, 4, big, sink, 0, jitter);
+      }
+      return 0;
+    }
     for (int readers : {4, 1}) {
       run_ring<2, true>(sms, 2, tiles, readers, big, sink);
       run_ring<3, true>(sms, 2, tiles, readers, big, sink);
@@ -466,24 +478,6 @@ int main(int argc, char** argv) {
     // Readers apart: reader r of a tile group starts r x skew tiles in (and wraps), as a kv head's
     // wide items that were not started together, or drift, read the same tiles at other times.
     for (int skew : {4, 16, 64}) run_ring<2, true>(sms, 2, tiles, 4, big, sink, skew);
-    return 0;
-  }
-  if (argc > 1 && std::string(argv[1]) == "clusters") {
-    // The four readers of a tile group kept together or not (RingMode), at rates that differ by
-    // jitter ns a tile per reader rank.
-    const int tiles = argc > 2 ? std::atoi(argv[2]) : 256;
-    const int sms = prop.multiProcessorCount;
-    const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
-    unsigned char* big;
-    CHECK(cudaMalloc(&big, bytes));
-    CHECK(cudaMemset(big, 0, bytes));
-    std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block, four readers a tile group\n", prop.name, sms, tiles);
-    for (int jitter : {0, 100, 300}) {
-      run_ring<2, true, kFree>(sms, 2, tiles, 4, big, sink, 0, jitter);
-      run_ring<2, true, kClustered>(sms, 2, tiles, 4, big, sink, 0, jitter);
-      run_ring<2, true, kShared>(sms, 2, tiles, 4, big, sink, 0, jitter);
-      run_ring<2, true, kWindow>(sms, 2, tiles, 4, big, sink, 0, jitter);
-    }
     return 0;
   }
   std::printf("%s, %d SMs, %d tiles a block, %d bytes of shared memory a block\n", prop.name,
