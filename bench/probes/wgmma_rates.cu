@@ -330,14 +330,20 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
       wgmma_m64n128k16_rs<__half, 1>(acc, pa[kb], wgmma_desc(sv + 16 * kb * 128, 64 * 128, 1024, true), 1);
     }
     wgmma_commit_and_wait();
+    // (A warp's arrivals at the cluster's blocks from one lane, in order: a later one is never
+    // counted in an earlier phase at another block.)
     if constexpr (MODE == kShared) {
       __syncwarp();
-      if (lane < readers) arrive_in(&empty[s], lane);
+      if (lane == 0) {
+        for (int b = 0; b < readers; ++b) arrive_in(&empty[s], b);
+      }
     } else {
       mbar_arrive(&empty[s]);
     }
     if constexpr (MODE == kWindow) {
-      if (t % kMile == kMile - 1 && lane < readers) arrive_in(&mile[(t / kMile) % kMiles], lane);
+      if (t % kMile == kMile - 1 && lane == 0) {
+        for (int b = 0; b < readers; ++b) arrive_in(&mile[(t / kMile) % kMiles], b);
+      }
     }
     // Readers at different rates (reader r sleeps r x jitter ns a tile), as blocks that share their
     // SMs with other work drift apart.
