@@ -135,7 +135,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     return;
   }
   if (warp == kConsumerWarps + 1) {
-    stage_items<T, C, HEAD_DIM, QB, EPI, FUSED>(p, s_item, items, lane, tn);
+    stage_items<T, C, HEAD_DIM, QB, EPI, FUSED>(p, s_item, items, lane, tn, s_new_k, s_new_v, s_new_scales);
     return;
   }
 
@@ -201,6 +201,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                           s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot,
                                                           tok4, h.item == q_ready_item);
       q_ready_item = -1;
+
       if constexpr (FUSED) {
         if (w.owner()) {
           build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);
@@ -227,6 +228,12 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
       if (h.flags & kLastTile) timeline_item(p, item_seq, kTlLastLanded);
     }
     const int it = h.k0 + key0;
+    // kStagedToken: the item's new token is the stager's (in s_new_*, token_ready); a warp waits for
+    // it before it patches it in, every consumer before it is done with the item (token_free). The
+    // tile that holds the new slot is not always the item's last (TileWalk starts mid-item).
+    const auto token_wait = [&] {
+      if constexpr (kStagedToken<C> && !FUSED) mbar_wait(&s_item.token_ready, item_seq & 1);
+    };
     // The slots taken from shared memory: a one-token step's new token, a fused tree's nodes.
     const auto patch_if = [&](unsigned char* st, int t) {
       if constexpr (kInt4<C>) {
@@ -239,6 +246,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                tn->v(0, p.tree.nodes), lane, tn->scales(p.tree.nodes), p.tree.nodes);
         }
       } else if ((t <= w.newslot && w.newslot < t + 16) || t + 16 > w.end || t < w.lo) {
+        if (t <= w.newslot && w.newslot < t + 16) token_wait();
         TileConsumer<C, HEAD_DIM, QB>::patch(st, key0, kg, t, w.lo, w.end, w.newslot, 1, s_new_k, s_new_v, lane,
                                              s_new_scales);
       }
@@ -281,6 +289,10 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
     if (!kHeldStage || !(flags & kLastTile)) mbar_arrive(&ring.empty[cur.s]);  // done with the stage and its header
     cur.next(p.sched.stages);
     if (flags & kLastTile) {
+      if constexpr (kStagedToken<C> && !FUSED) {  // done with s_new_* (each thread past this item's token first)
+        token_wait();
+        mbar_arrive(&s_item.token_free);
+      }
       if (tid == 0) timeline_item(p, item_seq, kTlLastAttended);
       c.finish();
       float (*acc_w)[QB][HEAD_DIM] = nullptr;
@@ -329,7 +341,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
           append_int4_token<T, HEAD_DIM>(p, w, *s_tok4, tid, CONSUMERS);
         } else if constexpr (FUSED) {
           append_tree_nodes<C, HEAD_DIM>(p, w, *tn, tid, CONSUMERS);
-        } else {
+        } else if constexpr (!kStagedToken<C>) {  // (else the stager appended it: stage_new_token)
           append_new_token<C, HEAD_DIM>(p, w, s_new_k, s_new_v, tid, CONSUMERS, s_new_scales);
         }
       }

@@ -83,6 +83,12 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
   }
 }
 
+// Lean one-token kernels over int8 caches: the stager warp builds an owner item's new token
+// (quantised) into the block's new-token arrays and appends it (stage_new_token), so that the
+// consumers neither quantise nor append it (16-bit caches' tokens are a rounding: kept there).
+template <typename C>
+constexpr bool kStagedToken = kLeanKernels && std::is_same_v<C, s8>;
+
 // A fused tree step's q columns read from qkv, biased, into s_q (its rotation is
 // load_query_and_new_token's second pass): each thread reads a run of kPrefetchQ elements of a
 // column (and their bias) together, unconditionally (a column past the item's reads its last
@@ -247,7 +253,7 @@ __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, co
       s_q[g][rp.d1] = x1;
     }
   }
-  if (w.owner() && !FUSED) {
+  if (w.owner() && !FUSED && !kStagedToken<C>) {  // (kStagedToken: the stager builds it, stage_new_token)
     const int kvh = w.kvh, pos = rpos;
     const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
     const HeadNorm k_norm =
@@ -289,6 +295,73 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
       (tid == 0 ? ts.k : ts.v)[ts.at(blk, w.pos)] = s_new_scales[tid];
     }
   }
+}
+
+// kStagedToken: an owner item's new token built by the stager warp from its slot's raw rows
+// (k_row, v_row, written by every lane before this) into the block's new-token arrays (new_k,
+// new_v, new_scales): k (bias, rotary) and v (bias) as the cache stores them (rounded to C, or
+// int8 codes with their scales in new_scales[0] (k) and [1] (v)), the same values
+// load_query_and_new_token computes (rotated, biased; quantize_new_token_s8's maxima over one
+// warp); then, for column block 0, the append (append_new_token with the warp's 32 lanes).
+template <typename T, typename C, int HEAD_DIM>
+__device__ __forceinline__ void stage_new_token(const MmhaParams& p, const WorkItem& w, const T* k_row,
+                                                const T* v_row, C* new_k, C* new_v, float* new_scales, float k_scale,
+                                                float v_scale, int lane) {
+  constexpr int N = (HEAD_DIM + 31) / 32;
+  __syncwarp();  // every lane's raw values are in the slot
+  const T* bias = static_cast<const T*>(p.qkv_bias);
+  const int rpos = p.rows.positions != nullptr ? __ldg(p.rows.positions + w.b) : w.pos;
+  const RotaryParams rot = for_length(p.rotary, rpos + 1);
+  const T* k_bias = bias ? bias + (p.num_heads + w.kvh) * HEAD_DIM : nullptr;
+  const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + w.kvh) * HEAD_DIM : nullptr;
+  float kx[N], vx[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int d = lane + 32 * j;
+    kx[j] = d < HEAD_DIM ? rotated(k_row, k_bias, d, rpos, rot, HeadNorm{}) : 0.f;
+    vx[j] = d < HEAD_DIM ? biased(v_row, v_bias, d) : 0.f;
+  }
+  C* kc = new_k;
+  C* vc = new_v;
+  if constexpr (std::is_same_v<C, s8>) {
+    float km = 0.f, vm = 0.f;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      km = absmax_nan(km, fabsf(kx[j]));
+      vm = absmax_nan(vm, fabsf(vx[j]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
+      vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
+    }
+    const float ks = int8_scale(km), vs = int8_scale(vm);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int d = lane + 32 * j;
+      if (d < HEAD_DIM) {
+        kc[d] = quantize_s8(kx[j], ks);
+        vc[d] = quantize_s8(vx[j], vs);
+      }
+    }
+    if (lane == 0) {
+      new_scales[0] = ks;
+      new_scales[1] = vs;
+      if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + w.b, kStatusScale);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int d = lane + 32 * j;
+      if (d < HEAD_DIM) {
+        kc[d] = to_cache<C>(kx[j], k_scale);
+        vc[d] = to_cache<C>(vx[j], v_scale);
+      }
+    }
+  }
+  __syncwarp();
+  append_new_token<C, HEAD_DIM>(p, w, *reinterpret_cast<const C(*)[HEAD_DIM]>(kc),
+                                *reinterpret_cast<const C(*)[HEAD_DIM]>(vc), lane, 32, new_scales);
 }
 
 // A fused tree step's item that holds node slots: those nodes' K/V (the nodes of its keys [start,

@@ -43,6 +43,8 @@ struct ItemStage {
   uint64_t full[2];
   uint64_t taken[2];
   uint64_t empty[2];
+  uint64_t token_ready;          // kStagedToken: 32 stager lanes, once an item's new token is built (stage_new_token)
+  uint64_t token_free;           // kStagedToken: the consumers, once they are past an item's last tile
   uint64_t checked;              // 32 stager lanes: before_bad holds the next such item's verdict
 };
 
@@ -53,6 +55,8 @@ __device__ __forceinline__ void init_item_stage(Stage& st) {
     mbar_init(&st.taken[s], 32);
     mbar_init(&st.empty[s], Stage::EMPTY_ARRIVALS);
   }
+  mbar_init(&st.token_ready, 32);
+  mbar_init(&st.token_free, kConsumerWarps * 32);
   mbar_init(&st.checked, 32);
 }
 
@@ -265,7 +269,8 @@ __device__ __forceinline__ void prefetch_tree_q_rows(const MmhaParams& p, int in
 // Hkv=32 S=256, ncu: the producer spent a quarter of its time on them when it did this itself).
 template <typename T, typename C, int HEAD_DIM, int QB, bool EPI, bool FUSED = false>
 __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HEAD_DIM, QB, !FUSED && QB != kWideColumns>& st,
-                                            int items, int lane, TreeNodes<C, HEAD_DIM>* tn = nullptr) {
+                                            int items, int lane, TreeNodes<C, HEAD_DIM>* tn = nullptr,
+                                            C* new_k = nullptr, C* new_v = nullptr, float* new_scales = nullptr) {
   int index = blockIdx.x;
   int seq = 0;  // slots filled so far: item seq uses slot seq % 2
   while (index < items) {
@@ -305,6 +310,17 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
         st.v_scale[slot] = d.v_scale;
       }
       mbar_arrive(&st.full[slot]);  // each lane's writes to the slot
+      // The item's new token, built and appended here into the block's new-token arrays once the
+      // consumers are done with the item before (token_free), while they attend to this item's
+      // tiles; they wait for it (token_ready) at the tile that holds its slot.
+      if constexpr (kStagedToken<C> && !FUSED && QB != kWideColumns) {
+        if (seq > 0) mbar_wait(&st.token_free, (seq - 1) & 1);
+        if (w.owner()) {
+          stage_new_token<T, C, HEAD_DIM>(p, w, st.k[slot], st.v[slot], new_k, new_v, new_scales, d.k_scale,
+                                          d.v_scale, lane);
+        }
+        mbar_arrive(&st.token_ready);
+      }
       mbar_wait(&st.taken[slot], (seq >> 1) & 1);
       ++seq;
       if (checks_before<FUSED>(p, w)) check_blocks_before<C, HEAD_DIM, FUSED>(p, w, st, lane);
