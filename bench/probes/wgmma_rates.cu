@@ -20,6 +20,8 @@
 // Build and run on an sm_90 GPU:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/wgmma_rates \
 //     bench/probes/wgmma_rates.cu && timeout 120 /tmp/wgmma_rates [ITERS]   (default 2000 tiles a block)
+// `/tmp/wgmma_rates pairs [TILES]`: a kv head's four readers as two blocks of two warpgroups
+// that share each stage (WGS), against four blocks of one, started apart.
 // `/tmp/wgmma_rates ring [TILES]` runs the ring forms instead (ring's comment), then four readers
 // a tile that start 4, 16 and 64 tiles apart (default 256 tiles a block). `/tmp/wgmma_rates
 // clusters [TILES]`: four readers a tile group free, launched as clusters, sharing their stages
@@ -249,24 +251,27 @@ static_assert(kMiles * kMile >= kWindowTiles, "a wait never reads a phase ahead"
 // on it (or S and P V only: SOFT = false) and hands it back (empty barrier). Block b reads the
 // `tiles` tiles of group b / R: R neighbouring blocks read the same tiles, as a kv head's R wide
 // items do (B=16 T=64 Hq=32 Hkv=8: R = 4), so all but the first read of a tile may come from L2.
-template <int STAGES, bool SOFT, int MODE = kFree>
-__global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* sink, int tiles, int readers, int skew,
-                                               int jitter) {
+// WGS = 2: two warpgroups a block read each tile (the ring's empty barrier counts both), each
+// with its own q, as two wide items of a kv head paired in one block; `readers` then counts
+// blocks, so a kv head's four items are two blocks of pairs (one block an SM).
+template <int STAGES, bool SOFT, int MODE = kFree, int WGS = 1>
+__global__ void __launch_bounds__(128 * WGS + 32, 1) ring(const unsigned char* src, float* sink, int tiles, int readers,
+                                                          int skew, int jitter) {
   extern __shared__ unsigned char raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-  unsigned char* sq = smem;
-  unsigned char* st = sq + Q_BYTES;  // stages of 32 KB
+  unsigned char* st = smem + WGS * Q_BYTES;  // stages of 32 KB
+  unsigned char* sq = smem + (threadIdx.x / 128 < WGS ? threadIdx.x / 128 : 0) * Q_BYTES;  // this warpgroup's q
   __shared__ uint64_t full[STAGES], empty[STAGES], mile[kMiles];
   const int tid = threadIdx.x;
   const int lane = tid % 32;
-  for (int i = tid; i < Q_BYTES / 2; i += blockDim.x) {
+  for (int i = tid; i < WGS * Q_BYTES / 2; i += blockDim.x) {
     const uint32_t h = (i * 2654435761u) >> 22;
-    reinterpret_cast<__half*>(sq)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
+    reinterpret_cast<__half*>(smem)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
   }
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], MODE == kShared ? 4 * readers : 128);
+      mbar_init(&empty[s], MODE == kShared ? 4 * readers : 128 * WGS);
     }
     for (int m = 0; m < kMiles; ++m) mbar_init(&mile[m], 4 * readers);
     mbar_init_fence();
@@ -275,9 +280,9 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
   __syncthreads();
   if constexpr (MODE != kFree) cluster_barrier();  // every block's barriers set up
   const unsigned char* mine = src + static_cast<size_t>(blockIdx.x / readers) * tiles * COPY_BYTES;
-  if (tid >= 128) {
+  if (tid >= 128 * WGS) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (tid == 128) {
+    if (tid == 128 * WGS) {
       const int first = (static_cast<int>(blockIdx.x) % readers) * skew;  // this reader's first tile
       for (int t = 0; t < tiles; ++t) {
         const int s = t % STAGES;
@@ -353,17 +358,18 @@ __global__ void __launch_bounds__(160, 1) ring(const unsigned char* src, float* 
   float t = l[0] + l[1];
 #pragma unroll
   for (int i = 0; i < 64; ++i) t += acc[i];
-  if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
+  if (t == 1.2345f) sink[blockIdx.x * 128 * WGS + tid] = t;
 }
 
-template <int STAGES, bool SOFT, int MODE = kFree>
+template <int STAGES, bool SOFT, int MODE = kFree, int WGS = 1>
 void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* src, float* sink, int skew = 0,
               int jitter = 0) {
-  const int smem = 1024 + Q_BYTES + STAGES * COPY_BYTES;
-  const auto kernel = ring<STAGES, SOFT, MODE>;
+  const int smem = 1024 + WGS * Q_BYTES + STAGES * COPY_BYTES;
+  const auto kernel = ring<STAGES, SOFT, MODE, WGS>;
+  const int threads = 128 * WGS + 32;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int fit = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 160, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, threads, smem));
   if (fit < per_sm) {
     std::printf("  %d stages: %d block(s) an SM fit\n", STAGES, fit);
     return;
@@ -378,7 +384,7 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(160);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.attrs = attr;
   cfg.numAttrs = MODE == kFree ? 0 : 1;
@@ -402,10 +408,11 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
     if (r > 0) best = ms < best ? ms : best;
   }
   CHECK(cudaGetLastError());
-  const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
-  std::printf("  %d stages, %d block%s an SM, %d reader%s a tile (%d tiles apart), %s, %s, jitter %d ns, %d blocks: %.0f TFLOP/s, "
+  const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks * WGS;
+  std::printf("  %d stages, %d block%s an SM%s, %d reader%s a tile (%d tiles apart), %s, %s, jitter %d ns, %d blocks: %.0f TFLOP/s, "
               "%.1f us, %.2f TB/s into the SMs\n",
-              STAGES, per_sm, per_sm > 1 ? "s" : "", readers, readers > 1 ? "s" : "", skew, SOFT ? "softmax" : "products only",
+              STAGES, per_sm, per_sm > 1 ? "s" : "", WGS > 1 ? " of two warpgroups" : "", readers, readers > 1 ? "s" : "", skew,
+              SOFT ? "softmax" : "products only",
               kModeNames[MODE], jitter, blocks, flop / (best * 1e-3) / 1e12, best * 1e3,
               double(COPY_BYTES) * tiles * blocks / (best * 1e-3) / 1e12);
 }
@@ -455,7 +462,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(src, 0, 64 * COPY_BYTES));
   CHECK(cudaMalloc(&sink, 4 * prop.multiProcessorCount * 128 * sizeof(float)));
   const std::string form = argc > 1 ? argv[1] : "";
-  if (form == "ring" || form == "clusters") {
+  if (form == "ring" || form == "clusters" || form == "pairs") {
     const int tiles = argc > 2 ? std::atoi(argv[2]) : 256;
     const int sms = prop.multiProcessorCount;
     const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
@@ -463,6 +470,18 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&big, bytes));
     CHECK(cudaMemset(big, 0, bytes));
     std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
+    if (form == "pairs") {
+      // A kv head's four items as two blocks of two warpgroups (each tile read by both), against
+      // four blocks of one, each form with its blocks started 0, 4, 16 and 64 tiles apart.
+      for (int skew : {0, 4, 16, 64}) {
+        run_ring<2, true>(sms, 2, tiles, 4, big, sink, skew);
+        run_ring<2, true, kFree, 2>(sms, 1, tiles, 2, big, sink, skew);
+        run_ring<3, true, kFree, 2>(sms, 1, tiles, 2, big, sink, skew);
+        run_ring<4, true, kFree, 2>(sms, 1, tiles, 2, big, sink, skew);
+      }
+      run_ring<3, false, kFree, 2>(sms, 1, tiles, 2, big, sink);
+      return 0;
+    }
     if (form == "clusters") {
       // The four readers of a tile group kept together or not (RingMode), at rates that differ
       // by jitter ns a tile per reader rank.
