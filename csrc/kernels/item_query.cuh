@@ -57,11 +57,7 @@ __device__ __forceinline__ void quantize_new_token_s8(const MmhaParams& p, const
     km = absmax_nan(km, fabsf(k_at(d)));
     vm = absmax_nan(vm, fabsf(v_at(d)));
   }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
-    vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
-  }
+  warp_absmax_kv(km, vm);
   if (tid % 32 == 0) {
     s_absmax[0][tid / 32] = km;
     s_absmax[1][tid / 32] = vm;
@@ -330,11 +326,7 @@ __device__ __forceinline__ void stage_new_token(const MmhaParams& p, const WorkI
       km = absmax_nan(km, fabsf(kx[j]));
       vm = absmax_nan(vm, fabsf(vx[j]));
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
-      vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
-    }
+    warp_absmax_kv(km, vm);
     const float ks = int8_scale(km), vs = int8_scale(vm);
 #pragma unroll
     for (int j = 0; j < N; ++j) {

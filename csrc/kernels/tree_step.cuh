@@ -67,11 +67,7 @@ __device__ __forceinline__ void quantize_node_s8(const MmhaParams& p, const T* k
       vm = absmax_nan(vm, absmax_nan(fabsf(v[j][0]), fabsf(v[j][1])));
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    km = absmax_nan(km, __shfl_xor_sync(kFullMask, km, off));
-    vm = absmax_nan(vm, __shfl_xor_sync(kFullMask, vm, off));
-  }
+  warp_absmax_kv(km, vm);
   const float ks = int8_scale(km), vs = int8_scale(vm);
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) {

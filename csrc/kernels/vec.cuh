@@ -73,6 +73,15 @@ __device__ __forceinline__ float int8_scale(float amax) { return __fdiv_rn(amax,
 // value gets a NaN scale.
 __device__ __forceinline__ float absmax_nan(float a, float b) { return a > b || a != a ? a : b; }
 
+// A token's k and v maxima over the warp: each lane's (km, vm) becomes the warp's (absmax_nan).
+__device__ __forceinline__ void warp_absmax_kv(float& km, float& vm) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    km = absmax_nan(km, __shfl_xor_sync(0xffffffffu, km, off));
+    vm = absmax_nan(vm, __shfl_xor_sync(0xffffffffu, vm, off));
+  }
+}
+
 // value / scale rounded half to even and clamped to +-127, as mmha.quant.quantize: a scale that
 // is not positive (zero, or NaN) divides by 1, a NaN result is code 0, an infinite one saturates.
 __device__ __forceinline__ s8 quantize_s8(float value, float scale) {
