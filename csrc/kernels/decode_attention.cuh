@@ -201,7 +201,6 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
                                                           s_new_v, s_new_scales, tid, CONSUMERS, sync, tn, h.slot,
                                                           tok4, h.item == q_ready_item);
       q_ready_item = -1;
-
       if constexpr (FUSED) {
         if (w.owner()) {
           build_tree_nodes<T, C, HEAD_DIM>(p, w, *tn, h.slot, h.k_scale, h.v_scale, tid, CONSUMERS);

@@ -295,14 +295,13 @@ __device__ __forceinline__ void append_new_token(const MmhaParams& p, const Work
 
 // kStagedToken: an owner item's new token built by the stager warp from its slot's raw rows
 // (k_row, v_row, written by every lane before this) into the block's new-token arrays (new_k,
-// new_v, new_scales): k (bias, rotary) and v (bias) as the cache stores them (rounded to C, or
-// int8 codes with their scales in new_scales[0] (k) and [1] (v)), the same values
-// load_query_and_new_token computes (rotated, biased; quantize_new_token_s8's maxima over one
-// warp); then, for column block 0, the append (append_new_token with the warp's 32 lanes).
-template <typename T, typename C, int HEAD_DIM>
+// new_v, new_scales): k (bias, rotary) and v (bias) as int8 codes with their scales in
+// new_scales[0] (k) and [1] (v), the values load_query_and_new_token computes (rotated, biased;
+// quantize_new_token_s8's maxima over one warp); then the append (append_new_token with the
+// warp's 32 lanes).
+template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void stage_new_token(const MmhaParams& p, const WorkItem& w, const T* k_row,
-                                                const T* v_row, C* new_k, C* new_v, float* new_scales, float k_scale,
-                                                float v_scale, int lane) {
+                                                const T* v_row, s8* new_k, s8* new_v, float* new_scales, int lane) {
   constexpr int N = (HEAD_DIM + 31) / 32;
   __syncwarp();  // every lane's raw values are in the slot
   const T* bias = static_cast<const T*>(p.qkv_bias);
@@ -317,43 +316,30 @@ __device__ __forceinline__ void stage_new_token(const MmhaParams& p, const WorkI
     kx[j] = d < HEAD_DIM ? rotated(k_row, k_bias, d, rpos, rot, HeadNorm{}) : 0.f;
     vx[j] = d < HEAD_DIM ? biased(v_row, v_bias, d) : 0.f;
   }
-  C* kc = new_k;
-  C* vc = new_v;
-  if constexpr (std::is_same_v<C, s8>) {
-    float km = 0.f, vm = 0.f;
+  float km = 0.f, vm = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      km = absmax_nan(km, fabsf(kx[j]));
-      vm = absmax_nan(vm, fabsf(vx[j]));
-    }
-    warp_absmax_kv(km, vm);
-    const float ks = int8_scale(km), vs = int8_scale(vm);
+  for (int j = 0; j < N; ++j) {
+    km = absmax_nan(km, fabsf(kx[j]));
+    vm = absmax_nan(vm, fabsf(vx[j]));
+  }
+  warp_absmax_kv(km, vm);
+  const float ks = int8_scale(km), vs = int8_scale(vm);
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int d = lane + 32 * j;
-      if (d < HEAD_DIM) {
-        kc[d] = quantize_s8(kx[j], ks);
-        vc[d] = quantize_s8(vx[j], vs);
-      }
-    }
-    if (lane == 0) {
-      new_scales[0] = ks;
-      new_scales[1] = vs;
-      if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + w.b, kStatusScale);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int d = lane + 32 * j;
-      if (d < HEAD_DIM) {
-        kc[d] = to_cache<C>(kx[j], k_scale);
-        vc[d] = to_cache<C>(vx[j], v_scale);
-      }
+  for (int j = 0; j < N; ++j) {
+    const int d = lane + 32 * j;
+    if (d < HEAD_DIM) {
+      new_k[d] = quantize_s8(kx[j], ks);
+      new_v[d] = quantize_s8(vx[j], vs);
     }
   }
+  if (lane == 0) {
+    new_scales[0] = ks;
+    new_scales[1] = vs;
+    if (!isfinite(ks) || !isfinite(vs)) atomicOr(p.rows.status + w.b, kStatusScale);
+  }
   __syncwarp();
-  append_new_token<C, HEAD_DIM>(p, w, *reinterpret_cast<const C(*)[HEAD_DIM]>(kc),
-                                *reinterpret_cast<const C(*)[HEAD_DIM]>(vc), lane, 32, new_scales);
+  append_new_token<s8, HEAD_DIM>(p, w, *reinterpret_cast<const s8(*)[HEAD_DIM]>(new_k),
+                                 *reinterpret_cast<const s8(*)[HEAD_DIM]>(new_v), lane, 32, new_scales);
 }
 
 // A fused tree step's item that holds node slots: those nodes' K/V (the nodes of its keys [start,

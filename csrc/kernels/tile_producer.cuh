@@ -316,8 +316,7 @@ __device__ __forceinline__ void stage_items(const MmhaParams& p, ItemStage<T, HE
       if constexpr (kStagedToken<C> && !FUSED && QB != kWideColumns) {
         if (seq > 0) mbar_wait(&st.token_free, (seq - 1) & 1);
         if (w.owner()) {
-          stage_new_token<T, C, HEAD_DIM>(p, w, st.k[slot], st.v[slot], new_k, new_v, new_scales, d.k_scale,
-                                          d.v_scale, lane);
+          stage_new_token<T, HEAD_DIM>(p, w, st.k[slot], st.v[slot], new_k, new_v, new_scales, lane);
         }
         mbar_arrive(&st.token_ready);
       }
