@@ -426,6 +426,8 @@ struct TileHeader {
                   // kPagesRefused (last tile): a block of the item's paged row is outside the pool
   int slot;
   int slot_parity;  // the phase of the slot's full barrier that holds this item
+  // The item's fields (narrow items; wide items' consumers read them from the item slot, so that
+  // the producer does not hold them across its tile loop).
   int b, kvh, qg, split, nh, pos, active, start, end;
   int nodes;               // the row's new tokens (1, or a tree's node count)
   int lo;                  // the row's first attended slot (a window's start; else 0)

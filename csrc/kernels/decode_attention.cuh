@@ -467,13 +467,13 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     unsigned char* stage = stages + cur.s * L::STAGE_BYTES;
     if (h.flags & kFirstTile) {
       if (tid == 0) timeline_item(p, item_seq, kTlHeaderSeen);
-      w.b = h.b, w.kvh = h.kvh, w.qg = h.qg, w.split = h.split, w.nh = h.nh;
-      w.c0 = h.qg * QB, w.h0 = h.kvh * p.group + w.c0;
-      w.pos = h.pos, w.nodes = h.nodes, w.newslot = -1;
-      w.bad = false, w.idle = false, w.active = h.active, w.start = h.start, w.end = h.end, w.lo = h.lo;
-      value_scale = h.v_scale;
-      mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing from the slot but its release
-      c.template init<T>(p, w, scale_log2 * h.k_scale, s_q, warp, lane, tid == 0 ? item_seq : 2);
+      // The item as the stager decided it (a tree step's: busy, attend-only), read from its slot
+      // before the slot is handed back (the header holds the tile's fields only).
+      w = s_item.item[h.slot];
+      value_scale = s_item.v_scale[h.slot];
+      const float k_scale = s_item.k_scale[h.slot];
+      mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing else from the slot
+      c.template init<T>(p, w, scale_log2 * k_scale, s_q, warp, lane, tid == 0 ? item_seq : 2);
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
       if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
     }

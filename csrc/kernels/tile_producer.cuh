@@ -410,10 +410,14 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
       }
       const bool refused = i == nt - 1 && ta.table != nullptr && __any_sync(kFullMask, pages_bad);
       if (lane == 0) {
-        s_hdr[cur.s] = TileHeader{index, walk.key(i),
-                                  (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0),
-                                  slot, (seq >> 1) & 1, w.b, w.kvh, w.qg, w.split, w.nh, w.pos, w.active,
-                                  w.start, w.end, w.nodes, w.lo, k_scale, v_scale};
+        const int flags = (i == 0 ? kFirstTile : 0) | (i == nt - 1 ? kLastTile : 0) | (refused ? kPagesRefused : 0);
+        if constexpr (QB == kWideColumns) {  // the item's fields stay in its slot (run_wide_items reads them there)
+          TileHeader& h = s_hdr[cur.s];
+          h.item = index, h.k0 = walk.key(i), h.flags = flags, h.slot = slot, h.slot_parity = (seq >> 1) & 1;
+        } else {
+          s_hdr[cur.s] = TileHeader{index, walk.key(i), flags, slot, (seq >> 1) & 1, w.b, w.kvh, w.qg, w.split, w.nh,
+                                    w.pos, w.active, w.start, w.end, w.nodes, w.lo, k_scale, v_scale};
+        }
         if (refused) atomicOr(p.rows.status + w.b, kStatusPages);
       }
       mbar_arrive(&ring.header[cur.s]);  // each lane's header writes: consumers may start on q now
