@@ -412,8 +412,6 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int items = num_items(p);
-
   using M = typename Wide::M;
   // The warps' q staging areas (merge_wide, the split merge, reads no shared memory).
   constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES;
@@ -423,12 +421,16 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   __shared__ TileHeader s_hdr[kMaxStages];
   __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;  // the items only (no raw q)
   extern __shared__ __align__(16) unsigned char s_dyn[];
-  unsigned char* stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
-  // The widened tile after the stages (stages_smem_bytes counts it; 1024-aligned: whole stages).
-  unsigned char* widened = stages + p.sched.stages * L::STAGE_BYTES;
-  M* s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
-  if (tid == 0) timeline_mark(p, kTlEntered);
-  if (tid == 0) {
+  unsigned char* stages;
+  unsigned char* widened;  // the widened tile after the stages (stages_smem_bytes counts it; 1024-aligned)
+  M* s_q;
+  const auto place = [&] {
+    stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
+    widened = stages + p.sched.stages * L::STAGE_BYTES;
+    s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
+  };
+  // The ring's and the item slots' barriers (one thread).
+  const auto init_barriers = [&] {
     for (int s = 0; s < p.sched.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
       mbar_init(&ring.header[s], 32);
@@ -436,21 +438,50 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     }
     init_item_stage(s_item);
     mbar_init_fence();
-  }
-  if (warp == kConsumerWarps && lane == 0) {
-    Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map});
-  }
-  __syncthreads();
-  grid_dependency_wait();  // a tree step's check and append (launch_kernel)
-  if (tid == 0) timeline_mark(p, kTlStart);
-
-  if (warp == kConsumerWarps) {
-    produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
-    return;
-  }
-  if (warp == kConsumerWarps + 1) {
-    stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
-    return;
+  };
+  const auto prefetch_maps = [&] { Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map}); };
+  if constexpr (kWideRegisterSplit<C>) {
+    // The registers move first, each warpgroup on its own path from here: ptxas bounds the code
+    // after a setmaxnreg by it, and code both paths shared would be bound by the lower.
+    if (warp >= kConsumerWarps) {  // the second warpgroup: producer, stager, two idle warps
+      setmaxnreg_dec<kWideOtherRegs>();
+      if (warp == kConsumerWarps && lane == 0) {
+        init_barriers();
+        prefetch_maps();
+      }
+      __syncthreads();
+      grid_dependency_wait();  // a tree step's check and append (launch_kernel)
+      place();
+      if (warp == kConsumerWarps) {
+        produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+      } else if (warp == kConsumerWarps + 1) {
+        stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, num_items(p), lane);
+      }
+      return;
+    }
+    setmaxnreg_inc<kWideConsumerRegs>();
+    if (tid == 0) timeline_mark(p, kTlEntered);
+    __syncthreads();
+    grid_dependency_wait();
+    if (tid == 0) timeline_mark(p, kTlStart);
+    place();
+  } else {
+    const int items = num_items(p);
+    place();
+    if (tid == 0) timeline_mark(p, kTlEntered);
+    if (tid == 0) init_barriers();
+    if (warp == kConsumerWarps && lane == 0) prefetch_maps();
+    __syncthreads();
+    grid_dependency_wait();  // a tree step's check and append (launch_kernel)
+    if (tid == 0) timeline_mark(p, kTlStart);
+    if (warp == kConsumerWarps) {
+      produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+      return;
+    }
+    if (warp == kConsumerWarps + 1) {
+      stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
+      return;
+    }
   }
 
   const float scale_log2 = p.scale * kLog2e;
@@ -618,6 +649,7 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     decode_attention_kernel(const __grid_constant__ MmhaParams p) {
   static_assert(LEAN == kLeanKernels, "a lean kernel is compiled in a lean unit, and only there");
   static_assert(!LEAN || (!EPI && QB != kWideColumns && kTiles<C>), "lean kernels: tile items (one-token, or a fused twin's tree)");
+  static_assert(QB != kWideColumns || !kWideRegisterSplit<C>, "these wide items run decode_attention_kernel_wide");
   if constexpr (QB == kWideColumns) {
     run_wide_items<T, C, HEAD_DIM, SRC>(p);
   } else if constexpr (kTiles<C>) {
@@ -626,6 +658,31 @@ __global__ void __launch_bounds__(kBlockThreads<T>, kMinBlocks<T, HEAD_DIM>)
     run_simt_item<T, HEAD_DIM, QB, EPI>(p);
   }
 }
+
+// Wide items over int8 caches (tree steps): blocks of two warpgroups (kWideThreads), the
+// consumers' registers raised at run time (run_wide_items, kWideRegisterSplit).
+template <typename T, typename C, int HEAD_DIM, TileSource SRC>
+__global__ void __launch_bounds__(kWideThreads, kWgmma ? 2 : 1)
+    decode_attention_kernel_wide(const __grid_constant__ MmhaParams p) {
+  static_assert(kTiles<T> && HEAD_DIM <= kWideMaxHeadDim && kWideRegisterSplit<C>,
+                "wide items of the register split: tile-loop kernels of head dims <= kWideMaxHeadDim");
+  run_wide_items<T, C, HEAD_DIM, SRC>(p);
+}
+
+// The kernel of a launch and its block: wide items of the register split run their own.
+template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
+          bool LEAN = kLeanKernels>
+constexpr auto kernel_of() {
+  if constexpr (QB == kWideColumns && kWideRegisterSplit<C>) {
+    static_assert(!EPI && !FUSED && !LEAN, "wide items: no epilogue, no fused twin, no lean unit");
+    return decode_attention_kernel_wide<T, C, HEAD_DIM, SRC>;
+  } else {
+    return decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>;
+  }
+}
+
+template <typename T, typename C, int QB>
+constexpr int kKernelThreads = QB == kWideColumns && kWideRegisterSplit<C> ? kWideThreads : kBlockThreads<T>;
 
 // A fused tree step's node area (TreeNodes and its nodes' K/V rows, after the stages) for a step of
 // `nodes` nodes; 0 for kernels other than the twins.
@@ -671,11 +728,11 @@ cudaError_t prepare_decode_attention(int stages, int& smem_bytes, int tree_nodes
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
     cudaFuncAttributes attr{};
-    err = cudaFuncGetAttributes(&attr, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>);
+    err = cudaFuncGetAttributes(&attr, kernel_of<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>());
     if (err != cudaSuccess) return err;
     const int most = stages_smem_bytes<C, HEAD_DIM, QB>(kMaxStages) + tree_node_bytes<C, HEAD_DIM, FUSED>(kFusedTreeNodes);
     const int allowed = optin - static_cast<int>(attr.sharedSizeBytes);
-    err = cudaFuncSetAttribute(decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>,
+    err = cudaFuncSetAttribute(kernel_of<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>(),
                                cudaFuncAttributeMaxDynamicSharedMemorySize, most < allowed ? most : allowed);
     if (err == cudaSuccess) opted_in.fetch_or(bit, std::memory_order_acq_rel);
     return err;
@@ -687,8 +744,8 @@ int blocks_per_sm_of(int stages) {
   int smem_bytes = 0;
   int blocks = 0;
   if (prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(stages, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>,
-                                                    kBlockThreads<T>, smem_bytes) != cudaSuccess) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel_of<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(),
+                                                    kKernelThreads<T, C, QB>, smem_bytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -710,7 +767,7 @@ cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess) {
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>, kBlockThreads<T>, smem_bytes);
+          &per_sm, kernel_of<T, C, HEAD_DIM, QB, SRC, EPI, FUSED, LEAN>(), kKernelThreads<T, C, QB>, smem_bytes);
     }
     if (err != cudaSuccess) return err;
     if (resident != nullptr) *resident = static_cast<int64_t>(sms) * per_sm;
@@ -754,7 +811,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (blocks == 0) return cudaSuccess;
   if (p.tree.parents == nullptr) {
-    decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN><<<blocks, kBlockThreads<T>, smem_bytes, stream>>>(p);
+    const auto kernel = kernel_of<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>();
+    kernel<<<blocks, kKernelThreads<T, C, QB>, smem_bytes, stream>>>(p);
     return cudaGetLastError();
   }
   if constexpr (kInt4<C>) {
@@ -780,12 +838,12 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kBlockThreads<T>);
+    cfg.blockDim = dim3(kKernelThreads<T, C, QB>);
     cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = major >= 9 ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, C, HEAD_DIM, QB, SRC, EPI>, p);
+    return cudaLaunchKernelEx(&cfg, kernel_of<T, C, HEAD_DIM, QB, SRC, EPI>(), p);
   }
 }
 

@@ -48,6 +48,22 @@ constexpr int kBlockThreads = kTiles<T> ? kTileThreads : kSimtThreads;
 template <typename T, int HEAD_DIM>
 constexpr int kMinBlocks = kTiles<T> ? (HEAD_DIM <= 128 ? 2 : 1) : 0;
 
+// Wide items over int8 caches (tree steps, decode_attention_kernel_wide: kWideRegisterSplit): blocks
+// of two warpgroups, the consumers and the rest (producer, stager, two idle warps), two an SM.
+// Launched at 128 registers a thread (16 warps an SM: 4 a sub-partition of 16384), the rest give
+// theirs back down to kWideOtherRegs and the consumers take kWideConsumerRegs (2 x 200 + 2 x 56 =
+// 512 a sub-partition's thread slot; setmaxnreg, sm_90a). Without wgmma (sm_80-sm_89 builds) one
+// block an SM at the launch's registers. Blocks of 12 warps (the others) hold 168 registers a
+// thread at two an SM, where the int8 consumers, which widen each tile, spill (H200, 2026-12-01,
+// docs/data/ab_wide_register_split_h200.md: int8 T=64 tree rows 0.92-0.99x; 16-bit T=64 rows at
+// B=1 1.02-1.03x, their producer's start spilling at 56, so they keep 168).
+template <typename C>
+constexpr bool kWideRegisterSplit = kInt8<C>;
+constexpr int kWideThreads = 2 * 128;
+constexpr int kWideConsumerRegs = 200;
+constexpr int kWideOtherRegs = 56;
+static_assert(2 * kWideConsumerRegs + 2 * kWideOtherRegs <= 512, "wide blocks: two an SM's registers");
+
 template <typename C, int HEAD_DIM, TileSource SRC>
 using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
 

@@ -141,6 +141,25 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 #endif
 }
 
+// A warpgroup's registers per thread moved at run time (sm_90a; every thread of the warpgroup runs
+// it, converged): dec gives registers back to the SM's pool, inc waits until the pool has them.
+// Elsewhere (no wgmma) nothing moves.
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24-256 registers, in steps of 8");
+#if MMHA_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24-256 registers, in steps of 8");
+#if MMHA_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+#endif
+}
+
 #undef MMHA_WGMMA_M64N64K16_SS
 #undef MMHA_WGMMA_M64N64K16_RS
 #undef MMHA_WGMMA_M64N128K16_RS
