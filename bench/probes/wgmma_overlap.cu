@@ -1,0 +1,313 @@
+// Does a wide tree item's tile loop gain from FlashAttention-3's overlap within a warpgroup, and
+// does its ring need K and V released apart for it? The ring of bench/probes/wgmma_rates.cu (a copy
+// thread brings each 64-key tile, K 16 KB and V 16 KB, by bulk copies; a kv head's four readers a
+// tile group, two blocks an SM, 2 stages; one warpgroup a block multiplying S = q K^T as 8 x
+// m64n64k16 with q from shared memory and O += P V as 4 x m64n128k16 with P from registers), in
+// three forms of the consumer's loop:
+//   serial   S, wait, softmax, P V, wait, release the stage (the kernel's loop today)
+//   held     S of tile t and P V of tile t - 1 issued together; wait for S; tile t's softmax while
+//            P V runs; wait for P V; release tile t - 1's stage (K and V kept until then)
+//   apart    held, with K and V on barriers of their own: tile t's K released once its S is done,
+//            tile t - 1's V once its P V is; the copy thread refills each as soon as it is free
+// (the softmax is wgmma_rates.cu's stand-in: max, two shuffles, 32 exp2 a thread, sums, packs; O
+// is not rescaled in any form). P V of tile t - 1 runs beside tile t's softmax, so a stage is held
+// half a tile longer than in the serial form: `held` tells what that costs with 2 stages, `apart`
+// whether releasing K early gives it back. Between the two waits only the softmax's max, exp2 and
+// sums run (in place of S); P's fp16 pack, which defines the next P V's operand registers, follows
+// P V's wait, as FlashAttention-3 orders it (defined earlier, ptxas serialises the products:
+// C7513 under -Xptxas -v). Prints TFLOP/s over the whole GPU (2 x 64 x 64 x 128 x 2 a tile) and
+// each form's registers (two blocks an SM of 160 threads need <= 168).
+//
+// Build and run on an sm_90 GPU:
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/wgmma_overlap \
+//     bench/probes/wgmma_overlap.cu && timeout 60 /tmp/wgmma_overlap [TILES]   (default 256 a block)
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "../../csrc/kernels/ptx.cuh"
+#include "probe_check.h"
+#include "../../csrc/kernels/wgmma.cuh"
+
+using namespace mmha;
+
+constexpr int D = 128;                 // head dim
+constexpr int Q_BYTES = 64 * D * 2;    // the warpgroup's q (64 columns)
+constexpr int HALF = 16 * 1024;        // a tile's K (or V): 64 keys x 128 x 2 bytes
+constexpr int TILE_BYTES = 2 * HALF;   // a stage
+enum Form { kSerial, kHeld, kApart };
+const char* kFormNames[] = {"serial", "held", "apart"};
+
+__device__ __forceinline__ void commit_group() {
+#if MMHA_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wait_group() {
+#if MMHA_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// A register's value fixed at this point (CUTLASS's warpgroup_fence_operand): before a batch's
+// fence, so that no copy into a product's operand lands inside its stage; after a wait, so that no
+// read of a result moves above it.
+__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void pin(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+template <typename X, int N>
+__device__ __forceinline__ void pin_all(X (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) pin(x[i]);
+}
+
+// The softmax stand-in (as wgmma_rates.cu's) over a thread's 32 scores into P's A fragments. The
+// scores stay as they are: registers a wgmma defines may not be redefined by other instructions
+// while a product of the same stage runs (ptxas would serialise the products, C7513).
+__device__ __forceinline__ void softmax(const float (&s)[32], float (&m)[2], float (&l)[2], uint32_t (&pa)[4][4]) {
+  float mx[2] = {m[0], m[1]};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    m[h] = mx[h];
+  }
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int i = 8 * kb + 2 * w, h = w & 1;  // (i >> 1) & 1: keys 2tq, 2tq + 1 of row g (w even) or g + 8
+      const float e0 = exp2f(s[i] - mx[h]), e1 = exp2f(s[i + 1] - mx[h]);
+      l[h] += e0 + e1;
+      const __half2 p2 = __floats2half2_rn(e0, e1);
+      pa[kb][w] = *reinterpret_cast<const uint32_t*>(&p2);
+    }
+  }
+}
+
+// S = q K^T of one tile (issued, not waited for).
+__device__ __forceinline__ void issue_scores(float (&sc)[32], const unsigned char* sq, const unsigned char* sk) {
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    wgmma_m64n64k16_ss<__half, 0>(sc, wgmma_desc(sq + j * 2 * 64 * 16, 64 * 16, 128, false),
+                                  wgmma_desc(sk + 2 * j * 64 * 16, 64 * 16, 128, false), j > 0);
+  }
+}
+
+// O += P V of one tile (issued, not waited for).
+__device__ __forceinline__ void issue_pv(float (&acc)[64], const uint32_t (&pa)[4][4], const unsigned char* sv) {
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    wgmma_m64n128k16_rs<__half, 1>(acc, pa[kb], wgmma_desc(sv + 16 * kb * 128, 64 * 128, 1024, true), 1);
+  }
+}
+
+// Block b reads the `tiles` tiles of group b / readers (its readers neighbouring blocks), reader r
+// starting r x skew tiles in. Stage s: K at s * TILE_BYTES, V HALF after it; full_k / full_v count
+// the copies' bytes, empty_k / empty_v the consumers (kApart; else empty_v alone, for both).
+template <int STAGES, int FORM>
+__global__ void __launch_bounds__(160, 1)
+    ring(const unsigned char* src, float* sink, int tiles, int readers, int skew) {
+  extern __shared__ unsigned char raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* sq = smem;
+  unsigned char* st = smem + Q_BYTES;
+  __shared__ uint64_t full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < Q_BYTES / 2; i += blockDim.x) {
+    const uint32_t h = (i * 2654435761u) >> 22;
+    reinterpret_cast<__half*>(smem)[i] = __float2half((static_cast<int>(h) - 512) * (1.f / 4096.f));
+  }
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full_k[s], 1);
+      mbar_init(&full_v[s], 1);
+      mbar_init(&empty_k[s], 128);
+      mbar_init(&empty_v[s], 128);
+    }
+    mbar_init_fence();
+  }
+  fence_proxy_async_smem();
+  __syncthreads();
+  const unsigned char* mine = src + static_cast<size_t>(blockIdx.x / readers) * tiles * TILE_BYTES;
+  if (tid >= 128) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tid == 128) {
+      const int first = (static_cast<int>(blockIdx.x) % readers) * skew;
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % STAGES;
+        const size_t at = static_cast<size_t>((first + t) % tiles) * TILE_BYTES;
+        const uint32_t parity = (t / STAGES - 1) & 1;
+        if (t >= STAGES) mbar_wait(FORM == kApart ? &empty_k[s] : &empty_v[s], parity);
+        mbar_expect_tx(&full_k[s], HALF);
+        bulk_load(st + s * TILE_BYTES, mine + at, HALF, &full_k[s]);
+        mbar_arrive(&full_k[s]);
+        if (FORM == kApart && t >= STAGES) mbar_wait(&empty_v[s], parity);
+        mbar_expect_tx(&full_v[s], HALF);
+        bulk_load(st + s * TILE_BYTES + HALF, mine + at + HALF, HALF, &full_v[s]);
+        mbar_arrive(&full_v[s]);
+      }
+    }
+#endif
+    return;
+  }
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  float m[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+  float sc[32];
+  uint32_t pa[4][4];
+  const auto k_of = [&](int t) { return st + (t % STAGES) * TILE_BYTES; };
+  const auto release = [&](uint64_t* bars, int t) { mbar_arrive(&bars[t % STAGES]); };
+  if constexpr (FORM == kSerial) {
+    for (int t = 0; t < tiles; ++t) {
+      mbar_wait(&full_k[t % STAGES], (t / STAGES) & 1);
+      mbar_wait(&full_v[t % STAGES], (t / STAGES) & 1);
+      wgmma_fence();
+      issue_scores(sc, sq, k_of(t));
+      commit_group();
+      wait_group<0>();
+      softmax(sc, m, l, pa);
+      wgmma_fence();
+      issue_pv(acc, pa, k_of(t) + HALF);
+      commit_group();
+      wait_group<0>();
+      release(empty_k, t);
+      release(empty_v, t);
+    }
+  } else {
+    // Tile 0's S and softmax, then per tile t: S(t) and P V(t - 1) together, S's wait, the
+    // softmax of t while P V runs, P V's wait; after the last, its P V.
+    mbar_wait(&full_k[0], 0);
+    wgmma_fence();
+    issue_scores(sc, sq, k_of(0));
+    commit_group();
+    wait_group<0>();
+    if constexpr (FORM == kApart) release(empty_k, 0);
+    softmax(sc, m, l, pa);
+    for (int t = 1; t < tiles; ++t) {
+      mbar_wait(&full_k[t % STAGES], (t / STAGES) & 1);
+      mbar_wait(&full_v[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
+      pin_all(sc);
+      pin_all(acc);
+      pin_all(reinterpret_cast<uint32_t(&)[16]>(pa));
+      wgmma_fence();
+      issue_scores(sc, sq, k_of(t));
+      commit_group();
+      issue_pv(acc, pa, k_of(t - 1) + HALF);
+      commit_group();
+      wait_group<1>();  // S(t) (committed first) is done; P V(t - 1) may still run
+      pin_all(sc);
+      if constexpr (FORM == kApart) release(empty_k, t);
+      {  // the softmax's max, exp2 and sums in place of the scores while P V runs; P packed after its
+         // wait (a product's A operand defined while any product runs serialises them: C7513)
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+          m[h] = mx[h];
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) { sc[i] = exp2f(sc[i] - mx[(i >> 1) & 1]); l[(i >> 1) & 1] += sc[i]; }
+      }
+      wait_group<0>();
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const __half2 p2 = __floats2half2_rn(sc[8 * kb + 2 * w], sc[8 * kb + 2 * w + 1]);
+          pa[kb][w] = *reinterpret_cast<const uint32_t*>(&p2);
+        }
+      pin_all(acc);
+      if constexpr (FORM == kApart) {
+        release(empty_v, t - 1);
+      } else {
+        release(empty_k, t - 1);
+        release(empty_v, t - 1);
+      }
+    }
+    mbar_wait(&full_v[(tiles - 1) % STAGES], ((tiles - 1) / STAGES) & 1);
+    wgmma_fence();
+    issue_pv(acc, pa, k_of(tiles - 1) + HALF);
+    commit_group();
+    wait_group<0>();
+    if constexpr (FORM != kApart) release(empty_k, tiles - 1);
+    release(empty_v, tiles - 1);
+  }
+  float t = l[0] + l[1];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) t += acc[i];
+  if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
+}
+
+template <int STAGES, int FORM>
+void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsigned char* src, float* sink) {
+  const int smem = 1024 + Q_BYTES + STAGES * TILE_BYTES;
+  const auto kernel = ring<STAGES, FORM>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaFuncAttributes attr{};
+  CHECK(cudaFuncGetAttributes(&attr, kernel));
+  int fit = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 160, smem));
+  if (fit < per_sm) {
+    std::printf("  %s, %d stages: %d block(s) an SM fit (%d registers)\n", kFormNames[FORM], STAGES, fit, attr.numRegs);
+    return;
+  }
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  const int blocks = sms * per_sm;
+  float best = 1e30f;
+  for (int r = 0; r < 6; ++r) {
+    // each launch its own half of the buffer: no launch finds the last one's tiles in L2
+    const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * TILE_BYTES;
+    CHECK(cudaEventRecord(a));
+    kernel<<<blocks, 160, smem>>>(base, sink, tiles, readers, skew);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (r > 0) best = ms < best ? ms : best;
+  }
+  CHECK(cudaGetLastError());
+  const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
+  std::printf("  %-6s %d stages, %d blocks an SM, %d reader%s a tile (%2d tiles apart), %d registers: %.0f TFLOP/s, "
+              "%.1f us\n",
+              kFormNames[FORM], STAGES, per_sm, readers, readers > 1 ? "s" : " ", skew, attr.numRegs,
+              flop / (best * 1e-3) / 1e12, best * 1e3);
+}
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  const int tiles = argc > 1 ? std::atoi(argv[1]) : 256;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount;
+  unsigned char* big;
+  float* sink;
+  const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * TILE_BYTES;
+  CHECK(cudaMalloc(&big, bytes));
+  CHECK(cudaMemset(big, 0, bytes));
+  CHECK(cudaMalloc(&sink, 2 * sms * 128 * sizeof(float)));
+  std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
+  for (int readers : {4, 1}) {
+    for (int skew : {0, 4}) {
+      if (readers == 1 && skew > 0) continue;
+      run_ring<2, kSerial>(sms, 2, tiles, readers, skew, big, sink);
+      run_ring<2, kHeld>(sms, 2, tiles, readers, skew, big, sink);
+      run_ring<2, kApart>(sms, 2, tiles, readers, skew, big, sink);
+    }
+  }
+  run_ring<3, kHeld>(sms, 2, tiles, 4, 0, big, sink);  // (3 stages fit two blocks here: no q beyond 16 KB)
+  run_ring<3, kApart>(sms, 2, tiles, 4, 0, big, sink);
+  return 0;
+}
