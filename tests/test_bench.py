@@ -301,8 +301,16 @@ def test_tree_rows_chosen_by_batch_context_and_nodes():
     assert {r.kv for r in picked} == {"", "int8"} and {r.shape for r in picked} == {"binary", "chain"}
     with pytest.raises(ValueError, match="three integers"):
         tree.select(all_rows, ["1,1024"])
-    with pytest.raises(ValueError, match="matches no row"):
-        tree.select(all_rows, ["3,5,7"])
+    with pytest.raises(ValueError, match="T in"):
+        tree.select(all_rows, ["1,1024,65"])
+    # A size the table does not hold: the Llama-shaped binary tree, with the table's twins.
+    made = tree.select(all_rows, ["16,4096,32", "1,1024,4"])
+    assert [(r.batch, r.context, r.nodes, r.shape, r.kv) for r in made if r.nodes == 32] == [
+        (16, 4096, 32, "binary", ""),
+        (16, 4096, 32, "binary", "int8"),
+    ]
+    assert all((r.num_heads, r.num_kv_heads, r.head_dim) == (32, 8, 128) for r in made if r.nodes == 32)
+    assert [r for r in made if r.nodes == 4] == [r for r in picked if (r.batch, r.context, r.nodes) == (1, 1024, 4)]
 
 
 def test_tree_spec_rows_for_the_timeline_and_profiles():
@@ -315,8 +323,8 @@ def test_tree_spec_rows_for_the_timeline_and_profiles():
     assert (row.shape, row.num_heads, splits, stages) == ("random", 1, 8, 2)
     with pytest.raises(ValueError, match="SPLITSxSTAGES"):
         tree.spec_row("1,1024,4@8")
-    with pytest.raises(ValueError, match="matches no row"):
-        tree.spec_row("1,1000,4")
+    row, _, _ = tree.spec_row("1,1000,32")  # a size the table does not hold: made, Llama-shaped
+    assert (row.batch, row.context, row.nodes, row.shape, row.num_heads) == (1, 1000, 32, "binary", 32)
     row, splits, stages = tree.spec_row("16,4096,4@1x6", "int8")  # a Llama-shaped row's int8 twin
     assert (row.batch, row.context, row.nodes, row.shape, row.kv) == (16, 4096, 4, "binary", "int8")
     assert (splits, stages) == (1, 6)

@@ -24,7 +24,8 @@ step wrote, bias included). ``--norm``: each Llama-shaped row again with Qwen 3'
 RMSNorm (``features`` = "norm", ``mmha.spec.QKNorm``), in mmha's steps and the reference, and
 applied to the peers' q beforehand (``mmha.reference.rms_norm``; their K is the cache the tree step
 wrote, k norm included). ``--only B,CTX,T ...``
-keeps the rows of those batch sizes, contexts and node counts. Writes bench_tree.json and
+keeps the rows of those batch sizes, contexts and node counts (one the table does not hold, e.g.
+T = 32, is made as the Llama-shaped binary tree of that size). Writes bench_tree.json and
 bench_tree.md to ``--out``.
 """
 
@@ -99,19 +100,26 @@ def rows(quick: bool = False, int8: bool = False, bias: bool = False, norm: bool
 
 def select(rows_: list[Row], only: list[str] | None) -> list[Row]:
     """The rows whose (batch, context, nodes) is one of ``only``'s "B,CTX,T" (all of them without
-    ``only``); every shape and cache format of a match."""
+    ``only``); every shape and cache format of a match. A "B,CTX,T" the table does not hold (e.g. T
+    = 32) is made as the Llama-shaped layer's binary tree of that size, with the twins (int8, bias,
+    norm) the table's Llama-shaped rows have."""
     if not only:
         return rows_
-    keys = set()
+    keys = []
     for spec in only:
         parts = spec.split(",")
         if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"--only takes B,CTX,T (three integers), got {spec!r}")
-        keys.add(tuple(int(p) for p in parts))
-    picked = [r for r in rows_ if (r.batch, r.context, r.nodes) in keys]
-    if not picked:
-        raise ValueError(f"--only {' '.join(only)} matches no row")
-    return picked
+        key = tuple(int(p) for p in parts)
+        if key[0] < 1 or key[1] < 1 or not 1 <= key[2] <= tree.MAX_NODES:
+            raise ValueError(f"--only {spec}: B and CTX from 1, T in [1, {tree.MAX_NODES}]")
+        if key not in keys:
+            keys.append(key)
+    held = {(r.batch, r.context, r.nodes) for r in rows_}
+    twins = list(dict.fromkeys((r.kv, r.features) for r in rows_ if r.num_heads == 32)) or [("", "")]
+    made = [Row(b, 32, 8, 128, ctx, t, "binary", kv, feat) for b, ctx, t in keys if (b, ctx, t) not in held
+            for kv, feat in twins]  # fmt: skip
+    return [r for r in rows_ if (r.batch, r.context, r.nodes) in keys] + made
 
 
 def spec_row(spec: str, kv: str = "") -> tuple[Row, int | None, int | None]:
