@@ -124,6 +124,25 @@ def test_int8_wide_items_over_tile_and_split_edges(splits, source):
     check_int8_tree(case, ks, vs, qkv, parents, [40, 40, 17, 40], num_splits=splits, tile_source=source)
 
 
+@pytest.mark.parametrize("source", ["cp_async", "tma"])
+def test_int8_wide_items_run_with_the_consumers_registers_raised(source):
+    """Wide items over int8 caches run their own kernel (decode_attention_kernel_wide: two
+    warpgroups, the consumers' registers raised by setmaxnreg; kWideRegisterSplit in
+    decode_traits.cuh) after the check-and-append launch, and the step matches the reference."""
+    lengths = [5, 64, 130, 700]
+    case, ks, vs = int8_case(4, 8, 2, 128, lengths, 768, torch.float16, seed=7, rotary_dim=128)
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(4, 40, 12 * 128, generator=g).half().cuda()
+    rng = random.Random(7)
+    parents = torch.tensor([random_tree(rng, 40, "random") for _ in range(4)], dtype=torch.int32).cuda()
+    counts = [40, 33, 40, 12]
+    kw = dict(num_splits=2, tile_source=source)
+    names = launched_kernels(lambda: kernel_tree(case, ks, vs, qkv, parents, counts, **kw))
+    assert sum("decode_attention_kernel_wide" in n for n in names) == 1, names
+    assert sum("tree_prepare_kernel" in n for n in names) == 1, names
+    check_int8_tree(case, ks, vs, qkv, parents, counts, **kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("feature", ["partial_interleaved", "bias", "q_norm"])
 def test_int8_wide_items_q_features(feature, dtype):
