@@ -9,7 +9,7 @@
 //            P V runs; wait for P V; release tile t - 1's stage (K and V kept until then)
 //   apart    held, with K and V on barriers of their own: tile t's K released once its S is done,
 //            tile t - 1's V once its P V is; the copy thread refills each as soon as it is free
-// (the softmax is wgmma_rates.cu's stand-in: max, two shuffles, 32 exp2 a thread, sums, packs; O
+// (the softmax is the probes' stand-in, probe_softmax.h: max, two shuffles, 32 exp2 a thread, sums, packs; O
 // is not rescaled in any form). P V of tile t - 1 runs beside tile t's softmax, so a stage is held
 // half a tile longer than in the serial form: `held` tells what that costs with 2 stages, `apart`
 // whether releasing K early gives it back. Between the two waits only the softmax's max, exp2 and
@@ -30,6 +30,7 @@
 
 #include "../../csrc/kernels/ptx.cuh"
 #include "probe_check.h"
+#include "probe_softmax.h"
 #include "../../csrc/kernels/wgmma.cuh"
 
 using namespace mmha;
@@ -63,32 +64,6 @@ template <typename X, int N>
 __device__ __forceinline__ void pin_all(X (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) pin(x[i]);
-}
-
-// The softmax stand-in (as wgmma_rates.cu's) over a thread's 32 scores into P's A fragments. The
-// scores stay as they are: registers a wgmma defines may not be redefined by other instructions
-// while a product of the same stage runs (ptxas would serialise the products, C7513).
-__device__ __forceinline__ void softmax(const float (&s)[32], float (&m)[2], float (&l)[2], uint32_t (&pa)[4][4]) {
-  float mx[2] = {m[0], m[1]};
-#pragma unroll
-  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    m[h] = mx[h];
-  }
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int i = 8 * kb + 2 * w, h = w & 1;  // (i >> 1) & 1: keys 2tq, 2tq + 1 of row g (w even) or g + 8
-      const float e0 = exp2f(s[i] - mx[h]), e1 = exp2f(s[i + 1] - mx[h]);
-      l[h] += e0 + e1;
-      const __half2 p2 = __floats2half2_rn(e0, e1);
-      pa[kb][w] = *reinterpret_cast<const uint32_t*>(&p2);
-    }
-  }
 }
 
 // S = q K^T of one tile (issued, not waited for).
@@ -173,7 +148,8 @@ __global__ void __launch_bounds__(160, 1)
       issue_scores(sc, sq, k_of(t));
       commit_group();
       wait_group<0>();
-      softmax(sc, m, l, pa);
+      exponentiate(sc, m, l);
+      pack_p(sc, pa);
       wgmma_fence();
       issue_pv(acc, pa, k_of(t) + HALF);
       commit_group();
@@ -190,7 +166,8 @@ __global__ void __launch_bounds__(160, 1)
     commit_group();
     wait_group<0>();
     if constexpr (FORM == kApart) release(empty_k, 0);
-    softmax(sc, m, l, pa);
+    exponentiate(sc, m, l);
+    pack_p(sc, pa);
     for (int t = 1; t < tiles; ++t) {
       mbar_wait(&full_k[t % STAGES], (t / STAGES) & 1);
       mbar_wait(&full_v[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
@@ -205,28 +182,9 @@ __global__ void __launch_bounds__(160, 1)
       wait_group<1>();  // S(t) (committed first) is done; P V(t - 1) may still run
       pin_all(sc);
       if constexpr (FORM == kApart) release(empty_k, t);
-      {  // the softmax's max, exp2 and sums in place of the scores while P V runs; P packed after its
-         // wait (a product's A operand defined while any product runs serialises them: C7513)
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-          m[h] = mx[h];
-        }
-#pragma unroll
-        for (int i = 0; i < 32; ++i) { sc[i] = exp2f(sc[i] - mx[(i >> 1) & 1]); l[(i >> 1) & 1] += sc[i]; }
-      }
+      exponentiate(sc, m, l);  // while P V runs
       wait_group<0>();
-#pragma unroll
-      for (int kb = 0; kb < 4; ++kb)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const __half2 p2 = __floats2half2_rn(sc[8 * kb + 2 * w], sc[8 * kb + 2 * w + 1]);
-          pa[kb][w] = *reinterpret_cast<const uint32_t*>(&p2);
-        }
+      pack_p(sc, pa);
       pin_all(acc);
       if constexpr (FORM == kApart) {
         release(empty_v, t - 1);
@@ -262,23 +220,11 @@ void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsig
     std::printf("  %s, %d stages: %d block(s) an SM fit (%d registers)\n", kFormNames[FORM], STAGES, fit, attr.numRegs);
     return;
   }
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   const int blocks = sms * per_sm;
-  float best = 1e30f;
-  for (int r = 0; r < 6; ++r) {
-    // each launch its own half of the buffer: no launch finds the last one's tiles in L2
+  const float best = best_of_runs([&](int r) {
     const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * TILE_BYTES;
-    CHECK(cudaEventRecord(a));
     kernel<<<blocks, 160, smem>>>(base, sink, tiles, readers, skew);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (r > 0) best = ms < best ? ms : best;
-  }
-  CHECK(cudaGetLastError());
+  });
   const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
   std::printf("  %-6s %d stages, %d blocks an SM, %d reader%s a tile (%2d tiles apart), %d registers: %.0f TFLOP/s, "
               "%.1f us\n",

@@ -37,6 +37,7 @@
 
 #include "../../csrc/kernels/ptx.cuh"
 #include "probe_check.h"
+#include "probe_softmax.h"
 #include "../../csrc/kernels/wgmma.cuh"
 
 using namespace mmha;
@@ -78,34 +79,6 @@ __device__ __forceinline__ void wgmma_n128_ss(float (&d)[64], uint64_t a, uint64
 // S over 128 keys with q from registers.
 __device__ __forceinline__ void wgmma_n128_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int scale_d) {
   wgmma_m64n128k16_rs<__half, 0>(d, a, b, scale_d);
-}
-
-// The softmax stand-in over a warpgroup's scores (a thread's N values, 4 lanes a column pair as the
-// kernel's): running max, two shuffles, exp2, sums; P packed as the V product's A fragments.
-template <int N>
-__device__ __forceinline__ void softmax(float (&s)[N], float (&m)[2], float (&l)[2], uint32_t (&pa)[N / 8][4]) {
-  float mx[2] = {m[0], m[1]};
-#pragma unroll
-  for (int i = 0; i < N; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    m[h] = mx[h];
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    s[i] = exp2f(s[i] - mx[(i >> 1) & 1]);
-    l[(i >> 1) & 1] += s[i];
-  }
-#pragma unroll
-  for (int kb = 0; kb < N / 8; ++kb) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const __half2 h = __floats2half2_rn(s[8 * kb + 2 * w], s[8 * kb + 2 * w + 1]);
-      pa[kb][w] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-  }
 }
 
 template <int FORM>
@@ -374,9 +347,6 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
     std::printf("  %d stages: %d block(s) an SM fit\n", STAGES, fit);
     return;
   }
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
   int blocks = sms * per_sm;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -395,19 +365,10 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
     blocks = clusters * readers < blocks ? clusters * readers : blocks / readers * readers;
   }
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  float best = 1e30f;
-  for (int r = 0; r < 6; ++r) {
-    // each launch its own half of the buffer: no launch finds the last one's tiles in L2
+  const float best = best_of_runs([&](int r) {
     const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * COPY_BYTES;
-    CHECK(cudaEventRecord(a));
     CHECK(cudaLaunchKernelEx(&cfg, kernel, base, sink, tiles, readers, skew, jitter));
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (r > 0) best = ms < best ? ms : best;
-  }
-  CHECK(cudaGetLastError());
+  });
   const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks * WGS;
   std::printf("  %d stages, %d block%s an SM%s, %d reader%s a tile (%d tiles apart), %s, %s, jitter %d ns, %d blocks: %.0f TFLOP/s, "
               "%.1f us, %.2f TB/s into the SMs\n",
@@ -420,21 +381,8 @@ void run_ring(int sms, int per_sm, int tiles, int readers, const unsigned char* 
 template <int FORM>
 float run(int sms, int per_sm, int iters, int copies, const unsigned char* src, float* sink) {
   CHECK(cudaFuncSetAttribute(rates<FORM>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  rates<FORM><<<sms * per_sm, 160, SMEM>>>(src, sink, iters, copies);  // warm-up
-  float best = 1e30f;
-  for (int r = 0; r < 5; ++r) {
-    CHECK(cudaEventRecord(a));
-    rates<FORM><<<sms * per_sm, 160, SMEM>>>(src, sink, iters, copies);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    best = ms < best ? ms : best;
-  }
-  CHECK(cudaGetLastError());
+  // (the first launch a warm-up)
+  const float best = best_of_runs([&](int) { rates<FORM><<<sms * per_sm, 160, SMEM>>>(src, sink, iters, copies); });
   const bool both = FORM != kSSs && FORM != kSRs && FORM != kPv;
   const double flop = 2.0 * 64 * 64 * D * (both ? 2 : 1) * iters * double(sms) * per_sm;
   return static_cast<float>(flop / (best * 1e-3) / 1e12);

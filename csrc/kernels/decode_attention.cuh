@@ -444,7 +444,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     // The registers move first, each warpgroup on its own path from here: ptxas bounds the code
     // after a setmaxnreg by it, and code both paths shared would be bound by the lower.
     if (warp >= kConsumerWarps) {  // the second warpgroup: producer, stager, two idle warps
-      setmaxnreg_dec<kWideOtherRegs>();
+      setmaxnreg<false, kWideOtherRegs>();
       if (warp == kConsumerWarps && lane == 0) {
         init_barriers();
         prefetch_maps();
@@ -459,7 +459,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       }
       return;
     }
-    setmaxnreg_inc<kWideConsumerRegs>();
+    setmaxnreg<true, kWideConsumerRegs>();
     if (tid == 0) timeline_mark(p, kTlEntered);
     __syncthreads();
     grid_dependency_wait();

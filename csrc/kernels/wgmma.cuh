@@ -142,21 +142,17 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 }
 
 // A warpgroup's registers per thread moved at run time (sm_90a; every thread of the warpgroup runs
-// it, converged): dec gives registers back to the SM's pool, inc waits until the pool has them.
+// it, converged): RAISE waits until the SM's pool has them, else they go back to the pool.
 // Elsewhere (no wgmma) nothing moves.
-template <int REGS>
-__device__ __forceinline__ void setmaxnreg_inc() {
+template <bool RAISE, int REGS>
+__device__ __forceinline__ void setmaxnreg() {
   static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24-256 registers, in steps of 8");
 #if MMHA_WGMMA
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
-#endif
-}
-
-template <int REGS>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24-256 registers, in steps of 8");
-#if MMHA_WGMMA
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+  if constexpr (RAISE) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+  }
 #endif
 }
 
