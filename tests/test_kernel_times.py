@@ -41,7 +41,7 @@ def test_per_kernel_keeps_mmha_kernels_per_step():
 
 
 @pytest.mark.parametrize(
-    "argv", [["1,1024,63"], ["1,1024"], ["1,1024,64", "--calls", "0"], ["4,10,54", "--kv", "int8"]]
+    "argv", [["1,1024,65"], ["1,1024"], ["1,1024,64", "--calls", "0"], ["4,10,54", "--kv", "int8"]]
 )
 def test_bad_arguments_stop_before_anything_runs(argv):
     with pytest.raises(SystemExit) as e:
