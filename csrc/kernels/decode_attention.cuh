@@ -669,7 +669,7 @@ __global__ void __launch_bounds__(kWideThreads, kWgmma ? 2 : 1)
   run_wide_items<T, C, HEAD_DIM, SRC>(p);
 }
 
-// The kernel of a launch and its block: wide items of the register split run their own.
+// The kernel of a launch (its block: kKernelThreads): wide items of the register split run their own.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
           bool LEAN = kLeanKernels>
 constexpr auto kernel_of() {
@@ -681,8 +681,6 @@ constexpr auto kernel_of() {
   }
 }
 
-template <typename T, typename C, int QB>
-constexpr int kKernelThreads = QB == kWideColumns && kWideRegisterSplit<C> ? kWideThreads : kBlockThreads<T>;
 
 // A fused tree step's node area (TreeNodes and its nodes' K/V rows, after the stages) for a step of
 // `nodes` nodes; 0 for kernels other than the twins.

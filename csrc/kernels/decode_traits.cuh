@@ -64,6 +64,10 @@ constexpr int kWideConsumerRegs = 200;
 constexpr int kWideOtherRegs = 56;
 static_assert(2 * kWideConsumerRegs + 2 * kWideOtherRegs <= 512, "wide blocks: two an SM's registers");
 
+// The threads of a launch's block (decode_attention.cuh's kernel_of picks the kernel).
+template <typename T, typename C, int QB>
+constexpr int kKernelThreads = QB == kWideColumns && kWideRegisterSplit<C> ? kWideThreads : kBlockThreads<T>;
+
 template <typename C, int HEAD_DIM, TileSource SRC>
 using SourceOf = std::conditional_t<SRC == TileSource::kTma, TmaTiles<C, HEAD_DIM>, CpAsyncTiles<C, HEAD_DIM>>;
 
