@@ -20,13 +20,15 @@
 //
 // Build and run on an sm_90 GPU:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/wgmma_overlap \
-//     bench/probes/wgmma_overlap.cu && timeout 60 /tmp/wgmma_overlap [TILES]   (default 256 a block)
+//     bench/probes/wgmma_overlap.cu && timeout 60 /tmp/wgmma_overlap [TILES [zeros]]   (default 256 a
+//   block; K and V random unless `zeros`)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "../../csrc/kernels/ptx.cuh"
 #include "probe_check.h"
@@ -232,9 +234,23 @@ void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsig
               flop / (best * 1e-3) / 1e12, best * 1e3);
 }
 
+// Random halves in [-1, 1) (a hash of the index): tensor cores draw less power on zeros, and a
+// GPU held at its power limit clocks higher for them, so a product over zeros overstates its rate.
+__global__ void fill_random(__half* x, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = __float2half(static_cast<float>((h >> 8) & 0xFFFF) * (1.f / 32768.f) - 1.f);
+  }
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 256;
+  const bool zeros = argc > 2 && std::strcmp(argv[2], "zeros") == 0;  // K and V all zero (for comparison)
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
@@ -242,9 +258,15 @@ int main(int argc, char** argv) {
   float* sink;
   const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * TILE_BYTES;
   CHECK(cudaMalloc(&big, bytes));
-  CHECK(cudaMemset(big, 0, bytes));
+  if (zeros) {
+    CHECK(cudaMemset(big, 0, bytes));
+  } else {
+    fill_random<<<4 * sms, 256>>>(reinterpret_cast<__half*>(big), bytes / 2);
+    CHECK(cudaGetLastError());
+  }
   CHECK(cudaMalloc(&sink, 2 * sms * 128 * sizeof(float)));
-  std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
+  std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block, K and V %s\n", prop.name, sms, tiles,
+              zeros ? "all zero" : "random in [-1, 1)");
   for (int readers : {4, 1}) {
     for (int skew : {0, 4}) {
       if (readers == 1 && skew > 0) continue;
