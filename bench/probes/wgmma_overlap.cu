@@ -20,8 +20,9 @@
 //
 // Build and run on an sm_90 GPU:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/wgmma_overlap \
-//     bench/probes/wgmma_overlap.cu && timeout 60 /tmp/wgmma_overlap [TILES [zeros]]   (default 256 a
-//   block; K and V random unless `zeros`)
+//     bench/probes/wgmma_overlap.cu && timeout 60 /tmp/wgmma_overlap [TILES [zeros] [pieces]]
+//   (default 256 tiles a block; K and V random unless `zeros`; `pieces`: the serial form with the
+//   decode kernel's pieces, Extra below, instead of the three forms)
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -43,6 +44,16 @@ constexpr int HALF = 16 * 1024;        // a tile's K (or V): 64 keys x 128 x 2 b
 constexpr int TILE_BYTES = 2 * HALF;   // a stage
 enum Form { kSerial, kHeld, kApart };
 const char* kFormNames[] = {"serial", "held", "apart"};
+// The decode kernel's pieces the serial form can take on (bits of EXTRA), one at a time or all:
+//   kSpills   six values reloaded each tile by L1-cached loads of the thread's own words (as a
+//             spill reload: ptxas keeps a volatile local array in registers), the tile's addresses
+//             depending on them (the 16-bit wide kernel's tile loop reloads 5-6 spilled values a tile)
+//   kHeader   a header per stage (the tile's first key) written by the copy thread before its
+//             copies, on a barrier of its own that the consumers wait for, then read, before the
+//             full barriers (the kernel's header and full waits)
+//   kStager   a sixth warp polling a barrier that completes only at the block's end (the stager
+//             waiting for its item slot's release): 192-thread blocks
+enum Extra { kSpills = 1, kHeader = 2, kStager = 4 };
 
 __device__ __forceinline__ void commit_group() {
 #if MMHA_WGMMA
@@ -88,14 +99,17 @@ __device__ __forceinline__ void issue_pv(float (&acc)[64], const uint32_t (&pa)[
 // Block b reads the `tiles` tiles of group b / readers (its readers neighbouring blocks), reader r
 // starting r x skew tiles in. Stage s: K at s * TILE_BYTES, V HALF after it; full_k / full_v count
 // the copies' bytes, empty_k / empty_v the consumers (kApart; else empty_v alone, for both).
-template <int STAGES, int FORM>
-__global__ void __launch_bounds__(160, 1)
-    ring(const unsigned char* src, float* sink, int tiles, int readers, int skew) {
+template <int STAGES, int FORM, int EXTRA = 0>
+__global__ void __launch_bounds__(192, 1)
+    ring(const unsigned char* src, float* sink, const int* scratch, int tiles, int readers, int skew, int zero) {
+  static_assert(EXTRA == 0 || FORM == kSerial, "the kernel's pieces go with the serial form");
   extern __shared__ unsigned char raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   unsigned char* sq = smem;
   unsigned char* st = smem + Q_BYTES;
   __shared__ uint64_t full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
+  __shared__ uint64_t header[STAGES], done;
+  __shared__ int s_k0[STAGES];
   const int tid = threadIdx.x;
   for (int i = tid; i < Q_BYTES / 2; i += blockDim.x) {
     const uint32_t h = (i * 2654435761u) >> 22;
@@ -107,12 +121,18 @@ __global__ void __launch_bounds__(160, 1)
       mbar_init(&full_v[s], 1);
       mbar_init(&empty_k[s], 128);
       mbar_init(&empty_v[s], 128);
+      mbar_init(&header[s], 1);
     }
+    mbar_init(&done, 1);
     mbar_init_fence();
   }
   fence_proxy_async_smem();
   __syncthreads();
   const unsigned char* mine = src + static_cast<size_t>(blockIdx.x / readers) * tiles * TILE_BYTES;
+  if ((EXTRA & kStager) && tid >= 160) {  // the polling warp
+    mbar_wait(&done, 0);
+    return;
+  }
   if (tid >= 128) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (tid == 128) {
@@ -122,6 +142,10 @@ __global__ void __launch_bounds__(160, 1)
         const size_t at = static_cast<size_t>((first + t) % tiles) * TILE_BYTES;
         const uint32_t parity = (t / STAGES - 1) & 1;
         if (t >= STAGES) mbar_wait(FORM == kApart ? &empty_k[s] : &empty_v[s], parity);
+        if constexpr ((EXTRA & kHeader) != 0) {
+          s_k0[s] = 64 * t;
+          mbar_arrive(&header[s]);
+        }
         mbar_expect_tx(&full_k[s], HALF);
         bulk_load(st + s * TILE_BYTES, mine + at, HALF, &full_k[s]);
         mbar_arrive(&full_k[s]);
@@ -142,18 +166,33 @@ __global__ void __launch_bounds__(160, 1)
   uint32_t pa[4][4];
   const auto k_of = [&](int t) { return st + (t % STAGES) * TILE_BYTES; };
   const auto release = [&](uint64_t* bars, int t) { mbar_arrive(&bars[t % STAGES]); };
+  const int* spilled = scratch + (static_cast<size_t>(blockIdx.x) * blockDim.x + tid) * 8;  // kSpills
   if constexpr (FORM == kSerial) {
     for (int t = 0; t < tiles; ++t) {
+      int off = 0;  // 0, but only known once the loads are back
+      if constexpr ((EXTRA & kHeader) != 0) {
+        mbar_wait(&header[t % STAGES], (t / STAGES) & 1);
+        off |= s_k0[t % STAGES] & zero;
+      }
+      if constexpr ((EXTRA & kSpills) != 0) {
+#pragma unroll
+        for (int i = 0; i < 6; ++i) {
+          int v;
+          asm volatile("ld.global.ca.u32 %0, [%1];" : "=r"(v) : "l"(spilled + i));
+          off |= v & zero;
+        }
+      }
       mbar_wait(&full_k[t % STAGES], (t / STAGES) & 1);
       mbar_wait(&full_v[t % STAGES], (t / STAGES) & 1);
+      const unsigned char* tile = k_of(t) + off;
       wgmma_fence();
-      issue_scores(sc, sq, k_of(t));
+      issue_scores(sc, sq, tile);
       commit_group();
       wait_group<0>();
       exponentiate(sc, m, l);
       pack_p(sc, pa);
       wgmma_fence();
-      issue_pv(acc, pa, k_of(t) + HALF);
+      issue_pv(acc, pa, tile + HALF);
       commit_group();
       wait_group<0>();
       release(empty_k, t);
@@ -203,21 +242,24 @@ __global__ void __launch_bounds__(160, 1)
     if constexpr (FORM != kApart) release(empty_k, tiles - 1);
     release(empty_v, tiles - 1);
   }
+  if ((EXTRA & kStager) && tid == 0) mbar_arrive(&done);
   float t = l[0] + l[1];
 #pragma unroll
   for (int i = 0; i < 64; ++i) t += acc[i];
   if (t == 1.2345f) sink[blockIdx.x * 128 + tid] = t;
 }
 
-template <int STAGES, int FORM>
-void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsigned char* src, float* sink) {
+template <int STAGES, int FORM, int EXTRA = 0>
+void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsigned char* src, float* sink,
+              const int* scratch) {
   const int smem = 1024 + Q_BYTES + STAGES * TILE_BYTES;
-  const auto kernel = ring<STAGES, FORM>;
+  const int threads = (EXTRA & kStager) ? 192 : 160;
+  const auto kernel = ring<STAGES, FORM, EXTRA>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaFuncAttributes attr{};
   CHECK(cudaFuncGetAttributes(&attr, kernel));
   int fit = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, 160, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, threads, smem));
   if (fit < per_sm) {
     std::printf("  %s, %d stages: %d block(s) an SM fit (%d registers)\n", kFormNames[FORM], STAGES, fit, attr.numRegs);
     return;
@@ -225,12 +267,15 @@ void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsig
   const int blocks = sms * per_sm;
   const float best = best_of_runs([&](int r) {
     const unsigned char* base = src + (r % 2) * static_cast<size_t>(blocks) * tiles * TILE_BYTES;
-    kernel<<<blocks, 160, smem>>>(base, sink, tiles, readers, skew);
+    kernel<<<blocks, threads, smem>>>(base, sink, scratch, tiles, readers, skew, 0);
   });
   const double flop = 2.0 * 2 * 64 * 64 * D * double(tiles) * blocks;
-  std::printf("  %-6s %d stages, %d blocks an SM, %d reader%s a tile (%2d tiles apart), %d registers: %.0f TFLOP/s, "
+  char extras[40];
+  std::snprintf(extras, sizeof extras, "%s%s%s", (EXTRA & kSpills) ? " +spills" : "", (EXTRA & kHeader) ? " +header" : "",
+                (EXTRA & kStager) ? " +stager" : "");
+  std::printf("  %-6s%s %d stages, %d blocks an SM, %d reader%s a tile (%2d tiles apart), %d registers: %.0f TFLOP/s, "
               "%.1f us\n",
-              kFormNames[FORM], STAGES, per_sm, readers, readers > 1 ? "s" : " ", skew, attr.numRegs,
+              kFormNames[FORM], extras, STAGES, per_sm, readers, readers > 1 ? "s" : " ", skew, attr.numRegs,
               flop / (best * 1e-3) / 1e12, best * 1e3);
 }
 
@@ -250,7 +295,11 @@ __global__ void fill_random(__half* x, size_t n) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 256;
-  const bool zeros = argc > 2 && std::strcmp(argv[2], "zeros") == 0;  // K and V all zero (for comparison)
+  bool zeros = false, pieces = false;  // `zeros`: K and V all zero (for comparison); `pieces`: the kernel's pieces only
+  for (int a = 2; a < argc; ++a) {
+    zeros |= std::strcmp(argv[a], "zeros") == 0;
+    pieces |= std::strcmp(argv[a], "pieces") == 0;
+  }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
@@ -265,17 +314,30 @@ int main(int argc, char** argv) {
     CHECK(cudaGetLastError());
   }
   CHECK(cudaMalloc(&sink, 2 * sms * 128 * sizeof(float)));
+  int* scratch;  // kSpills: 8 words a thread of two 192-thread blocks an SM
+  CHECK(cudaMalloc(&scratch, 2 * sms * 192 * 8 * sizeof(int)));
+  CHECK(cudaMemset(scratch, 0, 2 * sms * 192 * 8 * sizeof(int)));
   std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block, K and V %s\n", prop.name, sms, tiles,
               zeros ? "all zero" : "random in [-1, 1)");
+  if (pieces) {  // the serial form with the decode kernel's pieces, four readers in step and apart
+    for (int skew : {0, 4}) {
+      run_ring<2, kSerial>(sms, 2, tiles, 4, skew, big, sink, scratch);
+      run_ring<2, kSerial, kSpills>(sms, 2, tiles, 4, skew, big, sink, scratch);
+      run_ring<2, kSerial, kHeader>(sms, 2, tiles, 4, skew, big, sink, scratch);
+      run_ring<2, kSerial, kStager>(sms, 2, tiles, 4, skew, big, sink, scratch);
+      run_ring<2, kSerial, kSpills | kHeader | kStager>(sms, 2, tiles, 4, skew, big, sink, scratch);
+    }
+    return 0;
+  }
   for (int readers : {4, 1}) {
     for (int skew : {0, 4}) {
       if (readers == 1 && skew > 0) continue;
-      run_ring<2, kSerial>(sms, 2, tiles, readers, skew, big, sink);
-      run_ring<2, kHeld>(sms, 2, tiles, readers, skew, big, sink);
-      run_ring<2, kApart>(sms, 2, tiles, readers, skew, big, sink);
+      run_ring<2, kSerial>(sms, 2, tiles, readers, skew, big, sink, scratch);
+      run_ring<2, kHeld>(sms, 2, tiles, readers, skew, big, sink, scratch);
+      run_ring<2, kApart>(sms, 2, tiles, readers, skew, big, sink, scratch);
     }
   }
-  run_ring<3, kHeld>(sms, 2, tiles, 4, 0, big, sink);  // (3 stages fit two blocks here: no q beyond 16 KB)
-  run_ring<3, kApart>(sms, 2, tiles, 4, 0, big, sink);
+  run_ring<3, kHeld>(sms, 2, tiles, 4, 0, big, sink, scratch);  // (3 stages fit two blocks here: no q beyond 16 KB)
+  run_ring<3, kApart>(sms, 2, tiles, 4, 0, big, sink, scratch);
   return 0;
 }
