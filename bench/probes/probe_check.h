@@ -1,8 +1,10 @@
 // The probes' check of a CUDA runtime call: on an error, where and what, then exit(1).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -36,4 +38,23 @@ float best_of_runs(Launch launch, int runs = 6) {
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
   return best;
+}
+
+// Random halves in [-1, 1) (a hash of the index) over a buffer of `bytes`: tensor cores draw less
+// power on zeros, and a GPU held at its power limit clocks higher for them, so a product over
+// zeros overstates its rate (the ring probes: 6-11 % on an H200).
+__global__ void fill_random_kernel(__half* x, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = __float2half(static_cast<float>((h >> 8) & 0xFFFF) * (1.f / 32768.f) - 1.f);
+  }
+}
+
+inline void fill_random(void* buf, size_t bytes) {
+  fill_random_kernel<<<1024, 256>>>(static_cast<__half*>(buf), bytes / 2);
+  CHECK(cudaGetLastError());
 }

@@ -279,19 +279,6 @@ void run_ring(int sms, int per_sm, int tiles, int readers, int skew, const unsig
               flop / (best * 1e-3) / 1e12, best * 1e3);
 }
 
-// Random halves in [-1, 1) (a hash of the index): tensor cores draw less power on zeros, and a
-// GPU held at its power limit clocks higher for them, so a product over zeros overstates its rate.
-__global__ void fill_random(__half* x, size_t n) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    x[i] = __float2half(static_cast<float>((h >> 8) & 0xFFFF) * (1.f / 32768.f) - 1.f);
-  }
-}
-
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 256;
@@ -310,8 +297,7 @@ int main(int argc, char** argv) {
   if (zeros) {
     CHECK(cudaMemset(big, 0, bytes));
   } else {
-    fill_random<<<4 * sms, 256>>>(reinterpret_cast<__half*>(big), bytes / 2);
-    CHECK(cudaGetLastError());
+    fill_random(big, bytes);
   }
   CHECK(cudaMalloc(&sink, 2 * sms * 128 * sizeof(float)));
   int* scratch;  // kSpills: 8 words a thread of two 192-thread blocks an SM

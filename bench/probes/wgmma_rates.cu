@@ -407,7 +407,7 @@ int main(int argc, char** argv) {
   unsigned char* src;
   float* sink;
   CHECK(cudaMalloc(&src, 64 * COPY_BYTES));
-  CHECK(cudaMemset(src, 0, 64 * COPY_BYTES));
+  fill_random(src, 64 * COPY_BYTES);
   CHECK(cudaMalloc(&sink, 4 * prop.multiProcessorCount * 128 * sizeof(float)));
   const std::string form = argc > 1 ? argv[1] : "";
   if (form == "ring" || form == "clusters" || form == "pairs") {
@@ -416,7 +416,7 @@ int main(int argc, char** argv) {
     const size_t bytes = 2 * static_cast<size_t>(2 * sms) * tiles * COPY_BYTES;
     unsigned char* big;
     CHECK(cudaMalloc(&big, bytes));
-    CHECK(cudaMemset(big, 0, bytes));
+    fill_random(big, bytes);  // not zeros: the products' rate depends on their data (probe_check.h)
     std::printf("%s, %d SMs, ring of 64-key tiles, %d tiles a block\n", prop.name, sms, tiles);
     if (form == "pairs") {
       // A kv head's four items as two blocks of two warpgroups (each tile read by both), against
