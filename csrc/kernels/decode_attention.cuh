@@ -681,7 +681,6 @@ constexpr auto kernel_of() {
   }
 }
 
-
 // A fused tree step's node area (TreeNodes and its nodes' K/V rows, after the stages) for a step of
 // `nodes` nodes; 0 for kernels other than the twins.
 template <typename C, int HEAD_DIM, bool FUSED>
