@@ -440,6 +440,14 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     mbar_init_fence();
   };
   const auto prefetch_maps = [&] { Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map}); };
+  // The producer's and the stager's work (other warps of the block have none).
+  const auto serve = [&](int items) {
+    if (warp == kConsumerWarps) {
+      produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
+    } else if (warp == kConsumerWarps + 1) {
+      stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
+    }
+  };
   if constexpr (kWideRegisterSplit<C>) {
     // The registers move first, each warpgroup on its own path from here: ptxas bounds the code
     // after a setmaxnreg by it, and code both paths shared would be bound by the lower.
@@ -452,11 +460,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       __syncthreads();
       grid_dependency_wait();  // a tree step's check and append (launch_kernel)
       place();
-      if (warp == kConsumerWarps) {
-        produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
-      } else if (warp == kConsumerWarps + 1) {
-        stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, num_items(p), lane);
-      }
+      serve(num_items(p));
       return;
     }
     setmaxnreg<true, kWideConsumerRegs>();
@@ -474,12 +478,8 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     __syncthreads();
     grid_dependency_wait();  // a tree step's check and append (launch_kernel)
     if (tid == 0) timeline_mark(p, kTlStart);
-    if (warp == kConsumerWarps) {
-      produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
-      return;
-    }
-    if (warp == kConsumerWarps + 1) {
-      stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
+    if (warp >= kConsumerWarps) {
+      serve(items);
       return;
     }
   }
