@@ -34,6 +34,7 @@
 #include "../../csrc/kernels/ptx.cuh"
 #include "probe_check.h"
 #include "probe_softmax.h"
+#include "probe_wgmma.h"
 #include "../../csrc/kernels/wgmma.cuh"
 
 using namespace mmha;
@@ -54,30 +55,6 @@ const char* kFormNames[] = {"serial", "held", "apart"};
 //   kStager   a sixth warp polling a barrier that completes only at the block's end (the stager
 //             waiting for its item slot's release): 192-thread blocks
 enum Extra { kSpills = 1, kHeader = 2, kStager = 4 };
-
-__device__ __forceinline__ void commit_group() {
-#if MMHA_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void wait_group() {
-#if MMHA_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-// A register's value fixed at this point (CUTLASS's warpgroup_fence_operand): before a batch's
-// fence, so that no copy into a product's operand lands inside its stage; after a wait, so that no
-// read of a result moves above it.
-__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
-__device__ __forceinline__ void pin(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
-template <typename X, int N>
-__device__ __forceinline__ void pin_all(X (&x)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) pin(x[i]);
-}
 
 // S = q K^T of one tile (issued, not waited for).
 __device__ __forceinline__ void issue_scores(float (&sc)[32], const unsigned char* sq, const unsigned char* sk) {
