@@ -48,9 +48,7 @@ constexpr int READERS = 2;           // blocks reading each tile group (a kv hea
 enum Form { kSerial, kTurns, kPingPong, kOverlap };
 const char* kFormNames[] = {"serial", "turns", "pingpong", "overlap"};
 
-__device__ __forceinline__ void bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
+// An arrival on named barrier `id` without waiting (the waiting side: named_barrier, ptx.cuh).
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -132,7 +130,7 @@ __global__ void __launch_bounds__(384, 1)
   const auto stage = [&](int t) { return st + (t % STAGES) * TL::BYTES; };
   const auto wait_full = [&](int t) { mbar_wait(&full[t % STAGES], (t / STAGES) & 1); };
   const auto release = [&](int t) { mbar_arrive(&empty[t % STAGES]); };
-  const auto my_turn = [&] { bar_sync(1 + wg, 256); };
+  const auto my_turn = [&] { named_barrier(1 + wg, 256); };
   const auto hand_over = [&] { bar_arrive(2 - wg, 256); };
   float acc[64];
 #pragma unroll
