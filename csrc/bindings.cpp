@@ -21,7 +21,7 @@ TORCH_LIBRARY(mmha, m) {
       "float out_scale=0.0, int out_round=0, int out_min=-127, Tensor? positions=None, "
       "Tensor? rotary_inv_freq=None, float rotary_factor=1.0, int rotary_table_start=0, "
       "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, float qk_norm_eps=0.0, "
-      "bool qk_norm_cast_first=True, Tensor? k_zero=None, Tensor? v_zero=None, Tensor(h!)? k_residual=None) -> ()");
+      "bool qk_norm_cast_first=True, Tensor? k_zero=None, Tensor? v_zero=None, Tensor(h!)? k_residual=None, bool wide_pairs=False) -> ()");
   // mmha.distributed's sequence steps: a shard's (out, lse) into the fp32 buffer the collective
   // carries, and the exact merge of every shard's buffer (csrc/kernels/shard_merge.h).
   m.def("shard_pack(Tensor out, Tensor lse, Tensor(a!) parts) -> ()");

@@ -185,13 +185,13 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       const OptTensor& rotary_inv_freq, double rotary_factor, int64_t rotary_table_start,
                       const OptTensor& q_norm_weight, const OptTensor& k_norm_weight, double qk_norm_eps,
                       bool qk_norm_cast_first, const OptTensor& k_zero, const OptTensor& v_zero,
-                      const OptTensor& k_residual) {
+                      const OptTensor& k_residual, bool wide_pairs) {
   const DecodeArgs a{qkv, k_cache, v_cache, lengths, qkv_bias, out, lse, partials, counters, status, num_heads,
                      num_kv_heads, scale, rotary_dim, rotary_theta, rotary_interleaved, num_splits, check_lengths,
                      stages, tile_source, k_scale, v_scale, window, softcap, alibi_slopes, sinks, parents,
                      node_counts, block_tables, row_active, out_shift, out_smooth, out_scales, out_scale, out_round,
                      out_min, positions, rotary_inv_freq, rotary_factor, rotary_table_start, q_norm_weight,
-                     k_norm_weight, qk_norm_eps, qk_norm_cast_first, k_zero, v_zero, k_residual};
+                     k_norm_weight, qk_norm_eps, qk_norm_cast_first, k_zero, v_zero, k_residual, wide_pairs};
   check_devices_and_dtypes(a);
   MmhaParams p{};
   fill_cache(a, p);

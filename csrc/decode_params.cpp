@@ -486,18 +486,28 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   // (a tree step's many columns: wide items).
   const int64_t columns = heads / a.num_kv_heads * nodes;
   const int qb = columns_block(columns, tree && nodes > 1, tiles, p.head_dim, batch * a.num_kv_heads, a.epilogue());
+  const int64_t q_groups = (columns + qb - 1) / qb;
   int max_stages = kMaxStages;
+  int pair = 1, pair_stages = 0;
   if (tiles) {
-    int optin = 0;
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.qkv.device().index());
+    const int device = a.qkv.device().index();
+    int optin = 0, major = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     const int stage = cache_stage_bytes(cache_dtype, p.head_dim);
     const int fixed = tile_static_smem(p.head_dim, static_cast<int>(a.qkv.element_size()), qb) + 1024 +
                       cache_extra_bytes(cache_dtype, p.head_dim, qb);
     max_stages = std::min(kMaxStages, (optin - fixed) / stage);
+    // A paired launch's stages (its own: one block an SM).
+    pair_stages = std::min(kWidePairStages, (optin - fixed - wide_pair_q_bytes(p.head_dim)) / stage);
+    if (pairs_wide_items(qb, q_groups, p.dtype, cache_dtype, p.head_dim, major) && pair_stages >= kMinStages &&
+        a.wide_pairs) {
+      pair = 2;
+    }
   }
   MMHA_CHECK(a.stages >= kMinStages && a.stages <= max_stages, "stages must be in [", kMinStages, ", ", max_stages,
              "] for head_dim ", head_dim, " (shared memory of this GPU), got ", a.stages);
-  const int64_t q_groups = (columns + qb - 1) / qb;
+  const int64_t item_groups = (q_groups + pair - 1) / pair;
   MMHA_CHECK(batch <= 65535, "qkv must have batch <= 65535, got ", batch);
   MMHA_CHECK(a.num_kv_heads * q_groups <= 65535, "num_kv_heads must be <= 65535, got ", a.num_kv_heads);
 
@@ -506,13 +516,15 @@ void fill_schedule(const DecodeArgs& a, MmhaParams& p) {
   s.counters = a.counters.data_ptr<int32_t>();
   s.work = s.counters + work_counter(batch, nodes, heads);
   s.num_splits = static_cast<int32_t>(a.num_splits);
-  s.stages = static_cast<int32_t>(a.stages);
+  s.stages = static_cast<int32_t>(pair > 1 ? pair_stages : a.stages);
   s.q_group_block = qb;
   s.q_groups = static_cast<int32_t>(q_groups);
+  s.pair = pair;
+  s.item_groups = static_cast<int32_t>(item_groups);
   s.tile_source = TileSource::kCpAsync;  // bulk tensor copies decided at launch (decode_op.cpp)
-  s.per_row = make_fast_divisor(static_cast<uint32_t>(a.num_kv_heads * q_groups * a.num_splits));
+  s.per_row = make_fast_divisor(static_cast<uint32_t>(a.num_kv_heads * item_groups * a.num_splits));
   s.splits = make_fast_divisor(static_cast<uint32_t>(a.num_splits));
-  s.groups = make_fast_divisor(static_cast<uint32_t>(q_groups));
+  s.groups = make_fast_divisor(static_cast<uint32_t>(item_groups));
   if (tree) {
     p.tree.anc = reinterpret_cast<uint64_t*>(s.counters + tree_anc(batch, nodes, heads));
     p.tree.depth = s.counters + tree_depth(batch, nodes, heads);

@@ -62,6 +62,7 @@ struct DecodeArgs {
   const OptTensor& k_zero;      // int4 caches (k_cache / v_cache uint8 codes): fp16 zero points beside
   const OptTensor& v_zero;      //   k_scale / v_scale, and the K residual of the groups not yet quantised
   const OptTensor& k_residual;
+  bool wide_pairs;  // a tree step's wide items two to a block where the kernels can (pairs_wide_items)
 
   bool tree() const { return parents.has_value(); }
   bool paged() const { return block_tables.has_value(); }

@@ -51,6 +51,8 @@ namespace mmha {
 // float8_e4m3fn holds y * scale quantised, scale = out_scales[c] (fp32 [Hq * D]) or out_scale (> 0;
 // exactly one of them), int8 rounded half to even (out_round 0) or half away from zero (1) and
 // saturated to [out_min, 127] (out_min -127 or -128). Values of the tensors are the caller's to check.
+// wide_pairs: a tree step's wide items two to a block where the kernels can (pairs_wide_items in
+// kernels/mmha_params.h; mmha.dispatch.pair_wide_items decides where it pays).
 void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& lengths, const std::optional<at::Tensor>& qkv_bias,
                       const at::Tensor& out, const at::Tensor& lse, const at::Tensor& partials,
@@ -69,7 +71,7 @@ void decode_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at
                       int64_t rotary_table_start, const std::optional<at::Tensor>& q_norm_weight,
                       const std::optional<at::Tensor>& k_norm_weight, double qk_norm_eps, bool qk_norm_cast_first,
                       const std::optional<at::Tensor>& k_zero, const std::optional<at::Tensor>& v_zero,
-                      const std::optional<at::Tensor>& k_residual);
+                      const std::optional<at::Tensor>& k_residual, bool wide_pairs);
 
 // Context-parallel steps (mmha/distributed, csrc/kernels/shard_merge.h): pack a shard's out
 // [B, H * D] (fp16 / bf16 / fp32) and lse [B, H] into parts [G, B, H / G, D + 1] fp32, and merge

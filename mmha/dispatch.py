@@ -222,6 +222,37 @@ def columns_block(
     return q_group_block(columns)
 
 
+# A tree step's wide items two to a block (``pair_wide_items``): two consumer warpgroups over one
+# ring, so a kv head's column blocks read each tile together (the C++ pairs_wide_items says where the
+# kernels can: 16-bit caches at head dims 64 and 128 on sm_90). Paired where the unpaired grid puts
+# two blocks on every SM and a split streams WIDE_PAIR_MIN_TILES tiles or more. H200, 2026-12-01,
+# decode timing, `bench/ab_trees.sh --tree` (the paired kernel, its warpgroups taking turns, against
+# one item a block): B=16 Hq=32 Hkv=8 T=64 16K 0.917-0.934, 4K 0.936-0.945. Where the rule leaves
+# them unpaired (an earlier paired form, 2026-11-30): 1K (16 tiles) 1.019-1.026 and the B=1 rows (at
+# most 256 items) 1.04-1.18: where both warpgroups build their q at the same time, nothing on the SM
+# multiplies, and a small grid on one block an SM leaves SMs idle.
+WIDE_PAIR_MIN_TILES = 64
+
+
+def pair_wide_items(
+    batch: int, num_heads: int, num_kv_heads: int, nodes: int, head_dim: int, seq_len: int, splits: int,
+    sms: int, tiles: bool = True, epilogue: bool = False,
+) -> bool:  # fmt: skip
+    """Whether a tree step's wide items run two to a block (``WIDE_PAIR_MIN_TILES``): they are
+    wide, a (row, kv head) holds two or more column blocks, the unpaired grid of ``splits`` splits
+    fills two blocks on each of ``sms`` SMs, and each split holds ``WIDE_PAIR_MIN_TILES`` tiles of
+    ``seq_len`` keys."""
+    columns = num_heads // num_kv_heads * nodes
+    if nodes < 2 or columns_block(columns, True, tiles, head_dim, batch * num_kv_heads, epilogue) != WIDE_COLUMNS:
+        return False
+    groups = -(-columns // WIDE_COLUMNS)
+    return (
+        groups >= 2
+        and batch * num_kv_heads * groups * splits >= 2 * sms
+        and -(-seq_len // TILE_KEYS) // splits >= WIDE_PAIR_MIN_TILES
+    )
+
+
 def base_blocks(batch: int, num_heads: int, num_kv_heads: int, qb: int | None = None) -> int:
     """Blocks of an unsplit grid: one per (row, kv head, query-head block of ``qb``)."""
     group = num_heads // num_kv_heads

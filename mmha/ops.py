@@ -69,7 +69,7 @@ if _C is not None:
         out_shift=None, out_smooth=None, out_scales=None, out_scale=0.0, out_round=0, out_min=-127,
         positions=None, rotary_inv_freq=None, rotary_factor=1.0, rotary_table_start=0, q_norm_weight=None,
         k_norm_weight=None, qk_norm_eps=0.0, qk_norm_cast_first=True, k_zero=None, v_zero=None,
-        k_residual=None,
+        k_residual=None, wide_pairs=False,
     ):  # fmt: skip
         return None
 
@@ -359,6 +359,7 @@ def decode_tree(
     v_scale: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
     row_active: torch.Tensor | None = None,
+    wide_pairs: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A tree-masked multi-token step on the GPU (``mmha.tree``; ``mmha.reference.decode_tree``
     defines it): ``qkv [B, T, (Hq + 2 Hkv) D]`` for the T <= 64 nodes of ``parents`` (int32 ``[B,
@@ -372,8 +373,10 @@ def decode_tree(
     ``ValueError`` naming the entry (one synchronisation; skipped inside CUDA-graph capture).
     Without it a row that breaks the rules writes nothing, gets NaN output and raises its status
     flag (``workspace.check()``: ``TreeError``, ``LengthError`` or ``PageError``). ``max_len`` is
-    the longest ``lengths[b] + T`` the caller knows of. Returns ``out [B, T, Hq * D]`` (and fp32
-    ``lse [B, T, Hq]``)."""
+    the longest ``lengths[b] + T`` the caller knows of. ``wide_pairs``: wide items two to a block
+    (``dispatch.pair_wide_items`` decides by default; either way only where the kernels can: 16-bit
+    caches at head dims 64 and 128 on sm_90; the results are the same bits). Returns ``out [B, T,
+    Hq * D]`` (and fp32 ``lse [B, T, Hq]``)."""
     from . import tree
 
     _require_extension()
@@ -390,17 +393,23 @@ def decode_tree(
             f"parents must have shape [{batch}, T <= {tree.MAX_NODES}], got {tuple(parents.shape)}"
         )
     nodes = parents.shape[1]
+    keys = max_seq_len if max_len is None else min(max_len, max_seq_len)
     if num_splits is None or stages is None:
         # An item's columns are (node, head) pairs: plan as for nodes * Hq heads over the same keys.
-        keys = max_seq_len if max_len is None else min(max_len, max_seq_len)
         plan = plan_for(
             qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype, variant,
             k_cache.dtype, tree=nodes > 1, epilogue=attention.epilogue is not None,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages
+    if wide_pairs is None:
+        wide_pairs = dispatch.pair_wide_items(
+            batch, num_heads, num_kv_heads, nodes, head_dim, keys, num_splits,
+            device_spec(_device_index(qkv.device)).num_sms, k_cache.dtype != torch.float32,
+            attention.epilogue is not None,
+        )  # fmt: skip
     kw = dict(qkv_bias=qkv_bias, k_scale=k_scale, v_scale=v_scale, parents=parents, node_counts=node_counts,
-              block_tables=block_tables, row_active=row_active)  # fmt: skip
+              block_tables=block_tables, row_active=row_active, wide_pairs=bool(wide_pairs))  # fmt: skip
     out, lse = _launch(
         qkv, k_cache, v_cache, lengths, num_heads, num_kv_heads, attention, (batch, nodes),
         (num_splits, stages, tile_source, workspace), check, kw,

@@ -249,6 +249,30 @@ def test_wide_items_that_fill_the_sms_split_only_when_long(context, splits):
     assert splits == 1 or tiles // splits >= dispatch.WIDE_SHARED_SPLIT_TILES
 
 
+@pytest.mark.parametrize(
+    ("batch", "nodes", "context", "paired"),
+    [
+        (16, 64, 16384, True),   # 512 items of 256 tiles
+        (16, 64, 4096, True),    # 512 items of 64 tiles
+        (16, 64, 1024, False),   # 16 tiles an item: the q builds are not hidden
+        (32, 32, 8192, True),    # two column blocks: one pair a (row, kv head)
+        (16, 32, 8192, False),   # 256 items: short of two blocks on each of 132 SMs
+        (16, 16, 16384, False),  # one column block a (row, kv head): nothing to pair
+        (1, 64, 16384, False),   # 32 items: under two blocks an SM at any split
+        (16, 4, 16384, False),   # narrow items
+    ],
+)
+def test_wide_items_pair_where_the_grid_is_full_and_long(batch, nodes, context, paired):
+    # pair_wide_items: two column blocks or more, an unpaired grid of two blocks an SM, splits of
+    # WIDE_PAIR_MIN_TILES tiles (H200, `python -m mmha.bench --tree`: B=16 T=64 4K / 16K faster,
+    # 1K and the B=1 rows slower).
+    keys = context + nodes
+    plan = dispatch.choose_variant(batch, 32 * nodes, 8, 128, keys, F16, H100, tree=True)
+    got = dispatch.pair_wide_items(batch, 32, 8, nodes, 128, keys, plan.num_splits, H100.num_sms)
+    assert got == paired
+    assert not dispatch.pair_wide_items(batch, 32, 8, nodes, 128, keys, plan.num_splits, H100.num_sms, tiles=False)
+
+
 @pytest.mark.skipif(_C is None or not torch.cuda.is_available(), reason="needs a GPU and the extension")
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 @pytest.mark.parametrize("head_dim", dispatch.SUPPORTED_HEAD_DIMS)

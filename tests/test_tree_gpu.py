@@ -318,6 +318,27 @@ def test_wide_items_partial_rotary(bias, interleaved, dtype):
     check_tree(case, qkv, parents, counts, num_splits=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(("nodes", "head_dim", "splits"), [(52, 128, 1), (33, 128, 3), (64, 64, 2), (64, 128, 1)])
+def test_wide_items_paired_equal_one_to_a_block(dtype, nodes, head_dim, splits):
+    # Two column blocks of a (row, kv head) to a block, its two warpgroups over one ring (wide_pairs;
+    # the kernels pair 16-bit caches at head dims 64 and 128 on sm_90), against one to a block: the
+    # same bits in out, lse and both caches, and the reference's values. 52 nodes (208 columns: 64 +
+    # 64, then 64 + 16) leave the second warpgroup 16 columns; 33 (132: 64 + 64, then 4 + none) give
+    # a block whose second warpgroup has no columns (it only hands the stages back); rows end on and
+    # off tile edges.
+    assert dispatch.columns_block(4 * nodes, True, True, head_dim, 6 * 2) == dispatch.WIDE_COLUMNS
+    lengths = [0, 63, 64 - nodes % 64, 700, 1000, 1500]
+    counts = [nodes, nodes - 3, 1, nodes, 16, nodes]
+    case, qkv, parents, counts, _ = tree_case(6, 8, 2, head_dim, lengths, 1600, dtype, nodes, "random",
+                                              seed=nodes + head_dim + splits, bias=True, counts=counts)  # fmt: skip
+    paired = run_tree(case, qkv, parents, counts, {}, num_splits=splits, wide_pairs=True)
+    single = run_tree(case, qkv, parents, counts, {}, num_splits=splits, wide_pairs=False)
+    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), paired, single, strict=True):
+        assert_bits_equal(x, y, name)
+    check_tree(case, qkv, parents, counts, num_splits=splits, wide_pairs=True)
+
+
 def test_wide_items_with_large_logits():
     # Scores far above the online softmax's slack in one tile and far below in the next: the
     # running max moves both ways within an item.

@@ -84,6 +84,10 @@ struct WideConsumer {
   float v_inv;             // kWidened: 1 / v_unit (0 while v_unit is 0)
   bool busy;               // the warp holds columns of the item (warp-uniform)
   TreeMask<2> tree;
+  uint32_t p_held[KBLOCKS][4];    // turns (issue_turn): the last tile's P, for its V product in the next turn
+  float s_turn[KBLOCKS][2][4];    // turns: the tile's scores
+  float alpha_pending[2];         // overlap turns: O's rescale once P V is done (weigh<true>)
+  bool rescale_pending;
 
   // Column of fragment row h (0: g, 1: g + 8) of this warp.
   __device__ __forceinline__ static int column(int warp, int lane, int h) { return 16 * warp + lane / 4 + 8 * h; }
@@ -100,6 +104,7 @@ struct WideConsumer {
     return r * Q_PITCH + col;
   }
   static_assert(!kWg || 64 * HEAD_DIM * 2 <= 4 * Q_STAGE_BYTES, "wgmma q area: the four warps' staging areas");
+  static_assert(kConsumerWarps * Q_STAGE_BYTES == wide_pair_q_bytes(HEAD_DIM), "a paired block's second q area");
 
   // Where head dim d of q goes in a K step's 16 fragment columns: as is for 16-bit caches and
   // widened tiles; for one-byte caches, the inverse of TileOperands' q_dim (dims 4tq + 2h + e are
@@ -329,10 +334,11 @@ struct WideConsumer {
   // area s_q, where it stays for the item (q in registers beside O and the scores would spill).
   // One-byte caches: a first pass finds the warp's largest |q|. stamp: the block's item number
   // where this thread stamps the q build's events (timeline.cuh; an MMHA_TIMELINE build), else 2
-  // or more.
+  // or more. warp: within the warpgroup; norm_row: the warp's row of the block's q-norm scratch
+  // (its warp in the block: a paired block's second warpgroup has rows of its own).
   template <typename T>
   __device__ __forceinline__ void init(const MmhaParams& p, const WorkItem& w, float scale_log2, M* s_q, int warp,
-                                       int lane, int stamp) {
+                                       int lane, int stamp, int norm_row) {
     busy = 16 * warp < w.nh;
     tree.on = tree_step<false>(p);
     tree.base = w.pos;
@@ -363,14 +369,15 @@ struct WideConsumer {
     const int first = 16 * warp;
     const int last = min(w.nh, first + 16);
     // A q norm: the warp's columns' rsqrt(mean(x^2) + eps), a warp reduction each.
-    __shared__ float s_norm[kConsumerWarps][16];
+    __shared__ float s_norm[2 * kConsumerWarps][16];  // by the block's consumer warp (norm_row: two warpgroups)
+    float* norm = s_norm[norm_row];
     const QKNormParams& qn = p.qk_norm;
     if (qn.q_weight != nullptr) {
       for (int cw = first; cw < last; ++cw) {  // warp-uniform: head_inv_rms shuffles
         const Column c = column_of(p, w, cw);
         const T* row = static_cast<const T*>(p.qkv) + static_cast<int64_t>(c.qrow) * p.qkv_row_stride + c.head * HEAD_DIM;
         const float inv = head_inv_rms<T, HEAD_DIM>(row, bias ? bias + c.head * HEAD_DIM : nullptr, qn.eps, lane);
-        if (lane == 0) s_norm[warp][cw - first] = inv;
+        if (lane == 0) norm[cw - first] = inv;
       }
       __syncwarp();
     }
@@ -405,7 +412,7 @@ struct WideConsumer {
             qmax = rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, q_unit, measure);
           } else {
             qmax = rotate_featured_rows<T>(p, w.c0, head_base, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2,
-                                           s_norm[warp], q_unit, measure);
+                                           norm, q_unit, measure);
           }
           if (measure) q_unit = byte_q_unit(qmax, s_unit);
         }
@@ -413,7 +420,7 @@ struct WideConsumer {
         rotate_plain_rows<T>(p, w, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2, 1.f, false);
       } else {
         rotate_featured_rows<T>(p, w.c0, head_base, s_q, warp, lane, first, last, n0, n1, my_pos, scale_log2,
-                                s_norm[warp], 1.f, false);
+                                norm, 1.f, false);
       }
     }
     for (int pass = kRawStaged<T> ? 2 : kBytes ? 0 : 1; pass < 2; ++pass) {  // the other caches' pass
@@ -425,7 +432,7 @@ struct WideConsumer {
               static_cast<const T*>(p.qkv) + static_cast<int64_t>(c0.qrow) * p.qkv_row_stride + head * HEAD_DIM;
           float x0, x1;
           const HeadNorm hn =
-              qn.q_weight != nullptr ? HeadNorm{qn.q_weight, s_norm[warp][cw - first], qn.cast_first} : HeadNorm{};
+              qn.q_weight != nullptr ? HeadNorm{qn.q_weight, norm[cw - first], qn.cast_first} : HeadNorm{};
           rotate_pair(row, bias ? bias + head * HEAD_DIM : nullptr, rp, sn, cs, x0, x1, hn);
           x0 *= scale_log2;
           x1 *= scale_log2;
@@ -462,6 +469,7 @@ struct WideConsumer {
       }
     }
     clear_acc();
+    clear_held();
   }
 
   // B fragments of K^T for K steps j and j + 1 (where it exists) over keys key0 .. key0 + 15:
@@ -649,58 +657,14 @@ struct WideConsumer {
     }
   }
 
-  // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it (kWg: K and V where
-  // GL lays them out, the stage's own or the widened tile).
-  __device__ __forceinline__ void attend(const unsigned char* stage, const unsigned char* wide, int key0, int it, int lo,
-                                         int end, int lane) {
-    const unsigned char* ops = kWidened ? wide : stage;
+  // The scores s of keys [key0, key0 + 16 PART_BLOCKS) of a stage (it: the first's position)
+  // weighed in place: the one-byte caches' scales, the masks, the online softmax (O rescaled where
+  // the reference max rises), P in place of the scores.
+  // DEFER: O's rescale left to the caller (rescale_pending / alpha_pending: its product may still run).
+  template <bool DEFER = false>
+  __device__ __forceinline__ void weigh(float (&s)[PART_BLOCKS][2][4], const unsigned char* stage, int key0, int it,
+                                        int lo, int end, int lane) {
     const int tq = lane % 4;
-    float s[PART_BLOCKS][2][4];  // [16-key block][8-key half]: columns g (0, 1), g + 8 (2, 3); keys 2tq, 2tq + 1
-#pragma unroll
-    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[kb][n][e] = 0.f;
-      }
-    }
-    if constexpr (kWg) {
-      // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
-      // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
-      static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
-      // One descriptor each for q and K, the K steps' moved along them (wgmma_desc_plus).
-      const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
-      const uint64_t k_desc = wgmma_desc(ops, GL::KEYS * 16, 128, false);  // K's chunk 0 starts the stage
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
-        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
-                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
-      }
-      wgmma_commit_and_wait();
-    } else {
-#pragma unroll
-      for (int j = 0; j < KSTEPS; j += 2) {
-        // A fragments of q for K steps j, j + 1: lanes 0-15 address rows 0-15 at column 16 j, 16-31 at 16 j + 8.
-        uint32_t q[2][4];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (j + u < KSTEPS) ldmatrix_x4<false>(q[u], sq + (lane % 16) * Q_PITCH + 16 * (j + u) + 8 * (lane / 16));
-        }
-#pragma unroll
-        for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-          uint32_t k[2][2][2];
-          k_frags(k, stage, key0 + 16 * kb, j, lane);
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            if (j + u < KSTEPS) {
-              mma_16816<M>(s[kb][0], q[u], k[u][0][0], k[u][0][1]);
-              mma_16816<M>(s[kb][1], q[u], k[u][1][0], k[u][1][1]);
-            }
-          }
-        }
-      }
-    }
     const bool edge = it + 16 * PART_BLOCKS > end || it < lo;
     const bool in_tree = tree.on && it + 16 * PART_BLOCKS > tree.base;
     if constexpr (kFp8) {
@@ -761,7 +725,9 @@ struct WideConsumer {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
     }
     float alpha[2];
-    if (raise_max_stats(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
+    if constexpr (DEFER) {
+      rescale_pending = raise_max_stats(m, l, mx, kRescaleSlack, alpha_pending);  // warp_combine.cuh
+    } else if (raise_max_stats(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {
 #pragma unroll
@@ -790,6 +756,168 @@ struct WideConsumer {
       }
     }
     if constexpr (kInt8 && !kWidened) weigh_by_v_scales(s, stage, key0, it, lo, end, lane);  // widen: V dequantised
+  }
+
+  // The turns of a paired launch's two warpgroups (run_wide_items; 16-bit caches on wgmma): a
+  // tile's P is held (p_held) and multiplied by the tile's V in the warpgroup's next turn, beside the
+  // next tile's S, so that one warpgroup's products run while the other weighs its scores.
+  // S of the tile at `stage` and P V of the held P over the V at `v_stage` (a tile whose P is held;
+  // any landed tile while P is zero), issued, not waited for.
+  __device__ __forceinline__ void issue_turn(const unsigned char* stage, const unsigned char* v_stage) {
+    static_assert(kWg && !kBytes, "turns: 16-bit caches on wgmma");
+    const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
+    const uint64_t k_desc = wgmma_desc(stage, GL::KEYS * 16, 128, false);
+    wgmma_fence();
+    issue_held_pv(v_stage);
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+      wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s_turn), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
+                               wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
+    }
+    wgmma_commit();
+  }
+
+  // The turn's products done: the tile's scores weighed, its P held.
+  __device__ __forceinline__ void finish_turn(const unsigned char* stage, int it, int lo, int end, int lane) {
+    wgmma_wait<0>();
+    weigh(s_turn, stage, 0, it, lo, end, lane);
+#pragma unroll
+    for (int kb = 0; kb < KBLOCKS; ++kb) {
+      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
+      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
+      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
+      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
+    }
+  }
+
+  // The overlap within a warpgroup as well (FlashAttention-3's): S of the tile, then P V of the held
+  // P, as two batches; the scores weighed once S is done, while P V runs; O rescaled and P packed
+  // once P V is done (finish_overlap_turn).
+  __device__ __forceinline__ void issue_overlap_turn(const unsigned char* stage, const unsigned char* v_stage) {
+    static_assert(kWg && !kBytes, "turns: 16-bit caches on wgmma");
+    const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
+    const uint64_t k_desc = wgmma_desc(stage, GL::KEYS * 16, 128, false);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+      wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s_turn), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
+                               wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
+    }
+    wgmma_commit();
+    issue_held_pv(v_stage);
+    wgmma_commit();
+  }
+
+  __device__ __forceinline__ void finish_overlap_turn(const unsigned char* stage, int it, int lo, int end, int lane) {
+    wgmma_wait<1>();  // S is done; P V may still run
+    weigh<true>(s_turn, stage, 0, it, lo, end, lane);
+    wgmma_wait<0>();
+    if (rescale_pending) scale_acc_rows(alpha_pending);
+#pragma unroll
+    for (int kb = 0; kb < KBLOCKS; ++kb) {
+      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
+      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
+      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
+      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
+    }
+  }
+
+  // O's rows (columns g, g + 8) times alpha[0], alpha[1].
+  __device__ __forceinline__ void scale_acc_rows(const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        acc[i][hh][0] *= alpha[0];
+        acc[i][hh][1] *= alpha[0];
+        acc[i][hh][2] *= alpha[1];
+        acc[i][hh][3] *= alpha[1];
+      }
+    }
+  }
+
+  // The held P's product over the V at `stage` (an item's last tile), waited for; P zeroed.
+  __device__ __forceinline__ void flush_turns(const unsigned char* stage) {
+    wgmma_fence();
+    issue_held_pv(stage);
+    wgmma_commit();
+    wgmma_wait<0>();
+    clear_held();
+  }
+
+  __device__ __forceinline__ void issue_held_pv(const unsigned char* v_stage) {
+    const uint64_t v_desc0 = wgmma_desc(v_stage + GL::K_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
+#pragma unroll
+    for (int kb = 0; kb < KBLOCKS; ++kb) {
+      const uint64_t v_desc = wgmma_desc_plus(v_desc0, 16 * kb * GL::V_LINE_BYTES);
+      if constexpr (HEAD_DIM == 128) {
+        wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), p_held[kb], v_desc, 1);
+      } else {
+        wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), p_held[kb], v_desc, 1);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void clear_held() {
+#pragma unroll
+    for (int kb = 0; kb < KBLOCKS; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p_held[kb][r] = 0u;
+    }
+  }
+
+  // Keys [key0, key0 + 16 PART_BLOCKS) of a stage, the cache's keys from it (kWg: K and V where
+  // GL lays them out, the stage's own or the widened tile).
+  __device__ __forceinline__ void attend(const unsigned char* stage, const unsigned char* wide, int key0, int it, int lo,
+                                         int end, int lane) {
+    const unsigned char* ops = kWidened ? wide : stage;
+    float s[PART_BLOCKS][2][4];  // [16-key block][8-key half]: columns g (0, 1), g + 8 (2, 3); keys 2tq, 2tq + 1
+#pragma unroll
+    for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[kb][n][e] = 0.f;
+      }
+    }
+    if constexpr (kWg) {
+      // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
+      // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
+      static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
+      // One descriptor each for q and K, the K steps' moved along them (wgmma_desc_plus).
+      const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
+      const uint64_t k_desc = wgmma_desc(ops, GL::KEYS * 16, 128, false);  // K's chunk 0 starts the stage
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
+                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
+      }
+      wgmma_commit_and_wait();
+    } else {
+#pragma unroll
+      for (int j = 0; j < KSTEPS; j += 2) {
+        // A fragments of q for K steps j, j + 1: lanes 0-15 address rows 0-15 at column 16 j, 16-31 at 16 j + 8.
+        uint32_t q[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (j + u < KSTEPS) ldmatrix_x4<false>(q[u], sq + (lane % 16) * Q_PITCH + 16 * (j + u) + 8 * (lane / 16));
+        }
+#pragma unroll
+        for (int kb = 0; kb < PART_BLOCKS; ++kb) {
+          uint32_t k[2][2][2];
+          k_frags(k, stage, key0 + 16 * kb, j, lane);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            if (j + u < KSTEPS) {
+              mma_16816<M>(s[kb][0], q[u], k[u][0][0], k[u][0][1]);
+              mma_16816<M>(s[kb][1], q[u], k[u][1][0], k[u][1][1]);
+            }
+          }
+        }
+      }
+    }
+    weigh(s, stage, key0, it, lo, end, lane);
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
     if constexpr (kWg) {

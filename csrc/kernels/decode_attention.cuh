@@ -401,22 +401,34 @@ __device__ __forceinline__ void store_wide_row(const MmhaParams& p, const WorkIt
 // 1); widened int8 tiles (Wide::kWidened) are widened by all consumers together between two such
 // barriers (the first: every warp's products of the last tile are done); at the last tile each
 // warp stores its columns, and a split's last item merges.
-template <typename T, typename C, int HEAD_DIM, TileSource SRC>
+// A paired launch (p.sched.pair = 2, pairs_wide_items) has two consumer warpgroups, then the
+// producer and stager warps: each item is two column blocks of a (row, kv head) over the same
+// keys, warpgroup g takes block g (none where the row's columns end first: it still hands back
+// every stage), so each tile is brought once for both. The stray-V clear and the int8 widening are
+// the block's (barrier 1, all consumers; int8 is never paired: pairs_wide_items); the q build,
+// merges and stores are each warpgroup's own (barrier 2 + g). Its kernel (decode_attention_kernel_pairs:
+// three warpgroups, the consumers' registers raised) has the warpgroups take turns on the tensor
+// cores: in its turn a warpgroup issues the P V of its last tile and the S of this one, then
+// weighs this tile's scores while the other's products run (each stage released after its P V).
+template <typename T, typename C, int HEAD_DIM, TileSource SRC, bool PAIRED = false>
 __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   using Source = SourceOf<C, HEAD_DIM, SRC>;
   using L = TileLayout<C, HEAD_DIM>;
   using Wide = WideConsumer<C, HEAD_DIM>;
   constexpr int QB = kWideColumns;
   constexpr bool EPI = false;  // steps with an output epilogue take narrow items (columns_block)
-  constexpr int CONSUMERS = kConsumerWarps * 32;
+  constexpr int GROUP = kConsumerWarps * 32;  // a warpgroup's threads
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
+  constexpr int PAIRS = PAIRED ? 2 : 1;  // consumer warpgroups (a paired launch: ScheduleParams::pair 2)
+  constexpr int producer = kConsumerWarps * PAIRS;  // the producer's warp (the stager's after it)
   using M = typename Wide::M;
-  // The warps' q staging areas (merge_wide, the split merge, reads no shared memory).
+  // The warps' q staging areas (merge_wide, the split merge, reads no shared memory); a paired
+  // block's second warpgroup's after the stages (and the widened tile).
   constexpr int BUF_BYTES = kConsumerWarps * Wide::Q_STAGE_BYTES;
   __shared__ __align__(16) unsigned char s_buf[BUF_BYTES];
-  __shared__ bool s_last;
+  __shared__ bool s_last[2];
   __shared__ TileRing ring;
   __shared__ TileHeader s_hdr[kMaxStages];
   __shared__ __align__(16) ItemStage<T, HEAD_DIM, QB> s_item;  // the items only (no raw q)
@@ -427,33 +439,35 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
   const auto place = [&] {
     stages = s_dyn + (1024 - smem_addr(s_dyn) % 1024) % 1024;
     widened = stages + p.sched.stages * L::STAGE_BYTES;
-    s_q = reinterpret_cast<M*>(s_buf + (Wide::kWg ? 0 : warp * Wide::Q_STAGE_BYTES));
+    // A paired block's second warpgroup stages its q after the stages (and the widened tile).
+    unsigned char* q_area = !PAIRED || tid < GROUP ? s_buf : widened + wide_widened_bytes(HEAD_DIM, kInt8<C>, QB);
+    s_q = reinterpret_cast<M*>(q_area + (Wide::kWg ? 0 : (PAIRED ? warp % kConsumerWarps : warp) * Wide::Q_STAGE_BYTES));
   };
   // The ring's and the item slots' barriers (one thread).
   const auto init_barriers = [&] {
     for (int s = 0; s < p.sched.stages; ++s) {
       mbar_init(&ring.full[s], Source::FULL_ARRIVALS);
       mbar_init(&ring.header[s], 32);
-      mbar_init(&ring.empty[s], CONSUMERS);
+      mbar_init(&ring.empty[s], GROUP * PAIRS);
     }
-    init_item_stage(s_item);
+    init_item_stage(s_item, (PAIRS - 1) * GROUP);  // a paired block's second warpgroup reads each slot too
     mbar_init_fence();
   };
   const auto prefetch_maps = [&] { Source::prefetch(TileArgs<C>{nullptr, nullptr, 0, 0, 0, 0, 0, &p.k_map, &p.v_map}); };
   // The producer's and the stager's work (other warps of the block have none).
   const auto serve = [&](int items) {
-    if (warp == kConsumerWarps) {
+    if (warp == producer) {
       produce_tiles<T, C, HEAD_DIM, QB, SRC, EPI>(p, ring, s_hdr, s_item, stages, lane);
-    } else if (warp == kConsumerWarps + 1) {
+    } else if (warp == producer + 1) {
       stage_items<T, C, HEAD_DIM, QB, EPI>(p, s_item, items, lane);
     }
   };
-  if constexpr (kWideRegisterSplit<C>) {
+  if constexpr (kWideRegisterSplit<C> || PAIRED) {
     // The registers move first, each warpgroup on its own path from here: ptxas bounds the code
     // after a setmaxnreg by it, and code both paths shared would be bound by the lower.
-    if (warp >= kConsumerWarps) {  // the second warpgroup: producer, stager, two idle warps
-      setmaxnreg<false, kWideOtherRegs>();
-      if (warp == kConsumerWarps && lane == 0) {
+    if (warp >= producer) {  // the last warpgroup: producer, stager, two idle warps
+      setmaxnreg<false, PAIRED ? kWidePairOtherRegs : kWideOtherRegs>();
+      if (warp == producer && lane == 0) {
         init_barriers();
         prefetch_maps();
       }
@@ -463,7 +477,7 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       serve(num_items(p));
       return;
     }
-    setmaxnreg<true, kWideConsumerRegs>();
+    setmaxnreg<true, PAIRED ? kWidePairConsumerRegs : kWideConsumerRegs>();
     if (tid == 0) timeline_mark(p, kTlEntered);
     __syncthreads();
     grid_dependency_wait();
@@ -474,23 +488,33 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     place();
     if (tid == 0) timeline_mark(p, kTlEntered);
     if (tid == 0) init_barriers();
-    if (warp == kConsumerWarps && lane == 0) prefetch_maps();
+    if (warp == producer && lane == 0) prefetch_maps();
     __syncthreads();
     grid_dependency_wait();  // a tree step's check and append (launch_kernel)
     if (tid == 0) timeline_mark(p, kTlStart);
-    if (warp >= kConsumerWarps) {
+    if (warp >= producer) {
       serve(items);
       return;
     }
   }
 
+  // A consumer's warpgroup: recomputed where used (from tid), not held across the tile loop, whose
+  // registers are at their cap.
+  const auto wg = [tid] { return PAIRED ? tid / GROUP : 0; };
   const float scale_log2 = p.scale * kLog2e;
-  const auto sync = [] { named_barrier(1, CONSUMERS); };
+  const auto sync_all = [] { named_barrier(1, GROUP * PAIRS); };
+  const auto sync = [wg] { named_barrier(2 + wg(), GROUP); };
   RingCursor cur;
   Wide c;
   WorkItem w;
   float value_scale = 1.f;
   int item_seq = 0;  // timeline_item: the block's items so far (the first two stamp their events; thread 0's warp)
+  // A paired launch on wgmma (16-bit caches): the two warpgroups take turns on the tensor cores
+  // (named barriers 4 and 5: a warpgroup waits on its own, then arrives on the other's; warpgroup
+  // 0 first), each holding its last tile's P for its next turn.
+  constexpr bool TURNS = PAIRED && Wide::kWg && !Wide::kBytes;
+  int held_s = -1;  // TURNS: the stage of the tile whose P is held, or -1
+  if (TURNS && wg() == 1) named_barrier_arrive(4, 2 * GROUP);
   for (;;) {
     mbar_wait(&ring.header[cur.s], cur.n & 1);
     const TileHeader h = s_hdr[cur.s];
@@ -499,12 +523,21 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
     if (h.flags & kFirstTile) {
       if (tid == 0) timeline_item(p, item_seq, kTlHeaderSeen);
       // The item as the stager decided it (a tree step's: busy, attend-only), read from its slot
-      // before the slot is handed back (the header holds the tile's fields only).
+      // before the slot is handed back (the header holds the tile's fields only). A paired item is
+      // two column blocks: warpgroup g takes block g (no columns where the row's end first).
       w = s_item.item[h.slot];
       value_scale = s_item.v_scale[h.slot];
       const float k_scale = s_item.k_scale[h.slot];
       mbar_arrive(&s_item.empty[h.slot]);  // wide items take nothing else from the slot
-      c.template init<T>(p, w, scale_log2 * k_scale, s_q, warp, lane, tid == 0 ? item_seq : 2);
+      if constexpr (PAIRED) {
+        const int g = wg();
+        w.qg = w.qg * 2 + g;
+        w.nh = min(QB, w.nh - g * QB);
+        w.c0 = w.qg * QB;
+        w.h0 = w.kvh * p.group + w.c0;
+      }
+      c.template init<T>(p, w, scale_log2 * k_scale, s_q, PAIRED ? warp % kConsumerWarps : warp, lane,
+                         tid == 0 ? item_seq : 2, warp);
       if constexpr (Wide::kWg) sync();  // the warpgroup's products read every warp's q
       if (tid == 0) timeline_item(p, item_seq, kTlQueryBuilt);
     }
@@ -514,17 +547,42 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       if (h.flags & kLastTile) timeline_item(p, item_seq, kTlLastLanded);
     }
     const int it = h.k0;
-    if constexpr (Wide::kWidened) {
-      sync();  // every warp's products of the last tile have read the widened tile
-      c.template widen<CONSUMERS>(stage, widened, it, w.lo, w.end, tid, lane);
+    if constexpr (Wide::kWidened) {  // never paired
+      sync_all();  // every warp's products of the last tile have read the widened tile
+      c.template widen<GROUP>(stage, widened, it, w.lo, w.end, tid, lane);
       fence_proxy_async_smem();  // read by wgmma
-      sync();
+      sync_all();
     } else if (it + kTileKeys > w.end || it < w.lo) {
-      Wide::clear_v(stage, it, w.lo, w.end, tid, CONSUMERS);
-      sync();
+      Wide::clear_v(stage, it, w.lo, w.end, tid, GROUP * PAIRS);
+      sync_all();
     }
-    if (Wide::kWg || c.busy) c.step(stage, widened, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
-    mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
+    if constexpr (TURNS) {
+      // The warpgroup's turn: P V of the held P (the last tile's; zero at an item's first tile,
+      // over this tile's V) and this tile's S, issued; the turn handed over; then the tile weighed
+      // while the other warpgroup's products run. The held tile's stage is released once its
+      // product is done; an item's last P V runs outside the turns.
+      const unsigned char* v_stage = held_s >= 0 ? stages + held_s * L::STAGE_BYTES : stage;
+      named_barrier(4 + wg(), 2 * GROUP);
+      if constexpr (kWideOverlapTurns) {
+        c.issue_overlap_turn(stage, v_stage);
+        named_barrier_arrive(5 - wg(), 2 * GROUP);
+        c.finish_overlap_turn(stage, it, w.lo, w.end, lane);
+      } else {
+        c.issue_turn(stage, v_stage);
+        named_barrier_arrive(5 - wg(), 2 * GROUP);
+        c.finish_turn(stage, it, w.lo, w.end, lane);
+      }
+      if (held_s >= 0) mbar_arrive(&ring.empty[held_s]);
+      held_s = cur.s;
+      if (h.flags & kLastTile) {
+        c.flush_turns(stage);
+        mbar_arrive(&ring.empty[cur.s]);
+        held_s = -1;
+      }
+    } else {
+      if ((Wide::kWg && (!PAIRED || w.nh > 0)) || c.busy) c.step(stage, widened, it, w.lo, w.end, lane);  // wgmma: the warpgroup together
+      mbar_arrive(&ring.empty[cur.s]);  // this lane is done with the stage and its header
+    }
     cur.next(p.sched.stages);
     if (h.flags & kLastTile) {
       if (tid == 0) timeline_item(p, item_seq, kTlLastAttended);
@@ -533,9 +591,8 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
         if (tid == 0) timeline_item(p, item_seq, kTlCombined);  // a warp's results are complete
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if (Wide::column(warp, lane, r) < w.nh) {
-            store_wide_row<T, HEAD_DIM>(p, w, column_of(p, w, Wide::column(warp, lane, r)), c, r, lane, value_scale);
-          }
+          const int col = Wide::column(PAIRED ? warp % kConsumerWarps : warp, lane, r);
+          if (col < w.nh) store_wide_row<T, HEAD_DIM>(p, w, column_of(p, w, col), c, r, lane, value_scale);
         }
       }
       c.clear_acc();
@@ -543,8 +600,9 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
         timeline_item(p, item_seq, kTlOutStored);
         timeline_item(p, item_seq, kTlAppended);  // wide items append nothing (the check-and-append launch did)
       }
-      if (p.sched.num_splits > 1) {
-        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, nullptr, s_last, value_scale, tid, CONSUMERS, sync, item_seq == 0);
+      if (p.sched.num_splits > 1 && (!PAIRED || w.nh > 0)) {  // a warpgroup past the row's columns has nothing to merge
+        merge_if_last<T, HEAD_DIM, QB, EPI>(p, w, nullptr, s_last[wg()], value_scale, PAIRED ? tid % GROUP : tid, GROUP,
+                                            sync, (!PAIRED || tid == 0) && item_seq == 0);
         // merge_wide leaves nothing shared to wait for, but without this barrier the cp.async
         // kernel's registers are allocated otherwise and its tree masks spill (nvdisasm -g, head
         // dim 128: 10 more spill loads and stores in the tile loop); one named barrier a split item.
@@ -552,12 +610,13 @@ __device__ __forceinline__ void run_wide_items(const MmhaParams& p) {
       }
       if (tid == 0) timeline_item(p, item_seq, kTlItemDone);
       if (tid == 0 && item_seq == 0) {
-        timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last,
+        timeline_value(p, kTlRole, timeline_role(w.split, w.owner(), p.sched.num_splits > 1 && s_last[0],
                                                  (w.end - w.start + kTileKeys - 1) / kTileKeys));
       }
       ++item_seq;
     }
   }
+  if (TURNS && wg() == 0) named_barrier(4, 2 * GROUP);  // warpgroup 1's last hand-over
   if (tid == 0) timeline_mark(p, kTlConsumersDone);
 }
 
@@ -669,6 +728,15 @@ __global__ void __launch_bounds__(kWideThreads, kWgmma ? 2 : 1)
   run_wide_items<T, C, HEAD_DIM, SRC>(p);
 }
 
+// Paired wide items over 16-bit caches (ScheduleParams::pair 2, pairs_wide_items): blocks of three
+// warpgroups, two consumer warpgroups taking turns on the tensor cores and the producer's (producer,
+// stager, two idle warps), one an SM, the consumers' registers raised at run time (run_wide_items).
+template <typename T, typename C, int HEAD_DIM, TileSource SRC>
+__global__ void __launch_bounds__(kWidePairThreads, 1) decode_attention_kernel_pairs(const __grid_constant__ MmhaParams p) {
+  static_assert(kPairedKernels<T, C, HEAD_DIM>, "paired wide items: 16-bit caches at head dims 64 and 128");
+  run_wide_items<T, C, HEAD_DIM, SRC, true>(p);
+}
+
 // The kernel of a launch (its block: kKernelThreads): wide items of the register split run their own.
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
           bool LEAN = kLeanKernels>
@@ -755,7 +823,7 @@ int blocks_per_sm_of(int stages) {
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool FUSED = false,
           bool LEAN = kLeanKernels>
 cudaError_t grid_blocks(const MmhaParams& p, int smem_bytes, int& blocks, int64_t* resident = nullptr) {
-  const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
+  const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.item_groups * p.sched.num_splits;
   if (items > INT32_MAX) return cudaErrorInvalidValue;
   blocks = static_cast<int>(items);
   if constexpr (kTiles<T>) {
@@ -797,8 +865,63 @@ cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stre
   }
 }
 
+// A paired tree step (ScheduleParams::pair 2): the trees' check and append, then the paired kernel
+// as its programmatic dependent (as launch_kernel's tree steps), with the second q area after the
+// stages and at most one block an SM.
+template <typename T, typename C, int HEAD_DIM, TileSource SRC>
+cudaError_t launch_pairs(const MmhaParams& p, cudaStream_t stream) {
+  constexpr int QB = kWideColumns;
+  const auto kernel = decode_attention_kernel_pairs<T, C, HEAD_DIM, SRC>;
+  const int smem_bytes = stages_smem_bytes<C, HEAD_DIM, QB>(p.sched.stages) + wide_pair_q_bytes(HEAD_DIM);
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0, sms = 0, major = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
+    int optin = 0;
+    cudaFuncAttributes attr{};
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+    if (err == cudaSuccess) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 optin - static_cast<int>(attr.sharedSizeBytes));
+    }
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWidePairThreads, smem_bytes);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  const int64_t items = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads * p.sched.item_groups * p.sched.num_splits;
+  const int64_t fits = static_cast<int64_t>(sms) * per_sm;
+  const int blocks = static_cast<int>(items < fits ? items : fits);
+  if (blocks == 0) return cudaSuccess;
+  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kWidePairThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
 cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
+  if constexpr (QB == kWideColumns && !EPI && !LEAN && kPairedKernels<T, C, HEAD_DIM>) {
+    if (p.sched.pair > 1) {
+      if (p.tree.parents == nullptr) return cudaErrorInvalidValue;  // pairs are tree steps' (fill_schedule)
+      return launch_pairs<T, C, HEAD_DIM, SRC>(p, stream);
+    }
+  }
   int smem_bytes = 0;
   cudaError_t err = prepare_decode_attention<T, C, HEAD_DIM, QB, SRC, EPI, false, LEAN>(
       kTiles<T> ? p.sched.stages : kMinStages, smem_bytes);

@@ -64,6 +64,22 @@ constexpr int kWideConsumerRegs = 200;
 constexpr int kWideOtherRegs = 56;
 static_assert(2 * kWideConsumerRegs + 2 * kWideOtherRegs <= 512, "wide blocks: two an SM's registers");
 
+// Paired wide items (ScheduleParams::pair 2; 16-bit caches at head dims 64 and 128): blocks of three
+// warpgroups, one an SM: two consumer warpgroups that take turns on the tensor cores, each holding
+// the last tile's P for the next turn, and the producer's (producer, stager, two idle warps).
+// Launched at 168 registers a thread, the producer's warpgroup gives them back down to 56 and the
+// consumers take 224 (2 x 224 + 56 = 504 of a sub-partition's 512 a thread slot).
+template <typename T, typename C, int HEAD_DIM>
+constexpr bool kPairedKernels = std::is_same_v<T, C> && !std::is_same_v<T, float> && (HEAD_DIM == 64 || HEAD_DIM == 128);
+constexpr int kWidePairThreads = 3 * 128;
+// The paired consumers' turn: S and the held P's P V as two batches, the scores weighed while P V
+// runs and O rescaled after it (true: B=16 T=64 4K / 16K 0.92-0.95x the one-batch form on an H200,
+// docs/experiments.md), or as one batch with the scores weighed after both (false).
+constexpr bool kWideOverlapTurns = true;
+constexpr int kWidePairConsumerRegs = 224;
+constexpr int kWidePairOtherRegs = 56;
+static_assert(2 * kWidePairConsumerRegs + kWidePairOtherRegs <= 512, "paired wide blocks: one an SM's registers");
+
 // The threads of a launch's block (decode_attention.cuh's kernel_of picks the kernel).
 template <typename T, typename C, int QB>
 constexpr int kKernelThreads = QB == kWideColumns && kWideRegisterSplit<C> ? kWideThreads : kBlockThreads<T>;

@@ -73,6 +73,22 @@ constexpr int columns_block(int64_t columns, bool tree, bool tiles, int head_dim
   }
   return kQGroupBlocks[kNumQGroupBlocks - 1];
 }
+
+// Wide items two to a block (ScheduleParams::pair): where a (row, kv head) holds two or more
+// column blocks, over 16-bit caches at head dims 64 and 128 on sm_90 (the wgmma consumer, whose
+// products read each tile where it lies: the two warpgroups share it). A kv head's four blocks of
+// a 64-node tree then read each tile twice instead of four times, and two readers drift apart
+// less than L2 holds (bench/probes/wgmma_rates.cu, "pairs").
+constexpr bool pairs_wide_items(int qb, int64_t q_groups, DType dtype, DType cache_dtype, int head_dim, int cc_major) {
+  return qb == kWideColumns && q_groups >= 2 && cache_dtype == dtype &&
+         (dtype == DType::kFloat16 || dtype == DType::kBFloat16) && (head_dim == 64 || head_dim == 128) && cc_major >= 9;
+}
+// Shared memory of the second warpgroup's q staging area (dynamic, after the stages): the wide
+// consumer's four warps' areas (WideConsumer::Q_STAGE_BYTES each), as the first one's static one.
+constexpr int wide_pair_q_bytes(int head_dim) { return kConsumerWarps * 16 * (head_dim + 8) * 2; }
+// Stages of a paired launch (one block an SM): as deep as the probe's pairs needed to keep their
+// rate with the two blocks of a kv head 16-64 tiles apart (4 against 2: 563 / 505 TFLOP/s).
+constexpr int kWidePairStages = 4;
 // Whether the kernel runs the tile loop (tensor cores) rather than the CUDA-core one; mirrored
 // by uses_tensor_cores in mmha/dispatch.py.
 constexpr bool uses_tensor_cores(DType cache_dtype) { return cache_dtype != DType::kFloat32; }
@@ -202,8 +218,12 @@ struct ScheduleParams {
   int32_t stages;         // tile loop: shared-memory stages (kMinStages..kMaxStages)
   int32_t q_group_block;  // query columns per item (one of kQGroupBlocks, or kWideColumns)
   int32_t q_groups;       // ceil(columns / q_group_block)
+  // Wide items: 2 where a block's two consumer warpgroups take a (row, kv head)'s column blocks two
+  // at a time over the same tiles (pairs_wide_items), else 1; an item then holds pair column blocks.
+  int32_t pair;
+  int32_t item_groups;    // items per (row, kv head, split): ceil(q_groups / pair)
   TileSource tile_source; // tile loop: kCpAsync or kTma (never kAuto at launch)
-  // work_item_head's divisors: items per row (num_kv_heads * q_groups * num_splits), num_splits, q_groups
+  // work_item_head's divisors: items per row (num_kv_heads * item_groups * num_splits), num_splits, item_groups
   FastDivisor per_row, splits, groups;
 };
 

@@ -48,12 +48,14 @@ struct ItemStage {
   uint64_t checked;              // 32 stager lanes: before_bad holds the next such item's verdict
 };
 
+// `more`: arrivals on each slot's release beyond the block's consumers and producer (a paired wide
+// block's second consumer warpgroup).
 template <class Stage>
-__device__ __forceinline__ void init_item_stage(Stage& st) {
+__device__ __forceinline__ void init_item_stage(Stage& st, int more = 0) {
   for (int s = 0; s < 2; ++s) {
     mbar_init(&st.full[s], 32);
     mbar_init(&st.taken[s], 32);
-    mbar_init(&st.empty[s], Stage::EMPTY_ARRIVALS);
+    mbar_init(&st.empty[s], Stage::EMPTY_ARRIVALS + more);
   }
   mbar_init(&st.token_ready, 32);
   mbar_init(&st.token_free, kConsumerWarps * 32);

@@ -62,6 +62,20 @@ __device__ __forceinline__ void wgmma_commit_and_wait() {
 #endif
 }
 
+// Ends a batch without waiting for it (wgmma_wait: the batches still in flight may be at most N).
+__device__ __forceinline__ void wgmma_commit() {
+#if MMHA_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if MMHA_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // One asm statement per shape, TYPE the operands' type ("f16" or "bf16").
 #define MMHA_WGMMA_M64N64K16_SS(TYPE)                                                                  \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                      \

@@ -44,7 +44,7 @@ struct WorkItem {
 };
 
 __device__ __forceinline__ int num_items(const MmhaParams& p) {
-  return p.rows.batch * p.num_kv_heads * p.sched.q_groups * p.sched.num_splits;
+  return p.rows.batch * p.num_kv_heads * p.sched.item_groups * p.sched.num_splits;
 }
 
 // Whether the step is a tree step. FUSED: the fused twin, which runs tree steps only (a lean unit's
@@ -59,7 +59,9 @@ __device__ __forceinline__ int fast_div(int n, const FastDivisor& f) {
   return static_cast<int>((__umulhi(static_cast<uint32_t>(n), f.mul) + static_cast<uint32_t>(n)) >> f.shift);
 }
 
-// Which (row, kv head, column block, split) item `index` is; no memory is read.
+// Which (row, kv head, column block, split) item `index` is; no memory is read. A paired wide
+// item (ScheduleParams::pair) is column blocks 2 qg and 2 qg + 1 together: its columns are both's,
+// its consumers' warpgroups each take one (run_wide_items).
 template <int QB>
 __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int index) {
   WorkItem w;
@@ -69,10 +71,11 @@ __device__ __forceinline__ WorkItem work_item_head(const MmhaParams& p, int inde
   const int head_block = fast_div(r, s.splits);
   w.split = r - head_block * s.num_splits;
   w.kvh = fast_div(head_block, s.groups);
-  w.qg = head_block - w.kvh * s.q_groups;
-  w.c0 = w.qg * QB;
+  w.qg = head_block - w.kvh * s.item_groups;
+  const int qb = QB * s.pair;  // a paired wide item: its pair of column blocks
+  w.c0 = w.qg * qb;
   w.h0 = w.kvh * p.group + w.c0;
-  w.nh = min(QB, p.group * p.tree.nodes - w.c0);
+  w.nh = min(qb, p.group * p.tree.nodes - w.c0);
   return w;
 }
 
