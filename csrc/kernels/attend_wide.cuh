@@ -728,16 +728,7 @@ struct WideConsumer {
     if constexpr (DEFER) {
       rescale_pending = raise_max_stats(m, l, mx, kRescaleSlack, alpha_pending);  // warp_combine.cuh
     } else if (raise_max_stats(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          acc[i][hh][0] *= alpha[0];
-          acc[i][hh][1] *= alpha[0];
-          acc[i][hh][2] *= alpha[1];
-          acc[i][hh][3] *= alpha[1];
-        }
-      }
+      scale_acc_rows(alpha);
       if constexpr (kInt8 && !kWidened) {
         p_sum[0] *= alpha[0];
         p_sum[1] *= alpha[1];
@@ -769,11 +760,7 @@ struct WideConsumer {
     const uint64_t k_desc = wgmma_desc(stage, GL::KEYS * 16, 128, false);
     wgmma_fence();
     issue_held_pv(v_stage);
-#pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) {
-      wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s_turn), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
-                               wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
-    }
+    issue_s(s_turn, q_desc, k_desc);
     wgmma_commit();
   }
 
@@ -781,13 +768,7 @@ struct WideConsumer {
   __device__ __forceinline__ void finish_turn(const unsigned char* stage, int it, int lo, int end, int lane) {
     wgmma_wait<0>();
     weigh(s_turn, stage, 0, it, lo, end, lane);
-#pragma unroll
-    for (int kb = 0; kb < KBLOCKS; ++kb) {
-      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
-      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
-      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
-      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
-    }
+    hold_p();
   }
 
   // The overlap within a warpgroup as well (FlashAttention-3's): S of the tile, then P V of the held
@@ -798,11 +779,7 @@ struct WideConsumer {
     const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
     const uint64_t k_desc = wgmma_desc(stage, GL::KEYS * 16, 128, false);
     wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) {
-      wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s_turn), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
-                               wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
-    }
+    issue_s(s_turn, q_desc, k_desc);
     wgmma_commit();
     issue_held_pv(v_stage);
     wgmma_commit();
@@ -813,13 +790,7 @@ struct WideConsumer {
     weigh<true>(s_turn, stage, 0, it, lo, end, lane);
     wgmma_wait<0>();
     if (rescale_pending) scale_acc_rows(alpha_pending);
-#pragma unroll
-    for (int kb = 0; kb < KBLOCKS; ++kb) {
-      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
-      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
-      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
-      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
-    }
+    hold_p();
   }
 
   // O's rows (columns g, g + 8) times alpha[0], alpha[1].
@@ -833,6 +804,28 @@ struct WideConsumer {
         acc[i][hh][2] *= alpha[1];
         acc[i][hh][3] *= alpha[1];
       }
+    }
+  }
+
+  // S of the warpgroup's 64 columns over a tile's 64 keys, issued into s (descriptors of q and of
+  // the tile's K chunk 0; the K steps' moved along them): its accumulators lie as the scores do
+  // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
+  __device__ __forceinline__ void issue_s(float (&s)[KBLOCKS][2][4], uint64_t q_desc, uint64_t k_desc) {
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+      wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
+                               wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
+    }
+  }
+
+  // The weighed scores of s_turn as the P held for the next turn's P V (the register operand).
+  __device__ __forceinline__ void hold_p() {
+#pragma unroll
+    for (int kb = 0; kb < KBLOCKS; ++kb) {
+      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
+      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
+      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
+      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
     }
   }
 
@@ -881,18 +874,11 @@ struct WideConsumer {
       }
     }
     if constexpr (kWg) {
-      // S of the warpgroup's 64 columns over the tile's 64 keys: its accumulators lie as s does
-      // (8-key block 2 kb + n: registers 4 (2 kb + n) + e).
       static_assert(PART_BLOCKS == KBLOCKS, "wgmma: a whole tile per attend");
-      // One descriptor each for q and K, the K steps' moved along them (wgmma_desc_plus).
       const uint64_t q_desc = wgmma_desc(sq, 64 * 16, 128, false);
       const uint64_t k_desc = wgmma_desc(ops, GL::KEYS * 16, 128, false);  // K's chunk 0 starts the stage
       wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
-        wgmma_m64n64k16_ss<M, 0>(reinterpret_cast<float(&)[32]>(s), wgmma_desc_plus(q_desc, j * 2 * 64 * 16),
-                                 wgmma_desc_plus(k_desc, GL::k_off(0, 2 * j, WholeTile{})), j > 0);
-      }
+      issue_s(s, q_desc, k_desc);
       wgmma_commit_and_wait();
     } else {
 #pragma unroll

@@ -865,6 +865,32 @@ cudaError_t launch_fused_tree(const MmhaParams& p, int blocks, cudaStream_t stre
   }
 }
 
+// A tree step's attention grid: the trees' check and append first (launch_tree_prepare). On sm_90
+// the attention grid is launched as its programmatic dependent: its blocks start (barriers,
+// descriptor prefetch) as the check's blocks finish and wait for its end (grid_dependency_wait)
+// before they read anything.
+template <typename T, typename C, int HEAD_DIM, typename Kernel>
+cudaError_t launch_after_tree_prepare(Kernel kernel, const MmhaParams& p, int blocks, int threads, int smem_bytes,
+                                      cudaStream_t stream) {
+  cudaError_t err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
+  if (err != cudaSuccess) return err;
+  int device = 0, major = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 // A paired tree step (ScheduleParams::pair 2): the trees' check and append, then the paired kernel
 // as its programmatic dependent (as launch_kernel's tree steps), with the second q area after the
 // stages and at most one block an SM.
@@ -874,7 +900,7 @@ cudaError_t launch_pairs(const MmhaParams& p, cudaStream_t stream) {
   const auto kernel = decode_attention_kernel_pairs<T, C, HEAD_DIM, SRC>;
   const int smem_bytes = stages_smem_bytes<C, HEAD_DIM, QB>(p.sched.stages) + wide_pair_q_bytes(HEAD_DIM);
   static std::atomic<uint64_t> opted_in{0};
-  int device = 0, sms = 0, major = 0, per_sm = 0;
+  int device = 0, sms = 0, per_sm = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
@@ -891,7 +917,6 @@ cudaError_t launch_pairs(const MmhaParams& p, cudaStream_t stream) {
     opted_in.fetch_or(bit, std::memory_order_acq_rel);
   }
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWidePairThreads, smem_bytes);
   if (err != cudaSuccess) return err;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;
@@ -899,19 +924,7 @@ cudaError_t launch_pairs(const MmhaParams& p, cudaStream_t stream) {
   const int64_t fits = static_cast<int64_t>(sms) * per_sm;
   const int blocks = static_cast<int>(items < fits ? items : fits);
   if (blocks == 0) return cudaSuccess;
-  err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kWidePairThreads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = major >= 9 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return launch_after_tree_prepare<T, C, HEAD_DIM>(kernel, p, blocks, kWidePairThreads, smem_bytes, stream);
 }
 
 template <typename T, typename C, int HEAD_DIM, int QB, TileSource SRC, bool EPI, bool LEAN = kLeanKernels>
@@ -944,26 +957,8 @@ cudaError_t launch_kernel(const MmhaParams& p, cudaStream_t stream) {
   } else {
     err = launch_fused_tree<T, C, HEAD_DIM, QB, SRC, EPI>(p, blocks, stream);
     if (err != cudaErrorNotReady) return err;
-    // A tree step: the trees' check and append first. On sm_90 the attention grid is launched as
-    // its programmatic dependent: its blocks start (barriers, descriptor prefetch) as the check's
-    // blocks finish and wait for its end (grid_dependency_wait) before they read anything.
-    err = launch_tree_prepare<T, C, HEAD_DIM>(p, stream);
-    if (err != cudaSuccess) return err;
-    int device = 0, major = 0;
-    err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (err != cudaSuccess) return err;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kKernelThreads<T, C, QB>);
-    cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = major >= 9 ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kernel_of<T, C, HEAD_DIM, QB, SRC, EPI>(), p);
+    return launch_after_tree_prepare<T, C, HEAD_DIM>(kernel_of<T, C, HEAD_DIM, QB, SRC, EPI>(), p, blocks,
+                                                     kKernelThreads<T, C, QB>, smem_bytes, stream);
   }
 }
 
