@@ -87,7 +87,8 @@ constexpr bool pairs_wide_items(int qb, int64_t q_groups, DType dtype, DType cac
 // consumer's four warps' areas (WideConsumer::Q_STAGE_BYTES each), as the first one's static one.
 constexpr int wide_pair_q_bytes(int head_dim) { return kConsumerWarps * 16 * (head_dim + 8) * 2; }
 // Stages of a paired launch (one block an SM): as deep as the probe's pairs needed to keep their
-// rate with the two blocks of a kv head 16-64 tiles apart (4 against 2: 563 / 505 TFLOP/s).
+// rate with the two blocks of a kv head 16-64 tiles apart (4 against 2: 563 / 505 TFLOP/s); a fifth
+// measured level in the kernel (H200, 2026-12-01: docs/data/ab_wide_pair_five_stages_h200.md).
 constexpr int kWidePairStages = 4;
 // Whether the kernel runs the tile loop (tensor cores) rather than the CUDA-core one; mirrored
 // by uses_tensor_cores in mmha/dispatch.py.

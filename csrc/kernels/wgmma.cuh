@@ -54,14 +54,6 @@ __device__ __forceinline__ void wgmma_fence() {
 #endif
 }
 
-// Ends a batch and waits for it: its accumulators are then the registers' values.
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-#if MMHA_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-
 // Ends a batch without waiting for it (wgmma_wait: the batches still in flight may be at most N).
 __device__ __forceinline__ void wgmma_commit() {
 #if MMHA_WGMMA
@@ -74,6 +66,12 @@ __device__ __forceinline__ void wgmma_wait() {
 #if MMHA_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
+}
+
+// Ends a batch and waits for it: its accumulators are then the registers' values.
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+  wgmma_commit();
+  wgmma_wait<0>();
 }
 
 // One asm statement per shape, TYPE the operands' type ("f16" or "bf16").
