@@ -839,14 +839,20 @@ struct WideConsumer {
   }
 
   __device__ __forceinline__ void issue_held_pv(const unsigned char* v_stage) {
-    const uint64_t v_desc0 = wgmma_desc(v_stage + GL::K_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
+    issue_pv(p_held, wgmma_desc(v_stage + GL::K_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true));
+  }
+
+  // O += P V over a tile's 64 keys, issued: P's A fragments per 16-key block (the block's two S
+  // tiles as they lie), V the MN-major operand from the descriptor of its first line (16 keys a
+  // step). O's accumulators lie as acc does (8-dim block 2 i + hh: registers 4 (2 i + hh) + e).
+  __device__ __forceinline__ void issue_pv(const uint32_t (&p)[KBLOCKS][4], uint64_t v_desc0) {
 #pragma unroll
     for (int kb = 0; kb < KBLOCKS; ++kb) {
       const uint64_t v_desc = wgmma_desc_plus(v_desc0, 16 * kb * GL::V_LINE_BYTES);
       if constexpr (HEAD_DIM == 128) {
-        wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), p_held[kb], v_desc, 1);
+        wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), p[kb], v_desc, 1);
       } else {
-        wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), p_held[kb], v_desc, 1);
+        wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), p[kb], v_desc, 1);
       }
     }
   }
@@ -907,8 +913,6 @@ struct WideConsumer {
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
     if constexpr (kWg) {
-      // O's accumulators lie as acc does (8-dim block 2 i + hh: registers 4 (2 i + hh) + e); V
-      // is the MN-major operand, 16 keys a step.
       uint32_t pa[PART_BLOCKS][4];
 #pragma unroll
       for (int kb = 0; kb < PART_BLOCKS; ++kb) {
@@ -921,15 +925,7 @@ struct WideConsumer {
       const uint64_t v_desc0 =
           wgmma_desc(ops + GL::K_BYTES + key0 * GL::V_LINE_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
       wgmma_fence();
-#pragma unroll
-      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-        const uint64_t v_desc = wgmma_desc_plus(v_desc0, 16 * kb * GL::V_LINE_BYTES);
-        if constexpr (HEAD_DIM == 128) {
-          wgmma_m64n128k16_rs<M, 1>(reinterpret_cast<float(&)[64]>(acc), pa[kb], v_desc, 1);
-        } else {
-          wgmma_m64n64k16_rs<M, 1>(reinterpret_cast<float(&)[32]>(acc), pa[kb], v_desc, 1);
-        }
-      }
+      issue_pv(pa, v_desc0);
       wgmma_commit_and_wait();
     } else {
 #pragma unroll
