@@ -819,13 +819,16 @@ struct WideConsumer {
   }
 
   // The weighed scores of s_turn as the P held for the next turn's P V (the register operand).
-  __device__ __forceinline__ void hold_p() {
+  __device__ __forceinline__ void hold_p() { pack_p(s_turn, p_held); }
+
+  // Weighed scores s as P V's A fragments per 16-key block (the block's two S tiles as they lie).
+  __device__ __forceinline__ static void pack_p(const float (&s)[KBLOCKS][2][4], uint32_t (&p)[KBLOCKS][4]) {
 #pragma unroll
     for (int kb = 0; kb < KBLOCKS; ++kb) {
-      p_held[kb][0] = pack_rn<M>(s_turn[kb][0][0], s_turn[kb][0][1]);
-      p_held[kb][1] = pack_rn<M>(s_turn[kb][0][2], s_turn[kb][0][3]);
-      p_held[kb][2] = pack_rn<M>(s_turn[kb][1][0], s_turn[kb][1][1]);
-      p_held[kb][3] = pack_rn<M>(s_turn[kb][1][2], s_turn[kb][1][3]);
+      p[kb][0] = pack_rn<M>(s[kb][0][0], s[kb][0][1]);
+      p[kb][1] = pack_rn<M>(s[kb][0][2], s[kb][0][3]);
+      p[kb][2] = pack_rn<M>(s[kb][1][0], s[kb][1][1]);
+      p[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
     }
   }
 
@@ -913,15 +916,9 @@ struct WideConsumer {
 
     // O += P V per 16-key block: P's A fragment is the block's two S tiles as they lie.
     if constexpr (kWg) {
+      static_assert(!kInt8 || kWidened, "wgmma over int8: the widened tile (V dequantised, no P sums)");
       uint32_t pa[PART_BLOCKS][4];
-#pragma unroll
-      for (int kb = 0; kb < PART_BLOCKS; ++kb) {
-        pa[kb][0] = pack_rn<M>(s[kb][0][0], s[kb][0][1]);
-        pa[kb][1] = pack_rn<M>(s[kb][0][2], s[kb][0][3]);
-        pa[kb][2] = pack_rn<M>(s[kb][1][0], s[kb][1][1]);
-        pa[kb][3] = pack_rn<M>(s[kb][1][2], s[kb][1][3]);
-        if constexpr (kInt8 && !kWidened) add_p_sums(pa[kb]);
-      }
+      pack_p(s, pa);
       const uint64_t v_desc0 =
           wgmma_desc(ops + GL::K_BYTES + key0 * GL::V_LINE_BYTES, GL::KEYS * GL::V_LINE_BYTES, 1024, true);
       wgmma_fence();
