@@ -7,7 +7,8 @@
 // (tile_source.cuh) bring each one into the next free stage. Consumer warp w takes
 // keys [16 w, 16 w + 16) of every tile, with its own online softmax (no block barrier inside an
 // item), for up to 8 query heads of one kv head:
-//   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (tile_operands.cuh), B = q (registers)
+//   S^T = K Q^T    m16n8k16: A = 16 keys x 16 dims of K (tile_operands.cuh), B = q (registers);
+//                  int8 caches m16n8k32 over K's codes and q in two int8 parts (int32 sums)
 //   online softmax on the S^T fragment (each lane owns 2 heads x 2 keys)
 //   O^T += V^T P^T m16n8k16: A = V^T (tile_operands.cuh), B = P^T (movmatrix of the S^T fragment)
 // With 16-bit caches q and P are fp32 values split into hi + lo 16-bit parts (two mma each), so
@@ -86,10 +87,12 @@ struct TileConsumer {
   static constexpr bool kInt8 = std::is_same_v<C, s8>;
   static constexpr bool kBytes = kFp8 || kInt8;  // one-byte caches, widened to fp16 (tile_operands.cuh)
   // q and P as hi + lo 16-bit parts (16-bit caches: about fp32 products), or as one fp16 value
-  // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer; int8's 2^-8 of
-  // a token's largest value likewise), which halves the products per key.
+  // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer; int8's P
+  // likewise, its V codes being 2^-8 of a token's largest value), which halves the products per
+  // key. int8's q is two int8 parts against K's codes (q8, below).
   static constexpr bool kSplit = !kBytes;
   static constexpr int KSTEPS = HEAD_DIM / 16;  // mma K steps over the head dim / M tiles of O^T
+  static constexpr int KPAIRS = (KSTEPS + 1) / 2;  // int8 K: m16n8k32 steps over the head dim
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
 
@@ -102,12 +105,20 @@ struct TileConsumer {
   // and acc is in units of v_unit: acc is rescaled when v_unit grows, and finish() multiplies it
   // back.
   float v_unit;
-  // int8: the mmas see 1152 + code (kInt8Bias, tile_operands.cuh). A score is then its dot product
-  // plus 1152 times the sum of the head's fp16 q parts: k_bias (heads 2tq, 2tq + 1), taken off
-  // before the K scale. acc gains 1152 times the sum of the fp16 P^T values fed to the V mma:
-  // p_sum, this lane's part (heads 2tq, 2tq + 1, its keys g and g + 8), rescaled with acc, summed
-  // over the lanes and taken off in finish().
-  float k_bias[2];
+  // int8 K: S^T = K Q^T on the codes as they lie (m16n8k32, int32 sums, exact), q as two int8
+  // parts per head: q ~ unit (hi + lo / 254), hi = q / unit rounded, lo the rest in units of
+  // unit / 254, unit = the head's largest |q| / 127. A score is (254 S_hi + S_lo) * unit / 254
+  // * the key's K scale, and no widening of K's codes. q is within unit / 508 (the head's
+  // largest |q| / 64,516) of each value, against fp16's 2^-12 of it: over random codes the
+  // scores' error is an eighth of fp16 q's, within 2x of it where a few channels are 100x the
+  // rest, and under 5 % of what K's own rounding may move a score either way (modelled:
+  // tests/test_int8_math.py).
+  // q8[js][part]: the B fragments of K steps 2js, 2js + 1; q8_unit: unit / 254 of heads 2tq, 2tq + 1.
+  uint32_t q8[KPAIRS][2][2];
+  float q8_unit[2];
+  // int8 V: the V mma sees 1152 + code (kInt8Bias, tile_operands.cuh), so acc gains 1152 times
+  // the sum of the fp16 P^T values fed to it: p_sum, this lane's part (heads 2tq, 2tq + 1, its keys
+  // g and g + 8), rescaled with acc, summed over the lanes and taken off in finish().
   float p_sum[2];
   ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
   TreeMask<2> tree;                        // a tree step: this lane's two columns' root paths
@@ -149,30 +160,19 @@ struct TileConsumer {
         qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
       }
     }
-    float q_unit = 1.f;
     s_unit = 1.f;
     v_unit = 0.f;
-    if constexpr (kBytes) q_unit = byte_q_unit(qmax, s_unit);
-#pragma unroll
-    for (int j = 0; j < KSTEPS; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) split_pack<M>(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit, qh[j][h], ql[j][h]);
-    }
     if constexpr (kInt8) {
-      float q_sum = 0.f;  // head g's fp16 parts of this lane, then (over tq) of all its dims
+      init_q8(qv, tq);
+      p_sum[0] = p_sum[1] = 0.f;
+    } else {
+      float q_unit = 1.f;
+      if constexpr (kFp8) q_unit = byte_q_unit(qmax, s_unit);
 #pragma unroll
       for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qh[j][h]));
-          q_sum += f.x + f.y;
-        }
+        for (int h = 0; h < 2; ++h) split_pack<M>(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit, qh[j][h], ql[j][h]);
       }
-      q_sum += __shfl_xor_sync(kFullMask, q_sum, 1);
-      q_sum += __shfl_xor_sync(kFullMask, q_sum, 2);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) k_bias[h] = kInt8Bias * __shfl_sync(kFullMask, q_sum, 4 * (2 * tq + h));
-      p_sum[0] = p_sum[1] = 0.f;
     }
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -181,6 +181,56 @@ struct TileConsumer {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
     }
+  }
+
+  // int8: q8 and q8_unit from head g's values of this lane (qv, as init has them): the head's
+  // largest |q| over the lane's quad sets its unit. A head with a non-finite value gets a NaN
+  // unit (its scores NaN, as the reference's); one whose largest |q| is below 2^-100 reads as
+  // zero (scores 0: the same softmax within fp32).
+  __device__ __forceinline__ void init_q8(const float (&qv)[KSTEPS][2][2], int tq) {
+    float hmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float a = fabsf(qv[j][h][e]);
+          hmax = a <= 3.4e38f ? fmaxf(hmax, a) : INFINITY;  // NaN and inf both to inf
+        }
+      }
+    }
+    hmax = fmaxf(hmax, __shfl_xor_sync(kFullMask, hmax, 1));
+    hmax = fmaxf(hmax, __shfl_xor_sync(kFullMask, hmax, 2));
+    const bool finite = hmax <= 3.4e38f;
+    const bool used = finite && hmax >= 0x1p-100f;
+    const float unit = used ? hmax * (1.f / 127.f) : 0.f;
+    const float inv = used ? 127.f / hmax : 0.f;
+    // Rounded to the nearest integer by adding 1.5 * 2^23: the integer (|n| < 2^22) is then the
+    // low bits of the sum, its low byte the int8 code in two's complement.
+    constexpr float kRound = 12582912.f;
+#pragma unroll
+    for (int js = 0; js < KPAIRS; ++js) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // b: K step 2js + b (dims 4tq .. 4tq + 3 of its 16)
+        const int j = 2 * js + b;
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = j < KSTEPS ? qv[j < KSTEPS ? j : 0][e / 2][e % 2] : 0.f;
+          const float th = fmaf(x, inv, kRound);
+          const float r = fmaf(-(th - kRound), unit, x);
+          const float tl = fmaf(r * inv, 254.f, kRound);
+          hi[e] = __float_as_uint(th);
+          lo[e] = __float_as_uint(tl);
+        }
+        q8[js][0][b] = __byte_perm(__byte_perm(hi[0], hi[1], 0x0040), __byte_perm(hi[2], hi[3], 0x0040), 0x5410);
+        q8[js][1][b] = __byte_perm(__byte_perm(lo[0], lo[1], 0x0040), __byte_perm(lo[2], lo[3], 0x0040), 0x5410);
+      }
+    }
+    const float head_unit = finite ? unit * (1.f / 254.f) : __int_as_float(0x7fffffff);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) q8_unit[h] = __shfl_sync(kFullMask, head_unit, 4 * (2 * tq + h));
   }
 
   // Keys [key0, key0 + 16) of a stage (K in groups of 2^kg keys, TileLayout::k_off) are the
@@ -245,32 +295,40 @@ struct TileConsumer {
       float s_lo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+      if constexpr (kInt8) {  // q's two parts in two chains over the codes as they lie
+        int s_hi[4] = {0, 0, 0, 0}, s_lo8[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int j = 0; j < KSTEPS; j += 2) {
-        uint32_t k[2][4];
-        Ops::k_pair(k, stage[n], key0, j, lane, kg);
+        for (int js = 0; js < KPAIRS; ++js) {
+          uint32_t k[4];
+          Ops::k_bytes(k, stage[n], key0, 2 * js, lane, kg);
+          mma_16832_s8(s_hi, k, q8[js][0][0], q8[js][0][1]);
+          mma_16832_s8(s_lo8, k, q8[js][1][0], q8[js][1][1]);
+        }
+        // key g's and key g + 8's K scales. A non-finite token's scale is infinite and its codes
+        // 0: 0 * inf = NaN, as the reference's 0 * inf.
+        const float* k_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + key0 + g;
+        const float k0 = k_scales[0], k1 = k_scales[8];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (j + u < KSTEPS) {
-            if constexpr (kSplit) {
-              mma_16816<M>(s[n], k[u], qh[j + u][0], qh[j + u][1]);
-              mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
-            } else {  // even and odd K steps in two chains
-              mma_16816<M>(u == 0 ? s[n] : s_lo, k[u], qh[j + u][0], qh[j + u][1]);
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = __int2float_rn(254 * s_hi[e] + s_lo8[e]) * (q8_unit[e & 1] * (e & 2 ? k1 : k0));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < KSTEPS; j += 2) {
+          uint32_t k[2][4];
+          Ops::k_pair(k, stage[n], key0, j, lane, kg);
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            if (j + u < KSTEPS) {
+              if constexpr (kSplit) {
+                mma_16816<M>(s[n], k[u], qh[j + u][0], qh[j + u][1]);
+                mma_16816<M>(s_lo, k[u], ql[j + u][0], ql[j + u][1]);
+              } else {  // even and odd K steps in two chains
+                mma_16816<M>(u == 0 ? s[n] : s_lo, k[u], qh[j + u][0], qh[j + u][1]);
+              }
             }
           }
         }
-      }
-      if constexpr (kInt8) {  // key g's and key g + 8's K scales
-        const float* k_scales = reinterpret_cast<const float*>(stage[n] + L::SCALE_OFF) + key0 + g;
-        const float u0 = s_unit * k_scales[0], u1 = s_unit * k_scales[8];
-        // sum * u - bias * u, not (sum - bias) * u: an infinite scale (a non-finite token, whose
-        // codes are all 0) gives inf - inf = NaN, as the reference's 0 * inf, not +-inf.
-        s[n][0] = fmaf(s[n][0] + s_lo[0], u0, -k_bias[0] * u0);
-        s[n][1] = fmaf(s[n][1] + s_lo[1], u0, -k_bias[1] * u0);
-        s[n][2] = fmaf(s[n][2] + s_lo[2], u1, -k_bias[0] * u1);
-        s[n][3] = fmaf(s[n][3] + s_lo[3], u1, -k_bias[1] * u1);
-      } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[n][e] = kSplit ? s[n][e] + s_lo[e] : (s[n][e] + s_lo[e]) * s_unit;
       }

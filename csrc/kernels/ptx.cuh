@@ -106,6 +106,16 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c += a * b for a 16x32 (row-major) by 32x8 (column-major) tile of int8 values, int32
+// accumulators (exact). The fragments' rows and columns are m16n8k16's, four bytes a register.
+__device__ __forceinline__ void mma_16832_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // x and y as two 16-bit values (x in the low half), and what rounding to 16 bits left over:
 // hi + lo carries ~22 (fp16) or ~16 (bf16) significant bits, so an mma over hi and lo keeps
 // fp32-like precision for an operand that was computed in fp32.

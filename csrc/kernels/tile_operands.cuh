@@ -1,7 +1,8 @@
 // How the tile loop's consumer warps read a stage's K and V as tensor-core fragments: 16-bit
-// caches as cached (ldmatrix), fp8 e4m3 and int8 caches widened to fp16 in registers after the
-// same ldmatrix (no dequantised copy anywhere; fp8's scales are applied to q and to the output,
-// int8's per-token scales to the scores and the probabilities: attend_tiles.cuh).
+// caches as cached (ldmatrix), fp8 e4m3 caches and int8 V widened to fp16 in registers after the
+// same ldmatrix, int8 K as it lies for integer products (no dequantised copy anywhere; fp8's
+// scales are applied to q and to the output, int8's per-token scales to the scores and the
+// probabilities: attend_tiles.cuh).
 // Torch-free.
 //
 // An operand reader provides, for cache elements C and head dim HEAD_DIM:
@@ -14,6 +15,9 @@
 //                              A fragments of S^T = K Q^T for K steps j and j + 1 (keys key0 ..
 //                              key0 + 15; step j + 1 only where it exists), K in groups of 2^kg
 //                              keys (TileLayout::k_off)
+//   k_bytes(r, stage, key0, j, lane, kg)
+//                              one-byte caches: the same K steps' bytes unwidened (int8: the A
+//                              fragment of an m16n8k32 product)
 //   v_pair(a, stage, key0, i, lane, kg)
 //                              A fragments of O^T += V^T P^T for M tiles i and i + 1
 // q_dim and out_dim say which head dims a fragment row stands for: an fp8 chunk is 16 dims of
@@ -80,11 +84,13 @@ struct ByteTileOperands {
   // tile stand for dims 2g and 2g + 1.
   __device__ __forceinline__ static int out_dim(int i, int g, int h) { return 16 * i + 2 * g + h; }
 
-  // Lanes 0-7 address keys 0-7 of chunk j, 8-15 keys 8-15 of chunk j, 16-31 the same of j + 1.
+  // The bytes of K steps j and j + 1 as they lie (zeros past the last K step). Lanes 0-7 address
+  // keys 0-7 of chunk j, 8-15 keys 8-15 of chunk j, 16-31 the same of j + 1, so lane (g, tq) holds
+  // bytes 4tq .. 4tq + 3 of key g (r[0]) and key g + 8 (r[1]) of chunk j, r[2] and r[3] of chunk
+  // j + 1: for int8 codes, the A fragment of one m16n8k32 product over 32 dims.
   template <typename G>
-  __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
-                                                int lane, G kg) {
-    uint32_t r[4];
+  __device__ __forceinline__ static void k_bytes(uint32_t (&r)[4], const unsigned char* stage, int key0, int j,
+                                                 int lane, G kg) {
     if (j + 1 < KSTEPS) {
       ldmatrix_x4<false>(r, stage + L::k_off(key0 + lane % 16, lane / 16, kg) + (j << (kg + 4)));
     } else {
@@ -92,6 +98,14 @@ struct ByteTileOperands {
       ldmatrix_x2<false>(r2, stage + L::k_off(key0 + lane % 16, 0, kg) + (j << (kg + 4)));
       r[0] = r2[0], r[1] = r2[1], r[2] = r[3] = 0;
     }
+  }
+
+  // K steps j and j + 1 widened to fp16 A fragments.
+  template <typename G>
+  __device__ __forceinline__ static void k_pair(uint32_t (&a)[2][4], const unsigned char* stage, int key0, int j,
+                                                int lane, G kg) {
+    uint32_t r[4];
+    k_bytes(r, stage, key0, j, lane, kg);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       if constexpr (kInt8) {
