@@ -548,6 +548,9 @@ def test_sweep_extra_plans_parse_and_bad_ones_are_named(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--tree", "--plans", "4x6"])
     assert "--plans applies to the canonical rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep.main(["--tree", "--int4"])
+    assert "--int4 applies to the canonical rows" in capsys.readouterr().err
 
 
 def test_tree_sweep_plans_and_arguments(capsys):

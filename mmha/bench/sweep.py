@@ -11,12 +11,13 @@ count up to its own, in rounds of alternating order (``timing.decode_us_rounds``
 count's output checked against the reference; ``--splits``: also these split counts, each at two
 stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only. ``--int8``: each row's
 int8-cache twin after it, at int8's own plans (ring depths of its smaller stages); with
-``--tree``, each Llama-shaped tree row's. ``--plans SxT ...``:
+``--tree``, each Llama-shaped tree row's. ``--int4``: each canonical row's int4-cache twin
+(``mmha.int4``; the cp.async source, its stages and residual area). ``--plans SxT ...``:
 the canonical rows also at these plans, e.g. ``4x6``: 4 splits over a ring of 6 stages, whose
 shared memory leaves one block per SM, so a grid of more items than SMs takes them from the work
 counter as its blocks free up.
 
-    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6] [--int8]
+    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6] [--int8] [--int4]
     python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--int8]
 """
 
@@ -81,8 +82,9 @@ def candidates(
                     "auto",
                 )
             )
-    # The stages' bytes are the cache's (int8: with their token scales), the static arrays' the activations'.
-    ring = dict(act_bytes=cfg.elem, token_scales=cfg.kv == "int8")
+    # The stages' bytes are the cache's (int8: with their token scales; int4: its own layout and
+    # residual area), the static arrays' the activations'.
+    ring = dict(act_bytes=cfg.elem, token_scales=cfg.kv == "int8", int4=cfg.kv == "int4")
     most = dispatch.max_stages(cfg.head_dim, cfg.kv_elem, dev, **ring)
     for splits in sorted({1, plan.num_splits}):
         for st in range(dispatch.MIN_STAGES, most + 1):
@@ -92,7 +94,7 @@ def candidates(
         if splits <= tiles and st <= most:
             bps = dispatch.tile_blocks_per_sm(cfg.head_dim, cfg.kv_elem, st, dev, **ring)
             out.append((dispatch.Plan("single_pass" if splits == 1 else "split", splits, st, bps), "auto"))
-    if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9:
+    if cfg.head_dim % 64 == 0 and torch.cuda.get_device_capability()[0] >= 9 and cfg.kv != "int4":
         out.append((plan, "cp_async"))
     return list(dict.fromkeys(out))
 
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
     p.add_argument("--int8", action="store_true",
                    help="each row's int8-cache twin too (--tree: each Llama-shaped row's)")  # fmt: skip
+    p.add_argument("--int4", action="store_true", help="each canonical row's int4-cache twin too")
     p.add_argument("--plans", nargs="+", default=[], metavar="SxT",
                    help="the canonical rows also at these plans (splits x stages, e.g. 4x6)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
@@ -209,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--splits and --only apply to --tree")
     if args.plans and args.tree:
         p.error("--plans applies to the canonical rows (--tree takes --splits)")
+    if args.int4 and args.tree:
+        p.error("--int4 applies to the canonical rows (int4 caches take no tree steps on the GPU)")
     try:
         extra = tuple(parse_plan(t) for t in args.plans)
     except ValueError as exc:
@@ -242,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         cfgs += [Config("extra", b, hq, hkv, d, s, args.dtype) for b, hq, hkv, d, s in EXTRAS]
     if args.int8:  # each row's int8 twin after it (int8's plans: its own stages and splits)
         cfgs = [c for each in cfgs for c in (each, each.same_shape("int8"))]
+    if args.int4:  # each 16-bit row's int4 twin after it (head dim 128 rows: the format's kernels)
+        cfgs = [c for each in cfgs for c in (each, *(() if each.kv else (each.same_shape("int4"),)))]
     results = []
     for cfg in cfgs:
         results.append(sweep_row(cfg, extra))
