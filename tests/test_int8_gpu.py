@@ -241,6 +241,35 @@ def test_non_finite_new_token_is_flagged(which, bad):
     ws.check()  # cleared
 
 
+@pytest.mark.parametrize("q_scale", [1e-30, 1e-3, 1e3, 1e25])
+def test_q_at_every_magnitude(q_scale):
+    """K's codes meet q in two int8 parts whose unit is the head's largest |q| / 127
+    (attend_tiles.cuh, init_q8): outputs match the reference whatever q's size (bf16 activations),
+    with one head's q 10^4 times smaller than its group's (a unit per head). At 1e-30 q reads as
+    zero (its largest value under 2^-100), which leaves the softmax uniform, as the reference's."""
+    hq, d = 8, 128
+    case, ks, vs = int8_case(2, hq, 2, d, [40, 300], 384, torch.bfloat16, seed=3)
+    q = case.qkv[:, : hq * d].view(2, hq, d)
+    q.mul_(q_scale)
+    q[:, 1].mul_(1e-4)
+    check_int8(case, ks, vs)
+
+
+def test_a_non_finite_q_value_makes_its_head_nan():
+    """A NaN in one head's q: that head's output is NaN (as the reference's), every other head's
+    and row's close."""
+    hq, d = 8, 128
+    case, ks, vs = int8_case(2, hq, 2, d, [10, 100], 128, torch.float16, seed=4)
+    case.qkv[1, 3 * d + 7] = float("nan")
+    ref, _, _ = run_reference_int8(case, ks, vs)
+    out, _, _ = run_kernel(case, ks, vs)
+    bad = ~torch.isfinite(ref)
+    assert bad[1, 3 * d : 4 * d].all() and int(bad.sum()) == d
+    assert torch.equal(~torch.isfinite(out), bad)
+    err = (out.double() - ref.double())[~bad].abs().max().item()
+    assert err <= FLOOR[torch.float16] * max(1.0, ref.double()[~bad].abs().max().item())
+
+
 def test_argument_checks_name_the_argument():
     case, ks, vs = int8_case(1, 4, 2, 64, [3], 64, torch.float16)
     k0, v0 = case.clone_caches()
