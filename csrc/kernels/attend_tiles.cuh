@@ -85,7 +85,7 @@ struct TileConsumer {
   // int8 caches: a scale per key for K (on its scores) and V (on its probabilities, in units of
   // v_unit: below).
   static constexpr bool kInt8 = std::is_same_v<C, s8>;
-  static constexpr bool kBytes = kFp8 || kInt8;  // one-byte caches, widened to fp16 (tile_operands.cuh)
+  static constexpr bool kBytes = kFp8 || kInt8;  // one-byte caches (tile_operands.cuh: widened to fp16, int8 K not)
   // q and P as hi + lo 16-bit parts (16-bit caches: about fp32 products), or as one fp16 value
   // (fp8 caches: e4m3's 2^-4 step dwarfs fp16's 2^-11, as in the wide consumer; int8's P
   // likewise, its V codes being 2^-8 of a token's largest value), which halves the products per
