@@ -17,7 +17,8 @@ the canonical rows also at these plans, e.g. ``4x6``: 4 splits over a ring of 6 
 shared memory leaves one block per SM, so a grid of more items than SMs takes them from the work
 counter as its blocks free up.
 
-    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6] [--int8] [--int4]
+    python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6]
+        [--int8] [--int4]
     python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--int8]
 """
 
