@@ -242,6 +242,10 @@ void fill_cache(const DecodeArgs& a, MmhaParams& p) {
              ") heads in dim 1, got shape ", shape_str(v_cache));
   check_contiguous(k_cache, "k_cache");
   check_contiguous(v_cache, "v_cache");
+  MMHA_CHECK(aligned16(k_cache.data_ptr()), "k_cache must start 16-byte aligned (its tiles are copied in 16-byte "
+             "pieces)");
+  MMHA_CHECK(aligned16(v_cache.data_ptr()), "v_cache must start 16-byte aligned (its tiles are copied in 16-byte "
+             "pieces)");
   MMHA_CHECK(max_seq_len > 0, "v_cache must have max_seq_len > 0, got shape ", shape_str(v_cache));
   if (int4) check_int4(a, v_cache.size(0), v_cache.size(1), slots_dim, head_dim, batch);
 

@@ -82,6 +82,7 @@ class KernelBackend:
                 attention=c.attention, qkv_bias=c.qkv_bias, num_splits=c.num_splits, stages=c.stages,
                 return_lse=c.return_lse, workspace=c.workspace, validate_lengths=False,
                 row_active=c.row_active, positions=c.positions, block_tables=c.block_tables,
+                tile_source=c.tile_source,
             )  # fmt: skip
         return ops.decode_attention(
             c.qkv, c.k, c.v, c.lengths, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,

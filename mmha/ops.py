@@ -262,6 +262,7 @@ def decode_attention_int4(
     row_active: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
+    tile_source: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode_attention`` over an int4 cache on the GPU (``cache``: an ``mmha.int4.Int4Cache`` of
     contiguous rows, or with ``block_tables`` an ``mmha.int4_pages.Int4Pages`` pool of 64- or
@@ -269,8 +270,9 @@ def decode_attention_int4(
     bf16 activations; ``mmha.int4.decode_step`` / ``int4_pages.decode_step_paged`` define the
     step): the new token's V quantised per token at slot ``lengths[b]``, its K into the residual,
     and the group it completes (slot ``lengths[b] % 64 == 63``) quantised per channel and
-    committed, in the same launch. One-token steps without an output epilogue; bulk tensor copies
-    are not used (cp.async tiles). A new K or V value that is not finite, or past fp16's range,
+    committed, in the same launch. One-token steps without an output epilogue. ``tile_source``:
+    ``"auto"`` (tiles by bulk copies on sm_90 where the cache's tensors are 16-byte aligned, else
+    16-byte cp.async) or ``"cp_async"``; no tensor maps (``"tma"`` is refused). A new K or V value that is not finite, or past fp16's range,
     flags its row (``ScaleError`` at ``workspace.check()``); a paged row whose table names a block
     outside the pool writes nothing (``PageError``). Other arguments as ``decode_attention``'s."""
     _require_extension()
@@ -285,6 +287,10 @@ def decode_attention_int4(
         raise ValueError(f"qkv must have the cache's activation dtype {act_dtype}, got {qkv.dtype}")
     if qkv.dtype not in dispatch.FP8_ACTIVATION_DTYPES:
         raise ValueError(f"qkv must have dtype float16 or bfloat16 with an int4 cache, got {qkv.dtype}")
+    if tile_source not in ("auto", "cp_async"):
+        raise ValueError(
+            f"tile_source must be 'auto' or 'cp_async' with an int4 cache (no tensor maps), got {tile_source!r}"
+        )
     batch, max_seq_len = _extent(cache.v_codes, block_tables)
     residual = cache.k_residual if block_tables is None else cache.k_residual[:batch]
     if check:
@@ -298,7 +304,7 @@ def decode_attention_int4(
               block_tables=block_tables, head_dim=head_dim)  # fmt: skip
     out, lse = _launch(
         qkv, cache.k_codes, cache.v_codes, lengths, num_heads, num_kv_heads, attention, (batch, 1),
-        (num_splits, stages, "cp_async", workspace), check, kw,
+        (num_splits, stages, tile_source, workspace), check, kw,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

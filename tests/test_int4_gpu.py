@@ -121,6 +121,24 @@ def test_windows(window):
     check(case, num_splits=2)
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_bulk_copies_and_cp_async_agree_bit_for_bit(head_dim):
+    """The two ways a tile comes (``tile_source`` "auto": bulk copies on sm_90; "cp_async": 16-byte
+    copies that zero-fill what the step does not read): output, lse and cache bit for bit, and
+    both within the oracle's tolerance. The bulk copies read every key of a tile: those before a
+    window's start, the poisoned slots past a row's end (0xFF codes, NaN scales) and the new
+    token's slot, which the consumers mask, weigh by 0 and patch."""
+    case = int4_case(4, 8, 2, head_dim, [0, 63, 130, 200], 256, torch.float16, seed=head_dim, window=70)
+    ref, ref_lse, want = run_oracle(case)
+    bulk = run_kernel(case, num_splits=2, tile_source="auto")
+    copies = run_kernel(case, num_splits=2, tile_source="cp_async")
+    assert_outputs_close(bulk[0], bulk[1], ref, ref_lse, torch.float16)
+    assert_caches_equal(bulk[2], want)
+    assert_bits_equal(bulk[0], copies[0], "out")
+    assert_bits_equal(bulk[1], copies[1], "lse")
+    assert_caches_equal(bulk[2], copies[2])
+
+
 def test_values_over_many_magnitudes():
     """V tokens far from 1 (their scales and zero points with them) and K with offsets."""
     for value_scale in (1e-3, 3e2):
@@ -213,6 +231,10 @@ def test_wrapper_checks():
     case = int4_case(1, 8, 2, 64, [3], 64, torch.float16, seed=4)
     with pytest.raises(ValueError, match="activation dtype"):
         ops.decode_attention_int4(case.qkv.to(torch.bfloat16), case.cache, case.lengths, **case.kwargs())
+    before = clone(case.cache)
+    with pytest.raises(ValueError, match="tile_source must be 'auto' or 'cp_async' with an int4 cache"):
+        ops.decode_attention_int4(case.qkv, case.cache, case.lengths, tile_source="tma", **case.kwargs())
+    assert_caches_equal(case.cache, before)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -277,10 +299,12 @@ def clone_pages(pages):
 
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_pages_equal_the_contiguous_cache(block_size, splits):
+@pytest.mark.parametrize("tile_source", ["auto", "cp_async"])
+def test_pages_equal_the_contiguous_cache(block_size, splits, tile_source):
     """The same rows scattered over a pool's blocks: the step's output bit for bit the contiguous
-    cache's, and each row's blocks after it (gathered) its contiguous row, bit for bit (a group
-    committed into its block included); the spare blocks untouched."""
+    cache's (by bulk copies on sm_90), whichever way the pool's tiles come, and each row's blocks
+    after it (gathered) its contiguous row, bit for bit (a group committed into its block
+    included); the spare blocks untouched."""
     from int4_cases import to_pages
 
     case = int4_case(4, 8, 2, 128, [0, 63, 127, 200], 256, torch.float16, seed=block_size + splits, bias=True)
@@ -288,8 +312,9 @@ def test_pages_equal_the_contiguous_cache(block_size, splits):
     out, lse, want = run_kernel(case, num_splits=splits)
     got = clone_pages(pages)
     pout, plse = ops.decode_attention_int4(
-        case.qkv, got, case.lengths, return_lse=True, block_tables=tables, num_splits=splits, **case.kwargs()
-    )
+        case.qkv, got, case.lengths, return_lse=True, block_tables=tables, num_splits=splits,
+        tile_source=tile_source, **case.kwargs(),
+    )  # fmt: skip
     torch.cuda.synchronize()
     assert_bits_equal(pout, out, "out")
     assert_bits_equal(plse, lse, "lse")

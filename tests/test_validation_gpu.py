@@ -34,6 +34,13 @@ def base_case():
     return make_case(3, HQ, HKV, D, [1, 5, 9], 16, torch.float16, seed=0)
 
 
+def off16(t):
+    """The same values, contiguous, starting one element past a 16-byte boundary."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def nc(t):
     """A non-contiguous tensor with the same shape and values."""
     return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 1 else t.repeat(2)[::2]
@@ -86,6 +93,8 @@ BAD = [
     ),
     ("non-contiguous k", lambda c: dict(k_cache=nc(c.k_cache)), r"k_cache must be contiguous"),
     ("non-contiguous v", lambda c: dict(v_cache=nc(c.v_cache)), r"v_cache must be contiguous"),
+    ("unaligned k", lambda c: dict(k_cache=off16(c.k_cache)), r"k_cache must start 16-byte aligned"),
+    ("unaligned v", lambda c: dict(v_cache=off16(c.v_cache)), r"v_cache must start 16-byte aligned"),
     (
         "rotary odd",
         lambda c: dict(rotary_dim=7),

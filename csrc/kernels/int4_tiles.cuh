@@ -18,8 +18,9 @@
 
 namespace mmha {
 // One stage: K codes [CHUNKS][KEYS][16 bytes] (chunk c of key k: 32 channels), V rows of D / 2
-// bytes padded by 16 (8 keys of an ldmatrix.trans phase in 8 bank groups at head dims 64-256),
-// then fp16 K scales [D], K zero points [D], V scales [KEYS], V zero points [KEYS].
+// bytes in pieces of V_ROWS rows V_PITCH apart (int4_v_rows: each piece one bulk copy, the 8 rows
+// an ldmatrix.trans phase reads in 8 bank groups at every head dim), then fp16 K scales [D], K zero
+// points [D], V scales [KEYS], V zero points [KEYS].
 template <int HEAD_DIM>
 struct TileLayout<u4, HEAD_DIM> {
   static_assert(HEAD_DIM % kInt4Channels == 0, "int4 head dims are whole chunks of 32 channels");
@@ -27,29 +28,46 @@ struct TileLayout<u4, HEAD_DIM> {
   static constexpr int CHUNKS = HEAD_DIM / kInt4Channels;
   static constexpr int TILE_GROUP = WholeTile::value;
   static constexpr int K_BYTES = KEYS * HEAD_DIM / 2;
-  static constexpr int V_PITCH_BYTES = HEAD_DIM / 2 + 16;
-  static constexpr int V_BYTES = KEYS * V_PITCH_BYTES;
+  static constexpr int V_ROW_BYTES = HEAD_DIM / 2;
+  static constexpr int V_ROWS = int4_v_rows(HEAD_DIM);
+  static constexpr int V_PITCH = int4_v_pitch(HEAD_DIM);
+  static constexpr int V_PIECES = KEYS / V_ROWS;
+  static constexpr int V_BYTES = V_PIECES * V_PITCH;
   static constexpr int SCALE_OFF = K_BYTES + V_BYTES;
   static constexpr int K_ZERO_OFF = SCALE_OFF + 2 * HEAD_DIM;
   static constexpr int V_SCALE_OFF = K_ZERO_OFF + 2 * HEAD_DIM;
   static constexpr int V_ZERO_OFF = V_SCALE_OFF + 2 * KEYS;
   static constexpr int STAGE_BYTES = int4_stage_bytes(HEAD_DIM);
   static_assert(V_ZERO_OFF + 2 * KEYS <= STAGE_BYTES, "stage too small");
-  static_assert(SCALE_OFF % 16 == 0, "scales 16-byte aligned");
+  static_assert(SCALE_OFF % 16 == 0 && V_PITCH % 16 == 0, "bulk copies land on 16-byte boundaries");
 
   template <typename G>
-  __device__ __forceinline__ static int k_off(int k, int c, G) {
+  __host__ __device__ __forceinline__ static constexpr int k_off(int k, int c, G) {
     return (c * KEYS + k) * 16;
   }
   __device__ __forceinline__ static int k_group(const CacheParams&) { return TILE_GROUP; }
   template <typename G>
-  __device__ __forceinline__ static int v_off(int r, int c, G) {
-    return K_BYTES + r * V_PITCH_BYTES + c * 16;
+  __host__ __device__ __forceinline__ static constexpr int v_off(int r, int c, G) {
+    return K_BYTES + (r / V_ROWS) * V_PITCH + (r % V_ROWS) * V_ROW_BYTES + c * 16;
   }
+  // Whether every 8 rows r0 .. r0 + 7 (r0 a multiple of 8) of each 16-byte column lie in 8
+  // distinct bank groups (the consumers' ldmatrix.trans phases over V).
+  static constexpr bool v_phases_conflict_free() {
+    for (int r0 = 0; r0 < KEYS; r0 += 8) {
+      for (int c = 0; c < V_ROW_BYTES / 16; ++c) {
+        unsigned seen = 0;
+        for (int r = r0; r < r0 + 8; ++r) seen |= 1u << (v_off(r, c, 0) / 16 % 8);
+        if (seen != 0xFFu) return false;
+      }
+    }
+    return true;
+  }
+  static_assert(v_phases_conflict_free(), "V's ldmatrix.trans phases without bank conflicts");
 };
 
-// An int4 cache's TileArgs: TileArgs' fields, and the tile whose K the consumers take from the
-// residual area (not read: skip_k0, or -1).
+// An int4 cache's TileArgs: TileArgs' fields, the tile whose K the consumers take from the
+// residual area (not read: skip_k0, or -1), and whether the item's tiles come by bulk copies
+// (Int4Planes::bulk; sm_90 builds only).
 template <>
 struct TileArgs<u4> {
   const u4* k_head;
@@ -62,6 +80,7 @@ struct TileArgs<u4> {
   int64_t block_stride;
   int block_rows, head_row;
   int skip_k0 = -1;
+  bool bulk = false;
 };
 
 // One (row, kv head)'s int4 planes (MmhaParams::int4): contiguous, the row's [S_max / 64][D] K
@@ -103,21 +122,56 @@ __device__ __forceinline__ Int4Head<T, HEAD_DIM> int4_head(const MmhaParams& p, 
           static_cast<int64_t>(p.num_kv_heads) * bs};
 }
 
-// The codes of a tile by 16-byte cp.async (a contiguous cache's k [D / 32][S_max][16 bytes] and v
-// [S_max][D / 2] bytes of the (row, kv head); a paged one's the same of the tile's pool block, of
-// 64 or 128 slots, so a tile lies in one block); keys outside [lo, end), the new token's slot and
-// the K of the residual's tile (skip_k0) zero-filled unread.
+// The codes of a tile (a contiguous cache's k [D / 32][S_max][16 bytes] and v [S_max][D / 2] bytes
+// of the (row, kv head); a paged one's the same of the tile's pool block, of 64 or 128 slots, so a
+// tile lies in one block), in one of two ways (TileArgs<u4>::bulk):
+// - bulk copies (sm_90): the codes and planes start 16-byte aligned (the host checks them) and
+//   every tile's offsets in them are multiples of 16 bytes (S_max and the block size are multiples
+//   of 64). K's CHUNKS runs of KEYS * 16 bytes and V's pieces (TileLayout<u4>), one
+//   copy a lane, their bytes (and stage_int4_scales') counted against the full barrier by lane 0
+//   first. Every key of the tile is read but the residual's tile's K (skip_k0): keys outside
+//   [lo, end) and the new token's slot are left to the consumers, which mask their scores, weigh
+//   their V by 0 and patch the new token in (Int4Consumer; codes are finite whatever a slot holds).
+//   Measured on the H200 (B=16 8K, 16-byte cp.async): the producer issued ~18 copies a lane a
+//   tile, each with its predicate and address, on a warp that shares its scheduler with consumers.
+// - 16-byte cp.async (any other case): keys outside [lo, end), the new token's slot and the K of
+//   the residual's tile zero-filled unread.
+// Either way each lane's commit arrives when its cp.async copies (none for bulk items) have landed:
+// the full barrier completes on 32 arrivals and, for bulk items, the copies' bytes.
 template <int HEAD_DIM>
 struct CpAsyncTiles<u4, HEAD_DIM> {
   using L = TileLayout<u4, HEAD_DIM>;
   static constexpr int FULL_ARRIVALS = 32;
   static constexpr int PIECES = L::KEYS * L::CHUNKS / 32;  // per lane, for K and for V
+  // A bulk tile's bytes: the codes and planes of K (not for the residual's tile) and of V.
+  static constexpr uint32_t K_TX_BYTES = L::K_BYTES + 4 * HEAD_DIM;
+  static constexpr uint32_t V_TX_BYTES = L::KEYS * L::V_ROW_BYTES + 4 * L::KEYS;
   __device__ __forceinline__ static void prefetch(const TileArgs<u4>&) {}
 
   __device__ __forceinline__ static void issue(const TileArgs<u4>& a, const TilePages& pg, unsigned char* stage,
-                                               int k0, uint64_t*, int lane, int) {
+                                               int k0, uint64_t* full, int lane, int) {
     const int64_t blk = a.table != nullptr ? pg.id[0] * a.block_stride : 0;
     const int mask = a.table != nullptr ? a.smax - 1 : -1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (a.bulk) {
+      const bool k = k0 != a.skip_k0;
+      if (lane == 0) mbar_expect_tx(full, (k ? K_TX_BYTES : 0) + V_TX_BYTES);
+      __syncwarp();
+      const int slot = k0 & mask;  // the tile's first slot in its row or block
+      for (int q = lane; q < L::V_PIECES + L::CHUNKS; q += 32) {
+        if (q < L::V_PIECES) {
+          bulk_load(stage + L::v_off(q * L::V_ROWS, 0, 0),
+                    a.v_head + blk + static_cast<int64_t>(slot + q * L::V_ROWS) * L::V_ROW_BYTES,
+                    L::V_ROWS * L::V_ROW_BYTES, full);
+        } else if (k) {
+          const int c = q - L::V_PIECES;
+          bulk_load(stage + L::k_off(0, c, 0), a.k_head + blk + (static_cast<int64_t>(c) * a.smax + slot) * 16,
+                    L::KEYS * 16, full);
+        }
+      }
+      return;
+    }
+#endif
 #pragma unroll
     for (int j = 0; j < PIECES; ++j) {
       const int i = lane + 32 * j;
@@ -135,7 +189,7 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
       const int c = i % L::CHUNKS;
       const int t = k0 + r;
       const bool ok = t >= a.lo && t < a.end && t != a.pos;
-      const u4* src = a.v_head + blk + static_cast<int64_t>(t & mask) * (HEAD_DIM / 2) + c * 16;
+      const u4* src = a.v_head + blk + static_cast<int64_t>(t & mask) * L::V_ROW_BYTES + c * 16;
       cp_async16(stage + L::v_off(r, c, 0), ok ? src : a.v_head, ok);
     }
   }
@@ -144,8 +198,10 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
 };
 
 // A tile's scales and zero points (TileLayout<u4>::SCALE_OFF on): its group's K planes (not for
-// the residual's tile, skip_k0) and its keys' V planes, 16 bytes a copy; V chunks of 8 keys without a key in [lo, end) zero-filled
-// unread. The copies hold the stage's full barrier until they land (as int8's token scales).
+// the residual's tile, skip_k0) and its keys' V planes. Bulk items: four bulk copies (lanes 0-3),
+// their bytes counted by the tile's issue. Else 16 bytes a cp.async, V chunks of 8 keys without a
+// key in [lo, end) zero-filled unread, the copies holding the stage's full barrier until they land
+// (as int8's token scales). The consumers weigh the V of keys outside [lo, end) by 0 either way.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void stage_int4_scales(const TileArgs<u4>& a, const Int4Head<T, HEAD_DIM>& ih,
                                                   const TilePages& pg, unsigned char* stage, int k0, uint64_t* full,
@@ -154,6 +210,18 @@ __device__ __forceinline__ void stage_int4_scales(const TileArgs<u4>& a, const I
   constexpr int K_PIECES = HEAD_DIM / 8;  // 8 fp16 values a piece, scales then zero points
   constexpr int V_PIECES = L::KEYS / 8;
   const int blk = a.table != nullptr ? pg.id[0] : 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.bulk) {
+    if (lane < 2 && k0 != a.skip_k0) {
+      bulk_load(stage + (lane == 0 ? L::SCALE_OFF : L::K_ZERO_OFF), (lane == 0 ? ih.k_scale : ih.k_zero) + ih.k_at(blk, k0),
+                2 * HEAD_DIM, full);
+    } else if (lane == 2 || lane == 3) {
+      bulk_load(stage + (lane == 2 ? L::V_SCALE_OFF : L::V_ZERO_OFF), (lane == 2 ? ih.v_scale : ih.v_zero) + ih.v_at(blk, k0),
+                2 * L::KEYS, full);
+    }
+    return;
+  }
+#endif
   for (int i = lane; i < 2 * K_PIECES + 2 * V_PIECES; i += 32) {
     if (i < 2 * K_PIECES) {
       const uint16_t* src = (i < K_PIECES ? ih.k_scale : ih.k_zero) + ih.k_at(blk, k0) + (i % K_PIECES) * 8;

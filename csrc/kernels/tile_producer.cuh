@@ -372,7 +372,10 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
     TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
                    hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
-    if constexpr (kInt4<C>) ta.skip_k0 = int4_residual_tile(w);
+    if constexpr (kInt4<C>) {
+      ta.skip_k0 = int4_residual_tile(w);
+      ta.bulk = p.int4.bulk;
+    }
     const int nt = w.t1 - w.t0;
     // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
     const int kg = QB == kWideColumns ? L::TILE_GROUP : L::k_group(p.cache);
