@@ -89,8 +89,10 @@ void set_timeline_params(MmhaParams& p) {
 // (tile_source 2 refuses where they do not); int4 caches' plain bulk copies likewise (auto).
 void choose_tile_source(MmhaParams& p, int64_t tile_source, const c10::Device& device) {
   p.sched.tile_source = TileSource::kCpAsync;
-  // int4 caches: the cp.async source's bulk copies (int4_tiles.cuh) unless cp.async is asked for.
-  p.int4.bulk = p.cache.dtype == DType::kInt4 && tile_source != 1 && device_has_tma(device.index());
+  if (p.cache.dtype == DType::kInt4) {  // the cp.async source's bulk tensor copies (int4_tiles.cuh), as maps allow
+    p.int4.bulk = tile_source != 1 && device_has_tma(device.index()) && encode_int4_maps(p) == cudaSuccess;
+    return;
+  }
   if (!uses_tensor_cores(p.cache.dtype) || tile_source == 1 || !tma_head_dim(p.cache.dtype, p.head_dim)) return;
   const bool forced = tile_source == 2;
   const bool can = device_has_tma(device.index()) && cache_maps_fit(p);

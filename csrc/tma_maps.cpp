@@ -129,4 +129,36 @@ cudaError_t encode_cache_maps(MmhaParams& p) {
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaError_t encode_int4_maps(MmhaParams& p) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const bool paged = p.cache.block_tables != nullptr;
+  const cuuint64_t heads = static_cast<cuuint64_t>(paged ? p.cache.num_blocks : p.rows.batch) * p.num_kv_heads;
+  const cuuint64_t slots = paged ? cuuint64_t{1} << p.cache.block_shift : static_cast<cuuint64_t>(p.cache.max_seq_len);
+  const cuuint64_t chunks = static_cast<cuuint64_t>(p.head_dim) / kInt4Channels;
+  const cuuint64_t row = static_cast<cuuint64_t>(p.head_dim) / 2;  // bytes of a V row
+  if (heads * slots >= INT_MAX || heads * chunks >= INT_MAX) return cudaErrorInvalidValue;
+  // The codes as 16-bit elements (the copies move bytes), as encode_cache_maps sees every cache.
+  const cuuint64_t elem = 2;
+  const cuuint32_t ones[3] = {1, 1, 1};
+  constexpr CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  const cuuint64_t k_dims[3] = {32 * 16 / elem, slots / 32, heads * chunks};
+  const cuuint64_t k_strides[2] = {32 * 16, slots * 16};
+  const cuuint32_t k_box[3] = {32 * 16 / elem, kTileKeys / 32, static_cast<cuuint32_t>(chunks)};
+  CUresult r = encode(&p.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p.cache.k, k_dims, k_strides, k_box, ones,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  const int swizzle = int4_v_swizzle(p.head_dim);
+  const CUtensorMapSwizzle mode = swizzle == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                  : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                  : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
+                                                  : CU_TENSOR_MAP_SWIZZLE_NONE;
+  const cuuint64_t v_dims[2] = {row / elem, heads * slots};
+  const cuuint64_t v_strides[1] = {row};
+  const cuuint32_t v_box[2] = {static_cast<cuuint32_t>(row / elem), kTileKeys};
+  r = encode(&p.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.cache.v, v_dims, v_strides, v_box, ones,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, mode, promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace mmha

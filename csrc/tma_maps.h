@@ -22,4 +22,12 @@ bool cache_maps_fit(const MmhaParams& p);
 // no cuTensorMapEncodeTiled, cudaErrorInvalidValue when it rejects the maps.
 cudaError_t encode_cache_maps(MmhaParams& p);
 
+// An int4 cache's maps (the cp.async source's bulk tensor copies, int4_tiles.cuh), heads and slots
+// being B * Hkv and S_max, or num_blocks * Hkv and the block size: p.k_map (K codes as 3-d [heads *
+// D / 32 chunks][slots / 32][32 keys * 16 bytes], boxes of a whole tile) and p.v_map (V codes as
+// 2-d [heads * slots][D / 2 bytes], boxes of kTileKeys rows, swizzled by int4_v_swizzle).
+// cudaErrorInvalidValue where the coordinates would pass 32-bit ints or the driver rejects the
+// maps, cudaErrorNotSupported without cuTensorMapEncodeTiled.
+cudaError_t encode_int4_maps(MmhaParams& p);
+
 }  // namespace mmha

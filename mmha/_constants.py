@@ -105,27 +105,21 @@ def tile_stage_bytes(head_dim: int, elem_bytes: int, token_scales: bool) -> int:
     return (k + v + scales + 1023) // 1024 * 1024
 
 
-def int4_v_rows(head_dim: int) -> int:
-    # an int4 stage's V rows (head_dim / 2 bytes: units of 16 bytes) come in pieces of this many rows, one
-    # bulk copy each: rows of an odd number of units lie unpadded (8 rows of a unit column then fall in 8
-    # bank groups), others in pieces of at most 128 bytes, padded by 16 (int4_v_pitch)
-    units = head_dim // 32
-    return TILE_KEYS if units % 2 == 1 else max(1, 8 // units)
-
-
-def int4_v_pitch(head_dim: int) -> int:
-    # bytes between an int4 stage's V pieces (int4_v_rows): a piece of an even number of 16-byte units and 16
-    # bytes, so the 8 rows of a unit column fall in 8 bank groups
-    piece = int4_v_rows(head_dim) * head_dim // 2
-    return piece if int4_v_rows(head_dim) == TILE_KEYS else piece + 16
+def int4_v_swizzle(head_dim: int) -> int:
+    # the swizzle span (bytes) of an int4 stage's V rows (head_dim / 2 bytes each, unpadded): rows of 32, 64
+    # or 128 bytes swizzled as bulk tensor copies land them (16-byte units XORed by address bits 7 on), so
+    # the 8 rows of a unit column fall in 8 bank groups; rows of 16 or 48 bytes (an odd number of units) do
+    # so unswizzled (0)
+    row = head_dim // 2
+    return row if row == 32 else row if row == 64 else row if row == 128 else 0
 
 
 def int4_stage_bytes(head_dim: int) -> int:
     # shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V rows
-    # of head_dim / 2 bytes in pieces (int4_v_rows, int4_v_pitch), the K group's scales and zero points (fp16
-    # [head_dim] each) and the keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
+    # of head_dim / 2 bytes (swizzled: int4_v_swizzle), the K group's scales and zero points (fp16 [head_dim]
+    # each) and the keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
     k = TILE_KEYS * head_dim // 2
-    v = TILE_KEYS // int4_v_rows(head_dim) * int4_v_pitch(head_dim)
+    v = TILE_KEYS * head_dim // 2
     scales = 4 * head_dim + 4 * TILE_KEYS
     return (k + v + scales + 1023) // 1024 * 1024
 

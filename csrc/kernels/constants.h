@@ -106,25 +106,20 @@ constexpr int tile_stage_bytes(int head_dim, int elem_bytes, bool token_scales) 
   const int scales = (token_scales ? kTokenScaleBytes : 0);
   return (((((k + v) + scales) + 1023) / 1024) * 1024);
 }
-// an int4 stage's V rows (head_dim / 2 bytes: units of 16 bytes) come in pieces of this many rows, one bulk
-// copy each: rows of an odd number of units lie unpadded (8 rows of a unit column then fall in 8 bank
-// groups), others in pieces of at most 128 bytes, padded by 16 (int4_v_pitch)
-constexpr int int4_v_rows(int head_dim) {
-  const int units = (head_dim / 32);
-  return (((units % 2) == 1) ? kTileKeys : max_of(1, (8 / units)));
-}
-// bytes between an int4 stage's V pieces (int4_v_rows): a piece of an even number of 16-byte units and 16
-// bytes, so the 8 rows of a unit column fall in 8 bank groups
-constexpr int int4_v_pitch(int head_dim) {
-  const int piece = ((int4_v_rows(head_dim) * head_dim) / 2);
-  return ((int4_v_rows(head_dim) == kTileKeys) ? piece : (piece + 16));
+// the swizzle span (bytes) of an int4 stage's V rows (head_dim / 2 bytes each, unpadded): rows of 32, 64 or
+// 128 bytes swizzled as bulk tensor copies land them (16-byte units XORed by address bits 7 on), so the 8
+// rows of a unit column fall in 8 bank groups; rows of 16 or 48 bytes (an odd number of units) do so
+// unswizzled (0)
+constexpr int int4_v_swizzle(int head_dim) {
+  const int row = (head_dim / 2);
+  return ((row == 32) ? row : ((row == 64) ? row : ((row == 128) ? row : 0)));
 }
 // shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V rows of
-// head_dim / 2 bytes in pieces (int4_v_rows, int4_v_pitch), the K group's scales and zero points (fp16
-// [head_dim] each) and the keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
+// head_dim / 2 bytes (swizzled: int4_v_swizzle), the K group's scales and zero points (fp16 [head_dim] each)
+// and the keys' V scales and zero points (fp16 [TILE_KEYS] each), 1024-byte aligned
 constexpr int int4_stage_bytes(int head_dim) {
   const int k = ((kTileKeys * head_dim) / 2);
-  const int v = ((kTileKeys / int4_v_rows(head_dim)) * int4_v_pitch(head_dim));
+  const int v = ((kTileKeys * head_dim) / 2);
   const int scales = ((4 * head_dim) + (4 * kTileKeys));
   return (((((k + v) + scales) + 1023) / 1024) * 1024);
 }

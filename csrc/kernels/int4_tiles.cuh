@@ -18,9 +18,9 @@
 
 namespace mmha {
 // One stage: K codes [CHUNKS][KEYS][16 bytes] (chunk c of key k: 32 channels), V rows of D / 2
-// bytes in pieces of V_ROWS rows V_PITCH apart (int4_v_rows: each piece one bulk copy, the 8 rows
-// an ldmatrix.trans phase reads in 8 bank groups at every head dim), then fp16 K scales [D], K zero
-// points [D], V scales [KEYS], V zero points [KEYS].
+// bytes unpadded, their 16-byte units swizzled as a bulk tensor copy lands them (int4_v_swizzle:
+// the 8 rows an ldmatrix.trans phase reads in 8 bank groups at every head dim), then fp16 K scales
+// [D], K zero points [D], V scales [KEYS], V zero points [KEYS].
 template <int HEAD_DIM>
 struct TileLayout<u4, HEAD_DIM> {
   static_assert(HEAD_DIM % kInt4Channels == 0, "int4 head dims are whole chunks of 32 channels");
@@ -29,26 +29,29 @@ struct TileLayout<u4, HEAD_DIM> {
   static constexpr int TILE_GROUP = WholeTile::value;
   static constexpr int K_BYTES = KEYS * HEAD_DIM / 2;
   static constexpr int V_ROW_BYTES = HEAD_DIM / 2;
-  static constexpr int V_ROWS = int4_v_rows(HEAD_DIM);
-  static constexpr int V_PITCH = int4_v_pitch(HEAD_DIM);
-  static constexpr int V_PIECES = KEYS / V_ROWS;
-  static constexpr int V_BYTES = V_PIECES * V_PITCH;
+  static constexpr int V_SWIZZLE = int4_v_swizzle(HEAD_DIM);           // bytes: 0, 32, 64 or 128
+  static constexpr int V_SWIZZLE_MASK = V_SWIZZLE ? V_SWIZZLE / 16 - 1 : 0;  // of address bits 7 on
+  static constexpr int V_BYTES = KEYS * V_ROW_BYTES;
   static constexpr int SCALE_OFF = K_BYTES + V_BYTES;
   static constexpr int K_ZERO_OFF = SCALE_OFF + 2 * HEAD_DIM;
   static constexpr int V_SCALE_OFF = K_ZERO_OFF + 2 * HEAD_DIM;
   static constexpr int V_ZERO_OFF = V_SCALE_OFF + 2 * KEYS;
   static constexpr int STAGE_BYTES = int4_stage_bytes(HEAD_DIM);
   static_assert(V_ZERO_OFF + 2 * KEYS <= STAGE_BYTES, "stage too small");
-  static_assert(SCALE_OFF % 16 == 0 && V_PITCH % 16 == 0, "bulk copies land on 16-byte boundaries");
+  static_assert(SCALE_OFF % 16 == 0, "scales 16-byte aligned");
+  static_assert(K_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "V's swizzle follows address bits 7-9 of the stage");
 
   template <typename G>
   __host__ __device__ __forceinline__ static constexpr int k_off(int k, int c, G) {
     return (c * KEYS + k) * 16;
   }
   __device__ __forceinline__ static int k_group(const CacheParams&) { return TILE_GROUP; }
+  // Unit c of V row r: at r * V_ROW_BYTES + 16 c, the unit index XORed with address bits 7 on
+  // (V_SWIZZLE_MASK), as the copy engine's 32 / 64 / 128-byte swizzle places it.
   template <typename G>
   __host__ __device__ __forceinline__ static constexpr int v_off(int r, int c, G) {
-    return K_BYTES + (r / V_ROWS) * V_PITCH + (r % V_ROWS) * V_ROW_BYTES + c * 16;
+    const int o = r * V_ROW_BYTES + c * 16;
+    return K_BYTES + (o ^ (((o >> 7) & V_SWIZZLE_MASK) << 4));
   }
   // Whether every 8 rows r0 .. r0 + 7 (r0 a multiple of 8) of each 16-byte column lie in 8
   // distinct bank groups (the consumers' ldmatrix.trans phases over V).
@@ -67,7 +70,7 @@ struct TileLayout<u4, HEAD_DIM> {
 
 // An int4 cache's TileArgs: TileArgs' fields, the tile whose K the consumers take from the
 // residual area (not read: skip_k0, or -1), and whether the item's tiles come by bulk copies
-// (Int4Planes::bulk; sm_90 builds only).
+// (Int4Planes::bulk: the host's maps in k_map / v_map; sm_90 builds only).
 template <>
 struct TileArgs<u4> {
   const u4* k_head;
@@ -125,15 +128,15 @@ __device__ __forceinline__ Int4Head<T, HEAD_DIM> int4_head(const MmhaParams& p, 
 // The codes of a tile (a contiguous cache's k [D / 32][S_max][16 bytes] and v [S_max][D / 2] bytes
 // of the (row, kv head); a paged one's the same of the tile's pool block, of 64 or 128 slots, so a
 // tile lies in one block), in one of two ways (TileArgs<u4>::bulk):
-// - bulk copies (sm_90): the codes and planes start 16-byte aligned (the host checks them) and
-//   every tile's offsets in them are multiples of 16 bytes (S_max and the block size are multiples
-//   of 64). K's CHUNKS runs of KEYS * 16 bytes and V's pieces (TileLayout<u4>), one
-//   copy a lane, their bytes (and stage_int4_scales') counted against the full barrier by lane 0
-//   first. Every key of the tile is read but the residual's tile's K (skip_k0): keys outside
-//   [lo, end) and the new token's slot are left to the consumers, which mask their scores, weigh
-//   their V by 0 and patch the new token in (Int4Consumer; codes are finite whatever a slot holds).
-//   Measured on the H200 (B=16 8K, 16-byte cp.async): the producer issued ~18 copies a lane a
-//   tile, each with its predicate and address, on a warp that shares its scheduler with consumers.
+// - bulk tensor copies (sm_90; the host's int4 maps, tma_maps.cpp): lane 0 issues one K box (all
+//   chunks x KEYS keys, as the 16-bit source's) and one V box (KEYS rows, swizzled: TileLayout<u4>),
+//   and stage_int4_scales four plain bulk copies; their bytes are counted against the full
+//   barrier first. Every key of the tile is read but the residual's tile's K (skip_k0): keys
+//   outside [lo, end) and the new token's slot are left to the consumers, which mask their scores,
+//   weigh their V by 0 and patch the new token in (Int4Consumer; codes are finite whatever a slot
+//   holds). Few copies a tile is the point: V as 32 plain bulk copies of 128 bytes (two rows each,
+//   padded apart) ran B=16 Hkv=32 S=16384 at 1.47x the cp.async source on the H200, one 4 KB copy
+//   (unswizzled, its ldmatrix phases 4-way conflicted) at 0.93x.
 // - 16-byte cp.async (any other case): keys outside [lo, end), the new token's slot and the K of
 //   the residual's tile zero-filled unread.
 // Either way each lane's commit arrives when its cp.async copies (none for bulk items) have landed:
@@ -154,21 +157,16 @@ struct CpAsyncTiles<u4, HEAD_DIM> {
     const int mask = a.table != nullptr ? a.smax - 1 : -1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (a.bulk) {
-      const bool k = k0 != a.skip_k0;
-      if (lane == 0) mbar_expect_tx(full, (k ? K_TX_BYTES : 0) + V_TX_BYTES);
-      __syncwarp();
-      const int slot = k0 & mask;  // the tile's first slot in its row or block
-      for (int q = lane; q < L::V_PIECES + L::CHUNKS; q += 32) {
-        if (q < L::V_PIECES) {
-          bulk_load(stage + L::v_off(q * L::V_ROWS, 0, 0),
-                    a.v_head + blk + static_cast<int64_t>(slot + q * L::V_ROWS) * L::V_ROW_BYTES,
-                    L::V_ROWS * L::V_ROW_BYTES, full);
-        } else if (k) {
-          const int c = q - L::V_PIECES;
-          bulk_load(stage + L::k_off(0, c, 0), a.k_head + blk + (static_cast<int64_t>(c) * a.smax + slot) * 16,
-                    L::KEYS * 16, full);
-        }
+      if (lane == 0) {
+        const bool k = k0 != a.skip_k0;
+        const int slot = k0 & mask;  // the tile's first slot in its row or block
+        // The maps' (row, kv head) or (pool block, kv head) index.
+        const int head = a.table != nullptr ? (pg.id[0] * a.block_rows + a.head_row) >> a.shift : a.kv_head;
+        mbar_expect_tx(full, (k ? K_TX_BYTES : 0) + V_TX_BYTES);
+        if (k) tma_load_3d(stage, a.k_map, 0, slot / 32, head * L::CHUNKS, full);
+        tma_load_2d(stage + L::K_BYTES, a.v_map, 0, head * a.smax + slot, full);
       }
+      __syncwarp();  // the expected bytes before stage_int4_scales' copies
       return;
     }
 #endif

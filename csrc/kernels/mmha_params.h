@@ -113,7 +113,7 @@ struct Int4Planes {
   uint16_t* v_scale;  // [B, Hkv, S_max]
   uint16_t* v_zero;   // [B, Hkv, S_max]
   void* k_residual;   // [B, Hkv, 128, D]
-  bool bulk;          // tiles by bulk copies where the planes allow (sm_90, tile_source not cp.async)
+  bool bulk;          // tiles by bulk tensor copies (sm_90, tile_source not cp.async; k_map / v_map the int4 maps)
 };
 
 // The caches (the seam between the kernels and the caches' storage: cache_slots.cuh,

@@ -127,23 +127,15 @@ FUNCTIONS = [
         "cache's token scales), 1024-byte aligned",
     ),
     (
-        "int4_v_rows",
+        "int4_v_swizzle",
         [("head_dim", "int")],
         "int",
-        [("units", "head_dim // 32")],
-        "TILE_KEYS if units % 2 == 1 else max(1, 8 // units)",
-        "an int4 stage's V rows (head_dim / 2 bytes: units of 16 bytes) come in pieces of this many rows, one "
-        "bulk copy each: rows of an odd number of units lie unpadded (8 rows of a unit column then fall in 8 "
-        "bank groups), others in pieces of at most 128 bytes, padded by 16 (int4_v_pitch)",
-    ),
-    (
-        "int4_v_pitch",
-        [("head_dim", "int")],
-        "int",
-        [("piece", "int4_v_rows(head_dim) * head_dim // 2")],
-        "piece if int4_v_rows(head_dim) == TILE_KEYS else piece + 16",
-        "bytes between an int4 stage's V pieces (int4_v_rows): a piece of an even number of 16-byte units and "
-        "16 bytes, so the 8 rows of a unit column fall in 8 bank groups",
+        [("row", "head_dim // 2")],
+        "row if row == 32 else row if row == 64 else row if row == 128 else 0",
+        "the swizzle span (bytes) of an int4 stage's V rows (head_dim / 2 bytes each, unpadded): rows of 32, "
+        "64 or 128 bytes swizzled as bulk tensor copies land them (16-byte units XORed by address bits 7 on), "
+        "so the 8 rows of a unit column fall in 8 bank groups; rows of 16 or 48 bytes (an odd number of "
+        "units) do so unswizzled (0)",
     ),
     (
         "int4_stage_bytes",
@@ -151,12 +143,12 @@ FUNCTIONS = [
         "int",
         [
             ("k", "TILE_KEYS * head_dim // 2"),
-            ("v", "TILE_KEYS // int4_v_rows(head_dim) * int4_v_pitch(head_dim)"),
+            ("v", "TILE_KEYS * head_dim // 2"),
             ("scales", "4 * head_dim + 4 * TILE_KEYS"),
         ],
         "(k + v + scales + 1023) // 1024 * 1024",
         "shared memory of one tile-loop stage of an int4 cache: K codes in 16-byte chunks of 32 channels, V "
-        "rows of head_dim / 2 bytes in pieces (int4_v_rows, int4_v_pitch), the K group's scales and zero "
+        "rows of head_dim / 2 bytes (swizzled: int4_v_swizzle), the K group's scales and zero "
         "points (fp16 [head_dim] each) and the keys' V scales and zero points (fp16 [TILE_KEYS] each), "
         "1024-byte aligned",
     ),
