@@ -86,7 +86,7 @@ void set_timeline_params(MmhaParams& p) {
 }
 
 // Bulk tensor copies where the device, the head dim and the cache sizes allow (auto), or as asked
-// (tile_source 2 refuses where they do not); int4 caches' plain bulk copies likewise (auto).
+// (tile_source 2 refuses where they do not); an int4 cache's through its own maps on auto.
 void choose_tile_source(MmhaParams& p, int64_t tile_source, const c10::Device& device) {
   p.sched.tile_source = TileSource::kCpAsync;
   if (p.cache.dtype == DType::kInt4) {  // the cp.async source's bulk tensor copies (int4_tiles.cuh), as maps allow

@@ -271,10 +271,11 @@ def decode_attention_int4(
     step): the new token's V quantised per token at slot ``lengths[b]``, its K into the residual,
     and the group it completes (slot ``lengths[b] % 64 == 63``) quantised per channel and
     committed, in the same launch. One-token steps without an output epilogue. ``tile_source``:
-    ``"auto"`` (tiles by bulk copies on sm_90 where the cache's tensors are 16-byte aligned, else
-    16-byte cp.async) or ``"cp_async"``; no tensor maps (``"tma"`` is refused). A new K or V value that is not finite, or past fp16's range,
-    flags its row (``ScaleError`` at ``workspace.check()``); a paged row whose table names a block
-    outside the pool writes nothing (``PageError``). Other arguments as ``decode_attention``'s."""
+    ``"auto"`` (tiles by bulk tensor copies through the int4 maps on sm_90, else by 16-byte
+    cp.async) or ``"cp_async"``; ``"tma"`` (the 16-bit caches' source) is refused. A new K or V
+    value that is not finite, or past fp16's range, flags its row (``ScaleError`` at
+    ``workspace.check()``); a paged row whose table names a block outside the pool writes nothing
+    (``PageError``). Other arguments as ``decode_attention``'s."""
     _require_extension()
     check = validate_lengths and not torch.cuda.is_current_stream_capturing()
     head_dim, act_dtype = cache.k_residual.shape[-1], cache.k_residual.dtype  # (Int4Cache or Int4Pages)
@@ -289,7 +290,8 @@ def decode_attention_int4(
         raise ValueError(f"qkv must have dtype float16 or bfloat16 with an int4 cache, got {qkv.dtype}")
     if tile_source not in ("auto", "cp_async"):
         raise ValueError(
-            f"tile_source must be 'auto' or 'cp_async' with an int4 cache (no tensor maps), got {tile_source!r}"
+            f"tile_source must be 'auto' or 'cp_async' with an int4 cache (its bulk copies are 'auto'), "
+            f"got {tile_source!r}"
         )
     batch, max_seq_len = _extent(cache.v_codes, block_tables)
     residual = cache.k_residual if block_tables is None else cache.k_residual[:batch]

@@ -59,7 +59,7 @@ def mmha_fn(prob: Problem, plan: dispatch.Plan, tile_source: str = "auto", pages
     op = torch.ops.mmha.decode_attention.default
     k_cache, v_cache, tables = pages if pages is not None else (prob.k_cache, prob.v_cache, None)
     k_scale, v_scale, kw = prob.k_scale, prob.v_scale, {}
-    if cfg.kv == "int4":  # the format's planes (no tensor maps: "auto" takes its plain bulk copies)
+    if cfg.kv == "int4":  # the format's planes; its bulk tensor copies are "auto" ("tma" is the 16-bit source)
         c = prob.int4
         k_scale, v_scale = c.k_scale, c.v_scale
         tile_source = "auto" if tile_source == "tma" else tile_source
