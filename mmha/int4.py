@@ -15,8 +15,11 @@ The format (chosen by the accuracy numbers in ``docs/status.md``, "INT8 / INT4 c
   row's partial group and a tree step's up to 64 nodes past it fit without moving anything.
   Attention reads those slots from it. A group is quantised from the residual's values (so a
   kernel that quantises from its 16-bit residual gives the same codes).
-- Codes two a byte, the even channel in the low nibble: V ``[B, Hkv, S_max, D / 2]``; K in the
-  x-layout's 16-byte chunks, 32 channels a chunk: ``[B, Hkv, D / 32, S_max, 16]``.
+- Codes two a byte: V ``[B, Hkv, S_max, D / 2]``, the even channel in the low nibble; K in the
+  x-layout's 16-byte chunks, 32 channels a chunk: ``[B, Hkv, D / 32, S_max, 16]``, each 4-byte
+  word of a chunk holding 8 channels with their nibbles (low to high) in the order ``K_NIBBLES``
+  (0, 4, 2, 6, 1, 5, 3, 7): one mask of a word then gives the kernel channels ``2 i, 2 i + 1``
+  side by side, the pairs its scales, zero points and q lie in (``pack_k`` / ``unpack_k``).
 - Scales and zero points fp16 (``SCALE_DTYPE``) beside the slots: K ``[B, Hkv, S_max / 64, D]``
   each, V ``[B, Hkv, S_max]`` each; each is rounded to fp16 before the codes are chosen with it
   (``quant.quantize(..., scale_dtype=)``). With fp32 ones the format would move 0.297 of a 16-bit
@@ -68,6 +71,29 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """``pack_nibbles``'s inverse: uint8 ``[..., D / 2]`` -> uint8 codes ``[..., D]``."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+# A K word's 8 nibbles, low to high: the channels (of its 8) they hold. Nibbles 2 j and 4 + 2 j of a
+# word (one mask of it shifted by 8 j) are channels 2 j, 2 j + 1, nibbles 2 j + 1 and 5 + 2 j
+# channels 2 j + 4, 2 j + 5 (j = 0, 1): byte b holds channels b' and b' + 4, b' = 0, 2, 1, 3.
+K_NIBBLES = (0, 4, 2, 6, 1, 5, 3, 7)
+_K_PLACES = tuple(K_NIBBLES.index(c) for c in range(8))  # channel -> its nibble in the word
+
+
+def pack_k(codes: torch.Tensor) -> torch.Tensor:
+    """K's codes ``[..., D]`` (integers in ``[0, 15]``, D a multiple of 8) -> uint8 ``[..., D / 2]``
+    in K's nibble order (``K_NIBBLES`` in each 4 bytes)."""
+    d = codes.shape[-1]
+    order = torch.tensor(K_NIBBLES, device=codes.device)
+    return pack_nibbles(codes.reshape(*codes.shape[:-1], d // 8, 8)[..., order].reshape(codes.shape))
+
+
+def unpack_k(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_k``'s inverse: uint8 ``[..., D / 2]`` -> uint8 codes ``[..., D]`` in channel order."""
+    codes = unpack_nibbles(packed)
+    d = codes.shape[-1]
+    places = torch.tensor(_K_PLACES, device=packed.device)
+    return codes.reshape(*codes.shape[:-1], d // 8, 8)[..., places].reshape(codes.shape)
 
 
 @dataclass
@@ -143,7 +169,7 @@ class Int4Cache:
         per channel over the group's tokens."""
         codes, scale, zero = quant.quantize(k.transpose(-1, -2), 4, symmetric=False, scale_dtype=SCALE_DTYPE)
         h, d = k.shape[0], k.shape[-1]
-        packed = pack_nibbles(codes.transpose(-1, -2))  # [Hkv, 64, D / 2]
+        packed = pack_k(codes.transpose(-1, -2))  # [Hkv, 64, D / 2]
         chunks = packed.reshape(h, GROUP, d // CHUNK, CHUNK // 2).permute(0, 2, 1, 3)
         self.k_codes[row, :, :, group * GROUP : (group + 1) * GROUP, :] = chunks
         self.k_scale[row, :, group] = scale
@@ -206,7 +232,7 @@ class Int4Cache:
         h, d = self.num_kv_heads, self.head_dim
         full = (n if committed is None else committed) // GROUP * GROUP
         chunks = self.k_codes[row, :, :, :full, :]  # [Hkv, D / 32, full, 16]
-        codes = unpack_nibbles(chunks.permute(0, 2, 1, 3).reshape(h, full, d // 2)).to(compute_dtype)
+        codes = unpack_k(chunks.permute(0, 2, 1, 3).reshape(h, full, d // 2)).to(compute_dtype)
         groups = full // GROUP
         k_scale = self.k_scale[row, :, :groups].to(compute_dtype).repeat_interleave(GROUP, dim=1)
         k_zero = self.k_zero[row, :, :groups].to(compute_dtype).repeat_interleave(GROUP, dim=1)

@@ -63,15 +63,29 @@ def test_a_group_stays_in_the_residual_until_its_last_token():
     assert torch.equal(values, quant.dequantize(v_codes, v_scale, v_zero))
 
 
+def test_k_nibble_order_pairs_channels_by_one_mask():
+    """In a K word, the low nibbles of bytes 0 and 2 are channels 0, 1, their high nibbles 4, 5;
+    bytes 1 and 3 hold 2, 3 (low) and 6, 7 (high): what `w & 0x000F000F` and `w & 0x00F000F0` of
+    the word (shifted by 8 j) hand the kernel as pairs."""
+    codes = torch.arange(16, dtype=torch.uint8).reshape(1, 16) % 16
+    packed = int4.pack_k(codes)
+    assert packed.tolist() == [[0x40, 0x62, 0x51, 0x73, 0xC8, 0xEA, 0xD9, 0xFB]]
+    assert torch.equal(int4.unpack_k(packed), codes)
+    every = torch.randint(0, 16, (5, 3, 64), dtype=torch.uint8)
+    assert torch.equal(int4.unpack_k(int4.pack_k(every)), every)
+
+
 def test_k_codes_sit_in_the_x_layout_chunks():
-    """Channel c of slot s: chunk c // 32, byte (c % 32) // 2 of that slot's 16 bytes, nibble c % 2."""
+    """Channel c of slot s: chunk c // 32, in that slot's 16 bytes word (c % 32) // 8, within the word
+    nibble K_NIBBLES.index(c % 8) (byte nibble // 2, the low or high half by nibble % 2)."""
     c = int4.Int4Cache.empty(1, 1, 64, 64, torch.float32)
     k, v = _tokens(64, hkv=1)
     c.prefill(0, k, v)
     codes, _, _ = quant.quantize(k.transpose(-1, -2), 4, symmetric=False)  # [1, D, 64]
-    for s, ch in ((0, 0), (5, 1), (17, 33), (63, 62), (40, 63)):
-        byte = c.k_codes[0, 0, ch // 32, s, (ch % 32) // 2].item()
-        assert (byte >> (4 * (ch % 2))) & 0xF == codes[0, ch, s].item()
+    for s, ch in ((0, 0), (5, 1), (17, 33), (63, 62), (40, 63), (9, 6), (22, 44)):
+        nib = int4.K_NIBBLES.index(ch % 8)
+        byte = c.k_codes[0, 0, ch // 32, s, 4 * ((ch % 32) // 8) + nib // 2].item()
+        assert (byte >> (4 * (nib % 2))) & 0xF == codes[0, ch, s].item()
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 130, 192])

@@ -1,14 +1,15 @@
-"""The planned int4 consumer's math, modelled in torch before the kernel (docs/status.md, "INT8 /
-INT4 caches"): over a tile of 64 keys (one K group), K's per-channel scale folds into q (``q'_c =
-fp16(q_c s_c)``, the codes the mma's other operand as 1024 + code) and its zero point into one
-bias per tile and column (``q . z``, fp32); V's per-token scale goes on the probability over the
-largest V scale so far (``v_unit``, as for int8) and its zero point adds ``sum_j p_j z_j`` to every
-output channel. Equal to attention over what ``mmha.int4.Int4Cache`` reads back within fp16's
-rounding of q' and of the probabilities, whatever the scales' spread (within fp16's range).
+"""The int4 consumer's math (attend_int4.cuh), modelled in torch: over a tile of 64 keys (one K
+group), K's per-channel scale folds into q (``q'_c = fp16(q_c s_c)``, the codes the mma's other
+operand as 1024 + code or 64 + code by the channel's place in K's word) and its zero point into one
+bias per tile and column (``q . z``, fp32 sums of fp16 products, less the codes' offsets times
+q'); V's per-token scale goes on the probability over the largest V scale so far (``v_unit``, as
+for int8) and its zero point adds ``sum_j p_j z_j`` to every output channel. Equal to attention
+over what ``mmha.int4.Int4Cache`` reads back within fp16's rounding of q' and of the
+probabilities, whatever the scales' spread (within fp16's range).
 
-Also the built kernel's math (``dequant_consumer``: K dequantised to fp16 per value) and an
-integer form for its next one (``integer_consumer``: q' as int8 parts, P' as int8 per 32 keys),
-compared over rows with outlier channels: which operand precisions keep its error."""
+Also the kernel's earlier math (``dequant_consumer``: K dequantised to fp16 per value) and an
+integer form (``integer_consumer``: q' as int8 parts, P' as int8 per 32 keys), compared over rows
+with outlier channels: which operand precisions keep its error."""
 
 import math
 
@@ -21,6 +22,12 @@ GROUP = 64
 BIAS = 1024.0  # the halves 0x6400 | code: 1024 + code, exact in fp16
 
 
+def code_offsets(d):
+    """The offset each channel's codes reach the mma with: 1024 (0x6400 | code) for channels 0-3
+    of each 8 (a word's even nibbles, mmha.int4.K_NIBBLES), 64 (0x5400 | code << 4) for 4-7."""
+    return torch.where(torch.arange(d) % 8 < 4, BIAS, 64.0)
+
+
 def consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
     """One head over a row of whole groups: ``q [D]`` fp32 (log2 domain), codes ``[S, D]`` (0..15),
     K's ``scale`` / ``zero`` ``[S / 64, D]``, V's ``[S]``, ``valid [S]`` (masked keys: score -inf,
@@ -28,32 +35,33 @@ def consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
     kernel's accumulators would give it: fp32 products of fp16 operands, fp32 running sums."""
     m, total, unit = -math.inf, 0.0, 0.0
     acc = torch.zeros(v_codes.shape[1], dtype=torch.float32)
-    p_sum = torch.zeros((), dtype=torch.float32)  # the fp16 P' values' sum: the codes' bias comes off acc
     z_sum = torch.zeros((), dtype=torch.float64)  # sum_j p_j z_j in value units (fp32 in the kernel)
+    qh = q.half().float()  # q as one fp16 part
+    offsets = code_offsets(k_codes.shape[1])
     for g0 in range(0, k_codes.shape[0], GROUP):
         sl, g = slice(g0, g0 + GROUP), g0 // GROUP
-        qp = (q * k_scale[g]).to(torch.float16).float()  # q' for this tile
-        tile_bias = (q.double() * k_zero[g].double()).sum()  # q . z, one per tile and column
-        raw = (k_codes[sl].float() + BIAS) @ qp  # the mma: fp32 sums of fp16 products
-        s = (raw - BIAS * qp.sum()).double() + tile_bias
+        qp = (qh * k_scale[g].float()).to(torch.float16).float()  # q' for this tile (hmul2)
+        # The tile's bias, one per column: q . z (fp32 sums of fp16 products) less q' . offsets.
+        tile_bias = (qh * k_zero[g].float()).sum() - (offsets * qp).sum()
+        raw = (k_codes[sl].float() + offsets) @ qp  # the mma: fp32 sums of fp16 products
+        s = (raw + tile_bias).double()
         s = torch.where(valid[sl], s, torch.full_like(s, -math.inf))
         mx = s.max().item()
         if mx > m:
             alpha = 1.0 if m == -math.inf else 2.0 ** (m - mx)
-            total, acc, p_sum, z_sum, m = total * alpha, acc * alpha, p_sum * alpha, z_sum * alpha, mx
+            total, acc, z_sum, m = total * alpha, acc * alpha, z_sum * alpha, mx
         vs = torch.where(valid[sl], v_scale[sl].double(), torch.zeros(GROUP, dtype=torch.float64))
         vz = torch.where(valid[sl], v_zero[sl].double(), torch.zeros(GROUP, dtype=torch.float64))
         vmax = vs.max().item()
         if vmax > unit:
-            acc, p_sum = acc * (unit / vmax), p_sum * (unit / vmax)
+            acc = acc * (unit / vmax)
             unit = vmax
         p = torch.exp2(s - m)
         total += p.sum().item()
         p16 = (p * vs / unit if unit > 0 else torch.zeros_like(p)).to(torch.float16).float()
-        acc = acc + p16 @ (v_codes[sl].float() + BIAS)
-        p_sum = p_sum + p16.sum()
+        acc = acc + p16 @ v_codes[sl].float()  # V's codes exact (their offset taken off each)
         z_sum = z_sum + (p * vz).sum()
-    out = (acc - BIAS * p_sum).double() * unit + z_sum
+    out = acc.double() * unit + z_sum
     return out / total
 
 
@@ -70,7 +78,7 @@ def case(seed, s, d, spread):
     c = int4.Int4Cache.empty(1, 1, s, d, torch.float32)
     c.prefill(0, k.float(), v.float())
     q = (torch.randn(d, generator=g) * 0.2).float()
-    codes_k = int4.unpack_nibbles(c.k_codes[0, 0].permute(1, 0, 2).reshape(s, d // 2)).long()
+    codes_k = int4.unpack_k(c.k_codes[0, 0].permute(1, 0, 2).reshape(s, d // 2)).long()
     codes_v = int4.unpack_nibbles(c.v_codes[0, 0]).long()
     planes = (codes_k, c.k_scale[0, 0], c.k_zero[0, 0], codes_v, c.v_scale[0, 0], c.v_zero[0, 0])
     return q, planes, c
@@ -121,13 +129,14 @@ def test_all_zero_tokens_and_masked_keys_add_nothing():
 
 
 # ---------------------------------------------------------------------------------------------
-# The built kernel's math, and an integer one for its next form (docs/status.md, item 1: "the
-# path to the bar"): which operand precisions keep the error at the fp16 path's.
+# The kernel's earlier math, and an integer form (docs/status.md): which operand precisions keep
+# the error at the fp16 path's.
 
 
 def dequant_consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
-    """The built kernel (attend_int4.cuh): each K value dequantised to fp16 (``code * scale +
-    zero`` by hfma2), q one fp16 part, fp32 sums; P' in fp16 against V's exact codes."""
+    """The kernel's K before its scales folded into q (to 2026-12-02): each K value dequantised to
+    fp16 (``code * scale + zero`` by hfma2), q one fp16 part, fp32 sums; P' in fp16 against V's
+    exact codes."""
     m, total, unit = -math.inf, 0.0, 0.0
     acc = torch.zeros(v_codes.shape[1], dtype=torch.float32)
     z_sum = 0.0
@@ -205,3 +214,21 @@ def test_integer_operands_need_q_in_two_parts():
           "\nint8 q x2", [f"{e:.1e}" for e in two])  # fmt: skip
     assert all(t <= 3 * f + 5e-3 for t, f in zip(two, fp16, strict=True))
     assert max(o / f for o, f in zip(one, fp16, strict=True)) > 50
+
+
+def test_folded_scales_keep_the_dequantised_paths_error():
+    """The kernel's folded K (q' = q * scale in fp16, the bias per tile) against its earlier
+    dequantised K, over long rows with outlier channels and a sharp softmax: within a small factor
+    of the earlier error on every row."""
+    folded, fp16 = [], []
+    for spread in (0.0, 2.0):
+        for seed in range(4):
+            s, d = 1024, 128
+            q, planes, c = case(seed, s, d, spread)
+            q = q * 8
+            valid = torch.ones(s, dtype=torch.bool)
+            want, _, _ = oracle(q, c, s, valid)
+            fp16.append((dequant_consumer(q, *planes, valid) - want).abs().max().item())
+            folded.append((consumer(q, *planes, valid) - want).abs().max().item())
+    print("dequantised", [f"{e:.1e}" for e in fp16], "\nfolded", [f"{e:.1e}" for e in folded])
+    assert all(f <= 3 * e + 1e-4 for f, e in zip(folded, fp16, strict=True))

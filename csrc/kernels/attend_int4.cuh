@@ -9,16 +9,21 @@
 // 0 writes the group's codes, scales and zero points to the cache with the append).
 //
 // The consumer warps (kConsumerWarps, 16 keys each, as in attend_tiles.cuh) compute
-//   S^T = K Q^T    m16n8k16, A = K as fp16: committed keys widened from their nibbles (1024 +
-//                  code, exact), then code * scale + zero per channel (one sub and one fma per
-//                  two values); residual keys as stored. B = q as one fp16 part (as for fp8).
+//   S^T = K Q^T    m16n8k16, A = K: a committed key's nibbles as the halves 1024 + code (even
+//                  nibbles) and 64 + code (odd ones), one lop3 each; B = q' = q * k_scale (fp16,
+//                  per tile: the group's scales fold into q). Two more mmas a K step add the
+//                  tile's bias, the same for every key: A = the zero points against B = q (q . z),
+//                  and A = -1024 / -64 against q' (the codes' offsets). Residual keys as stored
+//                  against q. q is one fp16 part (as for fp8), scaled so q' stays finite.
 //   O^T += V^T P^T A = V^T as the codes themselves (1024 + code less 1024, exact: a bias left in
 //                  the sums would cost them their precision over long rows, the codes being
 //                  small beside it); B = P * v_scale[key] / v_unit (v_unit the largest V scale
 //                  the warp has seen, as int8's). Each key's zero point adds P * zero to every
 //                  channel: z_sum.
-// Nibbles reach a lane four channels apart, so q and the output are in a permuted head-dim order
-// (q_dim, out_dim) that the residual area and the stores follow.
+// K's nibble order (mmha/int4.py, K_NIBBLES) puts channels 2i, 2i + 1 side by side in the halves a
+// mask of a word gives, so q, the K scales and the zero points pair channels as they lie. V's
+// nibbles reach a lane four channels apart, so the output is in a permuted head-dim order
+// (out_dim) that the stores follow.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -36,25 +41,29 @@
 
 namespace mmha {
 
-// Halves (low, high) of channels (c + i, c + i + 4) from eight fp16 values of channels c .. c + 7.
-__device__ __forceinline__ uint32_t half_pair(const uint4& v, int i) {
-  return i == 0   ? __byte_perm(v.x, v.z, 0x5410)
-         : i == 1 ? __byte_perm(v.x, v.z, 0x7632)
-         : i == 2 ? __byte_perm(v.y, v.w, 0x5410)
-                  : __byte_perm(v.y, v.w, 0x7632);
-}
-
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
 
+// K's nibbles 2j and 2j + 1 of each 16-bit half of w (channel pairs j and j + 2 of the word's 8,
+// K_NIBBLES: channels 2j, 2j + 1 and 2j + 4, 2j + 5) as the halves 1024 + code and 64 + code, one
+// lop3 each after one shift (none for j = 0), exact (the code as the low mantissa bits of 1024.0,
+// or as bits 4-7 of 64.0, whose unit there is 1).
+__device__ __forceinline__ void k_nibble_halves(uint32_t w, int j, uint32_t& even, uint32_t& odd) {
+  const uint32_t x = w >> (8 * j);
+  even = and_or(x, 0x000F000Fu, 0x64006400u);
+  odd = and_or(x, 0x00F000F0u, 0x54005400u);
+}
+constexpr uint32_t kInt4EvenOffset = 0xE400E400u;  // -1024.0 twice: the even halves' offset, off
+constexpr uint32_t kInt4OddOffset = 0xD400D400u;   // -64.0 twice: the odd halves'
+
 // Nibbles 2j and 2j + 1 of each 16-bit half of w (low half: bits 8j.., high half: bits 16 + 8j..)
 // as exact fp16 codes: one shift for both (none for j = 0), then one lop3 and one half op each.
-// The even nibble reads as 1024 + code (less 1024), the odd one in place as 1024 + 16 code (times
-// 1/16, less 64): both exact.
+// The even nibble reads as 1024 + code (less 1024), the odd one in place as 64 + code (less 64):
+// both exact.
 __device__ __forceinline__ void nibble_pair_codes(uint32_t w, int j, __half2& even, __half2& odd) {
   const uint32_t x = w >> (8 * j);
-  even = __hsub2(bits_h2((x & 0x000F000Fu) | 0x64006400u), __float2half2_rn(kInt4Bias));
-  odd = __hfma2(bits_h2((x & 0x00F000F0u) | 0x64006400u), __float2half2_rn(0.0625f), __float2half2_rn(-64.f));
+  even = __hsub2(bits_h2(and_or(x, 0x000F000Fu, 0x64006400u)), __float2half2_rn(kInt4Bias));
+  odd = __hsub2(bits_h2(and_or(x, 0x00F000F0u, 0x54005400u)), __float2half2_rn(64.f));
 }
 
 // One consumer warp over an int4 cache: its q fragments and running (max, sum, acc), for up to
@@ -68,7 +77,7 @@ struct Int4Consumer {
   static constexpr int RES_PITCH = HEAD_DIM + 8;  // halves per residual row (16 bytes of padding)
   static constexpr float kRescaleSlack = 8.f;
 
-  uint32_t qh[KSTEPS][2];  // B fragments of q^T (fp16), channels q_dim and q_dim + 4 in each register
+  uint32_t qh[KSTEPS][2];  // B fragments of q^T (fp16), channels q_dim and q_dim + 1 in each register
   float m[2], l[2];        // heads 2tq, 2tq + 1
   float acc[KSTEPS][4];    // O^T in units of v_unit (without the codes' bias): rows out_dim(i, g, 0 / 1)
   float s_unit;            // scores are the mma's times this power of two
@@ -78,15 +87,15 @@ struct Int4Consumer {
   int res_k0;              // the tile read from the residual area (its first key), or -1
   const __half* res;       // the residual area: [KEYS][RES_PITCH] fp16, channels at res_col
 
-  // K step j, lane quad tq, register h: channels q_dim and q_dim + 4 (a committed key's nibbles
-  // 8tq + i and 8tq + i + 4 of its chunk, i = 2 (j % 2) + h).
-  __device__ __forceinline__ static int q_dim(int j, int tq, int h) { return 32 * (j / 2) + 8 * tq + 2 * (j % 2) + h; }
+  // K step j, lane quad tq, register h: channels q_dim and q_dim + 1 (a committed key's channels
+  // 8tq + 2i and 8tq + 2i + 1 of its chunk, i = j % 2 + 2h: word i of the lane's scales).
+  __device__ __forceinline__ static int q_dim(int j, int tq, int h) { return 32 * (j / 2) + 8 * tq + 2 * (j % 2) + 4 * h; }
   // M tile i, row g (h = 0) or g + 8 (h = 1): nibble 2 (i % 2) + h of the 16-bit unit g of a V row's chunk i / 2.
   __device__ __forceinline__ static int out_dim(int i, int g, int h) { return 32 * (i / 2) + 4 * g + 2 * (i % 2) + h; }
   // Where channel d sits in a residual row: the 16-bit K reader's column of the q pairing.
   __device__ __forceinline__ static int res_col(int d) {
     const int c = d / 32, r = d % 32;
-    const int tq = r / 8, e = (r % 8) / 4, s = (r % 4) / 2, h = r % 2;
+    const int tq = r / 8, s = (r % 4) / 2, h = (r % 8) / 4, e = r % 2;
     return 16 * (2 * c + s) + 2 * tq + e + 8 * h;
   }
 
@@ -110,18 +119,20 @@ struct Int4Consumer {
       for (int h = 0; h < 2; ++h) {
         const int d = q_dim(j, tq, h);
         qv[j][h][0] = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
-        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 4] * scale_log2 : 0.f;
+        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
         qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
       }
     }
 #pragma unroll
     for (int off = 1; off < 32; off *= 2) qmax = fmaxf(qmax, __shfl_xor_sync(kFullMask, qmax, off));
+    // q's largest |value| to [2, 4): q' = q * k_scale then stays below fp16's largest (a finite
+    // scale is at most 2 * 65504 / 15).
     float q_unit = 1.f;
     s_unit = 1.f;
     if (qmax > 0.f && qmax <= 3.0e38f) {
       int e = 0;
       frexpf(qmax, &e);
-      const int shift = max(-100, min(100, 8 - e));
+      const int shift = max(-100, min(100, 2 - e));
       q_unit = ldexpf(1.f, shift);
       s_unit = ldexpf(1.f, -shift);
     }
@@ -190,31 +201,39 @@ struct Int4Consumer {
         mma_16816<__half>(j % 2 ? s_odd : s, a, qh[j][0], qh[j][1]);
       }
     } else {
+      // The tile's bias (the same for every key) in chains of its own: q . z and q' . offsets.
+      // The zero points' A is the lane's 4 words as loaded: for K step 2c its rows g hold
+      // channel pairs 0 and 2 against q's (the bias of every key), for step 2c + 1 its rows g + 8
+      // pairs 1 and 3; each chain's other rows are left unread.
+      float s_z0[4] = {0.f, 0.f, 0.f, 0.f};
+      float s_z1[4] = {0.f, 0.f, 0.f, 0.f};
+      float s_c[4] = {0.f, 0.f, 0.f, 0.f};
       const __half* k_scale = reinterpret_cast<const __half*>(stage + L::SCALE_OFF);
       const __half* k_zero = reinterpret_cast<const __half*>(stage + L::K_ZERO_OFF);
+      const uint32_t off[4] = {kInt4EvenOffset, kInt4EvenOffset, kInt4OddOffset, kInt4OddOffset};
 #pragma unroll
       for (int c = 0; c < CHUNKS; ++c) {
         uint32_t r[2];  // keys g and g + 8: channels 32c + 8tq .. 32c + 8tq + 7
         ldmatrix_x2<false>(r, stage + L::k_off(key0 + lane % 16, c, 0));
         const uint4 sc = *reinterpret_cast<const uint4*>(k_scale + 32 * c + 8 * tq);
         const uint4 zc = *reinterpret_cast<const uint4*>(k_zero + 32 * c + 8 * tq);
+        const uint32_t sw[4] = {sc.x, sc.y, sc.z, sc.w};  // channel pairs 8tq + 2i, 8tq + 2i + 1
+        const uint32_t z[4] = {zc.x, zc.y, zc.z, zc.w};
 #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
-          __half2 n[2][2];  // [key g / g + 8][nibble 2 sub / 2 sub + 1]
-          nibble_pair_codes(r[0], sub, n[0][0], n[0][1]);
-          nibble_pair_codes(r[1], sub, n[1][0], n[1][1]);
-          uint32_t a[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = 2 * sub + h;
-            const __half2 sp = bits_h2(half_pair(sc, i));
-            const __half2 zp = bits_h2(half_pair(zc, i));
-            a[2 * h] = h2_bits(__hfma2(n[0][h], sp, zp));      // key g
-            a[2 * h + 1] = h2_bits(__hfma2(n[1][h], sp, zp));  // key g + 8
-          }
-          mma_16816<__half>(sub ? s_odd : s, a, qh[2 * c + sub][0], qh[2 * c + sub][1]);
+          const int j = 2 * c + sub;
+          uint32_t a[4];  // [key g / g + 8] of the even halves (pair sub), then of the odd (sub + 2)
+          k_nibble_halves(r[0], sub, a[0], a[2]);
+          k_nibble_halves(r[1], sub, a[1], a[3]);
+          const uint32_t q0 = h2_bits(__hmul2(bits_h2(qh[j][0]), bits_h2(sw[sub])));
+          const uint32_t q1 = h2_bits(__hmul2(bits_h2(qh[j][1]), bits_h2(sw[sub + 2])));
+          mma_16816<__half>(sub ? s_odd : s, a, q0, q1);
+          mma_16816<__half>(sub ? s_z1 : s_z0, z, qh[j][0], qh[j][1]);
+          mma_16816<__half>(s_c, off, q0, q1);
         }
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] += s_c[e] + (s_z0[e & 1] + s_z1[2 + (e & 1)]);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[e] = (s[e] + s_odd[e]) * s_unit;

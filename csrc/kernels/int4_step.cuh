@@ -124,7 +124,8 @@ __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const Wo
   const auto key_value = [&](int r, int d) { return int4_residual_value(ih, w, tok, k0, r, d); };
   if (!commit) {
     // 16 bytes (8 channels of one key) a load, kBatch of them in flight per thread; channels
-    // 8j .. 8j + 7 land at res_col's places: (c, c + 4) pairs side by side, pairs 8 apart.
+    // 8j .. 8j + 7 land at res_col's places: (c, c + 1) pairs side by side, pairs 8 apart in
+    // the order 0, 2, 1, 3 (q_dim's: pair j % 2 + 2h of K step j).
     constexpr int CHUNKS = HEAD_DIM / 8;
     constexpr int kBatch = 8;
     static_assert(sizeof(T) == 2, "int4 caches hold 16-bit activations");
@@ -150,7 +151,8 @@ __device__ __forceinline__ void load_int4_residual(const MmhaParams& p, const Wo
         __half* row = area + r * Consumer::RES_PITCH + Consumer::res_col(d0);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          *reinterpret_cast<__half2*>(row + 8 * j) = __floats2half2_rn(x[j], x[j + 4]);
+          const int i = 2 * (j % 2) + j / 2;
+          *reinterpret_cast<__half2*>(row + 8 * j) = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
         }
       }
     }
@@ -205,22 +207,24 @@ __device__ __forceinline__ void append_int4_token(const MmhaParams& p, const Wor
   const int blk = hs.table != nullptr ? hs.block(w.pos) : 0;  // the group's and the slot's block
   if (int4_commits(w)) {
     const int k0 = w.pos - (kInt4Group - 1);
-    for (int pair = tid; pair < HEAD_DIM / 2; pair += nthreads) {
+    // A thread per byte of a key's chunks: its two channels (K_NIBBLES' order, int4_k_channel).
+    for (int i = tid; i < HEAD_DIM / 2; i += nthreads) {
+      const int chunk = i / (kInt4Channels / 2);
+      const int byte = i % (kInt4Channels / 2);
+      int d[2];
       Int4Range rg[2];
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const int d = 2 * pair + u;
-        rg[u] = Int4Range{tok.k_range[0][d], tok.k_range[1][d]};
-        ih.k_scale[ih.k_at(blk, k0) + d] = __half_as_ushort(__float2half_rn(rg[u].scale));
-        ih.k_zero[ih.k_at(blk, k0) + d] = __half_as_ushort(__float2half_rn(rg[u].zero));
+        d[u] = kInt4Channels * chunk + int4_k_channel(byte, u);
+        rg[u] = Int4Range{tok.k_range[0][d[u]], tok.k_range[1][d[u]]};
+        ih.k_scale[ih.k_at(blk, k0) + d[u]] = __half_as_ushort(__float2half_rn(rg[u].scale));
+        ih.k_zero[ih.k_at(blk, k0) + d[u]] = __half_as_ushort(__float2half_rn(rg[u].zero));
       }
-      const int chunk = 2 * pair / kInt4Channels;
-      const int byte = pair % (kInt4Channels / 2);
 #pragma unroll 4
       for (int r = 0; r < kTileKeys; ++r) {
         uint32_t code[2];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) code[u] = int4_code(to_float(int4_residual_value(ih, w, tok, k0, r, 2 * pair + u)), rg[u]);
+        for (int u = 0; u < 2; ++u) code[u] = int4_code(to_float(int4_residual_value(ih, w, tok, k0, r, d[u])), rg[u]);
         codes_k[hs.k_at(blk, k0 + r, chunk) + byte] = static_cast<uint8_t>(code[0] | code[1] << 4);
       }
     }

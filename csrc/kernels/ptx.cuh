@@ -75,6 +75,14 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
   }
 }
 
+// (x & mask) | bits in one instruction (lop3; the compiler's own form takes two where both are
+// constants).
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(y) : "r"(x), "r"(mask), "r"(bits));
+  return y;
+}
+
 // Transpose of one 8x8 b16 matrix held one row-pair per lane (the mma fragment layout).
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;

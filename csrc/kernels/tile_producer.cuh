@@ -372,9 +372,11 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
     const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, w.b, w.kvh);
     TileArgs<C> ta{hs.k, hs.v, hs.pitch, w.lo, w.end, w.newslot, static_cast<int>(kv_head), &p.k_map, &p.v_map,
                    hs.table, hs.shift, hs.block_stride, p.num_kv_heads * hs.pitch, w.kvh * hs.pitch};
+    Int4Head<T, HEAD_DIM> ih{};  // an int4 item's planes, addressed once for its tiles
     if constexpr (kInt4<C>) {
       ta.skip_k0 = int4_residual_tile(w);
       ta.bulk = p.int4.bulk;
+      ih = int4_head<T, HEAD_DIM>(p, w.b, w.kvh);
     }
     const int nt = w.t1 - w.t0;
     // The stage's K/V groups (TileLayout): wide items' consumers read whole-tile groups only.
@@ -402,7 +404,7 @@ __device__ __forceinline__ void produce_tiles(const MmhaParams& p, TileRing& rin
                                      stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       }
       if constexpr (kInt4<C>) {
-        stage_int4_scales<T, HEAD_DIM>(ta, int4_head<T, HEAD_DIM>(p, w.b, w.kvh), pages,
+        stage_int4_scales<T, HEAD_DIM>(ta, ih, pages,
                                        stages + cur.s * L::STAGE_BYTES, walk.key(i), &ring.full[cur.s], lane);
       }
       if (i + 1 < nt) pages = ahead.checked(p.cache.num_blocks, pages_bad);

@@ -89,12 +89,23 @@ __device__ __forceinline__ s8 quantize_s8(float value, float scale) {
   return s8{static_cast<int8_t>(isnan(q) ? 0.f : fminf(fmaxf(q, -kInt8Max), kInt8Max))};
 }
 
-// One byte of an int4 cache (mmha/int4.py): two 4-bit codes, the even channel in the low nibble.
-// K codes sit in the x-layout's 16-byte chunks (32 channels a chunk), V codes in rows of D / 2
-// bytes; scales and zero points are fp16 beside them (CacheParams::int4).
+// One byte of an int4 cache (mmha/int4.py): two 4-bit codes. V codes in rows of D / 2 bytes, the
+// even channel in the low nibble; K codes in the x-layout's 16-byte chunks (32 channels a chunk),
+// each 4-byte word's 8 channels with their nibbles in the order K_NIBBLES (int4_k_channel);
+// scales and zero points are fp16 beside them (CacheParams::int4).
 struct u4 {
   uint8_t bits;
 };
+// The channel (of a K chunk's 32) in byte `byte` of the chunk, low (nib 0) or high (nib 1)
+// nibble: nibble k of a word holds channel 4 (k % 2) + 2 ((k / 2) % 2) + k / 4 of its 8 (0, 4,
+// 2, 6, 1, 5, 3, 7).
+__host__ __device__ constexpr int int4_k_channel(int byte, int nib) {
+  return 8 * (byte / 4) + 4 * nib + 2 * (byte % 2) + (byte % 4) / 2;
+}
+static_assert(int4_k_channel(0, 0) == 0 && int4_k_channel(0, 1) == 4 && int4_k_channel(1, 0) == 2 &&
+                  int4_k_channel(2, 0) == 1 && int4_k_channel(2, 1) == 5 && int4_k_channel(3, 1) == 7 &&
+                  int4_k_channel(5, 0) == 10 && int4_k_channel(6, 1) == 13,
+              "K_NIBBLES: mmha/int4.py");
 constexpr float kInt4Levels = 15.f;
 constexpr float kFp16Max = 65504.f;
 // Nibble codes reach the tensor cores as the halves 1024 + code (kInt4Bias), exact: the code as
