@@ -76,12 +76,16 @@ struct Int4Consumer {
   static constexpr int CHUNKS = HEAD_DIM / kInt4Channels;
   static constexpr int RES_PITCH = HEAD_DIM + 8;  // halves per residual row (16 bytes of padding)
   static constexpr float kRescaleSlack = 8.f;
+  // The fragment columns a lane weighs: heads 2tq and 2tq + 1, only the first where an item has
+  // one head (the second is never a head: its P is 0).
+  static constexpr int kLaneHeads = QB == 1 ? 1 : 2;
 
   uint32_t qh[KSTEPS][2];  // B fragments of q^T (fp16), channels q_dim and q_dim + 1 in each register
   float m[2], l[2];        // heads 2tq, 2tq + 1
   float acc[KSTEPS][4];    // O^T in units of v_unit (without the codes' bias): rows out_dim(i, g, 0 / 1)
   float s_unit;            // scores are the mma's times this power of two
   float v_unit;            // the largest V scale of the warp's keys so far
+  float v_inv;             // 1 / v_unit (0 while v_unit is 0), taken when v_unit grows
   float z_sum[2];          // sum of P * v_zero over this lane's keys (absolute units)
   ScoreTransform<2> mods;
   int res_k0;              // the tile read from the residual area (its first key), or -1
@@ -142,6 +146,7 @@ struct Int4Consumer {
       for (int h = 0; h < 2; ++h) qh[j][h] = h2_bits(__floats2half2_rn(qv[j][h][0] * q_unit, qv[j][h][1] * q_unit));
     }
     v_unit = 0.f;
+    v_inv = 0.f;
     z_sum[0] = z_sum[1] = 0.f;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.f;
@@ -244,9 +249,9 @@ struct Int4Consumer {
     if (it + g >= end || it + g < lo) s[0] = s[1] = -INFINITY;
     if (it + g + 8 >= end || it + g + 8 < lo) s[2] = s[3] = -INFINITY;
 
-    float mx[2];
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kLaneHeads; ++h) {
       mx[h] = fmaxf(s[h], s[h + 2]);
 #pragma unroll
       for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
@@ -275,12 +280,12 @@ struct Int4Consumer {
         for (int e = 0; e < 4; ++e) acc[i][e] *= r;
       }
       v_unit = vmax;
+      v_inv = 1.f / vmax;
     }
-    const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
-    vw[0] *= inv;
-    vw[1] *= inv;
+    vw[0] *= v_inv;
+    vw[1] *= v_inv;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kLaneHeads; ++h) {
       const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
       s[h] = exp2_ftz(s[h] - m_ref);
       s[h + 2] = exp2_ftz(s[h + 2] - m_ref);
@@ -289,6 +294,7 @@ struct Int4Consumer {
       s[h] *= vw[0];
       s[h + 2] *= vw[1];
     }
+    if constexpr (kLaneHeads == 1) s[1] = s[3] = 0.f;
     const __half2 p0 = __floats2half2_rn(s[0], s[1]);  // key g: heads 2tq, 2tq + 1
     const __half2 p1 = __floats2half2_rn(s[2], s[3]);  // key g + 8
     const uint32_t ph0 = movmatrix_trans(h2_bits(p0));

@@ -95,6 +95,9 @@ struct TileConsumer {
   static constexpr int KPAIRS = (KSTEPS + 1) / 2;  // int8 K: m16n8k32 steps over the head dim
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
+  // The fragment columns a lane weighs: heads 2tq and 2tq + 1, only the first where an item has
+  // one column (the second is never one: its P is 0).
+  static constexpr int kLaneHeads = QB == 1 ? 1 : 2;
 
   uint32_t qh[KSTEPS][2], ql[KSTEPS][2];  // B fragments of q^T (hi and lo parts)
   float m[2], l[2];                        // heads 2tq, 2tq + 1 (the fragment columns of this lane)
@@ -105,6 +108,7 @@ struct TileConsumer {
   // and acc is in units of v_unit: acc is rescaled when v_unit grows, and finish() multiplies it
   // back.
   float v_unit;
+  float v_inv;  // int8: 1 / v_unit (0 while v_unit is 0), taken when v_unit grows, not every tile
   // int8 K: S^T = K Q^T on the codes as they lie (m16n8k32, int32 sums, exact), q as two int8
   // parts per head: q ~ unit (hi + lo / 254), hi = q / unit rounded, lo the rest in units of
   // unit / 254, unit = the head's largest |q| / 127. A score is (254 S_hi + S_lo) * unit / 254
@@ -162,6 +166,7 @@ struct TileConsumer {
     }
     s_unit = 1.f;
     v_unit = 0.f;
+    v_inv = 0.f;
     if constexpr (kInt8) {
       init_q8(qv, tq);
       p_sum[0] = p_sum[1] = 0.f;
@@ -351,9 +356,9 @@ struct TileConsumer {
     // m is raised only when some head of the warp has outgrown it by more than kRescaleSlack
     // (log2 units): most steps then skip rescaling acc, and P = 2^(s - m) stays below
     // 2^kRescaleSlack (acc and l share m, so the result is the same in exact arithmetic).
-    float mx[2];
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kLaneHeads; ++h) {
       mx[h] = fmaxf(s[0][h], s[0][h + 2]);
 #pragma unroll
       for (int n = 1; n < N; ++n) mx[h] = fmaxf(mx[h], fmaxf(s[n][h], s[n][h + 2]));
@@ -395,18 +400,18 @@ struct TileConsumer {
         p_sum[0] *= r;
         p_sum[1] *= r;
         v_unit = vmax;
+        v_inv = 1.f / vmax;
       }
-      const float inv = v_unit > 0.f ? 1.f / v_unit : 0.f;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        v_w[n][0] *= inv;
-        v_w[n][1] *= inv;
+        v_w[n][0] *= v_inv;
+        v_w[n][1] *= v_inv;
       }
     }
 #pragma unroll
     for (int n = 0; n < N; ++n) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < kLaneHeads; ++h) {
         const float m_ref = m[h] == -INFINITY ? 0.f : m[h];
         s[n][h] = exp2_ftz(s[n][h] - m_ref);
         s[n][h + 2] = exp2_ftz(s[n][h + 2] - m_ref);
@@ -416,6 +421,7 @@ struct TileConsumer {
           s[n][h + 2] *= v_w[n][1];
         }
       }
+      if constexpr (kLaneHeads == 1) s[n][1] = s[n][3] = 0.f;
 
       // P^T as B fragments: transpose the (key, head) fragment into (head, key) order.
       uint32_t ph0, pl0, ph1, pl1;
