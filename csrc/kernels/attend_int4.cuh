@@ -53,8 +53,8 @@ __device__ __forceinline__ void k_nibble_halves(uint32_t w, int j, uint32_t& eve
   even = and_or(x, 0x000F000Fu, 0x64006400u);
   odd = and_or(x, 0x00F000F0u, 0x54005400u);
 }
-constexpr uint32_t kInt4EvenOffset = 0xE400E400u;  // -1024.0 twice: the even halves' offset, off
-constexpr uint32_t kInt4OddOffset = 0xD400D400u;   // -64.0 twice: the odd halves'
+constexpr uint32_t kInt4EvenOffset = 0xE400E400u;  // -1024.0 twice: taken off the even halves
+constexpr uint32_t kInt4OddOffset = 0xD400D400u;   // -64.0 twice: taken off the odd halves
 
 // Nibbles 2j and 2j + 1 of each 16-bit half of w (low half: bits 8j.., high half: bits 16 + 8j..)
 // as exact fp16 codes: one shift for both (none for j = 0), then one lop3 and one half op each.
