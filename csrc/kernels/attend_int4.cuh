@@ -252,9 +252,7 @@ struct Int4Consumer {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int h = 0; h < kLaneHeads; ++h) {
-      mx[h] = fmaxf(s[h], s[h + 2]);
-#pragma unroll
-      for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
+      mx[h] = fmaxf(s[h], s[h + 2]);  // the lane's: reduced only where m is raised
     }
     float alpha[2];
     if (raise_max(m, l, acc, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
@@ -269,10 +267,9 @@ struct Int4Consumer {
     const bool in0 = t < end && t >= lo, in1 = t + 8 < end && t + 8 >= lo;
     float vw[2] = {in0 ? __half2float(v_scale[0]) : 0.f, in1 ? __half2float(v_scale[8]) : 0.f};
     const float vz[2] = {in0 ? __half2float(v_zero[0]) : 0.f, in1 ? __half2float(v_zero[8]) : 0.f};
-    float vmax = fmaxf(vw[0], vw[1]);
-#pragma unroll
-    for (int off = 4; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
-    if (vmax > v_unit) {  // warp-uniform
+    const float vmax_lane = fmaxf(vw[0], vw[1]);
+    if (__any_sync(kFullMask, vmax_lane > v_unit)) {  // a key outgrew the unit: reduced only then
+      const float vmax = lanes_max<4, 16>(vmax_lane);
       const float r = v_unit / vmax;
 #pragma unroll
       for (int i = 0; i < KSTEPS; ++i) {

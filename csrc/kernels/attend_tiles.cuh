@@ -362,9 +362,7 @@ struct TileConsumer {
       mx[h] = fmaxf(s[0][h], s[0][h + 2]);
 #pragma unroll
       for (int n = 1; n < N; ++n) mx[h] = fmaxf(mx[h], fmaxf(s[n][h], s[n][h + 2]));
-#pragma unroll
-      for (int off = 4; off < 32; off *= 2) mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], off));
-    }
+    }  // the lane's maxima: raise_max reduces them only where m is raised
     float alpha[2];
     if (raise_max(m, l, acc, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
       if constexpr (kInt8) {
@@ -376,7 +374,7 @@ struct TileConsumer {
     // the warp's keys outgrew it: acc is rescaled to the new unit).
     float v_w[N][2];
     if constexpr (kInt8) {
-      float vmax = 0.f;
+      float vmax_lane = 0.f;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
         // Keys outside [lo, end) (masked above: P = 0) take no V scale: their copies may be
@@ -386,11 +384,10 @@ struct TileConsumer {
         const int t = its[n] + g;
         v_w[n][0] = t >= end || t < lo ? 0.f : v_scales[0];
         v_w[n][1] = t + 8 >= end || t + 8 < lo ? 0.f : v_scales[8];
-        vmax = fmaxf(vmax, fmaxf(v_w[n][0], v_w[n][1]));
+        vmax_lane = fmaxf(vmax_lane, fmaxf(v_w[n][0], v_w[n][1]));
       }
-#pragma unroll
-      for (int off = 4; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
-      if (vmax > v_unit) {  // warp-uniform
+      if (__any_sync(kFullMask, vmax_lane > v_unit)) {  // a key outgrew the unit: reduced only then
+        const float vmax = lanes_max<4, 16>(vmax_lane);
         const float r = v_unit / vmax;
 #pragma unroll
         for (int i = 0; i < KSTEPS; ++i) {

@@ -582,12 +582,13 @@ struct WideConsumer {
     asm volatile("" : "+r"(t));  // addresses derived here, not held across the tile loop (as step)
     const float* v_scales = reinterpret_cast<const float*>(stage + L::SCALE_OFF) + L::KEYS;
     const auto in_range = [&](int key) { return it + key >= lo && it + key < end; };
-    float vmax = 0.f;
+    float vmax_lane = 0.f;
 #pragma unroll
-    for (int k = lane; k < kTileKeys; k += 32) vmax = fmaxf(vmax, in_range(k) ? v_scales[k] : 0.f);
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
-    if (vmax > v_unit) {  // block-uniform, and rare past an item's first tiles
+    for (int k = lane; k < kTileKeys; k += 32) vmax_lane = fmaxf(vmax_lane, in_range(k) ? v_scales[k] : 0.f);
+    // Block-uniform (every warp reads all the tile's scales), and rare past an item's first
+    // tiles: the warp's max only then.
+    if (__any_sync(kFullMask, vmax_lane > v_unit)) {
+      const float vmax = lanes_max<1, 16>(vmax_lane);
       v_inv = 1.f / vmax;
       const float r = v_unit * v_inv;
       scale_acc(r);
@@ -719,15 +720,10 @@ struct WideConsumer {
         mx[1] = fmaxf(mx[1], fmaxf(s[kb][n][2], s[kb][n][3]));
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
-    }
-    float alpha[2];
+    float alpha[2];  // mx: the lane's maxima, reduced over the quad only where m is raised
     if constexpr (DEFER) {
-      rescale_pending = raise_max_stats(m, l, mx, kRescaleSlack, alpha_pending);  // warp_combine.cuh
-    } else if (raise_max_stats(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
+      rescale_pending = raise_max_stats<1, 2>(m, l, mx, kRescaleSlack, alpha_pending);  // warp_combine.cuh
+    } else if (raise_max_stats<1, 2>(m, l, mx, kRescaleSlack, alpha)) {  // warp_combine.cuh
       scale_acc_rows(alpha);
       if constexpr (kInt8 && !kWidened) {
         p_sum[0] *= alpha[0];
@@ -968,15 +964,14 @@ struct WideConsumer {
       const int key = it + 16 * kb + 8 * n + 2 * tq + k;
       return key >= end || key < lo ? 0.f : v_scales[16 * kb + 8 * n + k];
     };
-    float vmax = 0.f;
+    float vmax_lane = 0.f;
 #pragma unroll
     for (int kb = 0; kb < PART_BLOCKS; ++kb) {
 #pragma unroll
-      for (int n = 0; n < 2; ++n) vmax = fmaxf(vmax, fmaxf(scale_of(kb, n, 0), scale_of(kb, n, 1)));
+      for (int n = 0; n < 2; ++n) vmax_lane = fmaxf(vmax_lane, fmaxf(scale_of(kb, n, 0), scale_of(kb, n, 1)));
     }
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) vmax = fmaxf(vmax, __shfl_xor_sync(kFullMask, vmax, off));
-    if (vmax > v_unit) {  // warp-uniform
+    if (__any_sync(kFullMask, vmax_lane > v_unit)) {  // a key outgrew the unit: the warp's max only then
+      const float vmax = lanes_max<1, 16>(vmax_lane);
       const float r = v_unit / vmax;
       scale_acc(r);
       p_sum[0] *= r;

@@ -14,18 +14,33 @@
 
 namespace mmha {
 
-// The online softmax's reference max m of heads 2tq, 2tq + 1, raised to the warp's new maxima mx
+// x's largest value over the lanes whose indices differ from this one's only in bits FIRST ..
+// LAST (powers of two): a column's lanes in the narrow consumers' layout (4 .. 16), a quad's
+// (1 .. 2), the warp's (1 .. 16).
+template <int FIRST, int LAST>
+__device__ __forceinline__ float lanes_max(float x) {
+#pragma unroll
+  for (int off = FIRST; off <= LAST; off *= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, off));
+  return x;
+}
+
+// The online softmax's reference max m of heads 2tq, 2tq + 1, raised to the warp's new maxima
 // only where some head of the warp outgrew it by more than `slack` (log2 units): most steps then
-// skip rescaling, and P = 2^(s - m) stays below 2^slack. Where it is raised, l is rescaled to the
-// new max and the factors left in alpha for the caller's accumulators and other sums; returns
-// whether it was (warp-uniform). The wide items (attend_wide.cuh) call it as it is: their
-// accumulators lie in another order.
-__device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], const float (&mx)[2], float slack,
+// skip rescaling, and P = 2^(s - m) stays below 2^slack. mx is the lane's own maxima: the vote
+// asks whether any lane's exceeds its m + slack (the same question as of the column's maxima,
+// m being the same on a column's lanes), and only where one does are they reduced over the
+// column's lanes (lanes_max<FIRST, LAST>), so a step that keeps m takes no shuffles and the
+// values are those of reducing first. Where it is raised, l is rescaled to the new max and the
+// factors left in alpha for the caller's accumulators and other sums; returns whether it was
+// (warp-uniform). The wide items (attend_wide.cuh) call it as it is: their accumulators lie in
+// another order.
+template <int FIRST, int LAST>
+__device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], float (&mx)[2], float slack,
                                                 float (&alpha)[2]) {
   if (!__any_sync(kFullMask, mx[0] > m[0] + slack || mx[1] > m[1] + slack)) return false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float m_new = fmaxf(m[h], mx[h]);
+    const float m_new = fmaxf(m[h], lanes_max<FIRST, LAST>(mx[h]));
     alpha[h] = m_new == -INFINITY ? 1.f : exp2_ftz(m[h] - m_new);
     l[h] *= alpha[h];
     m[h] = m_new;
@@ -33,12 +48,12 @@ __device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], co
   return true;
 }
 
-// raise_max_stats, with the narrow consumers' acc (heads 2tq, 2tq + 1 in elements 0, 2 and 1, 3)
-// rescaled too.
+// raise_max_stats over a column's lanes (4 .. 16), with the narrow consumers' acc (heads 2tq,
+// 2tq + 1 in elements 0, 2 and 1, 3) rescaled too.
 template <int KSTEPS>
-__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], const float (&mx)[2],
+__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], float (&mx)[2],
                                           float slack, float (&alpha)[2]) {
-  if (!raise_max_stats(m, l, mx, slack, alpha)) return false;
+  if (!raise_max_stats<4, 16>(m, l, mx, slack, alpha)) return false;
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) {
     acc[i][0] *= alpha[0];
