@@ -29,6 +29,8 @@
 #include <random>
 #include <vector>
 
+#include "../../csrc/kernels/ptx.cuh"  // the kernels' own mma wrapper
+
 #define CHECK(x)                                                                      \
   do {                                                                                \
     cudaError_t e_ = (x);                                                             \
@@ -40,14 +42,6 @@
 
 __device__ __forceinline__ uint32_t pack2(const __half* p) {
   return *reinterpret_cast<const uint32_t*>(p);  // two consecutive halves
-}
-
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // a: [steps][16 rows][16 k] halves (row-major); bt: [steps][8 n][16 k] halves (B column-major, so a
@@ -64,11 +58,11 @@ __global__ void offset_sums(const __half* a, const __half* bt, int steps, bool f
     const uint32_t b0 = pack2(bs + g * 16 + 2 * tq), b1 = pack2(bs + g * 16 + 2 * tq + 8);
     if (fresh) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma16816(d, af, b0, b1);
+      mmha::mma_16816<__half>(d, af, b0, b1);
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] += d[e];
     } else {
-      mma16816(acc, af, b0, b1);
+      mmha::mma_16816<__half>(acc, af, b0, b1);
     }
   }
   out[g * 8 + 2 * tq] = acc[0];
