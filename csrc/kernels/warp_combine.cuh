@@ -35,7 +35,7 @@ __device__ __forceinline__ float lanes_max(float x) {
 // (warp-uniform). The wide items (attend_wide.cuh) call it as it is: their accumulators lie in
 // another order.
 template <int FIRST, int LAST>
-__device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], float (&mx)[2], float slack,
+__device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], const float (&mx)[2], float slack,
                                                 float (&alpha)[2]) {
   if (!__any_sync(kFullMask, mx[0] > m[0] + slack || mx[1] > m[1] + slack)) return false;
 #pragma unroll
@@ -51,7 +51,7 @@ __device__ __forceinline__ bool raise_max_stats(float (&m)[2], float (&l)[2], fl
 // raise_max_stats over a column's lanes (4 .. 16), with the narrow consumers' acc (heads 2tq,
 // 2tq + 1 in elements 0, 2 and 1, 3) rescaled too.
 template <int KSTEPS>
-__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], float (&mx)[2],
+__device__ __forceinline__ bool raise_max(float (&m)[2], float (&l)[2], float (&acc)[KSTEPS][4], const float (&mx)[2],
                                           float slack, float (&alpha)[2]) {
   if (!raise_max_stats<4, 16>(m, l, mx, slack, alpha)) return false;
 #pragma unroll
