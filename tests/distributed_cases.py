@@ -255,10 +255,22 @@ def qk_norm_differs(rank, world, device="cpu"):
     raise AssertionError("expected ValueError")
 
 
+def each_config(rank, world, configs):
+    """``decode_matches_single`` for each ``(name, kwargs)`` of ``configs`` in one process group:
+    one spawn of the ranks (their interpreters and torch's import are most of a case's time on a
+    CPU) for the whole list; a failure names its configuration."""
+    for name, kw in configs:
+        try:
+            decode_matches_single(rank, world, **kw)
+        except Exception as e:
+            raise AssertionError(f"configuration {name} on rank {rank}: {e}") from e
+
+
 CASES = {
     "config_differs": config_differs,
     "qk_norm_differs": qk_norm_differs,
     "decode_matches_single": decode_matches_single,
+    "each_config": each_config,
     "graph_matches_single": graph_matches_single,
     "heads_local_qkv": heads_local_qkv,
     "rank_fails": rank_fails,

@@ -66,37 +66,28 @@ def test_merge_partials_equals_attention_over_the_union():
     assert torch.equal(out, torch.zeros(1, 3, 4)) and lse.tolist() == [[1.0, 2.0, 3.0]]
 
 
-@pytest.mark.parametrize(
-    "world,kw",
-    [
-        (2, dict(mode="sequence")),
-        (2, dict(mode="sequence", block=1)),
-        (3, dict(mode="sequence", block=8)),
-        (2, dict(mode="sequence", output="heads", mods=True)),
-        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)),
-        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.int8)),
-        (2, dict(mode="heads")),
-        (2, dict(mode="heads", output="full", mods=True)),
-        (2, dict(mode="heads", dtype=torch.float16, kv_dtype=torch.int8)),
-        (2, dict(mode="heads", dtype=torch.float16, kv_dtype="int4")),
-        (2, dict(mode="sequence", dtype=torch.float16, kv_dtype="int4", block=64)),  # whole K groups
-    ],
-    ids=[
-        "seq",
-        "seq-block1",
-        "seq-world3",
-        "seq-heads-out-mods",
-        "seq-fp8",
-        "seq-int8",
-        "heads",
-        "heads-full-mods",
-        "heads-int8",
-        "heads-int4",
-        "seq-int4",
-    ],  # fmt: skip
-)
-def test_decode_matches_single_cache(world, kw):
-    run_ranks("decode_matches_single", world, **kw)
+# Each configuration's ranks against the single cache, by world size: name -> (world, kwargs).
+DECODE_CONFIGS = {
+    "seq": (2, dict(mode="sequence")),
+    "seq-block1": (2, dict(mode="sequence", block=1)),
+    "seq-world3": (3, dict(mode="sequence", block=8)),
+    "seq-heads-out-mods": (2, dict(mode="sequence", output="heads", mods=True)),
+    "seq-fp8": (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)),
+    "seq-int8": (2, dict(mode="sequence", dtype=torch.float16, kv_dtype=torch.int8)),
+    "heads": (2, dict(mode="heads")),
+    "heads-full-mods": (2, dict(mode="heads", output="full", mods=True)),
+    "heads-int8": (2, dict(mode="heads", dtype=torch.float16, kv_dtype=torch.int8)),
+    "heads-int4": (2, dict(mode="heads", dtype=torch.float16, kv_dtype="int4")),
+    "seq-int4": (2, dict(mode="sequence", dtype=torch.float16, kv_dtype="int4", block=64)),  # whole K groups
+}
+
+
+@pytest.mark.parametrize("world", sorted({w for w, _ in DECODE_CONFIGS.values()}))
+def test_decode_matches_single_cache(world):
+    """Every configuration of this world size in one spawn of the ranks (``each_config``: a
+    failure names its configuration)."""
+    configs = [(name, kw) for name, (w, kw) in DECODE_CONFIGS.items() if w == world]
+    run_ranks("each_config", world, configs=configs)
 
 
 def test_heads_mode_takes_the_ranks_slice_of_qkv():

@@ -202,13 +202,15 @@ def nvcc() -> str | None:
 @pytest.mark.parametrize("unit", ["decode_fp16_hd32", "decode_wide_fp16_hd32"], ids=["narrow", "wide"])
 def test_device_code_has_events_only_in_the_diagnostic_build(timeline, unit, tmp_path):
     """Both kinds of kernel unit (narrow items, and tree steps' wide items) have events only in the
-    diagnostic build."""
+    diagnostic build. Unoptimised PTX (-Xcicc -O0, a third of -O3's time): code the optimiser would
+    drop still shows, so the default build's check is the stricter for it."""
     from torch.utils.cpp_extension import include_paths
 
     src = ROOT / "csrc" / "kernels" / "instantiations" / f"{unit}.cu"
-    cmd = [nvcc(), "-O3", "--expt-relaxed-constexpr", "-std=c++17", *(f"-I{p}" for p in include_paths()),
-           f"-I{ROOT / 'csrc'}", "-gencode", "arch=compute_90a,code=compute_90a", "-ptx", str(src), "-o",
-           str(tmp_path / "k.ptx"), *(["-DMMHA_TIMELINE"] if timeline else [])]  # fmt: skip
+    cmd = [nvcc(), "-Xcicc", "-O0", "--expt-relaxed-constexpr", "-std=c++17",
+           *(f"-I{p}" for p in include_paths()), f"-I{ROOT / 'csrc'}", "-gencode",
+           "arch=compute_90a,code=compute_90a", "-ptx", str(src), "-o", str(tmp_path / "k.ptx"),
+           *(["-DMMHA_TIMELINE"] if timeline else [])]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     ptx = (tmp_path / "k.ptx").read_text()
