@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmha.bench import report
 from mmha.bench.args import CHECK_ARGS
@@ -786,3 +787,16 @@ def test_source_stalls_joins_the_source_page_with_the_line_table():
     assert "agrees on 3 operations" in text and "long_scoreboard 62%" in text
     with pytest.raises(ValueError, match="Address and Source"):
         ss.source_rows('"a","b"\n"1","2"')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_one_chain_error_needs_a_gpu_and_says_so():
+    """bench/one_chain_error.py (the kernels' error over one long item) measures only on a GPU;
+    elsewhere it says what it needs and exits 2, its arguments parsed first."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "bench/one_chain_error.py", "--kv", "int4", "--keys", "64"], cwd=root,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and "needs a CUDA GPU and the built extension" in run.stdout, run.stdout + run.stderr
+    bad = subprocess.run([sys.executable, "bench/one_chain_error.py", "--kv", "int5"], cwd=root,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--kv" in bad.stderr
