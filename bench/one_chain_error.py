@@ -76,6 +76,7 @@ def fp16_rows(s: int, q_scale: float, seed: int):
     k_cache, v_cache = layout.pack_k(k), layout.pack_v(v)
     lengths = torch.tensor([s], dtype=torch.int32, device="cuda")
     kw = dict(num_heads=HQ, num_kv_heads=HKV)
+
     def caches():
         return k_cache.clone(), v_cache.clone()
 
