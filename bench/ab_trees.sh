@@ -14,6 +14,8 @@
 # before any build.
 # Tree rows: give `--peers` with no names (mmha's tree step and one-token step only); with the
 # peers and the sequential baseline a run of 16 tree rows took about 90 s a build (H200).
+# AB_BUILD_ONLY=1 stops after the builds (a later call on the same machine runs the benchmark on
+# them; other scripts may use /tmp/ab_<label> meanwhile).
 # Usage: TREES="main:.t915 branch:." MMHA_KERNELS=fp16 bash bench/ab_trees.sh --grid canonical \
 #          --dtype fp16 --peers --no-secondary
 source "$(dirname "$0")/device_env.sh"
@@ -48,6 +50,7 @@ for t in "${trees[@]}"; do
   [ -f "/tmp/ab_$label/.built" ] || { echo "build of $label failed"; exit 1; }
   labels+=("$label:$label")
 done
+[ -z "${AB_BUILD_ONLY:-}" ] || { echo "built: ${labels[*]}"; exit 0; }
 for round in 1 2; do
   for t in "${trees[@]}"; do
     label=${t%%:*}

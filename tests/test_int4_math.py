@@ -59,8 +59,8 @@ def consumer(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, valid):
         p = torch.exp2(s - m)
         total += p.sum().item()
         p16 = (p * vs / unit if unit > 0 else torch.zeros_like(p)).to(torch.float16).float()
-        acc = acc + p16 @ v_codes[sl].float()  # V's codes exact (their offset taken off each)
-        z_sum = z_sum + (p * vz).sum()
+        acc = acc + p16 @ (v_codes[sl].float() - 8.0)  # V's codes exact, less 8 (centred)
+        z_sum = z_sum + (p * (vz + 8.0 * vs)).sum()  # the zero points with the codes' centre
     out = acc.double() * unit + z_sum
     return out / total
 

@@ -15,11 +15,13 @@
 //                  tile's bias, the same for every key: A = the zero points against B = q (q . z),
 //                  and A = -1024 / -64 against q' (the codes' offsets). Residual keys as stored
 //                  against q. q is one fp16 part (as for fp8), scaled so q' stays finite.
-//   O^T += V^T P^T A = V^T as the codes themselves (1024 + code less 1024, exact: a bias left in
-//                  the sums would cost them their precision over long rows, the codes being
-//                  small beside it); B = P * v_scale[key] / v_unit (v_unit the largest V scale
-//                  the warp has seen, as int8's). Each key's zero point adds P * zero to every
-//                  channel: z_sum.
+//   O^T += V^T P^T A = V^T as the codes less 8 (1024 + code less 1032, exact, in [-8, 7]: the
+//                  mma's fp32 chain loses low bits one-sidedly at acc's magnitude, so what the
+//                  sums carry besides the values' spread, an offset or the codes' mean, leaves
+//                  acc an error that grows with the row; centred codes carry ~0.5 of it against
+//                  7.5); B = P * v_scale[key] / v_unit (v_unit the largest V scale the warp has
+//                  seen, as int8's). Each key's zero point, plus 8 of its scales, adds
+//                  P * (zero + 8 scale) to every channel: z_sum (fp32 adds, rounded to nearest).
 // K's nibble order (mmha/int4.py, K_NIBBLES) puts channels 2i, 2i + 1 side by side in the halves a
 // mask of a word gives, so q, the K scales and the zero points pair channels as they lie. V's
 // nibbles reach a lane four channels apart, so the output is in a permuted head-dim order
@@ -57,13 +59,14 @@ constexpr uint32_t kInt4EvenOffset = 0xE400E400u;  // -1024.0 twice: taken off t
 constexpr uint32_t kInt4OddOffset = 0xD400D400u;   // -64.0 twice: taken off the odd halves
 
 // Nibbles 2j and 2j + 1 of each 16-bit half of w (low half: bits 8j.., high half: bits 16 + 8j..)
-// as exact fp16 codes: one shift for both (none for j = 0), then one lop3 and one half op each.
-// The even nibble reads as 1024 + code (less 1024), the odd one in place as 64 + code (less 64):
-// both exact.
+// as exact fp16 codes less 8 (kInt4VCentre): one shift for both (none for j = 0), then one lop3
+// and one half op each. The even nibble reads as 1024 + code (less 1032), the odd one in place as
+// 64 + code (less 72): both exact, in [-8, 7].
+constexpr float kInt4VCentre = 8.f;
 __device__ __forceinline__ void nibble_pair_codes(uint32_t w, int j, __half2& even, __half2& odd) {
   const uint32_t x = w >> (8 * j);
-  even = __hsub2(bits_h2(and_or(x, 0x000F000Fu, 0x64006400u)), __float2half2_rn(kInt4Bias));
-  odd = __hsub2(bits_h2(and_or(x, 0x00F000F0u, 0x54005400u)), __float2half2_rn(64.f));
+  even = __hsub2(bits_h2(and_or(x, 0x000F000Fu, 0x64006400u)), __float2half2_rn(kInt4Bias + kInt4VCentre));
+  odd = __hsub2(bits_h2(and_or(x, 0x00F000F0u, 0x54005400u)), __float2half2_rn(64.f + kInt4VCentre));
 }
 
 // One consumer warp over an int4 cache: its q fragments and running (max, sum, acc), for up to
@@ -86,7 +89,7 @@ struct Int4Consumer {
   float s_unit;            // scores are the mma's times this power of two
   float v_unit;            // the largest V scale of the warp's keys so far
   float v_inv;             // 1 / v_unit (0 while v_unit is 0), taken when v_unit grows
-  float z_sum[2];          // sum of P * v_zero over this lane's keys (absolute units)
+  float z_sum[2];          // sum of P * (v_zero + 8 v_scale) over this lane's keys (absolute units)
   ScoreTransform<2> mods;
   int res_k0;              // the tile read from the residual area (its first key), or -1
   const __half* res;       // the residual area: [KEYS][RES_PITCH] fp16, channels at res_col
@@ -266,7 +269,9 @@ struct Int4Consumer {
     const int t = it + g;
     const bool in0 = t < end && t >= lo, in1 = t + 8 < end && t + 8 >= lo;
     float vw[2] = {in0 ? __half2float(v_scale[0]) : 0.f, in1 ? __half2float(v_scale[8]) : 0.f};
-    const float vz[2] = {in0 ? __half2float(v_zero[0]) : 0.f, in1 ? __half2float(v_zero[8]) : 0.f};
+    // The zero points with the codes' centre: value = (code - 8) scale + (zero + 8 scale).
+    const float vz[2] = {in0 ? fmaf(kInt4VCentre, vw[0], __half2float(v_zero[0])) : 0.f,
+                         in1 ? fmaf(kInt4VCentre, vw[1], __half2float(v_zero[8])) : 0.f};
     const float vmax_lane = fmaxf(vw[0], vw[1]);
     if (__any_sync(kFullMask, vmax_lane > v_unit)) {  // a key outgrew the unit: reduced only then
       const float vmax = lanes_max<4, 16>(vmax_lane);
@@ -313,8 +318,8 @@ struct Int4Consumer {
     }
   }
 
-  // At an item's end, before its combine: acc without the codes' bias, back from units of
-  // v_unit, plus the zero points' part.
+  // At an item's end, before its combine: acc back from units of v_unit, plus the zero points'
+  // part (the codes' centre with it).
   __device__ __forceinline__ void finish() {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
