@@ -241,6 +241,24 @@ def test_non_finite_new_token_is_flagged(which, bad):
     ws.check()  # cleared
 
 
+@pytest.mark.parametrize("q_scale", [0.02, 1.0])
+def test_one_chain_over_a_long_row(q_scale):
+    """32K keys in one item (no split), so the V sums run in one mma chain over the whole row; with a
+    small q the weights are nearly flat and the output small (|out| ~ 0.02), so a bias in those sums
+    shows against it rather than hiding under the FLOOR tolerance. The codes reach the V mma as
+    1152 + code: the bias is taken off within the item (attend_tiles.cuh, flush_v_bias), else the
+    chain's one-sided rounding at 1152 x the row's P sum leaves acc an error that grows with the
+    row. The bound is int4's (test_int4_gpu.py)."""
+    s, hq, d = 32768, 8, 128
+    case, ks, vs = int8_case(1, hq, 2, d, [s], s + 64, torch.float16, seed=s)
+    case.qkv[:, : hq * d].mul_(q_scale)
+    ref, _, _ = run_reference_int8(case, ks, vs)
+    out, _, _ = run_kernel(case, ks, vs, num_splits=1)
+    err = (out.double() - ref.double()).abs().max().item()
+    tol = 1e-4 + 1e-2 * ref.double().abs().max().item()
+    assert err <= tol, f"max error {err:.3e} > {tol:.3e} over one chain of {s} keys"
+
+
 @pytest.mark.parametrize("q_scale", [1e-30, 1e-3, 1e3, 1e25])
 def test_q_at_every_magnitude(q_scale):
     """K's codes meet q in two int8 parts whose unit is the head's largest |q| / 127
