@@ -126,7 +126,8 @@ struct TileConsumer {
   float q8_unit[2];
   // int8 V: the V mma sees 1152 + code (kInt8Bias, tile_operands.cuh), so acc gains 1152 times
   // the sum of the fp16 P^T values fed to it: p_sum, this lane's part (heads 2tq, 2tq + 1, its keys
-  // g and g + 8), rescaled with acc, summed over the lanes and taken off in finish().
+  // g and g + 8), rescaled with acc, summed over the lanes and taken off by flush_v_bias()
+  // (about every step) and finish().
   float p_sum[2];
   ScoreTransform<2> mods;                  // soft-cap and ALiBi of this lane's two heads
   TreeMask<2> tree;                        // a tree step: this lane's two columns' root paths
