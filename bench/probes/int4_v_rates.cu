@@ -12,6 +12,10 @@
 //         bytes and packed), the s32 sums moved to fp32 every FLUSH tiles (I2F + FFMA each).
 //         The layout it assumes (four keys of a channel in one register) is not the cache's today:
 //         V is stored a token a row; this measures what the change would buy before building it.
+//         Its P' in fixed point fails on long rows with a tail of small weights (one byte up to 2x
+//         the output's size at 128K keys, two bytes 6 %: bench/probes/fixed_point_p.py), so a u8
+//         form would need a scale per 32-key slice (its sums to fp32 every slice: twice the
+//         conversions of FLUSH = 1 below, which moves them once a 64-key tile).
 // Each block (4 warps) streams its warps over one 64-key x 128-channel tile `iters` times; the grid
 // puts `bps` blocks on each SM. Reported: V values a second (keys x 128 channels, all warps).
 // For scale: the 0.30x bar on the long rows needs about 7.6e12 K + V values a second, half of
