@@ -97,7 +97,8 @@ struct TileConsumer {
   static constexpr float kRescaleSlack = 8.f;
   // int8: a lane's P sum past which its warp takes the codes' bias off acc within the item
   // (flush_v_bias). At 1 (about every step of flat weights) one chain's error is the 16-bit
-  // cache's; at 8 it was 2x that, at 64 up to 16x (docs/experiments.md, 2026-12-03, evening).
+  // cache's; over 128K keys it was 2-4x that at 8, 18-34x at 64 (docs/experiments.md,
+  // 2026-12-03, evening).
   static constexpr float kBiasFlush = 1.f;
   // The fragment columns a lane weighs: heads 2tq and 2tq + 1, only the first where an item has
   // one column (the second is never one: its P is 0).
