@@ -613,8 +613,11 @@ def main() -> None:
             "`python -m mmha.bench.kv_accuracy` (its module docstring says how): each format's attention"
             " error against the 16-bit cache, one tensor stored in it and the other 16-bit (mean and max"
             " relative error of the output over heads and seeds), on random and on outlier-channel K/V;"
-            " with `--model`, the formats on an HF model, teacher-forced against the 16-bit cache. No"
-            " kernel reads the integer formats yet: these numbers choose their layout.", "",
+            " with `--model`, the formats on an HF model, teacher-forced against the 16-bit cache. These"
+            " chose the integer layouts (int8 per token; int4 V per token, K per channel in groups of"
+            " 64); the kernels store the codes and scales as the reference does, bit for bit, and their"
+            " own arithmetic adds what a 16-bit cache's does (`python bench/one_chain_error.py`; one"
+            " 128K-key item on an H200: `docs/data/one_chain_error_h200.md`).", "",
         ]  # fmt: skip
         for path in args.kv_accuracy:
             data = json.loads(keep(path, path.name).read_text())
