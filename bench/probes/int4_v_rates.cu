@@ -52,6 +52,12 @@ __device__ __forceinline__ void mma_16832_u8(int (&c)[4], const uint32_t (&a)[4]
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A lane's first weights, different across lanes, in [0.25, 0.33).
+__device__ __forceinline__ void first_weights(float (&p)[8], int lane) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) p[e] = 0.25f + 0.01f * ((lane + e) % 8);
+}
+
 // Weights that change every slice, as P does (two FFMA a value), in [0.25, 1).
 __device__ __forceinline__ void next_weights(float* p, int n) {
 #pragma unroll
@@ -67,8 +73,7 @@ __global__ void __launch_bounds__(kWarps * 32) v_half(const uint32_t* codes, int
   const int lane = threadIdx.x % 32;
   float acc[kMTiles][4] = {};
   float p[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) p[e] = 0.25f + 0.01f * ((lane + e) % 8);
+  first_weights(p, lane);
   for (int it = 0; it < iters; ++it) {
 #pragma unroll 1
     for (int slice = 0; slice < kKeys / 16; ++slice) {
@@ -104,8 +109,7 @@ __global__ void __launch_bounds__(kWarps * 32) v_u8(const uint32_t* codes, int i
   float acc[kMTiles][4] = {};
   int sums[kMTiles][4] = {};
   float p[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) p[e] = 0.25f + 0.01f * ((lane + e) % 8);
+  first_weights(p, lane);
   for (int it = 0; it < iters; ++it) {
 #pragma unroll 1
     for (int slice = 0; slice < kKeys / 32; ++slice) {
