@@ -124,6 +124,26 @@ def test_int8_wide_items_over_tile_and_split_edges(splits, source):
     check_int8_tree(case, ks, vs, qkv, parents, [40, 40, 17, 40], num_splits=splits, tile_source=source)
 
 
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_wide_items_one_chain_over_a_long_row(head_dim):
+    """Wide items (40 nodes x group 4 = 160 columns) over one 32K-key row, no split, so each item's V
+    sums run in one mma chain over the whole row; a small q keeps the weights nearly flat and the
+    outputs small, so a bias in those sums shows (test_int8_gpu.py's one-chain case and bound). At
+    head dim 96 the V mma takes 1152 + code on every GPU (the bias comes off about every step,
+    attend_wide.cuh flush_v_bias); at 128 an sm_90a build widens V exactly and other builds do as at 96."""
+    s, nodes, hq, d = 32768, 40, 8, head_dim
+    assert dispatch.columns_block(nodes * 4, True, True, d, 2) == dispatch.WIDE_COLUMNS
+    case, ks, vs, qkv, parents, counts = int8_tree_case(
+        1, hq, 2, d, [s - nodes], s + 64, torch.float16, nodes, seed=d, rotary=False
+    )
+    qkv[..., : hq * d].mul_(0.02)
+    out, _, _ = kernel_tree(case, ks, vs, qkv, parents, counts, num_splits=1)
+    ref, _, _ = reference_tree(case, ks, vs, qkv, parents, counts, torch.float64)
+    err = (out.double() - ref.double()).abs().max().item()
+    tol = 1e-4 + 1e-2 * ref.double().abs().max().item()
+    assert err <= tol, f"max error {err:.3e} > {tol:.3e} over one chain of {s} keys"
+
+
 @pytest.mark.parametrize("source", ["cp_async", "tma"])
 def test_int8_wide_items_run_with_the_consumers_registers_raised(source):
     """Wide items over int8 caches run their own kernel (decode_attention_kernel_wide: two

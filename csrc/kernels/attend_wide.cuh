@@ -16,8 +16,9 @@
 // k scale folded into q and the v scale into the output. int8 caches likewise widened (to the
 // biased halves 1152 + code), with the narrow consumer's per-key scales: a score is (its product
 // - 1152 x the column's q sum) x the key's K scale; P goes to the V mma as P x the key's V scale /
-// v_unit (the warp's largest V scale so far), and finish() takes 1152 x the sum of those P values
-// off O and multiplies it by v_unit. Their scales beside the scores halve the softmax step. On
+// v_unit (the warp's largest V scale so far); 1152 x the sum of those P values comes off O about
+// every step (flush_v_bias) and at the end, where finish() multiplies O by v_unit. Their scales
+// beside the scores halve the softmax step. On
 // sm_90a at head dims 64 and 128 an int8 tile is widened once per block instead (widen: the four
 // warps together, into a 16-bit tile's layout after the stages) and the warpgroup multiplies it as
 // it does a 16-bit tile: K as 1152 + code, its scales and bias with the scores as above; V
@@ -939,7 +940,34 @@ struct WideConsumer {
           }
         }
       }
+      if constexpr (kInt8) flush_v_bias();
     }
+  }
+
+  // int8 on mma.sync: the codes' bias (1152 x the P sums fed to the V mma) off acc, p_sum summed
+  // over the quad first and left at 0.
+  __device__ __forceinline__ void take_off_v_bias() {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 1);
+      p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][hh][e] = fmaf(-kInt8Bias, p_sum[e >> 1], acc[i][hh][e]);
+      }
+    }
+    p_sum[0] = p_sum[1] = 0.f;
+  }
+
+  // int8 on mma.sync, after a step: the bias off acc once some lane's P sum passed 1, as the
+  // narrow consumer's flush_v_bias (attend_tiles.cuh): carried through a long item the mma's
+  // one-sided fp32 rounding at 1152 x the P sum leaves acc an error that grows with the row.
+  __device__ __forceinline__ void flush_v_bias() {
+    if (__any_sync(kFullMask, fmaxf(p_sum[0], p_sum[1]) > 1.f)) take_off_v_bias();
   }
 
   // int8: the fp16 values of P the V product takes (a 16-key block's A fragment: rows g in words 0,
@@ -1025,19 +1053,8 @@ struct WideConsumer {
     if constexpr (kWidened) {  // V came dequantised in units of v_unit (widen)
       scale_acc(v_unit);
     } else if constexpr (kInt8) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 1);
-        p_sum[h] += __shfl_xor_sync(kFullMask, p_sum[h], 2);
-      }
-#pragma unroll
-      for (int i = 0; i < KSTEPS; ++i) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][hh][e] = fmaf(-kInt8Bias, p_sum[e >> 1], acc[i][hh][e]) * v_unit;
-        }
-      }
+      take_off_v_bias();
+      scale_acc(v_unit);
     }
   }
 
