@@ -64,8 +64,8 @@ INT4_RESIDUAL = 128
 MAX_TREE_NODES = 64
 # tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in the
 # attention kernel itself (one launch), where its node area leaves the blocks per SM as they are (H200: 4
-# nodes 0.86-0.94x the two launches' time, 16 nodes 1.00-1.03x)
-FUSED_TREE_NODES = 8
+# nodes 0.86-0.94x the two launches' time; 16 nodes at B=1 1K / 4K 0.76-0.82x)
+FUSED_TREE_NODES = 16
 # status flag: a length outside the cache (nothing written, NaN output)
 STATUS_LENGTH = 1
 # status flag: an fp8 scale not finite and positive

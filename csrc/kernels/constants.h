@@ -69,8 +69,8 @@ constexpr int kInt4Residual = 128;
 constexpr int kMaxTreeNodes = 64;
 // tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in the
 // attention kernel itself (one launch), where its node area leaves the blocks per SM as they are (H200: 4
-// nodes 0.86-0.94x the two launches' time, 16 nodes 1.00-1.03x)
-constexpr int kFusedTreeNodes = 8;
+// nodes 0.86-0.94x the two launches' time; 16 nodes at B=1 1K / 4K 0.76-0.82x)
+constexpr int kFusedTreeNodes = 16;
 // status flag: a length outside the cache (nothing written, NaN output)
 constexpr int kStatusLength = 1;
 // status flag: an fp8 scale not finite and positive

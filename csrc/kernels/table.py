@@ -78,10 +78,10 @@ CONSTANTS = [
     ("MAX_TREE_NODES", 64, "nodes of a tree step at most: a node's ancestors are one 64-bit mask"),
     (
         "FUSED_TREE_NODES",
-        8,
+        16,
         "tree steps of at most this many nodes (parents' width) on narrow items check and append the tree in "
         "the attention kernel itself (one launch), where its node area leaves the blocks per SM as they are "
-        "(H200: 4 nodes 0.86-0.94x the two launches' time, 16 nodes 1.00-1.03x)",
+        "(H200: 4 nodes 0.86-0.94x the two launches' time; 16 nodes at B=1 1K / 4K 0.76-0.82x)",
     ),
     ("STATUS_LENGTH", 1, "status flag: a length outside the cache (nothing written, NaN output)"),
     ("STATUS_SCALE", 2, "status flag: an fp8 scale not finite and positive"),
