@@ -707,7 +707,8 @@ def test_patch_trees_makes_base_and_patched_trees(tmp_path):
 
 def test_tree_kernel_times_sums_each_kernels_device_time_per_step():
     """bench/tree_kernel_times.py: a kernel's self device time summed over its entries and divided
-    by the steps; host-side entries (no device time) left out; rows parsed as B,context,T."""
+    by the steps; host-side entries (no device time) left out; rows parsed as B,context,T, over the
+    cache format --kv names."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -734,6 +735,7 @@ def test_tree_kernel_times_sums_each_kernels_device_time_per_step():
     )
     with pytest.raises(SystemExit, match="B,context,T"):
         ktimes.row_of("16,1024")
+    assert row.kv == "" and ktimes.row_of("1,1024,16", "int8").kv == "int8"  # --kv int8: the int8 twin
 
 
 def test_source_stalls_joins_the_source_page_with_the_line_table():
