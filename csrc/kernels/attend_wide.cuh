@@ -18,12 +18,11 @@
 // - 1152 x the column's q sum) x the key's K scale; P goes to the V mma as P x the key's V scale /
 // v_unit (the warp's largest V scale so far); 1152 x the sum of those P values comes off O about
 // every step (flush_v_bias) and at the end, where finish() multiplies O by v_unit. Their scales
-// beside the scores halve the softmax step. On
-// sm_90a at head dims 64 and 128 an int8 tile is widened once per block instead (widen: the four
-// warps together, into a 16-bit tile's layout after the stages) and the warpgroup multiplies it as
-// it does a 16-bit tile: K as 1152 + code, its scales and bias with the scores as above; V
-// dequantised there (code x V scale / v_unit), so P goes to the V product as for a 16-bit cache
-// and finish() only multiplies O by v_unit.
+// beside the scores halve the softmax step. On sm_90a at head dims 64 and 128 an int8 tile is
+// widened once per block instead (widen: the four warps together, into a 16-bit tile's layout
+// after the stages) and the warpgroup multiplies it as it does a 16-bit tile: K as 1152 + code,
+// its scales and bias with the scores as above; V dequantised there (code x V scale / v_unit), so
+// P goes to the V product as for a 16-bit cache and finish() only multiplies O by v_unit.
 #pragma once
 
 #include <cuda_runtime.h>
