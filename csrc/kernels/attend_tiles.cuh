@@ -95,11 +95,6 @@ struct TileConsumer {
   static constexpr int KPAIRS = (KSTEPS + 1) / 2;  // int8 K: m16n8k32 steps over the head dim
   // The online softmax's reference max trails the running max by up to this many log2 units.
   static constexpr float kRescaleSlack = 8.f;
-  // int8: a lane's P sum past which its warp takes the codes' bias off acc within the item
-  // (flush_v_bias). At 1 (about every step of flat weights) one chain's error is the 16-bit
-  // cache's; over 128K keys it was 2-4x that at 8, 18-34x at 64 (docs/experiments.md,
-  // 2026-12-03, evening).
-  static constexpr float kBiasFlush = 1.f;
   // The fragment columns a lane weighs: heads 2tq and 2tq + 1, only the first where an item has
   // one column (the second is never one: its P is 0).
   static constexpr int kLaneHeads = QB == 1 ? 1 : 2;
@@ -476,14 +471,14 @@ struct TileConsumer {
     p_sum[0] = p_sum[1] = 0.f;
   }
 
-  // int8, after a step: the bias off acc once some lane's P sum passed kBiasFlush. The V mma's
+  // int8, after a step: the bias off acc once some lane's P sum passed kInt8BiasFlush. The V mma's
   // fp32 chain loses low bits one-sidedly at acc's magnitude, so a bias carried through a long
   // item (1152 x the row's whole P sum) would leave acc an error that grows with the row
   // (docs/experiments.md, 2026-12-03: an offset of 64 on int4 V took one 32K-key chain's error
   // from 4.6e-5 to 1.1e-3; int8's own, 1.4e-3 over 32K keys, 5.5e-3 over 128K); taken off at
   // about every step it stays that of a 16-bit cache.
   __device__ __forceinline__ void flush_v_bias() {
-    if (__any_sync(kFullMask, fmaxf(p_sum[0], p_sum[1]) > kBiasFlush)) take_off_v_bias();
+    if (__any_sync(kFullMask, fmaxf(p_sum[0], p_sum[1]) > kInt8BiasFlush)) take_off_v_bias();
   }
 
   // At an item's end, before its combine: an int8 cache's acc without the codes' bias, back

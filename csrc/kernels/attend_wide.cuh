@@ -962,11 +962,10 @@ struct WideConsumer {
     p_sum[0] = p_sum[1] = 0.f;
   }
 
-  // int8 on mma.sync, after a step: the bias off acc once some lane's P sum passed 1, as the
-  // narrow consumer's flush_v_bias (attend_tiles.cuh): carried through a long item the mma's
-  // one-sided fp32 rounding at 1152 x the P sum leaves acc an error that grows with the row.
+  // int8 on mma.sync, after a step: the bias off acc once some lane's P sum passed
+  // kInt8BiasFlush, as the narrow consumer's flush_v_bias (attend_tiles.cuh).
   __device__ __forceinline__ void flush_v_bias() {
-    if (__any_sync(kFullMask, fmaxf(p_sum[0], p_sum[1]) > 1.f)) take_off_v_bias();
+    if (__any_sync(kFullMask, fmaxf(p_sum[0], p_sum[1]) > kInt8BiasFlush)) take_off_v_bias();
   }
 
   // int8: the fp16 values of P the V product takes (a 16-key block's A fragment: rows g in words 0,

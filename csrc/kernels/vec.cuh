@@ -140,6 +140,12 @@ __device__ __forceinline__ uint32_t int4_code(float x, const Int4Range& r) {
 // 1024 + code + 128. The consumer takes the bias out of the sums (attend_tiles.cuh), which spares
 // a subtract per two codes in the tile loop.
 constexpr float kInt8Bias = 1152.f;
+// A lane's sum of the P values fed to the V mma past which its warp takes that bias off acc within
+// an item (both consumers' flush_v_bias). The mma's fp32 chain loses low bits one-sidedly at acc's
+// magnitude, so a bias carried through a long item leaves an error that grows with the row; at 1
+// (about every step of flat weights) one chain's error is the 16-bit cache's; over 128K keys it
+// was 2-4x that at 8, 18-34x at 64 (docs/experiments.md, 2026-12-03, evening).
+constexpr float kInt8BiasFlush = 1.f;
 
 // Two of the four biased halves of the codes in `four`: bytes SEL_LO and SEL_HI (0-3) of `four`
 // as the low and high half.
