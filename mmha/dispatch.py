@@ -31,6 +31,7 @@ import torch
 from ._constants import (  # noqa: F401  (re-exported: the dispatcher's view of the kernels)
     EPILOGUE_COLUMNS,
     EPILOGUE_GROUP_COLUMNS,
+    FUSED_TREE_NODES,
     ITEM_SLOTS_BYTES,
     MAX_SPLITS,
     MAX_STAGES,
@@ -149,6 +150,18 @@ WIDE_INT8_STAGES = 2
 # 4x2 14.5; the seed's B=4 Hq=Hkv=1 D=64 T=54 1K 9x2 16.1, 8x2 16.5 (so the ceiling, not the
 # floor); 4K T=4 (65 tiles) 16x2 17.6 (kept), 13x2 18.2.
 TREE_MIN_SPLIT_TILES = 2
+# A fused tree step's narrow items (at most FUSED_TREE_NODES nodes, ``fused_tree``) check the tree
+# and build its nodes' K/V in every split. Where the plan would give them at most
+# FUSED_SHORT_SPLIT_TILES tiles a split past one item per SM, they keep one item per SM (16-bit and
+# fp8 caches; int8's tiles cost the consumers more, so its items keep the parallel splits); and
+# items of at most TREE_SHORT_ITEM_TILES tiles run on SHARED_STAGES stages whatever the grid.
+# H200, 2026-12-03, decode timing, `python -m mmha.bench.sweep --tree` (two sweeps,
+# docs/data/sweep_tree_fused_splits_h200.md), B=1 Hq=32 Hkv=8: T=4 1K (17 tiles) 9x2 12.3 us, 8x2
+# 12.0, 8x3 12.2, 6x2 11.9-12.0, 6x3 12.1; int8 9x2 14.1, 8x2 13.9, 6x2 13.9, 6x5 14.2; T=4 2K
+# (33 tiles) 16x2 14.4, 8x2 13.5, but int8 16x2 15.2 against 8x2 15.6; T=4 512 5x2 11.1, 5x3 11.2,
+# 3x3 12.4; T=8 1K 8x2 14.1-14.2, 4x2 14.1, 6x2 13.6-13.7; the two-launch seed tree (T=54) keeps
+# 9x2 (15.8 against 16.1 at 6x2).
+FUSED_SHORT_SPLIT_TILES = 2
 # Where two blocks share an SM, a tree step's items of at most TREE_SHORT_ITEM_TILES tiles take
 # SHARED_STAGES stages (as other steps' items of SHORT_ITEM_TILES do)
 # (H200, 2026-11-29, decode timing, `python -m mmha.bench.sweep --tree`, two runs each: B=1 Hq=32
@@ -429,12 +442,31 @@ def _shared_stages(
     return stages
 
 
+def fused_tree(nodes: int, qb: int, kv_dtype: torch.dtype, epilogue: bool = False) -> bool:
+    """Whether a tree step of ``nodes`` nodes on items of ``qb`` columns is checked and appended in
+    the attention launch itself (mirrors the C++ ``kFusedTrees`` and ``launch_fused_tree``'s node
+    count): narrow items of two or more columns over a 16-bit, fp8 or int8 cache, no epilogue."""
+    return (
+        1 < nodes <= FUSED_TREE_NODES and 1 < qb != WIDE_COLUMNS and not epilogue
+        and uses_tensor_cores(kv_dtype) and kv_dtype != INT4_CODES
+    )  # fmt: skip
+
+
 def _tree_splits_allowed(allowed: int, grains: int, wide: bool) -> int:
     """The most splits a tree step's items of ``grains`` tiles take: a wide item's splits hold
     ``WIDE_MIN_SPLIT_TILES`` tiles, a narrow item's ``TREE_MIN_SPLIT_TILES`` on average."""
     if wide:
         return max(1, min(allowed, grains // WIDE_MIN_SPLIT_TILES))
     return max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
+
+
+def _fused_short_splits(base: int, sms: int, splits: int, grains: int, int8: bool) -> int:
+    """The planned ``splits`` of ``base`` fused tree items of ``grains`` tiles: cut to one item per
+    SM where each split would hold at most ``FUSED_SHORT_SPLIT_TILES`` tiles past it (not over
+    int8 caches), else as they are."""
+    if int8 or base * splits <= sms or grains // splits > FUSED_SHORT_SPLIT_TILES:
+        return splits
+    return max(1, min(splits, sms // base))
 
 
 def _wide_shared_splits(base: int, sms: int, splits: int, grains: int, int8: bool) -> int:
@@ -468,6 +500,7 @@ def choose_variant(
     kv_dtype: torch.dtype | None = None,
     tree: bool = False,
     epilogue: bool = False,
+    nodes: int = 0,
 ) -> Plan:
     """Pick single pass or split sequence, the split count and the stages, from shapes alone
     (the module docstring works an example by hand).
@@ -497,7 +530,10 @@ def choose_variant(
     ``kv_dtype``: the caches' dtype (default ``dtype``); ``tree``: a tree step of two or more
     nodes, whose ``num_heads`` counts (node, head) columns (``Hq * T``; wide items from
     ``WIDE_MIN_COLUMNS`` columns per kv head, ``columns_block``); ``epilogue``: the step has an
-    output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or ``EPILOGUE_COLUMNS`` columns).
+    output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or ``EPILOGUE_COLUMNS`` columns);
+    ``nodes``: a tree step's node count where the caller knows it (0: not given), so that a fused
+    tree's short items (``fused_tree``) keep one item per SM (``FUSED_SHORT_SPLIT_TILES``) and two
+    stages.
     """
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads)
@@ -528,9 +564,14 @@ def choose_variant(
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
     splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8) if wide else splits
+    fused = tree and fused_tree(nodes, qb, kv_dtype, epilogue)
+    if fused and variant == "auto":
+        splits = _fused_short_splits(base, sms, splits, grains, kv_dtype == torch.int8)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         block_tiles = base * grains // (sms * blocks_per_sm)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
+    elif fused and -(-grains // splits) <= TREE_SHORT_ITEM_TILES:
+        stages = min(stages, SHARED_STAGES)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":

@@ -92,12 +92,12 @@ def _device_index(device) -> int:
 def plan_for(
     device, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, seq_len: int,
     dtype: torch.dtype, variant: str = "auto", kv_dtype: torch.dtype | None = None, tree: bool = False,
-    epilogue: bool = False,
+    epilogue: bool = False, nodes: int = 0,
 ) -> dispatch.Plan:  # fmt: skip
     """``dispatch.choose_variant`` with this device's numbers."""
     return dispatch.choose_variant(
         batch, num_heads, num_kv_heads, head_dim, seq_len, dtype, device_spec(_device_index(device)), variant,
-        kv_dtype, tree, epilogue,
+        kv_dtype, tree, epilogue, nodes,
     )  # fmt: skip
 
 
@@ -406,7 +406,7 @@ def decode_tree(
         # An item's columns are (node, head) pairs: plan as for nodes * Hq heads over the same keys.
         plan = plan_for(
             qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype, variant,
-            k_cache.dtype, tree=nodes > 1, epilogue=attention.epilogue is not None,
+            k_cache.dtype, tree=nodes > 1, epilogue=attention.epilogue is not None, nodes=nodes,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages

@@ -238,6 +238,37 @@ def test_narrow_tree_items_split_into_at_most_half_their_tiles(context, splits):
     assert one.num_splits == 16
 
 
+@pytest.mark.parametrize(
+    ("nodes", "context", "kv", "plan"),
+    [
+        (4, 1024, F16, (8, 2)),  # 9 splits of 1-2 tiles would put 144 items on 132 SMs
+        (4, 2048, F16, (8, 2)),  # 16 of 2-3
+        (4, 1024, torch.int8, (9, 2)),  # int8 keeps its splits
+        (4, 512, F16, (5, 2)),  # already one item per SM; 2 stages, not 3
+        (4, 4096, F16, (16, 2)),  # splits of 4-5 tiles: kept
+        (16, 1024, F16, (4, 2)),
+    ],
+)
+def test_fused_tree_items_of_few_tiles_keep_one_item_per_sm(nodes, context, kv, plan):
+    # B=1 Hq=32 Hkv=8: trees of up to FUSED_TREE_NODES nodes are checked and their nodes built in
+    # every split; splits of at most FUSED_SHORT_SPLIT_TILES tiles keep one item per SM, and short
+    # items two stages.
+    keys = context + nodes
+    got = dispatch.choose_variant(1, 32 * nodes, 8, 128, keys, F16, H100, kv_dtype=kv, tree=True, nodes=nodes)
+    assert (got.num_splits, got.stages) == plan
+    for each in (F16, torch.int8, dispatch.FP8):
+        assert dispatch.fused_tree(nodes, dispatch.columns_block(32 * nodes // 8, True, kv_rows=8), each)
+    # Not fused: int4 caches, epilogues, and trees past FUSED_TREE_NODES (the tree's check and append
+    # run once, before the attention launch): the plan of a tree step whose node count is not given.
+    assert not dispatch.fused_tree(nodes, 8, dispatch.INT4_CODES)
+    assert not dispatch.fused_tree(nodes, 8, F16, epilogue=True)
+    assert not dispatch.fused_tree(dispatch.FUSED_TREE_NODES + 1, 8, F16)
+    assert not dispatch.fused_tree(1, 8, F16)
+    seed = dispatch.choose_variant(4, 54, 1, 64, 1024 + 54, F16, H100, tree=True, nodes=54)
+    assert seed == dispatch.choose_variant(4, 54, 1, 64, 1024 + 54, F16, H100, tree=True)
+    assert seed.num_splits == 9
+
+
 @pytest.mark.parametrize(("context", "splits"), [(1024, 1), (4096, 1), (8192, 1), (16384, 2)])
 def test_wide_items_that_fill_the_sms_split_only_when_long(context, splits):
     # B=16 T=16: 128 wide items, one per SM; a second split (two blocks an SM, and a merge) only

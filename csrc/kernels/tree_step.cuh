@@ -238,30 +238,29 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
     return;
   }
   // Every load that needs nothing else first, together: the row's length and node count, this
-  // thread's parent, and (into L1) the qkv values of its first (node, pair) to append and their
+  // thread's parent, and (into L1) every line of the k and v rows of the block's nodes and their
   // bias. The check is on the step's critical path (the attention grid waits for its end), so
-  // each dependent global round trip shows in the step.
+  // each dependent global round trip shows in the step: the appends below take the block's nodes
+  // in two rounds (node_pairs' passes of PER x 128 (node, pair)s; int8: a warp a node), and the
+  // second round's rows are in L1 by then.
   const int len = p.rows.lengths[b];
   const int n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
   const int parent = tid < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
-#pragma unroll
-  for (int j = 0; j < kPrepareNodePairs; ++j) {  // the (node, pair)s node_pairs reads first
-    const int idx = tid + j * kTreePrepareThreads;
-    const int t = blockIdx.y * kTreeNodesPerBlock + idx / (HEAD_DIM / 2);
-    if (t < nodes && t < (blockIdx.y + 1) * kTreeNodesPerBlock) {
-      const RotaryPair rp = rotary_pair(idx % (HEAD_DIM / 2), p.rotary);
-      const T* row = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(b) * nodes + t) * p.qkv_row_stride;
-      prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
-      prefetch_l1(row + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
-      prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d0);
-      prefetch_l1(row + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d1);
-      if (p.qkv_bias != nullptr) {  // and their bias, read beside them in the same round trip
-        const T* bias = static_cast<const T*>(p.qkv_bias);
-        prefetch_l1(bias + (p.num_heads + kvh) * HEAD_DIM + rp.d0);
-        prefetch_l1(bias + (p.num_heads + kvh) * HEAD_DIM + rp.d1);
-        prefetch_l1(bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d0);
-        prefetch_l1(bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM + rp.d1);
-      }
+  {
+    constexpr int kLines = HEAD_DIM * static_cast<int>(sizeof(T)) / 128 + 1;  // lines a row may span
+    constexpr int kStep = 128 / static_cast<int>(sizeof(T));                  // elements a line
+    const int first = blockIdx.y * kTreeNodesPerBlock;
+    const int count = min(nodes - first, kTreeNodesPerBlock);
+    const T* qkv = static_cast<const T*>(p.qkv);
+    for (int i = tid; i < count * 2 * kLines; i += kTreePrepareThreads) {  // (node, k or v, line)
+      const int half = i / kLines % 2;
+      const T* row = qkv + (static_cast<int64_t>(b) * nodes + first + i / (2 * kLines)) * p.qkv_row_stride;
+      prefetch_l1(row + (p.num_heads + half * p.num_kv_heads + kvh) * HEAD_DIM + min(i % kLines * kStep, HEAD_DIM - 1));
+    }
+    if (p.qkv_bias != nullptr && tid < 2 * kLines) {
+      const T* bias = static_cast<const T*>(p.qkv_bias);
+      prefetch_l1(bias + (p.num_heads + tid / kLines * p.num_kv_heads + kvh) * HEAD_DIM +
+                  min(tid % kLines * kStep, HEAD_DIM - 1));
     }
   }
   if (tid == 0) {

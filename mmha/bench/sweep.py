@@ -9,7 +9,8 @@ plan, after checking the dispatcher's plan against the fp32 reference. ``--tree`
 benchmark's rows (``mmha.bench.tree``, fp16) at the dispatcher's split count and every stage
 count up to its own, in rounds of alternating order (``timing.decode_us_rounds``), each stage
 count's output checked against the reference; ``--splits``: also these split counts, each at two
-stages and at the dispatcher's; ``--only B,CTX,T``: those tree rows only. ``--int8``: each row's
+stages and at the dispatcher's; ``--stages``: also these stage counts at each of those split
+counts; ``--only B,CTX,T``: those tree rows only. ``--int8``: each row's
 int8-cache twin after it, at int8's own plans (ring depths of its smaller stages); with
 ``--tree``, each Llama-shaped tree row's. ``--int4``: each canonical row's int4-cache twin
 (``mmha.int4``; the cp.async source, its stages and residual area). ``--plans SxT ...``:
@@ -19,7 +20,8 @@ counter as its blocks free up.
 
     python -m mmha.bench.sweep --out DIR [--dtype fp16] [--rows 0 3 12] [--extras] [--plans 4x6 8x6]
         [--int8] [--int4]
-    python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--int8]
+    python -m mmha.bench.sweep --tree --out DIR [--only 1,1024,4 1,4096,4] [--splits 4 8 16 32] [--stages 3]
+        [--int8]
 """
 
 from __future__ import annotations
@@ -127,21 +129,23 @@ def sweep_row(cfg: Config, extra: tuple[tuple[int, int], ...] = ()) -> dict:
     }  # fmt: skip
 
 
-def tree_plans(plan: dispatch.Plan, splits: tuple[int, ...] = ()) -> list[dispatch.Plan]:
+def tree_plans(
+    plan: dispatch.Plan, splits: tuple[int, ...] = (), stages: tuple[int, ...] = ()
+) -> list[dispatch.Plan]:
     """The plans a tree row is timed at: the dispatcher's split count at every stage count from
-    MIN_STAGES to its own, then each of ``splits`` (not the dispatcher's) at MIN_STAGES and at the
-    dispatcher's stages."""
-    out = [dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm)
-           for st in range(dispatch.MIN_STAGES, plan.stages + 1)]  # fmt: skip
+    MIN_STAGES to its own and at each of ``stages``, then each of ``splits`` (not the dispatcher's)
+    at MIN_STAGES, at the dispatcher's stages and at each of ``stages``."""
+    own = sorted(set(range(dispatch.MIN_STAGES, plan.stages + 1)) | set(stages))
+    out = [dispatch.Plan(plan.variant, plan.num_splits, st, plan.blocks_per_sm) for st in own]
     for s in splits:
         if s == plan.num_splits:
             continue
-        for st in sorted({dispatch.MIN_STAGES, plan.stages}):
+        for st in sorted({dispatch.MIN_STAGES, plan.stages, *stages}):
             out.append(dispatch.Plan("single_pass" if s == 1 else "split", s, st, plan.blocks_per_sm))
     return out
 
 
-def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
+def sweep_tree_row(row, splits: tuple[int, ...] = (), stages: tuple[int, ...] = ()) -> dict:
     """One tree row (``mmha.bench.tree.Row``) at the plans of ``tree_plans``."""
     from . import tree as tree_bench
 
@@ -150,7 +154,7 @@ def sweep_tree_row(row, splits: tuple[int, ...] = ()) -> dict:
     plan = tree_bench.plan_of(row)
     ws = tree_bench.workspace_for(row)  # one for every plan and layer: a large row's plans fit the GPU
     methods = {}
-    for each in tree_plans(plan, splits):
+    for each in tree_plans(plan, splits, stages):
         name = plan_str(each)
         fns = [tree_bench.mmha_fn(layer, each.num_splits, each.stages, ws) for layer in layers]
         err = tree_bench.error(fns[0](), layers[0], ref)
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tree", action="store_true", help="the tree benchmark's rows: stage counts at the plan's splits"
     )
     p.add_argument("--splits", type=int, nargs="*", default=[], help="--tree: also these split counts")
+    p.add_argument("--stages", type=int, nargs="*", default=[], help="--tree: also these stage counts")
     p.add_argument("--only", nargs="+", metavar="B,CTX,T", help="--tree: rows of these batch, context, nodes")
     p.add_argument("--int8", action="store_true",
                    help="each row's int8-cache twin too (--tree: each Llama-shaped row's)")  # fmt: skip
@@ -209,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the canonical rows also at these plans (splits x stages, e.g. 4x6)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("sweep_out"))
     args = p.parse_args(argv)
-    if (args.splits or args.only) and not args.tree:
-        p.error("--splits and --only apply to --tree")
+    if (args.splits or args.only or args.stages) and not args.tree:
+        p.error("--splits, --stages and --only apply to --tree")
     if args.plans and args.tree:
         p.error("--plans applies to the canonical rows (--tree takes --splits)")
     if args.int4 and args.tree:
@@ -229,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(exc))
         if any(s < 1 or s > dispatch.MAX_SPLITS for s in args.splits):
             p.error(f"--splits takes counts in [1, {dispatch.MAX_SPLITS}], got {args.splits}")
+        if any(st < dispatch.MIN_STAGES or st > dispatch.MAX_STAGES for st in args.stages):
+            p.error(f"--stages takes counts in [{dispatch.MIN_STAGES}, {dispatch.MAX_STAGES}], got {args.stages}")
     if not torch.cuda.is_available():
         print("mmha.bench.sweep: no CUDA GPU here")
         return 0
     if args.tree:
         results = []
         for row in picked:
-            results.append(sweep_tree_row(row, tuple(args.splits)))
+            results.append(sweep_tree_row(row, tuple(args.splits), tuple(args.stages)))
             r = results[-1]
             line = (
                 f"{r['row']}: plan {r['plan']} {r['plan_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us"
