@@ -19,7 +19,8 @@ for f in barriers_h200 mods_h200 tree_columns_h200 softcap_tanh_h200 paged_check
   wide_pair_five_stages_h200 wide_pair_exp2_under_pv_h200 wide_weigh_trees_h200 int8_k_integer_products_h200 \
   int4_v_plain_bulk_copies_h200 int4_bulk_tiles_h200 int4_three_blocks_h200 int4_folded_k_scales_h200 \
   one_column_lanes_h200 lane_votes_h200 lane_votes_trees_h200 int4_v_offset_and_pairs_h200 \
-  int8_flush_int4_centred_h200 int8_v_bias_flush_every_h200 fused_tree_16_nodes_h200; do
+  int8_flush_int4_centred_h200 int8_v_bias_flush_every_h200 fused_tree_16_nodes_h200 tree_prepare_prefetch_h200 \
+  tree_prepare_rounds_h200; do
   ab+=(--ab "$D/ab_$f.md")
 done
 per_gpu() {  # --flag docs/data/<name>_<gpu>.json for each GPU that has one

@@ -32,7 +32,8 @@
 namespace mmha {
 
 constexpr int kTreePrepareThreads = 128;
-// Nodes whose K/V one block appends (a row's blocks along y each derive the whole tree).
+// Nodes whose K/V one block appends at most (a row's blocks along y each derive the whole tree, and
+// each appends ceil(nodes / gridDim.y) of its nodes: tree_nodes_per_block).
 constexpr int kTreeNodesPerBlock = 8;
 // (node, pair)s a thread of the append reads before it converts any (node_pairs): 2 keeps the
 // kernel at 64 registers, 8 blocks an SM (4: 80 registers, 6 blocks an SM, fewer than B=16 T=64's
@@ -249,8 +250,9 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   {
     constexpr int kLines = HEAD_DIM * static_cast<int>(sizeof(T)) / 128 + 1;  // lines a row may span
     constexpr int kStep = 128 / static_cast<int>(sizeof(T));                  // elements a line
-    const int first = blockIdx.y * kTreeNodesPerBlock;
-    const int count = min(nodes - first, kTreeNodesPerBlock);
+    const int per_block = (nodes + gridDim.y - 1) / gridDim.y;
+    const int first = blockIdx.y * per_block;
+    const int count = min(nodes - first, per_block);
     const T* qkv = static_cast<const T*>(p.qkv);
     for (int i = tid; i < count * 2 * kLines; i += kTreePrepareThreads) {  // (node, k or v, line)
       const int half = i / kLines % 2;
@@ -339,8 +341,9 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
   // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims
   // (node_pairs; int8 caches: a warp per node, append_node_s8).
-  const int t0 = blockIdx.y * kTreeNodesPerBlock;
-  const int t1 = min(n, t0 + kTreeNodesPerBlock);
+  const int per_block = (nodes + gridDim.y - 1) / gridDim.y;  // at most kTreeNodesPerBlock
+  const int t0 = blockIdx.y * per_block;
+  const int t1 = min(n, t0 + per_block);
   // A k norm: each node's rsqrt(mean(k^2) + eps), a warp per node.
   __shared__ float s_k_inv[kTreeNodesPerBlock];
   const QKNormParams& qn = p.qk_norm;
@@ -395,14 +398,30 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   allow_dependent_launch();
 }
 
-// Launches the tree's check and append (per row and kv head, a block per kTreeNodesPerBlock
+// Nodes a block of the check-and-append launch appends: kTreeNodesPerBlock, or on grids of
+// fewer blocks than SMs (B=1, a few kv heads) the fewest of 2 and 4 that keep it so, so that each
+// block appends its nodes in one round (node_pairs' first pass; int8: a warp a node) while every
+// block runs at once on its own SM.
+inline int tree_nodes_per_block(int64_t row_heads, int nodes, int sms) {
+  for (int per = 2; per < kTreeNodesPerBlock; per *= 2) {
+    if (row_heads * ((nodes + per - 1) / per) <= sms) return per;
+  }
+  return kTreeNodesPerBlock;
+}
+
+// Launches the tree's check and append (per row and kv head, a block per tree_nodes_per_block
 // nodes) on the step's stream.
 template <typename T, typename C, int HEAD_DIM>
 cudaError_t launch_tree_prepare(const MmhaParams& p, cudaStream_t stream) {
   const int64_t blocks = static_cast<int64_t>(p.rows.batch) * p.num_kv_heads;
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(blocks), (p.tree.nodes + kTreeNodesPerBlock - 1) / kTreeNodesPerBlock);
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const int per = tree_nodes_per_block(blocks, p.tree.nodes, sms);
+  const dim3 grid(static_cast<unsigned>(blocks), (p.tree.nodes + per - 1) / per);
   tree_prepare_kernel<T, C, HEAD_DIM><<<grid, kTreePrepareThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
