@@ -152,15 +152,16 @@ WIDE_INT8_STAGES = 2
 TREE_MIN_SPLIT_TILES = 2
 # A fused tree step's narrow items (at most FUSED_TREE_NODES nodes, ``fused_tree``) check the tree
 # and build its nodes' K/V in every split. Where the plan would give them at most
-# FUSED_SHORT_SPLIT_TILES tiles a split past one item per SM, they keep one item per SM (16-bit and
-# fp8 caches; int8's tiles cost the consumers more, so its items keep the parallel splits); and
-# items of at most TREE_SHORT_ITEM_TILES tiles run on SHARED_STAGES stages whatever the grid.
-# H200, 2026-12-03, decode timing, `python -m mmha.bench.sweep --tree` (two sweeps,
-# docs/data/sweep_tree_fused_splits_h200.md), B=1 Hq=32 Hkv=8: T=4 1K (17 tiles) 9x2 12.3 us, 8x2
-# 12.0, 8x3 12.2, 6x2 11.9-12.0, 6x3 12.1; int8 9x2 14.1, 8x2 13.9, 6x2 13.9, 6x5 14.2; T=4 2K
-# (33 tiles) 16x2 14.4, 8x2 13.5, but int8 16x2 15.2 against 8x2 15.6; T=4 512 5x2 11.1, 5x3 11.2,
-# 3x3 12.4; T=8 1K 8x2 14.1-14.2, 4x2 14.1, 6x2 13.6-13.7; the two-launch seed tree (T=54) keeps
-# 9x2 (15.8 against 16.1 at 6x2).
+# FUSED_SHORT_SPLIT_TILES tiles a split past one item per SM, they keep one item per SM (16-bit
+# caches; int8's tiles cost the consumers more, so its items keep the parallel splits, and fp8's,
+# unmeasured, with them); and items of at most TREE_SHORT_ITEM_TILES tiles run on SHARED_STAGES
+# stages whatever the grid. H200, 2026-12-03, decode timing, `python -m mmha.bench.sweep --tree`
+# (three sweeps, docs/data/sweep_tree_fused_splits_h200.md), B=1 Hq=32 Hkv=8: T=4 1K (17 tiles) 9x2
+# 12.2-12.3 us, 8x2 11.9-12.0, 8x3 12.0-12.2, 6x2 11.9-12.0, 6x3 12.1; int8 9x2 14.1-14.2, 8x2
+# 13.9, 6x5 14.2; T=4 2K (33 tiles) 16x2 14.4, 8x2 13.4-13.5, but int8 16x2 14.9-15.2 against 8x2
+# 15.6; T=4 512 5x3 11.2, 5x2 11.1, 3x3 12.4, int8 5x5 13.4, 5x2 13.0-13.4; T=2 1K 9x2 11.1, 9x3
+# 11.1; T=8 1K 8x2 14.1-14.2, 4x2 14.1, 6x2 13.6-13.7; the two-launch seed tree (T=54) keeps 9x2
+# (15.8 against 16.1 at 6x2).
 FUSED_SHORT_SPLIT_TILES = 2
 # Where two blocks share an SM, a tree step's items of at most TREE_SHORT_ITEM_TILES tiles take
 # SHARED_STAGES stages (as other steps' items of SHORT_ITEM_TILES do)
@@ -460,11 +461,11 @@ def _tree_splits_allowed(allowed: int, grains: int, wide: bool) -> int:
     return max(1, min(allowed, -(-grains // TREE_MIN_SPLIT_TILES)))
 
 
-def _fused_short_splits(base: int, sms: int, splits: int, grains: int, int8: bool) -> int:
+def _fused_short_splits(base: int, sms: int, splits: int, grains: int, elem: int) -> int:
     """The planned ``splits`` of ``base`` fused tree items of ``grains`` tiles: cut to one item per
-    SM where each split would hold at most ``FUSED_SHORT_SPLIT_TILES`` tiles past it (not over
-    int8 caches), else as they are."""
-    if int8 or base * splits <= sms or grains // splits > FUSED_SHORT_SPLIT_TILES:
+    SM where each split would hold at most ``FUSED_SHORT_SPLIT_TILES`` tiles past it (caches of
+    ``elem`` = 2 bytes a value only), else as they are."""
+    if elem != 2 or base * splits <= sms or grains // splits > FUSED_SHORT_SPLIT_TILES:
         return splits
     return max(1, min(splits, sms // base))
 
@@ -566,7 +567,7 @@ def choose_variant(
     splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8) if wide else splits
     fused = tree and fused_tree(nodes, qb, kv_dtype, epilogue)
     if fused and variant == "auto":
-        splits = _fused_short_splits(base, sms, splits, grains, kv_dtype == torch.int8)
+        splits = _fused_short_splits(base, sms, splits, grains, elem)
     if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
         block_tiles = base * grains // (sms * blocks_per_sm)
         stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
