@@ -443,6 +443,31 @@ def _shared_stages(
     return stages
 
 
+def _loop_plan(tiles, head_dim, elem, dtype, kv_dtype, device, sms, qb, seq_len, tree) -> tuple[int, int, int, int]:
+    """``(stages, blocks per SM, splits allowed, items that fill the GPU)``: the tile loop's
+    (``_tile_plan``), or the CUDA-core loop's (``SIMT_BLOCKS_PER_SM``, splits of
+    ``MIN_KEYS_PER_SPLIT_SIMT`` keys)."""
+    if tiles:
+        act = torch.empty((), dtype=dtype).element_size()
+        return _tile_plan(
+            head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=kv_dtype == torch.int8,
+            int4=kv_dtype == INT4_CODES,
+        )  # fmt: skip
+    allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
+    return MIN_STAGES, SIMT_BLOCKS_PER_SM, allowed, sms * SIMT_BLOCKS_PER_SM
+
+
+def _grid_stages(stages, shared, base, splits, grains, sms, blocks_per_sm, elem, tree, kv_dtype, fused) -> int:
+    """The ring of the planned grid: ``_shared_stages`` where two blocks share an SM (``shared``),
+    else ``SHARED_STAGES`` for a fused tree's items of at most ``TREE_SHORT_ITEM_TILES`` tiles."""
+    if shared:
+        block_tiles = base * grains // (sms * blocks_per_sm)
+        return _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
+    if fused and -(-grains // splits) <= TREE_SHORT_ITEM_TILES:
+        return min(stages, SHARED_STAGES)
+    return stages
+
+
 def fused_tree(nodes: int, qb: int, kv_dtype: torch.dtype, epilogue: bool = False) -> bool:
     """Whether a tree step of ``nodes`` nodes on items of ``qb`` columns is checked and appended in
     the attention launch itself (mirrors the C++ ``kFusedTrees`` and ``launch_fused_tree``'s node
@@ -544,16 +569,8 @@ def choose_variant(
     qb = columns_block(num_heads // num_kv_heads, tree, tiles, head_dim, batch * num_kv_heads, epilogue)
     base = base_blocks(batch, num_heads, num_kv_heads, qb)
     elem = torch.empty((), dtype=kv_dtype).element_size()
-    if tiles:
-        act = torch.empty((), dtype=dtype).element_size()
-        stages, blocks_per_sm, allowed, fill = _tile_plan(
-            head_dim, elem, act, device, sms, qb, seq_len, tree, token_scales=kv_dtype == torch.int8,
-            int4=kv_dtype == INT4_CODES,
-        )  # fmt: skip
-    else:
-        stages, blocks_per_sm = MIN_STAGES, SIMT_BLOCKS_PER_SM
-        allowed = max(1, min(MAX_SPLITS, seq_len // MIN_KEYS_PER_SPLIT_SIMT))
-        fill = sms * blocks_per_sm
+    stages, blocks_per_sm, allowed, fill = _loop_plan(tiles, head_dim, elem, dtype, kv_dtype, device, sms, qb,
+                                                      seq_len, tree)  # fmt: skip
     grains = -(-seq_len // TILE_KEYS)
     wide = tiles and qb == WIDE_COLUMNS and not epilogue
     if tree and tiles:
@@ -568,11 +585,8 @@ def choose_variant(
     fused = tree and fused_tree(nodes, qb, kv_dtype, epilogue)
     if fused and variant == "auto":
         splits = _fused_short_splits(base, sms, splits, grains, elem)
-    if tiles and head_dim <= 128 and base * splits > sms:  # two blocks share an SM
-        block_tiles = base * grains // (sms * blocks_per_sm)
-        stages = _shared_stages(stages, -(-grains // splits), elem, tree, kv_dtype == torch.int8, block_tiles)
-    elif fused and -(-grains // splits) <= TREE_SHORT_ITEM_TILES:
-        stages = min(stages, SHARED_STAGES)
+    shared = tiles and head_dim <= 128 and base * splits > sms  # two blocks share an SM
+    stages = _grid_stages(stages, shared, base, splits, grains, sms, blocks_per_sm, elem, tree, kv_dtype, fused)
     if not tiles and variant != "single_pass":
         splits = max(splits, min(MAX_SPLITS, -(-seq_len // MAX_KEYS_PER_SPLIT_SIMT)))
     if variant == "split":
