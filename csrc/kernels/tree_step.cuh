@@ -241,22 +241,23 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   // Every load that needs nothing else first, together: the row's length and node count, this
   // thread's parent, and (into L1) every line of the k and v rows of the block's nodes and their
   // bias. The check is on the step's critical path (the attention grid waits for its end), so
-  // each dependent global round trip shows in the step: the appends below take the block's nodes
-  // in two rounds (node_pairs' passes of PER x 128 (node, pair)s; int8: a warp a node), and the
-  // second round's rows are in L1 by then.
+  // each dependent global round trip shows in the step: the appends below take a block of 8
+  // nodes in two rounds (node_pairs' passes of PER x 128 (node, pair)s; int8: a warp a node), and
+  // the second round's rows are in L1 by then.
   const int len = p.rows.lengths[b];
   const int n = p.tree.node_counts != nullptr ? p.tree.node_counts[b] : nodes;
   const int parent = tid < nodes ? p.tree.parents[static_cast<int64_t>(b) * nodes + tid] : -1;
+  // This block's nodes: [t0, t0 + per_block) of the tree's (at most kTreeNodesPerBlock).
+  const int per_block = (nodes + gridDim.y - 1) / gridDim.y;
+  const int t0 = blockIdx.y * per_block;
   {
     constexpr int kLines = HEAD_DIM * static_cast<int>(sizeof(T)) / 128 + 1;  // lines a row may span
     constexpr int kStep = 128 / static_cast<int>(sizeof(T));                  // elements a line
-    const int per_block = (nodes + gridDim.y - 1) / gridDim.y;
-    const int first = blockIdx.y * per_block;
-    const int count = min(nodes - first, per_block);
+    const int count = min(nodes - t0, per_block);
     const T* qkv = static_cast<const T*>(p.qkv);
     for (int i = tid; i < count * 2 * kLines; i += kTreePrepareThreads) {  // (node, k or v, line)
       const int half = i / kLines % 2;
-      const T* row = qkv + (static_cast<int64_t>(b) * nodes + first + i / (2 * kLines)) * p.qkv_row_stride;
+      const T* row = qkv + (static_cast<int64_t>(b) * nodes + t0 + i / (2 * kLines)) * p.qkv_row_stride;
       prefetch_l1(row + (p.num_heads + half * p.num_kv_heads + kvh) * HEAD_DIM + min(i % kLines * kStep, HEAD_DIM - 1));
     }
     if (p.qkv_bias != nullptr && tid < 2 * kLines) {
@@ -339,10 +340,8 @@ __global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const
   const T* k_bias = bias ? bias + (p.num_heads + kvh) * HEAD_DIM : nullptr;
   const T* v_bias = bias ? bias + (p.num_heads + p.num_kv_heads + kvh) * HEAD_DIM : nullptr;
   const HeadSlots<C, HEAD_DIM> hs = head_slots<C, HEAD_DIM>(p.cache, p.num_kv_heads, b, kvh);
-  // This block's nodes [t0, t1), a thread per (node, rotation pair): one angle for both dims
-  // (node_pairs; int8 caches: a warp per node, append_node_s8).
-  const int per_block = (nodes + gridDim.y - 1) / gridDim.y;  // at most kTreeNodesPerBlock
-  const int t0 = blockIdx.y * per_block;
+  // This block's nodes [t0, t1) of the row's n, a thread per (node, rotation pair): one angle for
+  // both dims (node_pairs; int8 caches: a warp per node, append_node_s8).
   const int t1 = min(n, t0 + per_block);
   // A k norm: each node's rsqrt(mean(k^2) + eps), a warp per node.
   __shared__ float s_k_inv[kTreeNodesPerBlock];
