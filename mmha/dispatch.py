@@ -557,11 +557,12 @@ def choose_variant(
     nodes, whose ``num_heads`` counts (node, head) columns (``Hq * T``; wide items from
     ``WIDE_MIN_COLUMNS`` columns per kv head, ``columns_block``); ``epilogue``: the step has an
     output epilogue (items of 1, ``EPILOGUE_GROUP_COLUMNS`` or ``EPILOGUE_COLUMNS`` columns);
-    ``nodes``: a tree step's node count where the caller knows it (0: not given), so that a fused
-    tree's short items (``fused_tree``) keep one item per SM (``FUSED_SHORT_SPLIT_TILES``) and two
-    stages.
+    ``nodes``: a tree step's node count where the caller knows it (0: not given; 2 or more is a
+    tree step, as ``tree``), so that a fused tree's short items (``fused_tree``) keep one item per SM
+    (``FUSED_SHORT_SPLIT_TILES``) and two stages.
     """
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    tree = tree or nodes > 1
     _check_shapes(variant, head_dim, dtype, kv_dtype, num_heads, num_kv_heads)
     seq_len = max(1, seq_len)
     sms = max(1, device.num_sms)
@@ -582,7 +583,7 @@ def choose_variant(
     else:
         splits = wave_splits(base, sms * blocks_per_sm, allowed)
     splits = _wide_shared_splits(base, sms, splits, grains, kv_dtype == torch.int8) if wide else splits
-    fused = tree and fused_tree(nodes, qb, kv_dtype, epilogue)
+    fused = fused_tree(nodes, qb, kv_dtype, epilogue)
     if fused and variant == "auto":
         splits = _fused_short_splits(base, sms, splits, grains, elem)
     shared = tiles and head_dim <= 128 and base * splits > sms  # two blocks share an SM

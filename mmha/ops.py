@@ -406,7 +406,7 @@ def decode_tree(
         # An item's columns are (node, head) pairs: plan as for nodes * Hq heads over the same keys.
         plan = plan_for(
             qkv.device, batch, num_heads * nodes, num_kv_heads, head_dim, keys, qkv.dtype, variant,
-            k_cache.dtype, tree=nodes > 1, epilogue=attention.epilogue is not None, nodes=nodes,
+            k_cache.dtype, epilogue=attention.epilogue is not None, nodes=nodes,
         )  # fmt: skip
         num_splits = plan.num_splits if num_splits is None else num_splits
         stages = plan.stages if stages is None else stages

@@ -61,11 +61,11 @@ class StepPlanner:
         if not self.use_kernel:
             return dispatch.choose_variant(
                 batch, heads, self.num_kv_heads, self.head_dim, keys, self.dtype, dispatch.ONE_SM, variant,
-                self.kv_dtype, tree=nodes > 1, epilogue=epilogue, nodes=nodes,
+                self.kv_dtype, epilogue=epilogue, nodes=nodes,
             )  # fmt: skip
         return ops.plan_for(
             self.device, batch, heads, self.num_kv_heads, self.head_dim, keys, self.dtype, variant,
-            self.kv_dtype, tree=nodes > 1, epilogue=epilogue, nodes=nodes,
+            self.kv_dtype, epilogue=epilogue, nodes=nodes,
         )  # fmt: skip
 
     def for_layer(

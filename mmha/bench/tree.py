@@ -173,7 +173,7 @@ def plan_of(row: Row) -> dispatch.Plan:
     kv_dtype = torch.int8 if row.kv == "int8" else None
     return ops.plan_for("cuda", row.batch, row.num_heads * row.nodes, row.num_kv_heads, row.head_dim,
                         row.context + row.nodes, torch.float16, kv_dtype=kv_dtype,
-                        tree=row.nodes > 1, nodes=row.nodes)  # fmt: skip
+                        nodes=row.nodes)  # fmt: skip
 
 
 def parents_of(shape: str, nodes: int, seed: int) -> list[int]:
