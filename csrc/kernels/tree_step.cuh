@@ -39,6 +39,10 @@ constexpr int kTreeNodesPerBlock = 8;
 // kernel at 64 registers, 8 blocks an SM (4: 80 registers, 6 blocks an SM, fewer than B=16 T=64's
 // 1,024 blocks in one wave).
 constexpr int kPrepareNodePairs = 2;
+// Blocks of the check-and-append launch resident on an SM (its launch bounds: at most 64 registers
+// a thread), so B=16 Hkv=8 T=64's 1,024 blocks run in one wave on 132 SMs (the int8 append took 72
+// registers, 7 blocks an SM, two waves).
+constexpr int kTreePrepareBlocksPerSm = 8;
 
 // An int8 cache's node: its k (bias, norm, rotary at angle_pos) and v (bias) quantised per kv
 // head as a one-token step's new token (quantize_new_token_s8): a warp per node, each lane its
@@ -216,7 +220,8 @@ __device__ __forceinline__ void node_pairs(const MmhaParams& p, int b, int kvh, 
 }
 
 template <typename T, typename C, int HEAD_DIM>
-__global__ void __launch_bounds__(kTreePrepareThreads) tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
+__global__ void __launch_bounds__(kTreePrepareThreads, kTreePrepareBlocksPerSm)
+    tree_prepare_kernel(const __grid_constant__ MmhaParams p) {
   static_assert(!kLeanKernels || sizeof(T) == 0, "the check-and-append launch: not in a lean unit (lean_kernels.h)");
   constexpr int VEC = kVec<C>;
   const int b = blockIdx.x / p.num_kv_heads;
