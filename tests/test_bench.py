@@ -248,6 +248,11 @@ def test_tree_targets_name_the_tflops_they_need():
     assert miss.endswith(f"needs {need:.0f})")
     lines = tree.ceiling_lines({"header": head})
     assert f"{need / 2:.0f} TFLOP/s" in lines[1] and lines[-1] == ""
+    # The other way to meet it: >= 0.6x the dense matrix product of the same run.
+    at = r["tflop_per_s"] / tree.TARGET_GEMM_SHARE * 0.999
+    assert tree.misses([r], {**head, "gemm_tflops": at}) == []
+    (miss,) = tree.misses([r], {**head, "gemm_tflops": at * 1.02})
+    assert f"under 0.6x the dense matrix product's {at * 1.02:.0f};" in miss
 
 
 def test_tree_int8_rows_follow_their_16_bit_twins():

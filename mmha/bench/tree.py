@@ -54,7 +54,8 @@ from .runner import print_report
 from .timing import decode_us
 
 PEERS = ("sequential", "sdpa_mask", "flex")
-TARGET_VS_SINGLE = 1.3  # T = 64 at contexts >= 4K
+TARGET_VS_SINGLE = 1.3  # T = 64 at contexts >= 4K: within 1.3x the one-token step,
+TARGET_GEMM_SHARE = 0.6  # or at >= 0.6x the dense fp16 matrix product's TFLOP/s of the same run
 
 
 @dataclass(frozen=True)
@@ -388,8 +389,10 @@ def ceiling_lines(data: dict) -> list[str]:
 
 
 def misses(results: list[dict], header: dict | None = None) -> list[str]:
-    """Rows that miss a target; with the run's header, a 1.3x miss whose TFLOP/s are above the
-    measured dense attention (or matrix product) says so."""
+    """Rows that miss a target. T = 64 at >= 4K misses where it takes over TARGET_VS_SINGLE x the
+    one-token step and, with the run's header, runs under TARGET_GEMM_SHARE x the dense matrix
+    product measured in the same run (either meets the target); the line says where the 1.3x
+    TFLOP/s are above the measured dense attention (or matrix product)."""
     h = header or {}
     out = []
     for r in results:
@@ -401,7 +404,12 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
             out.append(f"{label}: mmha not timed ({r['skipped'].get('mmha', '')})")
             continue
         need = target_tflops(r)
-        if need is not None and r.get("vs_single_token", 0) > TARGET_VS_SINGLE:
+        gemm = h.get("gemm_tflops")
+        share = ""
+        if gemm is not None:
+            share = f", under {TARGET_GEMM_SHARE}x the dense matrix product's {gemm:.0f}"
+        near_gemm = gemm is not None and r.get("tflop_per_s", 0) >= TARGET_GEMM_SHARE * gemm
+        if need is not None and r.get("vs_single_token", 0) > TARGET_VS_SINGLE and not near_gemm:
             beyond = ""
             if need > h.get("gemm_tflops", float("inf")):
                 beyond = ", above the dense matrix product"
@@ -409,7 +417,7 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
                 beyond = ", above the fastest dense attention"
             out.append(
                 f"{label}: {r['vs_single_token']:.2f}x the one-token step > {TARGET_VS_SINGLE} "
-                f"({r['tflop_per_s']:.0f} TFLOP/s; {TARGET_VS_SINGLE}x needs {need:.0f}{beyond})"
+                f"({r['tflop_per_s']:.0f} TFLOP/s{share}; {TARGET_VS_SINGLE}x needs {need:.0f}{beyond})"
             )
         if r.get("ratio", 0) > 1:
             out.append(f"{label}: {r['ratio']:.3f}x {r['best_peer_decode']}")
