@@ -14,8 +14,9 @@ mask over cache + nodes), ``flex_decode_us`` (``flex_attention`` compiled, the t
 mask). Every method but the sequential one is checked against ``mmha.reference.decode_tree`` first.
 The header measures what compute-bound attention meets on this GPU in the same run: a dense fp16
 matrix product (``floor.read_gemm_tflops``) and dense attention through SDPA's fastest backend
-(``floor.read_attention_tflops``); a T = 64 row's miss of its 1.3x target names the TFLOP/s it
-would need against them. ``--int8``: each Llama-shaped row again over an int8 cache (codes with a
+(``floor.read_attention_tflops``); a T = 64 row at >= 4K meets its target at <= 1.3x the
+one-token step or at >= 0.6x that matrix product, and a miss names the TFLOP/s 1.3x would need
+against them. ``--int8``: each Llama-shaped row again over an int8 cache (codes with a
 scale per token and kv head, ``kv`` = "int8"; its bytes count codes and scales); the peers attend
 over the dequantised K/V in fp16, as a user without an int8 kernel would. ``--bias``: each
 Llama-shaped row again with a qkv bias (``features`` = "bias", as Qwen2's layers have one), given
