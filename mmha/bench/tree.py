@@ -395,6 +395,8 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
     product measured in the same run (either meets the target); the line says where the 1.3x
     TFLOP/s are above the measured dense attention (or matrix product)."""
     h = header or {}
+    gemm = h.get("gemm_tflops")
+    share = f", under {TARGET_GEMM_SHARE}x the dense matrix product's {gemm:.0f}" if gemm is not None else ""
     out = []
     for r in results:
         kv = f" kv={r['kv']}" if r.get("kv") else ""
@@ -405,14 +407,10 @@ def misses(results: list[dict], header: dict | None = None) -> list[str]:
             out.append(f"{label}: mmha not timed ({r['skipped'].get('mmha', '')})")
             continue
         need = target_tflops(r)
-        gemm = h.get("gemm_tflops")
-        share = ""
-        if gemm is not None:
-            share = f", under {TARGET_GEMM_SHARE}x the dense matrix product's {gemm:.0f}"
         near_gemm = gemm is not None and r.get("tflop_per_s", 0) >= TARGET_GEMM_SHARE * gemm
         if need is not None and r.get("vs_single_token", 0) > TARGET_VS_SINGLE and not near_gemm:
             beyond = ""
-            if need > h.get("gemm_tflops", float("inf")):
+            if gemm is not None and need > gemm:
                 beyond = ", above the dense matrix product"
             elif need > h.get("attention_tflops", float("inf")):
                 beyond = ", above the fastest dense attention"
