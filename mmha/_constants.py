@@ -37,6 +37,11 @@ WIDE_ALWAYS_COLUMNS = 128
 WIDE_MIN_ITEMS = 64
 # static shared memory of the two item slots' items, scales and barriers
 ITEM_SLOTS_BYTES = 256
+# floats after each row of a narrow item's q in shared memory (rows stay 16-byte aligned): rows of a multiple
+# of 32 floats put one dim of every column in one bank, where the consumers read 8 columns' dims at once; 8
+# would clear the 16-bit caches' reads fully but leaves a fused tree of 16 nodes at head dim 128 over fp16
+# (three stages, two blocks an SM) 112 bytes short
+Q_ROW_PAD = 4
 # items of at most this many values (query heads x head dim) combine their consumer warps' accumulators
 # through a buffer per warp (one barrier) rather than warp by warp
 WARP_BUFFER_VALUES = 512
@@ -142,7 +147,7 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     wide = wide_staging + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
     warp_buffers = CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0
     epilogue_channels = 3 * head_dim * 4 if qb == 1 else 0
-    narrow = qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256
+    narrow = qb * (head_dim + Q_ROW_PAD) * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256
     return wide if qb == WIDE_COLUMNS else narrow
 
 

@@ -107,7 +107,7 @@ struct Int4Consumer {
   }
 
   template <class ColumnOf>
-  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
+  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM + kQRowPad], int nh, float scale_log2, int lane,
                                        const MmhaParams& p, ColumnOf column, bool, int, const uint64_t* = nullptr) {
     const int g = lane / 4;
     const int tq = lane % 4;
@@ -124,9 +124,10 @@ struct Int4Consumer {
     for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int d = q_dim(j, tq, h);
-        qv[j][h][0] = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
-        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
+        const int d = q_dim(j, tq, h);  // even: (d, d + 1) one 8-byte load (rows padded: kQRowPad)
+        const float2 q2 = *reinterpret_cast<const float2*>(&s_q[g < QB ? g : 0][d]);
+        qv[j][h][0] = g < nh ? q2.x * scale_log2 : 0.f;
+        qv[j][h][1] = g < nh ? q2.y * scale_log2 : 0.f;
         qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
       }
     }

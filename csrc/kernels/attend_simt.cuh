@@ -59,7 +59,7 @@ struct SimtAttend {
   // [kSimtWarps * ACC_ROWS][QB][HEAD_DIM], after a block barrier.
   __device__ __forceinline__ static const float* run(const AttendArgs<T, HEAD_DIM>& a, const ScoreTransform<QB>& mods,
                                                      const TreeMask<QB>& tree, float (*s_m)[QB], float (*s_l)[QB],
-                                                     const float (&s_q)[QB][HEAD_DIM],
+                                                     const float (&s_q)[QB][HEAD_DIM + kQRowPad],
                                                      const T (&s_new_k)[HEAD_DIM], const T (&s_new_v)[HEAD_DIM]) {
     constexpr int VEC = kVec<T>;
     const int warp = threadIdx.x / 32;

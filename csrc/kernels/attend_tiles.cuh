@@ -137,7 +137,7 @@ struct TileConsumer {
   // masks the slots from tree_base on by each column's root path (a fused tree's from slot_anc,
   // by node; else the workspace's).
   template <class ColumnOf>
-  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM], int nh, float scale_log2, int lane,
+  __device__ __forceinline__ void init(const float (&s_q)[QB][HEAD_DIM + kQRowPad], int nh, float scale_log2, int lane,
                                        const MmhaParams& p, ColumnOf column, bool tree_on, int tree_base,
                                        const uint64_t* slot_anc = nullptr) {
     const int g = lane / 4;
@@ -159,9 +159,10 @@ struct TileConsumer {
     for (int j = 0; j < KSTEPS; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int d = Ops::q_dim(j, tq, h);
-        qv[j][h][0] = g < nh ? s_q[g < QB ? g : 0][d] * scale_log2 : 0.f;
-        qv[j][h][1] = g < nh ? s_q[g < QB ? g : 0][d + 1] * scale_log2 : 0.f;
+        const int d = Ops::q_dim(j, tq, h);  // even: (d, d + 1) one 8-byte load (rows padded: kQRowPad)
+        const float2 q2 = *reinterpret_cast<const float2*>(&s_q[g < QB ? g : 0][d]);
+        qv[j][h][0] = g < nh ? q2.x * scale_log2 : 0.f;
+        qv[j][h][1] = g < nh ? q2.y * scale_log2 : 0.f;
         qmax = fmaxf(qmax, fmaxf(fabsf(qv[j][h][0]), fabsf(qv[j][h][1])));
       }
     }

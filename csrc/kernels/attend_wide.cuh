@@ -127,6 +127,17 @@ struct WideConsumer {
   template <typename T>
   static constexpr bool kRawStaged = sizeof(T) == 2 && (kWidened || (!kBytes && std::is_same_v<M, T>));
 
+  // The (row, 16-byte chunk) of a warp's 16 q rows that index idx (0 .. 16 x HEAD_DIM / 8 - 1)
+  // takes: each 8 consecutive indices are one chunk of 8 rows, so the 8 lanes of a shared-memory
+  // phase reach 8 different bank groups in both of q_at's layouts (in kWg's, a row's chunks lie
+  // 1,024 bytes apart, all in one bank group), and 32 lanes cover two adjacent chunks (32 bytes)
+  // of each of the 16 rows.
+  __device__ __forceinline__ static void row_chunk(int idx, int& row, int& chunk) {
+    const int rest = idx / 8;
+    row = idx % 8 + 8 * (rest % 2);
+    chunk = rest / 2;
+  }
+
   // The raw rows of the warp's columns [first, last) into its staging area: 16-byte async copies
   // where qkv's rows allow them (no registers held; the consumers issue no other cp.async), else
   // elements.
@@ -145,10 +156,10 @@ struct WideConsumer {
     if (reinterpret_cast<uintptr_t>(qkv) % 16 == 0 && p.qkv_row_stride % 8 == 0) {
 #pragma unroll
       for (int k = 0; k < PER; ++k) {
-        const int idx = lane + 32 * k;
-        const int r = idx / CHUNKS;
+        int r, c;
+        row_chunk(lane + 32 * k, r, c);
         const bool on = first + r < last;
-        cp_async16(s_t + q_at(warp, r, 8 * (idx % CHUNKS)), on ? row_of(r) + 8 * (idx % CHUNKS) : qkv, on);
+        cp_async16(s_t + q_at(warp, r, 8 * c), on ? row_of(r) + 8 * c : qkv, on);
       }
       cp_async_wait_all();
     } else {
@@ -175,8 +186,12 @@ struct WideConsumer {
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks of a row, as stage_raw_rows copies them
     const T* s_t = reinterpret_cast<const T*>(s_q);
     float mx = 0.f;
-    for (int idx = lane; idx < rows * CHUNKS; idx += 32) {
-      const uint4 v = *reinterpret_cast<const uint4*>(s_t + q_at(warp, idx / CHUNKS, 8 * (idx % CHUNKS)));
+#pragma unroll 2
+    for (int idx = lane; idx < 16 * CHUNKS; idx += 32) {
+      int r, c;
+      row_chunk(idx, r, c);
+      if (r >= rows) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(s_t + q_at(warp, r, 8 * c));
       const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(to_float(e[k])));
@@ -218,6 +233,12 @@ struct WideConsumer {
     }
   }
 
+  // The rotation passes' k-th of a node's four columns for this lane (0-3): each 8 lanes their own
+  // turn of the four, so that a pair's lanes, which read and write one 8-dim chunk of a row each,
+  // reach four rows at once (in kWg's q layout a row's chunks lie 1,024 bytes apart, all in one
+  // bank group: the same row for all 32 lanes was a four-way conflict on every access).
+  __device__ __forceinline__ static int turned(int k, int lane) { return (k + lane / 8) % 4; }
+
   // The pass of init over raw-staged rows (kRawStaged) with neither bias nor q norm, the usual
   // case: per node one angle, then the node's columns four at a time, the four's loads issued
   // before any of their stores. The general pass, with every feature's test in each column and
@@ -241,19 +262,20 @@ struct WideConsumer {
         float a[4], b[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
-          const int r = min(c + k, c_hi - 1) - first;
+          const int r = min(c + turned(k, lane), c_hi - 1) - first;
           a[k] = to_float(s_t[q_at(warp, r, rp.d0)]);
           b[k] = to_float(s_t[q_at(warp, r, rp.d1)]);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          if (c + k < c_hi) {
+          const int col = c + turned(k, lane);
+          if (col < c_hi) {
             float x0 = a[k], x1 = b[k];
             if (rp.rotated) {  // rotate_prepared's roundings, its factor applied above
               x0 = __fmaf_rn(a[k], cs, __fmul_rn(-b[k], sn));
               x1 = __fmaf_rn(b[k], cs, __fmul_rn(a[k], sn));
             }
-            store_or_measure(s_q, q_at(warp, c + k - first, rp.d0), q_at(warp, c + k - first, rp.d1),
+            store_or_measure(s_q, q_at(warp, col - first, rp.d0), q_at(warp, col - first, rp.d1),
                              x0 * scale_log2, x1 * scale_log2, q_unit, measure, qmax);
           }
         }
@@ -304,7 +326,7 @@ struct WideConsumer {
         float a[4], b[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {  // past c_hi: the last column again, read and not stored
-          const int r = min(c + k, c_hi - 1);
+          const int r = min(c + turned(k, lane), c_hi - 1);
           a[k] = to_float(s_t[q_at(warp, r - first, rp.d0)]);
           b[k] = to_float(s_t[q_at(warp, r - first, rp.d1)]);
           if (node_bias != nullptr) {  // as biased() adds it
@@ -314,12 +336,13 @@ struct WideConsumer {
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          if (c + k < c_hi) {
+          const int col = c + turned(k, lane);
+          if (col < c_hi) {
             const HeadNorm hn =
-                qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[c + k - first], qn.cast_first} : HeadNorm{};
+                qn.q_weight != nullptr ? HeadNorm{qn.q_weight, inv[col - first], qn.cast_first} : HeadNorm{};
             float x0, x1;
             rotate_values<T>(a[k], b[k], rp, sn, cs, x0, x1, hn);
-            store_or_measure(s_q, q_at(warp, c + k - first, rp.d0), q_at(warp, c + k - first, rp.d1),
+            store_or_measure(s_q, q_at(warp, col - first, rp.d0), q_at(warp, col - first, rp.d1),
                              x0 * scale_log2, x1 * scale_log2, q_unit, measure, qmax);
           }
         }
@@ -457,16 +480,21 @@ struct WideConsumer {
     }
     if constexpr (kWg) fence_proxy_async_smem();  // read by the copy engine's proxy (wgmma)
     __syncwarp();
-    if constexpr (kInt8) {  // the quad's lanes sum a quarter of each row's dims each
-      const int g = lane / 4, tq = lane % 4;
+    if constexpr (kInt8) {
+      // Each row's sum by two lanes (row lane % 16, half lane / 16 of its 16-byte chunks: a phase's 8
+      // lanes read one chunk of 8 rows, 8 bank groups), then to the lanes that hold the row's scores.
+      constexpr int HALF = HEAD_DIM / 16;  // chunks of 8 values a lane
+      float sum = 0.f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float sum = 0.f;
-        for (int col = tq; col < HEAD_DIM; col += 4) sum += to_float(s_q[q_at(warp, g + 8 * h, col)]);
-        sum += __shfl_xor_sync(kFullMask, sum, 1);
-        sum += __shfl_xor_sync(kFullMask, sum, 2);
-        k_bias[h] = kInt8Bias * sum;
+      for (int i = 0; i < HALF; ++i) {
+        const uint4 v = *reinterpret_cast<const uint4*>(s_q + q_at(warp, lane % 16, 8 * (lane / 16 * HALF + i)));
+        const M* e = reinterpret_cast<const M*>(&v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += to_float(e[k]);
       }
+      sum += __shfl_xor_sync(kFullMask, sum, 16);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) k_bias[h] = kInt8Bias * __shfl_sync(kFullMask, sum, lane / 4 + 8 * h);
     }
     clear_acc();
     clear_held();

@@ -42,6 +42,11 @@ constexpr int kWideAlwaysColumns = 128;
 constexpr int kWideMinItems = 64;
 // static shared memory of the two item slots' items, scales and barriers
 constexpr int kItemSlotsBytes = 256;
+// floats after each row of a narrow item's q in shared memory (rows stay 16-byte aligned): rows of a
+// multiple of 32 floats put one dim of every column in one bank, where the consumers read 8 columns' dims at
+// once; 8 would clear the 16-bit caches' reads fully but leaves a fused tree of 16 nodes at head dim 128
+// over fp16 (three stages, two blocks an SM) 112 bytes short
+constexpr int kQRowPad = 4;
 // items of at most this many values (query heads x head dim) combine their consumer warps' accumulators
 // through a buffer per warp (one barrier) rather than warp by warp
 constexpr int kWarpBufferValues = 512;
@@ -140,7 +145,7 @@ constexpr int tile_static_smem(int head_dim, int elem_bytes, int qb) {
   const int wide = ((((((wide_staging + ((kConsumerWarps * 16) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + 256);
   const int warp_buffers = (((qb * head_dim) <= kWarpBufferValues) ? (((kConsumerWarps * qb) * head_dim) * 4) : 0);
   const int epilogue_channels = ((qb == 1) ? ((3 * head_dim) * 4) : 0);
-  const int narrow = ((((((((((((((qb * head_dim) * 4) + ((2 * head_dim) * elem_bytes)) + (((2 * (qb + 2)) * head_dim) * elem_bytes)) + ((qb * 64) * 4)) + (((2 * kConsumerWarps) * qb) * 4)) + ((qb + 1) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + warp_buffers) + epilogue_channels) + 256);
+  const int narrow = ((((((((((((((qb * (head_dim + kQRowPad)) * 4) + ((2 * head_dim) * elem_bytes)) + (((2 * (qb + 2)) * head_dim) * elem_bytes)) + ((qb * 64) * 4)) + (((2 * kConsumerWarps) * qb) * 4)) + ((qb + 1) * 4)) + ((3 * 8) * 8)) + 16) + (8 * 64)) + kItemSlotsBytes) + warp_buffers) + epilogue_channels) + 256);
   return ((qb == kWideColumns) ? wide : narrow);
 }
 // an int8 cache's wide items at head dims 64 and 128: one tile's K and V widened to fp16 after the stages,

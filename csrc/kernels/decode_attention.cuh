@@ -80,7 +80,7 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
   // (PendingMerges, split_merge.cuh), with the merge weights in s_q (free once an item is stored)
   // and the list in s_w's place.
   constexpr bool kDeferMerges = kLeanKernels && QB > 1 && HEAD_DIM >= kMaxSplits;
-  __shared__ __align__(16) float s_q[QB][HEAD_DIM];  // q of the item; then a twin's combine buffer
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM + kQRowPad];  // q of the item; then a twin's combine buffer
   __shared__ __align__(16) float s_acc[kWarpBuffers ? kConsumerWarps : 1][kWarpBuffers ? QB : 1]
                                       [kWarpBuffers ? HEAD_DIM : 1];
   __shared__ __align__(16) C s_new_k[HEAD_DIM];
@@ -636,7 +636,7 @@ __device__ __forceinline__ void run_simt_item(const MmhaParams& p) {
   if (w.idle) poison_row<T, HEAD_DIM, EPI>(p, w, 0, tid, nthreads, true);
   if (!w.busy()) return;
 
-  __shared__ __align__(16) float s_q[QB][HEAD_DIM];
+  __shared__ __align__(16) float s_q[QB][HEAD_DIM + kQRowPad];
   __shared__ __align__(16) T s_new_k[HEAD_DIM];
   __shared__ __align__(16) T s_new_v[HEAD_DIM];
   __shared__ float s_m[kSimtWarps][QB];

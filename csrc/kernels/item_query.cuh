@@ -92,7 +92,7 @@ constexpr bool kStagedToken = kLeanKernels && std::is_same_v<C, s8>;
 // nh), so the consumers may run it for the block's first item before its header.
 template <typename T, int HEAD_DIM, int QB>
 __device__ __forceinline__ void fused_query_biased(const MmhaParams& p, const WorkItem& w,
-                                                   float (&s_q)[QB][HEAD_DIM], int tid, int nthreads) {
+                                                   float (&s_q)[QB][HEAD_DIM + kQRowPad], int tid, int nthreads) {
   const T* bias = static_cast<const T*>(p.qkv_bias);
   constexpr int RUNS = QB * HEAD_DIM / kPrefetchQ;  // runs of kPrefetchQ elements of one column
   static_assert(HEAD_DIM % kPrefetchQ == 0, "a run within one column");
@@ -153,7 +153,7 @@ __device__ __forceinline__ void prefetch_tree_node_rows(const MmhaParams& p, con
 template <typename T, typename C, int HEAD_DIM, int QB, bool FUSED = false, typename Sync>
 __device__ __forceinline__ void load_query_and_new_token(const MmhaParams& p, const WorkItem& w, const T* q_rows,
                                                          const TokenRows<T>& rows, float k_scale, float v_scale,
-                                                         float (&s_q)[QB][HEAD_DIM],
+                                                         float (&s_q)[QB][HEAD_DIM + kQRowPad],
                                                          C (&s_new_k)[HEAD_DIM], C (&s_new_v)[HEAD_DIM],
                                                          float* s_new_scales, int tid, int nthreads, Sync sync,
                                                          TreeNodes<C, HEAD_DIM>* tn = nullptr, int slot = 0,

@@ -51,6 +51,14 @@ CONSTANTS = [
     ("WIDE_MIN_ITEMS", 64, "see WIDE_ALWAYS_COLUMNS"),
     ("ITEM_SLOTS_BYTES", 256, "static shared memory of the two item slots' items, scales and barriers"),
     (
+        "Q_ROW_PAD",
+        4,
+        "floats after each row of a narrow item's q in shared memory (rows stay 16-byte aligned): rows of a "
+        "multiple of 32 floats put one dim of every column in one bank, where the consumers read 8 columns' "
+        "dims at once; 8 would clear the 16-bit caches' reads fully but leaves a fused tree of 16 nodes at "
+        "head dim 128 over fp16 (three stages, two blocks an SM) 112 bytes short",
+    ),
+    (
         "WARP_BUFFER_VALUES",
         512,
         "items of at most this many values (query heads x head dim) combine their consumer warps' "
@@ -179,7 +187,7 @@ FUNCTIONS = [
             ("epilogue_channels", "3 * head_dim * 4 if qb == 1 else 0"),
             (
                 "narrow",
-                "qb * head_dim * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes"
+                "qb * (head_dim + Q_ROW_PAD) * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes"
                 " + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64"
                 " + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256",
             ),

@@ -99,7 +99,7 @@ __device__ __forceinline__ void stash_warp(const float (&m)[2], float (&l)[2], c
 }
 
 // Warp by warp (named barrier 1): their (max, sum) to s_m / s_l, then sum_w acc_w * 2^(m_w - M)
-// into buf ([QB][HEAD_DIM] fp32: the q staging area, free once every warp holds its q
+// into buf ([QB][HEAD_DIM + kQRowPad] fp32: the q staging area, free once every warp holds its q
 // fragments), warp after warp in a fixed order so results are bit-identical run to run. The sum
 // of the block is sum_w s_l[w] * 2^(s_m[w] - M).
 template <int QB, int HEAD_DIM, int KSTEPS, class OutDim>
@@ -134,7 +134,7 @@ __device__ __forceinline__ void combine_warps(const float (&m)[2], float (&l)[2]
       for (int h = 0; h < 2; ++h) {
         const int head = 2 * tq + h;
         if (head < QB) {
-          float* dst = buf + head * HEAD_DIM;
+          float* dst = buf + head * (HEAD_DIM + kQRowPad);
 #pragma unroll
           for (int i = 0; i < KSTEPS; ++i) {
             float& d0 = dst[out_dim(i, g, 0)];
