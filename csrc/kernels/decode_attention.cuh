@@ -333,7 +333,14 @@ __device__ __forceinline__ void run_tile_items(const MmhaParams& p) {
             return warps_acc<kConsumerWarps, QB, HEAD_DIM>(s_m, acc_w, g, d);
           }
         };
-        store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre);
+        const auto acc4 = [&](int g, int d) {  // the warp buffers' four values in one read each
+          if constexpr (kFold && (kWarpBuffers || kHeldStage)) {
+            return folded_acc4<kConsumerWarps, QB, HEAD_DIM>(s_f, acc_w, g, d);
+          } else {
+            return make_float4(acc(g, d), acc(g, d + 1), acc(g, d + 2), acc(g, d + 3));
+          }
+        };
+        store_item<T, HEAD_DIM, EPI, kStore4, PRE_N>(p, w, m, l, acc, value_scale, tid, CONSUMERS, &s_pre, acc4);
         release();
         if (tid == 0) timeline_item(p, item_seq, kTlOutStored);
         if constexpr (kInt4<C>) {

@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "attend_common.cuh"
 #include "decode_traits.cuh"
@@ -122,11 +124,25 @@ struct ItemChannels {
   }
 };
 
-// PRE_N > 0 (one-column items through the epilogue): pre holds each value's channel values.
-template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc>
+// Head g's values at dims d to d + 3 (d % 4 == 0): acc4's one read where the caller gives it, else
+// acc's four.
+template <class Acc, class Acc4>
+__device__ __forceinline__ float4 four_values(Acc acc, Acc4 acc4, int g, int d) {
+  if constexpr (std::is_same_v<Acc4, std::nullptr_t>) {
+    return make_float4(acc(g, d), acc(g, d + 1), acc(g, d + 2), acc(g, d + 3));
+  } else {
+    return acc4(g, d);
+  }
+}
+
+// PRE_N > 0 (one-column items through the epilogue): pre holds each value's channel values. acc4
+// (optional) gives acc's values four at a time where four values go to one store.
+template <typename T, int HEAD_DIM, bool EPI, bool VEC = false, int PRE_N = 0, class Max, class Sum, class Acc,
+          class Acc4 = std::nullptr_t>
 __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& w, Max m, Sum l, Acc acc,
                                            float value_scale, int tid, int nthreads,
-                                           const ItemChannels<PRE_N, HEAD_DIM>* pre = nullptr) {
+                                           const ItemChannels<PRE_N, HEAD_DIM>* pre = nullptr,
+                                           Acc4 acc4 = nullptr) {
   if constexpr (PRE_N > 0) {
     const bool ml = p.sched.num_splits == 1;
     cp_async_wait_all();
@@ -155,8 +171,7 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
         continue;
       }
       const int64_t slot = h * p.sched.num_splits + w.split;
-      *reinterpret_cast<float4*>(part.acc + slot * HEAD_DIM + d) =
-          make_float4(acc(g, d), acc(g, d + 1), acc(g, d + 2), acc(g, d + 3));
+      *reinterpret_cast<float4*>(part.acc + slot * HEAD_DIM + d) = four_values(acc, acc4, g, d);
       if (d == 0) part.ml[slot] = make_float2(m(g), l(g));
     }
     return;
@@ -171,8 +186,9 @@ __device__ __forceinline__ void store_item(const MmhaParams& p, const WorkItem& 
       if (col.node < w.nodes) {
         float mx = m(g), sum = l(g);
         const float f = with_sink(p, col.head, mx, sum);  // as store_value computes each value
-        x = make_float4(acc(g, d) * f / sum * value_scale, acc(g, d + 1) * f / sum * value_scale,
-                        acc(g, d + 2) * f / sum * value_scale, acc(g, d + 3) * f / sum * value_scale);
+        const float4 a = four_values(acc, acc4, g, d);
+        x = make_float4(a.x * f / sum * value_scale, a.y * f / sum * value_scale, a.z * f / sum * value_scale,
+                        a.w * f / sum * value_scale);
         if (d == 0) p.output.lse[h] = (mx + log2f(sum)) * kLn2;
       } else if (d == 0) {
         p.output.lse[h] = -INFINITY;
@@ -261,6 +277,26 @@ __device__ __forceinline__ float folded_acc(const float (*s_f)[QB], const float 
 #pragma unroll
   for (int wp = 0; wp < WARPS; ++wp) {
     a = wp == 0 ? acc_w[wp][g][d] * s_f[wp][g] : __fmaf_rn(acc_w[wp][g][d], s_f[wp][g], a);
+  }
+  return a;
+}
+
+// folded_acc at dims d to d + 3 (d % 4 == 0), one 16-byte read a warp's buffer: a warp's lanes on
+// consecutive fours read 512 contiguous bytes (four wavefronts) where four 4-byte reads at a
+// 16-byte stride took four each. The same operations in the same order.
+template <int WARPS, int QB, int HEAD_DIM>
+__device__ __forceinline__ float4 folded_acc4(const float (*s_f)[QB], const float (*acc_w)[QB][HEAD_DIM], int g,
+                                              int d) {
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int wp = 0; wp < WARPS; ++wp) {
+    const float4 v = *reinterpret_cast<const float4*>(&acc_w[wp][g][d]);
+    const float f = s_f[wp][g];
+    if (wp == 0) {
+      a = make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+    } else {
+      a = make_float4(__fmaf_rn(v.x, f, a.x), __fmaf_rn(v.y, f, a.y), __fmaf_rn(v.z, f, a.z), __fmaf_rn(v.w, f, a.w));
+    }
   }
   return a;
 }
