@@ -432,9 +432,7 @@ def main() -> None:
             "## The whole decode step", "",
             "`python -m mmha.bench.step` (its module docstring says how): every layer and the lm_head"
             " of the demo model, mmha against the SDPA path (static caches, a length mask), eager and"
-            " in one CUDA graph per step. This run's caches held 2 * (steps + warm-ups) + 2 slots past"
-            " the context: a capacity that is not a multiple of 32, so the tile loop fell back to its"
-            " cp.async source there (KVCache now rounds its GPU capacity up to 64 slots; not re-run).",
+            " in one CUDA graph per step (the run's data beside the table, in `step_bench_<gpu>.json`).",
             "", text, "",
         ]  # fmt: skip
     if args.sweep:
