@@ -142,9 +142,10 @@ def tile_static_smem(head_dim: int, elem_bytes: int, qb: int) -> int:
     # the new token's k and v, two staging slots of raw q, k and v, merge weights (MAX_SPLITS), per-warp max
     # and sum, the q/k norms' scales, ring and staging barriers, tile headers, the item slots, warp buffers,
     # a one-column item's epilogue channels (shift, smooth, scale), alignment. Wide items: q staging, the q
-    # norm's scales, barriers, headers, the item slots
+    # norm's scales, barriers, headers, the item slots, alignment (compiled at head dim 128, sm_90a: 18,944
+    # bytes, the paired kernel 18,960; 256 bytes of alignment here left it 48-64 short)
     wide_staging = CONSUMER_WARPS * 16 * (head_dim + 8) * 2
-    wide = wide_staging + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 256
+    wide = wide_staging + CONSUMER_WARPS * 16 * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + 320
     warp_buffers = CONSUMER_WARPS * qb * head_dim * 4 if qb * head_dim <= WARP_BUFFER_VALUES else 0
     epilogue_channels = 3 * head_dim * 4 if qb == 1 else 0
     narrow = qb * (head_dim + Q_ROW_PAD) * 4 + 2 * head_dim * elem_bytes + 2 * (qb + 2) * head_dim * elem_bytes + qb * 64 * 4 + 2 * CONSUMER_WARPS * qb * 4 + (qb + 1) * 4 + 3 * 8 * 8 + 16 + 8 * 64 + ITEM_SLOTS_BYTES + warp_buffers + epilogue_channels + 256
